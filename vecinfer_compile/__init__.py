@@ -1,0 +1,14 @@
+"""vecinfer_compile: a low-bit vector-quantized KV cache (VecInfer) for any Hugging Face model.
+
+Public API (everything else is internal):
+
+- :func:`calibrate`, :func:`load_codebooks`, :class:`VecInferCodebooks` — fit and store codebooks.
+- :func:`enable_simulation` — eager quantize->dequantize attention (``attn_implementation="vecinfer"``).
+"""
+
+__version__ = "0.1.0"
+
+from .codebooks import VecInferCodebooks, load_codebooks  # noqa: E402
+from .presets import PRESETS, get_preset  # noqa: E402
+
+__all__ = ["PRESETS", "VecInferCodebooks", "__version__", "get_preset", "load_codebooks"]

@@ -1,0 +1,211 @@
+"""The calibration artifact: per-layer key transform and key/value codebooks, with metadata.
+
+File format: one safetensors file. Tensors ``key_centroids [L, E_k, d_k]``,
+``value_centroids [L, E_v, d_v]`` (float32) and, when the method smooths, ``lam [L, H_kv, D]``.
+The safetensors metadata key ``"vecinfer"`` holds a JSON object: method, bits, the presets, the
+model fingerprint (geometry + a hash of it), calibration text hash and token count, and the
+package version. Loading checks the format; :meth:`VecInferCodebooks.check_model` checks that the
+file fits a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .methods import VQ_METHODS
+from .presets import Preset, get_preset
+from .quant.transform import KeyTransform
+
+FORMAT = "vecinfer-codebooks/1"
+
+
+def model_geometry(config) -> dict:
+    """The attention geometry of a Hugging Face config (text config for multimodal models)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return {
+        "model_type": getattr(cfg, "model_type", "unknown"),
+        "num_layers": cfg.num_hidden_layers,
+        "num_query_heads": heads,
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": getattr(cfg, "vocab_size", None),
+    }
+
+
+def geometry_fingerprint(geometry: dict) -> str:
+    blob = json.dumps(geometry, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass
+class LayerCodebooks:
+    """One layer's quantizer. key_centroids: ``[E_k, d_k]``; value_centroids: ``[E_v, d_v]``
+    (float32); transform: smoothing factors ``[H_kv, D]`` and/or rotation."""
+
+    transform: KeyTransform
+    key_centroids: torch.Tensor
+    value_centroids: torch.Tensor
+
+
+@dataclass
+class VecInferCodebooks:
+    """Codebooks and transforms for every layer of one model at one bit-width."""
+
+    method: str
+    bits: float
+    layers: list[LayerCodebooks]
+    geometry: dict
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def preset(self) -> Preset:
+        return get_preset(self.bits)
+
+    @property
+    def head_dim(self) -> int:
+        return self.geometry["head_dim"]
+
+    def layer(self, index: int) -> LayerCodebooks:
+        if not 0 <= index < len(self.layers):
+            raise IndexError(f"codebooks cover {len(self.layers)} layers, asked for layer {index}")
+        return self.layers[index]
+
+    def nbytes(self) -> int:
+        """Bytes of the codebooks and smoothing factors themselves (fp16 on device)."""
+        total = 0
+        for layer in self.layers:
+            total += 2 * (layer.key_centroids.numel() + layer.value_centroids.numel())
+            if layer.transform.lam is not None:
+                total += 2 * layer.transform.lam.numel()
+        return total
+
+    def to(self, device) -> "VecInferCodebooks":
+        layers = [
+            LayerCodebooks(
+                KeyTransform(
+                    l.transform.head_dim,
+                    None if l.transform.lam is None else l.transform.lam.to(device),
+                    l.transform.rotate,
+                ),
+                l.key_centroids.to(device),
+                l.value_centroids.to(device),
+            )
+            for l in self.layers
+        ]
+        return VecInferCodebooks(self.method, self.bits, layers, self.geometry, self.metadata)
+
+    # -- checks -----------------------------------------------------------------------------
+    def check_model(self, config, *, bits: float | None = None, method: str | None = None) -> None:
+        """Raise a ValueError naming the fix if these codebooks do not fit ``config`` (a HF
+        config), or were made for another bit-width or method than asked for."""
+        mine, theirs = self.geometry, model_geometry(config)
+        diffs = [
+            f"{k}: codebooks {mine.get(k)} vs model {theirs[k]}"
+            for k in ("num_layers", "num_kv_heads", "head_dim")
+            if mine.get(k) != theirs[k]
+        ]
+        if diffs:
+            raise ValueError(
+                "these codebooks were calibrated for another model ("
+                + "; ".join(diffs)
+                + "): run `vecinfer calibrate` on this model"
+            )
+        if bits is not None and float(bits) != float(self.bits):
+            raise ValueError(
+                f"these codebooks are for {self.bits:g} bits, not {bits:g}: calibrate at "
+                f"{bits:g} bits or pass --bits {self.bits:g}"
+            )
+        if method is not None and method != self.method:
+            raise ValueError(
+                f"these codebooks are for method {self.method!r}, not {method!r}: calibrate with "
+                f"--method {method}"
+            )
+
+    # -- file format ------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the safetensors artifact; returns the path."""
+        from . import __version__
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "key_centroids": torch.stack([l.key_centroids.float().cpu() for l in self.layers]),
+            "value_centroids": torch.stack([l.value_centroids.float().cpu() for l in self.layers]),
+        }
+        if self.layers[0].transform.lam is not None:
+            tensors["lam"] = torch.stack([l.transform.lam.float().cpu() for l in self.layers])
+        preset = self.preset
+        meta = {
+            **self.metadata,
+            "format": FORMAT,
+            "method": self.method,
+            "bits": self.bits,
+            "key_preset": [preset.key.entries, preset.key.dims],
+            "value_preset": [preset.value.entries, preset.value.dims],
+            "rotate": self.layers[0].transform.rotate,
+            "geometry": self.geometry,
+            "fingerprint": geometry_fingerprint(self.geometry),
+            "package_version": __version__,
+        }
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+                  metadata={"vecinfer": json.dumps(meta, sort_keys=True)})
+        return path
+
+
+def load_codebooks(path: str | Path) -> VecInferCodebooks:
+    """Read an artifact written by :meth:`VecInferCodebooks.save` (clear errors for a missing
+    file or a file that is not a vecinfer artifact)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"codebook file {path} does not exist: create it with `vecinfer calibrate ... --out {path}`"
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("vecinfer")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types
+        raise ValueError(f"{path} is not a safetensors file: {exc}") from exc
+    if raw is None:
+        raise ValueError(f"{path} has no vecinfer metadata: it was not written by vecinfer calibrate")
+    meta = json.loads(raw)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} has format {meta.get('format')!r}; this version reads {FORMAT}")
+    geometry = meta["geometry"]
+    if meta["fingerprint"] != geometry_fingerprint(geometry):
+        raise ValueError(f"{path}: metadata fingerprint does not match its geometry (corrupt file)")
+    method, bits = meta["method"], float(meta["bits"])
+    spec = VQ_METHODS[method]
+    preset = get_preset(bits)
+    key_c, value_c = tensors["key_centroids"], tensors["value_centroids"]
+    expect_k = (geometry["num_layers"], preset.key.entries, preset.key.dims)
+    expect_v = (geometry["num_layers"], preset.value.entries, preset.value.dims)
+    if tuple(key_c.shape) != expect_k or tuple(value_c.shape) != expect_v:
+        raise ValueError(
+            f"{path}: codebook shapes {tuple(key_c.shape)}/{tuple(value_c.shape)} do not match "
+            f"the {bits:g}-bit preset {expect_k}/{expect_v} (corrupt file)"
+        )
+    lam = tensors.get("lam")
+    if spec.smooth and lam is None:
+        raise ValueError(f"{path}: method {method!r} needs smoothing factors but the file has none")
+    layers = [
+        LayerCodebooks(
+            KeyTransform(geometry["head_dim"], lam[i] if lam is not None else None, spec.rotate),
+            key_c[i],
+            value_c[i],
+        )
+        for i in range(geometry["num_layers"])
+    ]
+    keep = {k: v for k, v in meta.items() if k not in ("method", "bits", "geometry")}
+    return VecInferCodebooks(method, bits, layers, geometry, keep)
+

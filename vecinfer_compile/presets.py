@@ -1,0 +1,63 @@
+"""Bit-width presets of the VecInfer method (DESIGN.md, "The method").
+
+A preset says how keys and values are vector-quantized: each head vector of ``head_dim``
+channels is cut into sub-vectors of ``dims`` channels, and each sub-vector is replaced by the
+index of its nearest centroid among ``entries``. Bits per element = log2(entries) / dims.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VQSpec:
+    """One vector-quantizer geometry: ``entries`` centroids of ``dims`` channels each."""
+
+    entries: int
+    dims: int
+
+    @property
+    def bits(self) -> float:
+        return math.log2(self.entries) / self.dims
+
+    @property
+    def code_dtype_name(self) -> str:
+        """``uint8`` up to 256 entries, ``int16`` above (up to 32768)."""
+        return "uint8" if self.entries <= 256 else "int16"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % self.dims != 0:
+            raise ValueError(
+                f"head_dim {head_dim} is not divisible by the sub-vector size {self.dims} of a "
+                f"{self.entries}x{self.dims} codebook; pick a preset whose dims divides {head_dim}"
+            )
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Key and value quantizers for one nominal bit-width."""
+
+    bits: float
+    key: VQSpec
+    value: VQSpec
+
+
+PRESETS: dict[float, Preset] = {
+    4.0: Preset(4.0, VQSpec(256, 2), VQSpec(256, 2)),
+    3.0: Preset(3.0, VQSpec(4096, 4), VQSpec(4096, 4)),
+    2.0: Preset(2.0, VQSpec(256, 4), VQSpec(256, 4)),
+    1.5: Preset(1.5, VQSpec(4096, 8), VQSpec(4096, 8)),
+    1.25: Preset(1.25, VQSpec(4096, 8), VQSpec(256, 8)),
+    1.0: Preset(1.0, VQSpec(256, 8), VQSpec(256, 8)),
+}
+
+
+def get_preset(bits: float) -> Preset:
+    """The preset for ``bits`` (one of 4, 3, 2, 1.5, 1.25, 1); a clear error otherwise."""
+    try:
+        return PRESETS[float(bits)]
+    except KeyError:
+        known = ", ".join(f"{b:g}" for b in PRESETS)
+        raise ValueError(f"no VecInfer preset for {bits} bits; choose one of: {known}") from None

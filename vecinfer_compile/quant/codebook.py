@@ -1,0 +1,47 @@
+"""Vector-quantization codes: cut head vectors into sub-vectors and map each to a centroid.
+
+One codebook ``[entries, dims]`` is shared by every sub-vector position of a head vector.
+Codes are ``uint8`` for codebooks of up to 256 entries and ``int16`` above.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kmeans import nearest_centroid
+
+
+def code_dtype(entries: int) -> torch.dtype:
+    if entries <= 256:
+        return torch.uint8
+    if entries <= 32768:
+        return torch.int16
+    raise ValueError(f"codebooks of {entries} entries are not supported (at most 32768)")
+
+
+def subvectors(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """``x: [..., D] -> [..., D // dims, dims]``."""
+    if x.shape[-1] % dims:
+        raise ValueError(f"head_dim {x.shape[-1]} is not divisible by sub-vector size {dims}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // dims, dims)
+
+
+def encode(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Nearest-centroid codes. ``x: [..., D]`` any float dtype, ``centroids: [E, d]``
+    -> codes ``[..., D // d]`` (uint8 if E <= 256 else int16)."""
+    entries, dims = centroids.shape
+    sub = subvectors(x, dims)
+    idx, _ = nearest_centroid(sub.reshape(-1, dims), centroids)
+    return idx.to(code_dtype(entries)).reshape(sub.shape[:-1])
+
+
+def decode(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``codes: [..., D // d]`` -> ``[..., D]`` in the centroids' dtype."""
+    entries, dims = centroids.shape
+    out = centroids[codes.long()]
+    return out.reshape(*codes.shape[:-1], codes.shape[-1] * dims)
+
+
+def quantize_dequantize(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``decode(encode(x))`` in x's dtype."""
+    return decode(encode(x, centroids), centroids.to(torch.float32)).to(x.dtype)

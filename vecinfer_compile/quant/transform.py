@@ -1,0 +1,79 @@
+"""The VecInfer key transform and its exact query-side inverse.
+
+Keys:    ``K~ = (K / lam) @ H``          (channel-wise smoothing, then Hadamard rotation)
+Queries: ``q~ = (q * lam) @ H``          so that ``q~ @ K~^T == q @ K^T`` exactly (H orthonormal).
+
+``lam: [H_kv, D]`` holds one factor per KV head and channel; with GQA each query head uses its
+KV head's factors (query head ``h`` belongs to KV head ``h // (H_q // H_kv)``, as in Hugging
+Face's ``repeat_kv``). Either part can be switched off (``lam=None`` or ``rotate=False``) for the
+ablations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .hadamard import hadamard_matrix
+
+LAM_FLOOR = 1e-4
+
+
+def smoothing_factors(key_absmax: torch.Tensor) -> torch.Tensor:
+    """``lam = sqrt(max_t |K|)`` from per-channel key absmax ``[..., D]``, floored at 1e-4 so an
+    all-zero channel never divides by zero (any positive lam keeps the transform exact)."""
+    if not torch.isfinite(key_absmax).all():
+        raise ValueError("key statistics contain NaN or inf: check the model's dtype and inputs")
+    return key_absmax.float().clamp_min(LAM_FLOOR**2).sqrt()
+
+
+def expand_to_query_heads(per_kv_head: torch.Tensor, num_query_heads: int) -> torch.Tensor:
+    """``[H_kv, ...] -> [H_q, ...]`` with the GQA mapping of ``repeat_kv``."""
+    num_kv_heads = per_kv_head.shape[0]
+    if num_query_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{num_query_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+        )
+    return per_kv_head.repeat_interleave(num_query_heads // num_kv_heads, dim=0)
+
+
+@dataclass
+class KeyTransform:
+    """Smoothing factors and rotation of one layer.
+
+    lam: ``[H_kv, D]`` float32 or None (no smoothing); rotate: apply the Hadamard matrix.
+    """
+
+    head_dim: int
+    lam: torch.Tensor | None = None
+    rotate: bool = True
+
+    def rotation(self, dtype: torch.dtype, device) -> torch.Tensor | None:
+        return hadamard_matrix(self.head_dim, dtype, device) if self.rotate else None
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """``k: [B, H_kv, T, D] -> K~`` of the same shape, computed in float32 (or k's dtype
+        if float64) and returned in float32/float64."""
+        work = k.double() if k.dtype == torch.float64 else k.float()
+        if self.lam is not None:
+            work = work / self.lam.to(work)[None, :, None, :]
+        h = self.rotation(work.dtype, work.device)
+        return work @ h if h is not None else work
+
+    def keys_inverse(self, kt: torch.Tensor) -> torch.Tensor:
+        """``K~ -> K``: ``(K~ @ H^T) * lam``; ``kt: [B, H_kv, T, D]``."""
+        h = self.rotation(kt.dtype, kt.device)
+        out = kt @ h.T if h is not None else kt
+        if self.lam is not None:
+            out = out * self.lam.to(out)[None, :, None, :]
+        return out
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``q: [B, H_q, T, D] -> q~`` in q's dtype: ``(q * lam_q) @ H``."""
+        out = q
+        if self.lam is not None:
+            lam_q = expand_to_query_heads(self.lam, q.shape[1]).to(q)
+            out = out * lam_q[None, :, None, :]
+        h = self.rotation(q.dtype, q.device)
+        return out @ h if h is not None else out
