@@ -3,7 +3,6 @@
 from .codebook import code_dtype, decode, encode, quantize_dequantize
 from .hadamard import hadamard_matrix
 from .kivi import kivi_keys, kivi_values
-from .kmeans import kmeans
 from .transform import KeyTransform, smoothing_factors
 
 __all__ = [
@@ -14,7 +13,6 @@ __all__ = [
     "hadamard_matrix",
     "kivi_keys",
     "kivi_values",
-    "kmeans",
     "quantize_dequantize",
     "smoothing_factors",
 ]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 # Distances are computed for at most this many (point, centroid) pairs at once.
-PAIR_BUDGET = 1 << 24
+PAIR_BUDGET = 1 << 22
 
 
 @dataclass
@@ -28,34 +28,35 @@ def _chunk_rows(k: int) -> int:
 
 def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For ``x: [N, d]`` and ``centroids: [k, d]`` return ``(index [N] int64, sq_dist [N])``,
-    computed in float32 over row chunks so memory stays bounded by ``PAIR_BUDGET``."""
+    computed in float32 over row chunks so memory stays bounded by ``PAIR_BUDGET``.
+
+    Per chunk one fused ``addmm`` gives ``||c||^2 - 2 x.c``; ``||x||^2`` is added after the min.
+    """
     c = centroids.float()
     c_sq = (c * c).sum(1)
     idx_parts, dist_parts = [], []
     for part in x.split(_chunk_rows(c.shape[0])):
         part = part.float()
-        d = (part * part).sum(1, keepdim=True) - 2.0 * part @ c.T + c_sq
-        best, idx = d.min(1)
+        best, idx = torch.addmm(c_sq, part, c.T, alpha=-2.0).min(1)
         idx_parts.append(idx)
-        dist_parts.append(best.clamp_min(0))
+        dist_parts.append((best + (part * part).sum(1)).clamp_min(0))
     return torch.cat(idx_parts), torch.cat(dist_parts)
 
 
 def _kmeans_pp(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding: each next centroid is drawn with probability proportional to its
+    squared distance to the nearest centroid chosen so far (inverse-CDF sampling)."""
     n = x.shape[0]
-    first = torch.randint(n, (1,), generator=gen, device=x.device)
-    centroids = [x[first]]
-    best = ((x - centroids[0]) ** 2).sum(1)
-    for _ in range(1, k):
-        total = best.sum()
-        if total <= 0:  # fewer distinct points than k: reuse points
-            pick = torch.randint(n, (1,), generator=gen, device=x.device)
-        else:
-            pick = torch.multinomial(best / total, 1, generator=gen)
-        c = x[pick]
-        centroids.append(c)
-        best = torch.minimum(best, ((x - c) ** 2).sum(1))
-    return torch.cat(centroids, 0)
+    picks = torch.empty(k, dtype=torch.long, device=x.device)
+    picks[0] = torch.randint(n, (1,), generator=gen, device=x.device)
+    best = ((x - x[picks[0]]) ** 2).sum(1)
+    draws = torch.rand(k, generator=gen, device=x.device, dtype=torch.float64)
+    for i in range(1, k):
+        cdf = best.double().cumsum(0)
+        pick = torch.searchsorted(cdf, draws[i : i + 1] * cdf[-1]).clamp_max(n - 1)
+        picks[i] = pick[0]
+        best = torch.minimum(best, ((x - x[pick]) ** 2).sum(1))
+    return x[picks].clone()
 
 
 def _cluster_sums(x: torch.Tensor, assign: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +86,7 @@ def kmeans(
     """Cluster ``x: [N, d]`` into ``k`` centroids.
 
     k-means++ picks the initial centroids from a seeded sample of at most ``init_sample`` points
-    (default ``max(16 k, 65536)``); Lloyd iterations then run on all points until the relative
+    (default ``max(8 k, 32768)``); Lloyd iterations then run on all points until the relative
     improvement of the objective drops below ``tol`` or ``iters`` is reached. An empty cluster is
     re-seeded at the point farthest from its centroid, which never increases the objective.
     """
@@ -98,7 +99,7 @@ def kmeans(
     if n == 0:
         raise ValueError("kmeans got no vectors: give calibration text with at least one token")
     gen = torch.Generator(device=x.device).manual_seed(seed)
-    sample = init_sample or max(16 * k, 65536)
+    sample = init_sample or max(8 * k, 32768)
     if n > sample:
         pool = x[torch.randperm(n, generator=gen, device=x.device)[:sample]]
     else:

@@ -1,0 +1,169 @@
+"""Eager simulate mode: attention over quantize->dequantize keys and values.
+
+``enable_simulation(model, "vecinfer", bits=2, codebooks=cb, residual=R)`` switches a loaded
+Hugging Face model to the attention implementation ``"vecinfer"`` (registered with transformers'
+``AttentionInterface`` and ``AttentionMaskInterface`` at import). Each attention call then
+quantizes the keys and values it receives and attends over the dequantized tensors; with a
+residual window ``R`` key ``j`` stays in full precision for query ``i`` when ``i - j < R``
+(positions bottom-right aligned: the last query is the newest token). This is the reference
+that the compiled backend and the compressed cache are tested against.
+
+``full_precision_prefill=True`` reproduces :class:`~vecinfer_compile.VecInferCache`'s
+semantics during ``generate()``: a call with several queries (the prefill) attends in full
+precision; single-token decode calls see quantized keys beyond the window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .codebooks import VecInferCodebooks
+from .methods import VQ_METHODS, check_method
+from .quant.codebook import quantize_dequantize
+from .quant.kivi import kivi_keys, kivi_values
+
+ATTN_NAME = "vecinfer"
+
+
+@dataclass
+class LayerSimulator:
+    """How one layer quantizes. method: a name of :mod:`vecinfer_compile.methods`."""
+
+    method: str
+    bits: float
+    residual: int = 0
+    codebooks: VecInferCodebooks | None = None
+    layer_idx: int = 0
+    full_precision_prefill: bool = False
+
+    def quantize_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v: [B, H_kv, T, D]`` -> dequantized ``(k_hat, v_hat)`` in the original domain and
+        dtype."""
+        if self.method == "kivi":
+            return kivi_keys(k, int(self.bits)), kivi_values(v, int(self.bits))
+        layer = self.codebooks.layer(self.layer_idx)
+        kc = layer.key_centroids.to(k.device)
+        vc = layer.value_centroids.to(v.device)
+        kt = layer.transform.keys(k)
+        k_hat = layer.transform.keys_inverse(quantize_dequantize(kt, kc)).to(k.dtype)
+        return k_hat, quantize_dequantize(v, vc)
+
+
+def window_mask(tq: int, tk: int, residual: int, device) -> torch.Tensor:
+    """``[Tq, Tk]`` bool: True where key j is inside query i's full-precision window
+    (``(i + Tk - Tq) - j < residual``)."""
+    i = torch.arange(tq, device=device)[:, None] + (tk - tq)
+    j = torch.arange(tk, device=device)[None, :]
+    return (i - j) < residual
+
+
+def simulated_attention(q, k, v, k_hat, v_hat, attn_mask, is_causal, scale, residual):
+    """Attention where keys/values inside the residual window are exact and the rest are the
+    dequantized ``k_hat``/``v_hat``. q: ``[B, Hq, Tq, D]``; k, v, k_hat, v_hat:
+    ``[B, Hkv, Tk, D]``; attn_mask: None, bool (True = attend) or additive float, broadcastable to
+    ``[B, Hq, Tq, Tk]``; is_causal: SDPA's top-left causal mask. Returns ``[B, Hq, Tq, D]``."""
+    rep = q.shape[1] // k.shape[1]
+    k, v, k_hat, v_hat = (t.repeat_interleave(rep, dim=1) for t in (k, v, k_hat, v_hat))
+    if residual <= 0:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k_hat, v_hat, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+        )
+    tq, tk = q.shape[2], k.shape[2]
+    exact = window_mask(tq, tk, residual, q.device)
+    qf = q.float()
+    scores = torch.where(exact, qf @ k.float().transpose(-1, -2), qf @ k_hat.float().transpose(-1, -2))
+    scores = scores * scale
+    if is_causal:
+        causal = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.float()
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = (probs * exact) @ v.float() + (probs * ~exact) @ v_hat.float()
+    return out.to(q.dtype)
+
+
+def vecinfer_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
+                               scaling=None, is_causal=None, **kwargs):
+    """The ``"vecinfer"`` attention implementation (transformers' AttentionInterface
+    signature). query ``[B, Hq, Tq, D]``, key/value ``[B, Hkv, Tk, D]``; returns
+    ``([B, Tq, Hq, D], None)``."""
+    sim: LayerSimulator | None = getattr(module, "vecinfer_simulator", None)
+    if sim is None:
+        raise RuntimeError(
+            "attn_implementation='vecinfer' needs quantizers: call "
+            "vecinfer_compile.enable_simulation(model, method, bits=..., codebooks=...) first"
+        )
+    if dropout and module.training:
+        raise ValueError("vecinfer simulation is for evaluation: call model.eval() (dropout > 0)")
+    tq = query.shape[2]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    causal = bool(tq > 1 and attention_mask is None and (is_causal if is_causal is not None
+                                                         else getattr(module, "is_causal", True)))
+    if sim.full_precision_prefill and tq > 1:
+        k_hat, v_hat, residual = key, value, 0
+    else:
+        k_hat, v_hat = sim.quantize_kv(key, value)
+        residual = sim.residual
+    out = simulated_attention(query, key, value, k_hat, v_hat, attention_mask, causal, scale, residual)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, vecinfer_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+_register()
+
+
+def _attention_modules(model):
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if not mods:
+        mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if not mods:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules with a layer_idx: simulation supports "
+            "transformers models whose attention dispatches through AttentionInterface"
+        )
+    return mods
+
+
+def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | None = None,
+                      residual: int = 0, full_precision_prefill: bool = False):
+    """Make ``model`` attend over quantized K/V (see module docstring). ``fp16`` restores plain
+    SDPA. VQ methods need ``codebooks`` (checked against the model, bits and method).
+    Returns the model."""
+    check_method(method, bits)
+    if method == "fp16":
+        return disable_simulation(model)
+    if method in VQ_METHODS:
+        if codebooks is None:
+            raise ValueError(
+                f"method {method!r} needs codebooks: vecinfer_compile.calibrate(...) or "
+                "load_codebooks(path)"
+            )
+        codebooks.check_model(model.config, bits=bits, method=method)
+    for module in _attention_modules(model):
+        module.vecinfer_simulator = LayerSimulator(
+            method, float(bits), residual, codebooks, module.layer_idx, full_precision_prefill
+        )
+    model.set_attn_implementation(ATTN_NAME)
+    return model
+
+
+def disable_simulation(model):
+    """Back to full-precision SDPA attention; returns the model."""
+    for module in model.modules():
+        if hasattr(module, "vecinfer_simulator"):
+            del module.vecinfer_simulator
+    model.set_attn_implementation("sdpa")
+    return model
