@@ -1,0 +1,255 @@
+"""Triton kernels against the reference.
+
+- ``test_interp_*``: the raw kernels, launched by the same launchers the ops use (``wrap=False``)
+  on small CPU tensors under ``TRITON_INTERPRET=1``. The variable must be set before the kernels
+  are decorated and breaks compile/opcheck, so ``test_kernels_under_triton_interpreter`` runs these
+  tests in a child pytest with it set; they skip in a normal run.
+- ``cuda``-marked tests: the registered ops on the GPU, with the rule
+  ``err(ours) <= 2 * err(torch bf16 SDPA on the dequantized K/V) + atol``, both against float32.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vecinfer_compile.ops as ops
+from test_ops_reference import SPECS, attention_case, decode_case, expected_attention, expected_decode
+from vecinfer_compile.quant import codebook, hadamard_matrix
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interp_only = pytest.mark.skipif(not INTERPRET, reason="run by test_kernels_under_triton_interpreter")
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
+def test_kernels_under_triton_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-k", "test_interp_", "-p", "no:cacheprovider"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def _fp32_tol(got, want):
+    torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
+
+
+@interp_only
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    tq=st.integers(1, 40).map(lambda t: t | 1),
+    extra=st.integers(0, 70),
+    d=st.sampled_from([16, 32, 64, 128]),
+    kspec=st.sampled_from(SPECS),
+    vspec=st.sampled_from(SPECS),
+    mask_kind=st.sampled_from(["none", "bool", "float"]),
+    causal=st.booleans(),
+    residual=st.sampled_from([0, 1, 3, 17, 1000]),
+)
+def test_interp_attention(seed, b, hkv, group, tq, extra, d, kspec, vspec, mask_kind, causal, residual):
+    gen = torch.Generator().manual_seed(seed)
+    args = attention_case(gen, b=b, hkv=hkv, group=group, tq=tq, tk=tq + extra, d=d, kspec=kspec, vspec=vspec,
+                          mask_kind=mask_kind, causal=causal, residual=residual, dtype=torch.float32)
+    _fp32_tol(ops.attention_triton(*args), expected_attention(args))
+
+
+@interp_only
+@pytest.mark.parametrize("score", ["dequant", "lut"])
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    tmax=st.integers(1, 700),
+    frac=st.floats(0, 1),
+    r=st.integers(1, 70),
+    wfrac=st.floats(0, 1),
+    d=st.sampled_from([16, 32, 64]),
+    kspec=st.sampled_from(SPECS),
+    vspec=st.sampled_from(SPECS),
+    with_start=st.booleans(),
+)
+def test_interp_decode(score, seed, b, hkv, group, tmax, frac, r, wfrac, d, kspec, vspec, with_start):
+    gen = torch.Generator().manual_seed(seed)
+    args = decode_case(gen, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=round(frac * tmax), r=r,
+                       n_window=round(wfrac * r), d=d, kspec=kspec, vspec=vspec, with_start=with_start,
+                       dtype=torch.float32)
+    _fp32_tol(ops.decode_attention_triton(*args, score=score), expected_decode(args))
+
+
+@interp_only
+@pytest.mark.parametrize("spec", SPECS)
+def test_interp_encode(spec):
+    gen = torch.Generator().manual_seed(spec[0] + spec[1])
+    x = torch.randn(2, 2, 37, 32, generator=gen)
+    lam = torch.rand(2, 32, generator=gen) + 0.5
+    rot = hadamard_matrix(32, torch.float32, "cpu")
+    cent = torch.randn(*spec, generator=gen)
+    got = ops.encode_triton(x, lam, rot, cent)
+    want = ops.reference.encode(x, lam, rot, cent)
+    xt = codebook.subvectors((x / lam[None, :, None, :]) @ rot, spec[1])
+    dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(dist(got), dist(want), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- CUDA
+
+
+def _sdpa_error(q, k, v, mask, causal, scale, want):
+    """Max error of bf16 SDPA on dequantized, GQA-repeated K/V against ``want`` (float64)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    out = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask,
+                                         is_causal=causal, scale=scale)
+    return (out.double().nan_to_num(0.0) - want).abs().max().item()
+
+
+def _check_rule(got, want, baseline_err, atol=2e-3):
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2 * baseline_err + atol, f"err {err:.3g} > 2 * SDPA bf16 err {baseline_err:.3g} + {atol}"
+
+
+def _cuda(args):
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mask_kind,causal,residual", [("none", True, 0), ("bool", False, 0), ("float", True, 0),
+                                                       ("none", True, 128), ("bool", True, 37)])
+@pytest.mark.parametrize("tq,tk", [(1, 1), (200, 333), (512, 512)])
+@pytest.mark.parametrize("kspec,vspec", [((256, 4), (256, 4)), ((4096, 8), (256, 8))])
+def test_cuda_attention(dtype, mask_kind, causal, residual, tq, tk, kspec, vspec):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(tq + tk)
+    args = attention_case(gen, b=2, hkv=4, group=4, tq=tq, tk=tk, d=128, kspec=kspec, vspec=vspec,
+                          mask_kind=mask_kind, causal=causal, residual=residual, dtype=dtype)
+    if mask_kind == "bool":  # keep every row attending somewhere so SDPA has no NaN rows
+        args[7][..., :, 0] = True
+    args = _cuda(args)
+    want = ops.reference.attention(args[0].float(), *args[1:]).double()
+    got = torch.ops.vecinfer.attention(*args)
+    assert got.dtype == dtype and got.shape == args[0].shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+        return
+    q, kc, vc, kcent, vcent, _, _, mask, _, scale, _ = args
+    plain = ops.reference.attention(q.float(), kc, vc, kcent, vcent, None, None, mask, causal, scale, 0).double()
+    base = _sdpa_error(q, ops.reference.dequantize(kc, kcent), ops.reference.dequantize(vc, vcent), mask, causal, scale, plain)
+    _check_rule(got, want, base)
+
+
+test_cuda_attention = pytest.mark.cuda(test_cuda_attention)
+
+
+def _decode_args(dtype, score_seed, *, b, hkv, group, tmax, n_coded, r, n_window, kspec, vspec, with_start):
+    gen = torch.Generator().manual_seed(score_seed)
+    return _cuda(decode_case(gen, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=r, n_window=n_window,
+                             d=128, kspec=kspec, vspec=vspec, with_start=with_start, dtype=dtype))
+
+
+def _decode_baseline_err(args, want):
+    q, kc, vc, kcent, vcent, n_coded, kw, vw, n_window, start, scale = args
+    nc, nw = int(n_coded), int(n_window)
+    k = torch.cat([ops.reference.dequantize(kc, kcent)[:, :, :nc], kw.float()[:, :, :nw]], 2)
+    v = torch.cat([ops.reference.dequantize(vc, vcent)[:, :, :nc], vw.float()[:, :, :nw]], 2)
+    mask = None
+    if start is not None:
+        mask = (torch.arange(nc + nw, device=q.device)[None, :] >= start[:, None])[:, None, None, :]
+    return _sdpa_error(q, k, v, mask, False, scale, want)
+
+
+@pytest.mark.parametrize("score", ["dequant", "lut"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kspec,vspec", [((256, 4), (256, 4)), ((4096, 8), (4096, 8)), ((256, 2), (256, 2))])
+def test_cuda_decode_realistic(score, dtype, kspec, vspec):
+    """B=2, Hq=32, Hkv=8, D=128, Tmax=5000 (4871 coded), R=128 (77 in the window)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _decode_args(dtype, 0, b=2, hkv=8, group=4, tmax=5000, n_coded=4871, r=128, n_window=77,
+                        kspec=kspec, vspec=vspec, with_start=True)
+    want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
+    got = ops.decode_attention_triton(*args, score=score, wrap=False)
+    assert got.dtype == dtype
+    _check_rule(got, want, _decode_baseline_err(args, want))
+    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_triton(*args), atol=0, rtol=0)
+
+
+test_cuda_decode_realistic = pytest.mark.cuda(test_cuda_decode_realistic)
+
+
+@pytest.mark.parametrize("tmax,n_coded,n_window", [(1, 0, 0), (1, 1, 0), (63, 0, 5), (4097, 4097, 128), (333, 100, 1)])
+@pytest.mark.parametrize("score", ["dequant", "lut"])
+def test_cuda_decode_edges(tmax, n_coded, n_window, score):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _decode_args(torch.bfloat16, tmax, b=3, hkv=2, group=8, tmax=tmax, n_coded=n_coded, r=128,
+                        n_window=n_window, kspec=(256, 4), vspec=(4096, 8), with_start=False)
+    want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
+    got = ops.decode_attention_triton(*args, score=score)
+    if n_coded + n_window == 0:
+        assert (got == 0).all()
+        return
+    _check_rule(got, want, _decode_baseline_err(args, want))
+
+
+test_cuda_decode_edges = pytest.mark.cuda(test_cuda_decode_edges)
+
+
+@pytest.mark.parametrize("entries,dims", SPECS)
+def test_cuda_encode(entries, dims):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
+    lam = torch.rand(8, 128, device="cuda") + 0.5
+    rot = hadamard_matrix(128, torch.float32, "cuda")
+    cent = torch.randn(entries, dims, device="cuda")
+    got = torch.ops.vecinfer.encode(x, lam, rot, cent)
+    want = ops.reference.encode(x, lam, rot, cent)
+    xt = codebook.subvectors((x.float() / lam[None, :, None, :]) @ rot, dims)
+    dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(dist(got), dist(want), atol=1e-4, rtol=1e-4)
+
+
+test_cuda_encode = pytest.mark.cuda(test_cuda_encode)
+
+
+def test_cuda_compiled_ops_fullgraph_dynamic():
+    """The ops inside ``torch.compile(fullgraph=True, dynamic=True)``: Inductor sees the kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(0)
+
+    def step(*args):
+        return torch.ops.vecinfer.attention(*args)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for tq in (17, 64):
+        args = _cuda(attention_case(gen, b=1, hkv=2, group=4, tq=tq, tk=tq, d=128, kspec=(256, 4), vspec=(256, 4),
+                                    mask_kind="none", causal=True, residual=5, dtype=torch.bfloat16))
+        torch.testing.assert_close(compiled(*args), torch.ops.vecinfer.attention(*args), atol=2e-2, rtol=2e-2)
+    dec = _decode_args(torch.bfloat16, 1, b=2, hkv=8, group=4, tmax=1000, n_coded=900, r=128, n_window=3,
+                       kspec=(256, 4), vspec=(256, 4), with_start=False)
+    compiled_dec = torch.compile(lambda *a: torch.ops.vecinfer.decode_attention(*a), fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled_dec(*dec), torch.ops.vecinfer.decode_attention(*dec), atol=2e-2, rtol=2e-2)
+
+
+test_cuda_compiled_ops_fullgraph_dynamic = pytest.mark.cuda(test_cuda_compiled_ops_fullgraph_dynamic)

@@ -1,0 +1,15 @@
+"""The ``vecinfer`` custom ops (registered at import) and their implementations.
+
+- ``torch.ops.vecinfer.encode`` / ``attention`` / ``decode_attention``: see :mod:`.library`.
+- :mod:`.reference`: pure-torch oracle (CPU path).
+- :func:`encode_triton`, :func:`attention_triton`, :func:`decode_attention_triton`: the CUDA
+  kernels' launchers, callable directly (benchmarks) or, with ``wrap=True``, inside the ops.
+"""
+
+from . import reference
+from .library import register
+from .triton_attention import attention_triton
+from .triton_decode import decode_attention_triton
+from .triton_encode import encode_triton
+
+__all__ = ["attention_triton", "decode_attention_triton", "encode_triton", "reference", "register"]

@@ -1,0 +1,91 @@
+"""Registration of the ``vecinfer`` ops with ``torch.library.triton_op``.
+
+Each op's function is also its fake implementation: it only reads shapes and dtypes before
+dispatching on ``q.device.type`` — CUDA launches the Triton kernels through ``wrap_triton`` (so
+Inductor sees them), every other device runs the pure-torch reference. Registration happens once
+per process, at import of :mod:`vecinfer_compile.ops`.
+
+Schemas::
+
+    vecinfer::encode(Tensor x, Tensor? lam, Tensor? rotation, Tensor centroids) -> Tensor
+    vecinfer::attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_centroids,
+        Tensor v_centroids, Tensor? k_full, Tensor? v_full, Tensor? attn_mask, bool is_causal,
+        float scale, int residual) -> Tensor
+    vecinfer::decode_attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_centroids,
+        Tensor v_centroids, Tensor n_coded, Tensor k_window, Tensor v_window, Tensor n_window,
+        Tensor? kv_start, float scale) -> Tensor
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .triton_attention import attention_triton
+from .triton_decode import decode_attention_triton
+from .triton_encode import encode_triton
+
+NAMESPACE = "vecinfer"
+
+
+def _encode(
+    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor
+) -> torch.Tensor:
+    if x.device.type == "cuda":
+        return encode_triton(x, lam, rotation, centroids, wrap=True)
+    return reference.encode(x, lam, rotation, centroids)
+
+
+def _attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    k_full: torch.Tensor | None,
+    v_full: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    residual: int,
+) -> torch.Tensor:
+    args = (q, k_codes, v_codes, k_centroids, v_centroids, k_full, v_full, attn_mask, is_causal, scale, residual)
+    if q.device.type == "cuda":
+        return attention_triton(*args, wrap=True)
+    return reference.attention(*args)
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    args = (q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start, scale)
+    if q.device.type == "cuda":
+        return decode_attention_triton(*args, wrap=True)
+    return reference.decode_attention(*args)
+
+
+_OPS = {"encode": _encode, "attention": _attention, "decode_attention": _decode_attention}
+
+
+def _is_registered(name: str) -> bool:
+    return hasattr(getattr(torch.ops, NAMESPACE), name)
+
+
+def register() -> None:
+    """Register the ops (a no-op for those already registered in this process)."""
+    for name, fn in _OPS.items():
+        if not _is_registered(name):
+            torch.library.triton_op(f"{NAMESPACE}::{name}", fn, mutates_args=())
+
+
+register()

@@ -1,0 +1,157 @@
+"""Pure-torch reference of the ``vecinfer`` ops: the oracle for the kernels and the CPU path.
+
+Everything is computed in float32 and returned in ``q.dtype`` (codes for :func:`encode`).
+Dequantization is ``centroids[codes.long()]``. GQA never repeats K/V: queries are viewed as
+``[B, Hkv, G * Tq, D]`` (query head ``h`` uses KV head ``h // G``). No ``.item()`` and no
+data-dependent Python, so the functions trace with symbolic shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.codebook import code_dtype
+from .checks import check_attention_args, check_decode_args, check_encode_args
+
+
+def dequantize(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``codes: [B, H, T, D // d]`` uint8/int16 -> ``[B, H, T, D]`` float32."""
+    b, h, t, n = codes.shape
+    return centroids.float()[codes.long()].reshape(b, h, t, n * centroids.shape[1])
+
+
+def encode(
+    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor
+) -> torch.Tensor:
+    """Codes of ``((x / lam) @ rotation)``.
+
+    x ``[B, H, T, D]`` float; lam ``[H, D]`` float32 or None; rotation ``[D, D]`` or None;
+    centroids ``[E, d]`` float32 -> codes ``[B, H, T, D // d]`` (uint8 if E <= 256 else int16),
+    the nearest centroid by squared distance in float32 (as ``quant.codebook.encode``).
+    """
+    check_encode_args(x, lam, rotation, centroids)
+    work = x.float()
+    if lam is not None:
+        work = work / lam.float()[None, :, None, :]
+    if rotation is not None:
+        work = work @ rotation.float()
+    entries, dims = centroids.shape
+    b, h, t, d = work.shape
+    sub = work.reshape(b, h, t, d // dims, dims)
+    c = centroids.float()
+    dist = (sub * sub).sum(-1, keepdim=True) - 2.0 * (sub @ c.T) + (c * c).sum(-1)
+    return dist.argmin(-1).to(code_dtype(entries))
+
+
+def _safe_softmax_weights(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised weights and their row sums; a row of all ``-inf`` gives zeros (no NaN)."""
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max)
+    return p, p.sum(-1, keepdim=True)
+
+
+def _normalise(acc: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    return torch.where(denom > 0, acc / denom.clamp_min(torch.finfo(acc.dtype).tiny), torch.zeros_like(acc))
+
+
+def _mask_bias(attn_mask: torch.Tensor, b: int, hq: int, tq: int, tk: int, hkv: int) -> torch.Tensor:
+    """bool (True = attend) or additive float mask -> additive float32 ``[B|1, Hkv, G, Tq, Tk]``."""
+    mask = attn_mask
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    mb = mask.shape[0]
+    mask = mask.expand(mb, hq, tq, tk).reshape(mb, hkv, hq // hkv, tq, tk)
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float()
+
+
+def attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    k_full: torch.Tensor | None,
+    v_full: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    residual: int,
+) -> torch.Tensor:
+    """Attention of transformed queries over quantized keys/values (prefill / simulate).
+
+    q ``[B, Hq, Tq, D]`` (q~) fp16/bf16/fp32; k_codes ``[B, Hkv, Tk, D // dk]``, v_codes
+    ``[B, Hkv, Tk, D // dv]``; centroids float32 ``[E, d]``; k_full/v_full ``[B, Hkv, Tk, D]``
+    replace the codes of key j for query i when ``(i + Tk - Tq) - j < residual``; attn_mask bool
+    (True = attend) or additive float, broadcastable to ``[B, Hq, Tq, Tk]``; is_causal: key
+    ``j <= i`` (top-left, as SDPA). Fully masked rows give zeros. Returns ``[B, Hq, Tq, D]``
+    in q.dtype.
+    """
+    group = check_attention_args(q, k_codes, v_codes, k_centroids, v_centroids, k_full, v_full, attn_mask, residual)
+    b, hq, tq, d = q.shape
+    hkv, tk = k_codes.shape[1], k_codes.shape[2]
+    k = dequantize(k_codes, k_centroids)
+    v = dequantize(v_codes, v_centroids)
+    qf = q.float().reshape(b, hkv, group * tq, d)
+    scores = (qf @ k.transpose(-1, -2)).reshape(b, hkv, group, tq, tk) * scale
+    i = torch.arange(tq, device=q.device)[:, None]
+    j = torch.arange(tk, device=q.device)[None, :]
+    if residual > 0:
+        full = (i + (tk - tq) - j) < residual
+        full_scores = (qf @ k_full.float().transpose(-1, -2)).reshape(b, hkv, group, tq, tk) * scale
+        scores = torch.where(full, full_scores, scores)
+    if attn_mask is not None:
+        scores = scores + _mask_bias(attn_mask, b, hq, tq, tk, hkv)
+    if is_causal:
+        scores = scores.masked_fill(j > i, float("-inf"))
+    p, denom = _safe_softmax_weights(scores)
+    if residual > 0:
+        p_full = torch.where(full, p, torch.zeros_like(p))
+        acc = (p - p_full).reshape(b, hkv, group * tq, tk) @ v
+        acc = acc + p_full.reshape(b, hkv, group * tq, tk) @ v_full.float()
+    else:
+        acc = p.reshape(b, hkv, group * tq, tk) @ v
+    out = _normalise(acc, denom.reshape(b, hkv, group * tq, 1))
+    return out.reshape(b, hq, tq, d).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step over a compressed cache.
+
+    q ``[B, Hq, 1, D]`` (q~); k_codes/v_codes ``[B, Hkv, Tmax, D // d]`` of which the first
+    ``n_coded`` (0-d int tensor) positions are valid; k_window (K~) / v_window ``[B, Hkv, R, D]``
+    full precision, first ``n_window`` valid, slot s is position ``n_coded + s``; kv_start ``[B]``
+    int or None masks positions ``< kv_start[b]``. Returns ``[B, Hq, 1, D]`` in q.dtype.
+    """
+    group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)
+    b, hq, _, d = q.shape
+    hkv, tmax = k_codes.shape[1], k_codes.shape[2]
+    r = k_window.shape[2]
+    keys = torch.cat([dequantize(k_codes, k_centroids), k_window.float()], dim=2)
+    values = torch.cat([dequantize(v_codes, v_centroids), v_window.float()], dim=2)
+    coded_pos = torch.arange(tmax, device=q.device)
+    slot = torch.arange(r, device=q.device)
+    pos = torch.cat([coded_pos, n_coded + slot])
+    valid = torch.cat([coded_pos < n_coded, slot < n_window])[None, :]
+    if kv_start is not None:
+        valid = valid & (pos[None, :] >= kv_start[:, None])
+    qf = q.float().reshape(b, hkv, group, d)
+    scores = (qf @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p, denom = _safe_softmax_weights(scores)
+    out = _normalise(p @ values, denom)
+    return out.reshape(b, hq, 1, d).to(q.dtype)

@@ -1,0 +1,57 @@
+"""Pieces shared by the Triton kernels and their launchers.
+
+- :func:`launch`: one launch path for the op (``wrap=True``: through ``torch.library.wrap_triton``
+  so Inductor sees the kernel) and for direct calls (benchmarks, ``TRITON_INTERPRET=1`` tests on
+  CPU tensors, ``wrap=False``).
+- ``@triton.jit`` helpers: centroid gather (dequantization inside the kernel) and the online
+  softmax step in base 2 that returns zeros for fully masked rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def launch(kernel, grid: tuple, wrap: bool, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, through ``wrap_triton`` when ``wrap``."""
+    runner = torch.library.wrap_triton(kernel) if wrap else kernel
+    runner[grid](*args, **kwargs)
+
+
+def check_head_dim_pow2(head_dim: int) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"the Triton kernels need a power-of-two head_dim >= 16, got {head_dim}; "
+            "run the op on CPU (reference) for other sizes"
+        )
+
+
+def block_rows(n: int) -> int:
+    """Rows of a ``tl.dot`` operand holding ``n`` rows: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
+@triton.jit
+def dequant_tile(codes_ptr, stride_t, offs_t, t_mask, cent_ptr, D: tl.constexpr, DSUB: tl.constexpr):
+    """Rows ``offs_t`` of a code matrix (``stride_t`` between rows, sub-vectors contiguous) ->
+    ``[len(offs_t), D]`` float32 centroid values (zeros where ``t_mask`` is False)."""
+    c = tl.arange(0, D)
+    code = tl.load(codes_ptr + offs_t[:, None] * stride_t + (c // DSUB)[None, :], mask=t_mask[:, None], other=0)
+    return tl.load(cent_ptr + code.to(tl.int32) * DSUB + (c % DSUB)[None, :], mask=t_mask[:, None], other=0.0)
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i):
+    """One online-softmax step for log2-scaled scores ``s [M, N]`` (``-inf`` = masked).
+
+    Returns ``(p, alpha, m_new, l_new)``: unnormalised weights, the factor that rescales the old
+    accumulator, and the new running max / sum. A row with no finite score keeps ``p = 0``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
