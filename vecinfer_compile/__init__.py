@@ -4,6 +4,12 @@ Public API (everything else is internal):
 
 - :func:`calibrate`, :func:`load_codebooks`, :class:`VecInferCodebooks` — fit and store codebooks.
 - :func:`enable_simulation` — eager quantize->dequantize attention (``attn_implementation="vecinfer"``).
+- :data:`vecinfer_backend` — the torch.compile backend (``backend=vecinfer_backend``).
+- :class:`VecInferCache` — the compressed cache for ``generate()``.
+- :mod:`vecinfer_compile.testing` — fuzz helpers and ``check_model`` for your own models.
+
+The backend, the cache and the testing helpers import Inductor and Triton, so they load on
+first use.
 """
 
 __version__ = "0.1.0"
@@ -15,6 +21,7 @@ from .simulate import disable_simulation, enable_simulation  # noqa: E402
 
 __all__ = [
     "PRESETS",
+    "VecInferCache",
     "VecInferCodebooks",
     "__version__",
     "calibrate",
@@ -22,4 +29,22 @@ __all__ = [
     "enable_simulation",
     "get_preset",
     "load_codebooks",
+    "testing",
+    "vecinfer_backend",
 ]
+
+_LAZY = {
+    "vecinfer_backend": ("backend", "vecinfer_backend"),
+    "VecInferCache": ("cache", "VecInferCache"),
+    "testing": ("testing", None),
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'vecinfer_compile' has no attribute {name!r}")
+    import importlib
+
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(f".{module_name}", __name__)
+    return module if attr is None else getattr(module, attr)

@@ -117,7 +117,7 @@ def kmeans(
         empty = counts == 0
         centroids = torch.where(empty[:, None], centroids, sums / counts.clamp_min(1)[:, None])
         if empty.any():
-            far = dist.topk(int(empty.sum())).indices
-            centroids[empty] = x[far]
+            far = dist.topk(min(int(empty.sum()), n)).indices
+            centroids[empty.nonzero()[: far.numel(), 0]] = x[far]
     result.centroids = centroids
     return result

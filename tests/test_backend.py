@@ -1,0 +1,151 @@
+"""vecinfer_backend end to end through Inductor on CPU: model families, transform exactness,
+compiled simulate vs eager simulate, zero-config, dynamic shapes, mode=, registration, errors."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+import os
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import vecinfer_compile.backend as backend_module
+from vecinfer_compile.backend import vecinfer_backend
+from vecinfer_compile.codebooks import VecInferCodebooks, model_geometry
+from vecinfer_compile.testing import TINY_FAMILIES, check_model, random_layer_codebooks, tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_families_transform_only_match_eager(family):
+    report = check_model(tiny_model(family), ids(12), atol=1e-5, rtol=1e-5)
+    assert report.sdpa_rewrites == report.num_layers == 2
+    assert report.max_abs_err < 1e-5
+
+
+def test_zero_config_dynamic_reduce_overhead(caplog):
+    """No codebooks: fits from the first call and logs one line; dynamic=True serves several
+    lengths from one graph; mode="reduce-overhead" is accepted (just runs on CPU)."""
+    model = tiny_model("qwen3")
+    backend = vecinfer_backend.configure(bits=2)
+    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True, mode="reduce-overhead")
+    counters.clear()
+    with caplog.at_level(logging.INFO, logger="vecinfer_compile.backend"), torch.no_grad():
+        outs = [compiled(input_ids=ids(t, seed=t), use_cache=False).logits for t in (9, 13, 17)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "vecinfer_compile.backend"]
+    assert len(lines) == 1, lines
+    assert "fitted 2-bit vecinfer codebooks for 2 layer(s) from this call's 9 token(s)" in lines[0]
+    assert "vecinfer calibrate" in lines[0]
+    assert all(torch.isfinite(o).all() for o in outs)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for three lengths
+    # Dynamo turns the float attribute `scaling` into a SymFloat under dynamic=True; the op cannot
+    # take one, so Dynamo restarts the first compile once with it specialized (2 rewrites each).
+    assert counters["vecinfer"]["sdpa_rewrites"] in (2, 4)
+    assert sorted(backend.fitted) == [0, 1]
+
+
+def test_fitted_codebooks_persist_across_recompiles():
+    model = tiny_model("llama")
+    backend = vecinfer_backend.configure(quantize=False)
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids(8), use_cache=False)
+    fitted = dict(backend.fitted)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids(8, seed=3), use_cache=False)
+    assert all(backend.fitted[i] is fitted[i] for i in fitted)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 3 * 16)
+
+    def forward(self, x):  # x: [B, T, 16] -> one head of dim 16
+        q, k, v = self.proj(x)[:, None].chunk(3, dim=-1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[:, 0]
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Attention(), Attention()])
+
+    def forward(self, x):
+        x = x + self.layers[0](x)
+        torch._dynamo.graph_break()
+        return x + self.layers[1](x)
+
+
+def test_graph_break_rewrites_each_subgraph_by_layer():
+    torch.manual_seed(0)
+    model = TwoLayers().eval()
+    backend = vecinfer_backend.configure(quantize=False)
+    counters.clear()
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    assert counters["vecinfer"]["sdpa_rewrites"] == 2
+    assert sorted(backend.fitted) == [0, 1]  # layer ids from the module path, per subgraph
+
+
+def test_compiled_simulate_matches_eager_simulate():
+    """Given codebooks and a residual window: the compiled model over codes matches the eager
+    simulate attention (quantize -> dequantize K/V) with the same codebooks."""
+    from vecinfer_compile.simulate import enable_simulation
+
+    model = tiny_model("llama")
+    layers = [random_layer_codebooks(2, 16, seed=i) for i in range(2)]
+    codebooks = VecInferCodebooks("vecinfer", 2.0, layers, model_geometry(model.config))
+    backend = vecinfer_backend.configure(codebooks, bits=2, residual=4)
+    text = ids(16, seed=6)
+    with torch.no_grad():
+        full = model(input_ids=text, use_cache=False).logits
+        compiled = torch.compile(model, backend=backend, fullgraph=True)(input_ids=text, use_cache=False).logits
+        sim_model = enable_simulation(copy.deepcopy(model), "vecinfer", bits=2, codebooks=codebooks, residual=4)
+        simulated = sim_model(input_ids=text, use_cache=False).logits
+    torch.testing.assert_close(compiled, simulated, atol=1e-4, rtol=1e-4)
+    assert (compiled - full).abs().max() > 1e-3  # really quantized
+
+
+def test_tiny_trained_model_transform_is_exact(shared_tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(shared_tiny_dir, attn_implementation="sdpa", dtype=torch.float32)
+    report = check_model(model.eval(), ids(20), atol=1e-4, rtol=1e-4)
+    assert report.sdpa_rewrites == report.num_layers
+
+
+def test_configure_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="choose one of"):
+        vecinfer_backend.configure(bits=2.5)
+    with pytest.raises(ValueError, match="VQ methods"):
+        vecinfer_backend.configure(method="kivi")
+    with pytest.raises(FileNotFoundError, match="vecinfer calibrate"):
+        vecinfer_backend.configure(tmp_path / "missing.safetensors")
+
+
+def test_registered_by_name_and_reimport_is_safe():
+    importlib.reload(backend_module)
+    assert "vecinfer" in torch._dynamo.list_backends(exclude_tags=())
+    configured = backend_module.vecinfer_backend.configure(residual=4)
+    assert configured.config.residual == 4 and callable(configured.configure)
+    assert copy.deepcopy(configured) is configured  # HF's CompileConfig deep-copies backends
+    assert backend_module._config_patches("reduce-overhead", {"max_autotune": False}) == {
+        "triton.cudagraphs": True, "max_autotune": False}
+    assert backend_module._config_patches(None, None) == {}

@@ -1,0 +1,226 @@
+"""``vecinfer_backend``: a torch.compile backend that runs attention over VecInfer codes.
+
+    model = torch.compile(model, backend=vecinfer_backend)                      # zero-config
+    model = torch.compile(model, backend=vecinfer_backend.configure(codebooks="cb.safetensors"))
+    model = torch.compile(model, backend="vecinfer")                            # same, by name
+
+Each Dynamo graph goes through the decode rewrite over a VecInferCache
+(:func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention`), then
+:func:`vecinfer_compile.passes.rewrite_sdpa` for every other SDPA, then Inductor's ``compile_fx``
+(``mode``/``options`` become Inductor config patches, per call).
+
+Zero-config: without codebooks, the first graph that reaches a layer fits that layer's smoothing
+factors and codebooks from the keys/values of the call being compiled (the graph is interpreted
+once on the real example inputs), logs one info line, and keeps them on the backend object, so
+recompiles (new shapes, graph breaks) reuse them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._inductor
+import torch._inductor.compile_fx
+import torch.fx as fx
+
+from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
+from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
+from .methods import VQ_METHODS
+from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
+from .passes.cache_decode import rewrite_cache_attention
+from .presets import get_preset
+from .quant.codebook import subvectors
+from .quant.kmeans import kmeans
+from .quant.transform import KeyTransform, smoothing_factors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BITS = 2.0
+FIT_ITERS = 8
+BACKEND_NAME = "vecinfer"
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """codebooks: None = fit from the first call; bits/method: of the fitted codebooks (checked
+    against given ones); residual: most recent keys kept in full precision; quantize: False =
+    transform only (q~, K~ through plain SDPA)."""
+
+    codebooks: VecInferCodebooks | None = None
+    bits: float = DEFAULT_BITS
+    method: str = "vecinfer"
+    residual: int = 0
+    quantize: bool = True
+
+
+def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize: bool) -> BackendConfig:
+    if method not in VQ_METHODS:
+        raise ValueError(
+            f"vecinfer_backend runs the VQ methods {', '.join(VQ_METHODS)}; got method {method!r}"
+        )
+    if residual < 0:
+        raise ValueError(f"residual must be >= 0, got {residual}")
+    if isinstance(codebooks, (str, Path)):
+        codebooks = load_codebooks(codebooks)
+    if codebooks is not None and not isinstance(codebooks, VecInferCodebooks):
+        raise TypeError(
+            f"codebooks must be a path, a VecInferCodebooks or None, got {type(codebooks).__name__}"
+        )
+    if codebooks is None:
+        bits = DEFAULT_BITS if bits is None else float(bits)
+        get_preset(bits)  # a clear error for an unknown bit-width, now rather than at compile
+        return BackendConfig(None, bits, method, residual, quantize)
+    if bits is not None and float(bits) != float(codebooks.bits):
+        raise ValueError(
+            f"the codebooks are for {codebooks.bits:g} bits, not {bits:g}: calibrate at {bits:g} "
+            f"bits or pass bits={codebooks.bits:g}"
+        )
+    if method != codebooks.method:
+        raise ValueError(
+            f"the codebooks are for method {codebooks.method!r}, not {method!r}: calibrate with "
+            f"--method {method} or pass method={codebooks.method!r}"
+        )
+    return BackendConfig(codebooks, float(codebooks.bits), method, residual, quantize)
+
+
+def _config_patches(mode: str | None, options: dict | None) -> dict:
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode not in (None, "default") else {}
+    patches.update(options or {})
+    return patches
+
+
+def _fit_codebook(x: torch.Tensor, entries: int, seed: int) -> torch.Tensor:
+    """``[entries, d]`` centroids for sub-vectors ``x: [N, d]`` (a short prompt may give fewer
+    vectors than entries: k-means then reuses points)."""
+    return kmeans(x, entries, iters=FIT_ITERS, seed=seed).centroids
+
+
+def _fit_layer(keys: list[torch.Tensor], values: list[torch.Tensor], config: BackendConfig,
+               layer: int) -> LayerCodebooks:
+    """Smoothing factors and codebooks from recorded ``[B, Hkv, T, D]`` keys/values."""
+    spec, preset = VQ_METHODS[config.method], get_preset(config.bits)
+    head_dim = keys[0].shape[-1]
+    k = torch.cat([x.float().transpose(0, 1).reshape(x.shape[1], -1, head_dim) for x in keys], 1)
+    v = torch.cat([x.float().reshape(-1, head_dim) for x in values], 0)
+    lam = smoothing_factors(k.abs().amax(1)) if spec.smooth else None
+    transform = KeyTransform(head_dim, lam, spec.rotate)
+    k_t = transform.keys(k[None])
+    key_c = _fit_codebook(subvectors(k_t, preset.key.dims).reshape(-1, preset.key.dims),
+                          preset.key.entries, seed=layer)
+    value_c = _fit_codebook(subvectors(v, preset.value.dims).reshape(-1, preset.value.dims),
+                            preset.value.entries, seed=layer)
+    return LayerCodebooks(transform, key_c, value_c)
+
+
+class VecInferBackend:
+    """A torch.compile backend ``(gm, example_inputs, *, mode=None, options=None)``.
+
+    Make variants with :meth:`configure`; each object keeps the codebooks it fitted (zero-config)
+    by layer index across recompiles."""
+
+    __name__ = BACKEND_NAME
+
+    def __init__(self, config: BackendConfig | None = None):
+        self.config = config or BackendConfig()
+        self.fitted: dict[int, LayerCodebooks] = {}
+        self._warned_no_sdpa = False
+
+    def configure(
+        self,
+        codebooks: str | Path | VecInferCodebooks | None = None,
+        *,
+        bits: float | None = None,
+        method: str = "vecinfer",
+        residual: int = 0,
+        quantize: bool = True,
+    ) -> "VecInferBackend":
+        """A new backend. codebooks: a file from ``vecinfer calibrate``, loaded codebooks, or None
+        to fit them from the first call; bits: bit-width (default 2, or the codebooks'); method:
+        vecinfer/vq/smooth/hadamard; residual: most recent keys kept in full precision;
+        quantize=False: apply the exact key transform only (for checks)."""
+        return VecInferBackend(_resolve(codebooks, bits, method, residual, quantize))
+
+    def __deepcopy__(self, memo) -> "VecInferBackend":
+        # HF's CompileConfig deep-copies its backend; keep one object so fitted codebooks persist.
+        return self
+
+    def __repr__(self) -> str:
+        c = self.config
+        source = "fit-on-first-call" if c.codebooks is None else "given"
+        return (f"VecInferBackend(bits={c.bits:g}, method={c.method!r}, codebooks={source}, "
+                f"residual={c.residual}, quantize={c.quantize})")
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
+                 options: dict | None = None):
+        cache_reads = rewrite_cache_attention(gm)
+        sites = find_sdpa_sites(gm)
+        if sites:
+            layers = self._layers(gm, example_inputs, sites)
+            rewrite_sdpa(gm, sites, layers, quantize=self.config.quantize, residual=self.config.residual)
+        elif not (cache_reads or self.fitted or self._warned_no_sdpa):
+            self._warned_no_sdpa = True
+            log.warning(
+                "vecinfer: this graph has no F.scaled_dot_product_attention call, so nothing is "
+                "quantized in it. If the model has attention, load it with "
+                "attn_implementation=\"sdpa\" (or call model.set_attn_implementation(\"sdpa\")) "
+                "and compile with fullgraph=True to find graph breaks"
+            )
+        return torch._inductor.compile_fx.compile_fx(
+            gm, example_inputs, config_patches=_config_patches(mode, options)
+        )
+
+    # -- codebooks per layer ------------------------------------------------------------------
+    def _layers(self, gm, example_inputs, sites: list[SdpaSite]) -> dict[int, LayerCodebooks]:
+        codebooks = self.config.codebooks
+        if codebooks is not None:
+            return {s.layer: self._given_layer(codebooks, s) for s in sites}
+        missing = [s for s in sites if s.layer not in self.fitted]
+        if missing:
+            self._fit(gm, example_inputs, missing)
+        return {s.layer: self.fitted[s.layer] for s in sites}
+
+    @staticmethod
+    def _given_layer(codebooks: VecInferCodebooks, site: SdpaSite) -> LayerCodebooks:
+        geometry = codebooks.geometry
+        if site.layer >= geometry["num_layers"] or site.head_dim != geometry["head_dim"] or (
+            site.kv_heads != geometry["num_kv_heads"]
+        ):
+            raise ValueError(
+                f"vecinfer: attention layer {site.layer} ({site.kv_heads} KV heads, head_dim "
+                f"{site.head_dim}) does not fit codebooks calibrated for {geometry['num_layers']} "
+                f"layers, {geometry['num_kv_heads']} KV heads, head_dim {geometry['head_dim']}: "
+                "run `vecinfer calibrate` on this model"
+            )
+        return codebooks.layer(site.layer)
+
+    def _fit(self, gm, example_inputs, sites: list[SdpaSite]) -> None:
+        recorded = record_nodes(gm, example_inputs, [n for s in sites for n in (s.key, s.value)])
+        by_layer: dict[int, list[SdpaSite]] = {}
+        for site in sites:
+            by_layer.setdefault(site.layer, []).append(site)
+        for layer, group in by_layer.items():
+            self.fitted[layer] = _fit_layer(
+                [recorded[s.key] for s in group], [recorded[s.value] for s in group], self.config, layer
+            )
+        first = recorded[sites[0].key]
+        tokens = first.shape[0] * first.shape[2]
+        log.info(
+            "vecinfer: no codebooks given; fitted %g-bit %s codebooks for %d layer(s) from this "
+            "call's %d token(s) — calibrate for better accuracy: `vecinfer calibrate MODEL --bits "
+            "%g --out cb.safetensors`, then vecinfer_backend.configure(codebooks=\"cb.safetensors\")",
+            self.config.bits, self.config.method, len(by_layer), tokens, self.config.bits,
+        )
+
+
+vecinfer_backend = VecInferBackend()
+
+
+def _register() -> None:
+    if BACKEND_NAME not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(compiler_fn=vecinfer_backend, name=BACKEND_NAME)
+
+
+_register()

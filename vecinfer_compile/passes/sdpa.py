@@ -1,0 +1,288 @@
+"""Rewrite every ``F.scaled_dot_product_attention`` of a Dynamo graph to VecInfer attention.
+
+For each SDPA node (any argument form: positional or keyword, bool or float ``attn_mask``,
+``is_causal``, ``scale`` defaulting to ``1/sqrt(D)``, ``enable_gqa``)::
+
+    q~ = ((q.float() * lam_q) @ H).to(q.dtype)          q: [B, Hq, Tq, D], lam_q: [Hq, 1, D]
+    K~ = ((k.float() / lam) @ H).to(k.dtype)            k: [B, Hkv, Tk, D], lam: [Hkv, 1, D]
+    quantize=True:   k_codes = vecinfer.encode(K~, None, None, key_centroids)
+                     v_codes = vecinfer.encode(v, None, None, value_centroids)
+                     out = vecinfer.attention(q~, k_codes, v_codes, kc, vc,
+                                              K~ | None, v | None, mask, is_causal, scale, residual)
+    quantize=False:  out = F.scaled_dot_product_attention(q~, K~, v, mask, is_causal=...,
+                                                          scale=scale, enable_gqa=Hq != Hkv)
+
+The transform is applied once, as plain torch ops in front of the ops (Inductor fuses them);
+``encode`` gets ``lam=None, rotation=None``. K/V stay at ``Hkv`` heads: HF's ``repeat_kv`` is
+unwrapped (:mod:`.repeat_kv`). ``lam``, ``H`` and the codebooks become buffers of the graph module
+(``get_attr`` nodes). Layer identity comes from ``node.meta["nn_module_stack"]``. Each rewrite
+bumps ``counters["vecinfer"]["sdpa_rewrites"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._dynamo.source import ConstantSource
+from torch._dynamo.utils import counters
+
+from ..codebooks import LayerCodebooks
+from .cache_decode import CACHE_READ_META
+from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
+
+log = logging.getLogger(__name__)
+
+SDPA = F.scaled_dot_product_attention
+FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+_SOURCE_PREFIX = re.compile(r"^L\['[^']*'\](?:\[\d+\])*\.?")
+_MODULES_ITEM = re.compile(r"\._modules\['([^']*)'\]")
+
+
+def concrete_int(x) -> int:
+    """An int from an int or a SymInt (its hint: the size seen at this compile)."""
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        if hint is None:
+            raise ValueError(f"size {x} has no concrete value at compile time")
+        return int(hint)
+    return int(x)
+
+
+@dataclass
+class SdpaSite:
+    """One SDPA call of the graph, normalised.
+
+    key/value: the KV-head tensors ``[B, Hkv, Tk, D]`` (repetition unwrapped); key_arg/value_arg:
+    what SDPA read (the repeated tensors, or key/value); attn_mask: a node or None; scale: the
+    explicit or default ``1/sqrt(D)`` scale (a SymFloat node when Dynamo made the model's float
+    attribute symbolic under ``dynamic=True``)."""
+
+    node: fx.Node
+    layer: int
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    key_arg: fx.Node
+    value_arg: fx.Node
+    attn_mask: fx.Node | None
+    is_causal: bool
+    scale: float | fx.Node
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    """An SDPA call to rewrite: not one that :mod:`.cache_decode` left over a VecInferCache read
+    (its K/V are already dequantized codes)."""
+    return node.op == "call_function" and node.target is SDPA and not node.meta.get(CACHE_READ_META)
+
+
+def _example(node: fx.Node) -> torch.Tensor:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"vecinfer: node {node.name} has no example tensor; is this a Dynamo graph?")
+    return value
+
+
+def layer_from_module_path(path: str) -> int | None:
+    """``"L['self'].model.layers.3.self_attn"`` -> 3: the first integer component of the module
+    path (after the Dynamo source prefix), or None."""
+    path = _MODULES_ITEM.sub(r".\1", _SOURCE_PREFIX.sub("", path))
+    match = _LAYER_INDEX.search(path)
+    return int(match.group(1)) if match else None
+
+
+def _layer_of(node: fx.Node) -> int | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        layer = layer_from_module_path(path)
+        if layer is not None:
+            return layer
+    return None
+
+
+def _sdpa_kwargs(gm: fx.GraphModule, node: fx.Node) -> dict:
+    normalized = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        raise ValueError(f"vecinfer: could not normalise the arguments of {node.format_node()}")
+    return dict(normalized.kwargs)
+
+
+def _site(gm: fx.GraphModule, node: fx.Node, layer: int) -> SdpaSite:
+    kw = _sdpa_kwargs(gm, node)
+    dropout = kw.get("dropout_p", 0.0)
+    if not isinstance(dropout, (int, float)) or dropout != 0.0:
+        raise NotImplementedError(
+            f"vecinfer: SDPA in layer {layer} has dropout_p={dropout}; VecInfer attention has no "
+            "dropout: call model.eval() (or set attention_dropout=0.0 in the config)"
+        )
+    is_causal = kw.get("is_causal", False)
+    if not isinstance(is_causal, bool):
+        raise NotImplementedError(f"vecinfer: SDPA in layer {layer} has a non-constant is_causal")
+    mask = kw.get("attn_mask")
+    if mask is not None and not isinstance(mask, fx.Node):
+        raise NotImplementedError(f"vecinfer: SDPA in layer {layer} has an unsupported attn_mask {mask!r}")
+    if mask is not None and _example(mask).dtype not in (torch.bool, *FLOAT_MASK_DTYPES):
+        raise NotImplementedError(
+            f"vecinfer: SDPA in layer {layer} has an attn_mask of dtype {_example(mask).dtype}; "
+            "pass a bool mask (True = attend) or an additive float mask"
+        )
+    query, key, value = kw["query"], unwrap_repeat_kv(kw["key"]), unwrap_repeat_kv(kw["value"])
+    q, k, v = _example(query), _example(key), _example(value)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise NotImplementedError(
+            f"vecinfer: SDPA in layer {layer} has query/key/value of ranks {q.dim()}/{k.dim()}/"
+            f"{v.dim()}; VecInfer attention needs [B, H, T, D] tensors"
+        )
+    q_heads, kv_heads = concrete_int(q.shape[1]), concrete_int(k.shape[1])
+    head_dim = concrete_int(q.shape[-1])
+    if q_heads % kv_heads or concrete_int(v.shape[1]) != kv_heads:
+        raise NotImplementedError(
+            f"vecinfer: SDPA in layer {layer} has {q_heads} query heads, {kv_heads} key heads and "
+            f"{concrete_int(v.shape[1])} value heads; query heads must be a multiple of the KV heads"
+        )
+    if concrete_int(k.shape[-1]) != head_dim or concrete_int(v.shape[-1]) != head_dim:
+        raise NotImplementedError(
+            f"vecinfer: SDPA in layer {layer} has different query/key/value head dims; "
+            "VecInfer attention needs one head_dim"
+        )
+    scale = kw.get("scale")
+    if isinstance(scale, fx.Node) and not isinstance(scale.meta.get("example_value"), torch.SymFloat):
+        raise NotImplementedError(f"vecinfer: SDPA in layer {layer} has a scale that is not a float")
+    return SdpaSite(
+        node=node,
+        layer=layer,
+        query=query,
+        key=key,
+        value=value,
+        key_arg=kw["key"],
+        value_arg=kw["value"],
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=q.dtype,
+        device=q.device,
+    )
+
+
+def find_sdpa_sites(gm: fx.GraphModule) -> list[SdpaSite]:
+    """Every SDPA node of ``gm`` as a :class:`SdpaSite`, in graph order. Raises
+    NotImplementedError naming the fix for a form VecInfer cannot run (never silently skips)."""
+    nodes = [n for n in gm.graph.nodes if is_sdpa(n)]
+    layers = [_layer_of(n) for n in nodes]
+    if any(layer is None for layer in layers):
+        log.warning(
+            "vecinfer: %d attention call(s) have no module path in node.meta['nn_module_stack']; "
+            "numbering them by their order in this graph, which is only right without graph breaks",
+            sum(layer is None for layer in layers),
+        )
+        layers = list(range(len(nodes)))
+    return [_site(gm, n, layer) for n, layer in zip(nodes, layers)]
+
+
+class _Emitter:
+    """Inserts nodes before one SDPA node and registers constants on the graph module."""
+
+    def __init__(self, gm: fx.GraphModule, site: SdpaSite):
+        self.gm, self.site, self.graph = gm, site, gm.graph
+
+    def constant(self, name: str, value: torch.Tensor) -> fx.Node:
+        qualified = f"vecinfer_layer{self.site.layer}_{name}"
+        if not hasattr(self.gm, qualified):
+            self.gm.register_buffer(qualified, value.detach().to(self.site.device).clone())
+            # AOTAutograd lifts buffers of a Dynamo graph module as inputs and looks up where
+            # each came from; a constant has no user-visible source.
+            sources = getattr(self.gm, "_param_name_to_source", None)
+            if sources is not None:
+                sources[qualified] = ConstantSource(qualified)
+        return self.graph.get_attr(qualified)
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        return self.graph.call_function(target, args, kwargs)
+
+    def transform(self, x: fx.Node, lam: torch.Tensor | None, rotation: torch.Tensor | None,
+                  op, name: str) -> fx.Node:
+        """``((x.float() op lam) @ H).to(x.dtype)``; x itself when there is no transform."""
+        if lam is None and rotation is None:
+            return x
+        out = self.graph.call_method("float", (x,))
+        if lam is not None:
+            out = self.call(op, out, self.constant(name, lam[:, None, :].float()))
+        if rotation is not None:
+            out = self.call(torch.matmul, out, self.constant("rotation", rotation.float()))
+        return self.graph.call_method("to", (out, self.site.dtype))
+
+
+def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,
+                  residual: int) -> None:
+    transform = layer.transform
+    lam = transform.lam
+    if lam is not None and tuple(lam.shape) != (site.kv_heads, site.head_dim):
+        raise ValueError(
+            f"vecinfer: layer {site.layer} has smoothing factors of shape {tuple(lam.shape)} but its "
+            f"attention has {site.kv_heads} KV heads of dim {site.head_dim}: these codebooks were "
+            "calibrated for another model; run `vecinfer calibrate` on this model"
+        )
+    rotation = transform.rotation(torch.float32, "cpu")
+    lam_q = None if lam is None else lam.repeat_interleave(site.q_heads // site.kv_heads, dim=0)
+    node = site.node
+    with gm.graph.inserting_before(node):
+        emit = _Emitter(gm, site)
+        q_t = emit.transform(site.query, lam_q, rotation, torch.mul, "lam_q")
+        k_t = emit.transform(site.key, lam, rotation, torch.div, "lam")
+        if quantize:
+            kc = emit.constant("key_centroids", layer.key_centroids.float())
+            vc = emit.constant("value_centroids", layer.value_centroids.float())
+            k_codes = emit.call(torch.ops.vecinfer.encode.default, k_t, None, None, kc)
+            v_codes = emit.call(torch.ops.vecinfer.encode.default, site.value, None, None, vc)
+            out = emit.call(
+                torch.ops.vecinfer.attention.default,
+                q_t, k_codes, v_codes, kc, vc,
+                k_t if residual else None, site.value if residual else None,
+                site.attn_mask, site.is_causal, site.scale, residual,
+            )
+        else:
+            out = emit.call(
+                SDPA, q_t, k_t, site.value,
+                attn_mask=site.attn_mask, dropout_p=0.0, is_causal=site.is_causal,
+                scale=site.scale, enable_gqa=site.q_heads != site.kv_heads,
+            )
+    out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+    erase_dead_repetition(site.key_arg, site.key)
+    erase_dead_repetition(site.value_arg, site.value)
+    counters["vecinfer"]["sdpa_rewrites"] += 1
+
+
+def rewrite_sdpa(
+    gm: fx.GraphModule,
+    sites: list[SdpaSite],
+    layers: Mapping[int, LayerCodebooks],
+    *,
+    quantize: bool = True,
+    residual: int = 0,
+) -> int:
+    """Replace each site's SDPA node (see the module docstring); ``layers[site.layer]`` gives its
+    transform and codebooks. Returns the number of rewrites and recompiles ``gm``."""
+    if residual < 0:
+        raise ValueError(f"residual must be >= 0, got {residual}")
+    for site in sites:
+        _rewrite_site(gm, site, layers[site.layer], quantize=quantize, residual=residual)
+    gm.graph.lint()
+    gm.recompile()
+    return len(sites)

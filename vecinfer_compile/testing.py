@@ -1,0 +1,185 @@
+"""Test helpers for users and for this project's tests.
+
+- :func:`attention_cases`: a hypothesis strategy of attention shapes (B, Hq, Hkv, Tq, Tk, D,
+  dtype, mask kind); :func:`make_attention_inputs` turns one into tensors.
+- :func:`check_model`: compile a model with the exact key transform (no quantization) and check
+  that it matches eager and that every SDPA was rewritten.
+- :func:`tiny_model`, :func:`random_layer_codebooks`: small random models and quantizers (no
+  downloads) for fast CPU tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._dynamo.utils import counters
+
+from .backend import vecinfer_backend
+from .codebooks import LayerCodebooks
+from .presets import get_preset
+from .quant.transform import KeyTransform
+
+MASK_KINDS = ("none", "causal", "bool", "float")
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """Shapes of one attention call: q ``[B, Hq, Tq, D]``, k/v ``[B, Hkv, Tk, D]`` (Tq <= Tk),
+    mask kind one of :data:`MASK_KINDS` ("causal" = ``is_causal=True``)."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: torch.dtype
+    mask: str
+
+
+def attention_cases(
+    *,
+    head_dims=(16, 32, 64),
+    dtypes=(torch.float32,),
+    masks=MASK_KINDS,
+    max_batch: int = 2,
+    max_kv_heads: int = 4,
+    max_group: int = 4,
+    max_len: int = 24,
+):
+    """A hypothesis strategy of :class:`AttentionCase`. Head dims default to multiples of 16
+    (the Hadamard sizes)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw):
+        kv_heads = draw(st.integers(1, max_kv_heads))
+        kv_len = draw(st.integers(1, max_len))
+        return AttentionCase(
+            batch=draw(st.integers(1, max_batch)),
+            q_heads=kv_heads * draw(st.integers(1, max_group)),
+            kv_heads=kv_heads,
+            q_len=draw(st.integers(1, kv_len)),
+            kv_len=kv_len,
+            head_dim=draw(st.sampled_from(head_dims)),
+            dtype=draw(st.sampled_from(dtypes)),
+            mask=draw(st.sampled_from(masks)),
+        )
+
+    return cases()
+
+
+def make_attention_inputs(case: AttentionCase, seed: int = 0) -> dict:
+    """Random ``query``/``key``/``value`` and the mask of ``case`` as SDPA keyword arguments
+    (``attn_mask`` bool True = attend, or additive float; ``is_causal``). Every query row attends
+    to at least its diagonal key, so no row is fully masked."""
+    gen = torch.Generator().manual_seed(seed)
+    c = case
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(c.dtype)
+
+    out = {
+        "query": rand(c.batch, c.q_heads, c.q_len, c.head_dim),
+        "key": rand(c.batch, c.kv_heads, c.kv_len, c.head_dim),
+        "value": rand(c.batch, c.kv_heads, c.kv_len, c.head_dim),
+        "attn_mask": None,
+        "is_causal": c.mask == "causal",
+    }
+    if c.mask in ("bool", "float"):
+        keep = torch.rand(c.batch, 1, c.q_len, c.kv_len, generator=gen) > 0.3
+        keep |= torch.eye(c.q_len, c.kv_len, dtype=torch.bool)[None, None]
+        out["attn_mask"] = keep if c.mask == "bool" else torch.where(keep, 0.0, float("-inf")).to(c.dtype)
+    return out
+
+
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_model(family: str = "llama", *, layers: int = 2, attn_implementation: str = "sdpa",
+               seed: int = 0, **overrides):
+    """A random causal LM of ``family`` with hidden 64, 4 query heads, 2 KV heads, head_dim 16,
+    vocab 128, in eval mode and float32."""
+    import transformers
+
+    names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+             "qwen3": "Qwen3Config"}
+    if family not in names:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(names)}")
+    config = getattr(transformers, names[family])(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=128, num_hidden_layers=layers, max_position_embeddings=256,
+        **overrides,
+    )
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, seed: int = 0,
+                           smooth: bool = True, rotate: bool = True) -> LayerCodebooks:
+    """Random smoothing factors in [0.5, 2) and Gaussian centroids for one layer."""
+    gen = torch.Generator().manual_seed(seed)
+    preset = get_preset(bits)
+    lam = 0.5 + 1.5 * torch.rand(kv_heads, head_dim, generator=gen) if smooth else None
+    return LayerCodebooks(
+        KeyTransform(head_dim, lam, rotate),
+        torch.randn(preset.key.entries, preset.key.dims, generator=gen),
+        torch.randn(preset.value.entries, preset.value.dims, generator=gen),
+    )
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check_model` measured."""
+
+    num_layers: int
+    sdpa_rewrites: int
+    max_abs_err: float
+    max_ref_abs: float
+
+
+def _num_attention_layers(model) -> int:
+    config = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return config.num_hidden_layers
+
+
+def _logits(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+def check_model(model, inputs=None, *, atol: float = 1e-4, rtol: float = 1e-4, backend=None) -> CheckReport:
+    """Compile ``model`` (a HF causal LM in eval mode) with the key transform but no quantization
+    and assert that (1) its logits match eager within ``atol + rtol * |eager|`` and (2) every
+    attention layer's SDPA was rewritten (``counters["vecinfer"]["sdpa_rewrites"]`` grows by the
+    number of layers). ``inputs``: a dict of model kwargs or an ids tensor; default 16 random
+    tokens. ``backend``: a configured backend (default ``vecinfer_backend.configure(quantize=False)``).
+    Resets Dynamo first so the rewrite count covers exactly this compile."""
+    if inputs is None:
+        gen = torch.Generator().manual_seed(0)
+        inputs = torch.randint(0, model.config.get_text_config().vocab_size, (1, 16), generator=gen)
+    if isinstance(inputs, torch.Tensor):
+        inputs = {"input_ids": inputs.to(model.device)}
+    inputs = {"use_cache": False, **inputs}
+    backend = backend or vecinfer_backend.configure(quantize=False)
+    torch._dynamo.reset()
+    before = counters["vecinfer"]["sdpa_rewrites"]
+    with torch.no_grad():
+        expected = _logits(model(**inputs))
+        actual = _logits(torch.compile(model, backend=backend, fullgraph=True)(**inputs))
+    layers = _num_attention_layers(model)
+    rewrites = counters["vecinfer"]["sdpa_rewrites"] - before
+    if rewrites != layers:
+        raise AssertionError(
+            f"vecinfer rewrote {rewrites} SDPA call(s) for {layers} attention layers: load the model "
+            "with attn_implementation=\"sdpa\" and make sure it compiles with fullgraph=True"
+        )
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    return CheckReport(
+        num_layers=layers,
+        sdpa_rewrites=rewrites,
+        max_abs_err=(actual - expected).abs().max().item(),
+        max_ref_abs=expected.abs().max().item(),
+    )
