@@ -1,0 +1,304 @@
+"""VecInferCache: bookkeeping (property test), eager generate, kv_bytes, errors, cache_kv op."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_window_mask
+from vecinfer_compile.codebooks import LayerCodebooks, VecInferCodebooks, model_geometry
+from vecinfer_compile.ops import cache_ops  # noqa: F401
+from vecinfer_compile.presets import get_preset
+from vecinfer_compile.quant.transform import KeyTransform
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP spin on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_codebooks(config, bits=2.0, seed=0, smooth=True, rotate=True) -> VecInferCodebooks:
+    g = model_geometry(config)
+    gen = torch.Generator().manual_seed(seed)
+    p = get_preset(bits)
+    layers = []
+    for _ in range(g["num_layers"]):
+        lam = torch.rand(g["num_kv_heads"], g["head_dim"], generator=gen) + 0.5 if smooth else None
+        layers.append(LayerCodebooks(
+            KeyTransform(g["head_dim"], lam, rotate),
+            torch.randn(p.key.entries, p.key.dims, generator=gen),
+            torch.randn(p.value.entries, p.value.dims, generator=gen),
+        ))
+    return VecInferCodebooks("vecinfer", bits, layers, g)
+
+
+def tiny_config(**kw) -> LlamaConfig:
+    args = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    args.update(kw)
+    return LlamaConfig(**args)
+
+
+def left_padded(batch=2, length=10, pad=3, vocab=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[0, :pad] = 0
+    mask[0, :pad] = 0
+    return ids, mask
+
+
+def generate(model, ids, mask, cache=None, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        extra = {} if cache is None else {"past_key_values": cache}
+        return model.generate(ids, attention_mask=mask, pad_token_id=0, **extra, **kw)
+
+
+def make_layer(b, h, d, r, tmax, bits=2.0, seed=0, dtype=torch.float32):
+    cfg = tiny_config(num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=h,
+                      head_dim=d, hidden_size=h * d)
+    cb = random_codebooks(cfg, bits=bits, seed=seed)
+    lc = cb.layer(0)
+    return VecInferLayer(batch_size=b, num_kv_heads=h, head_dim=d, max_cache_len=tmax, residual=r,
+                         dtype=dtype, device="cpu", key_centroids=lc.key_centroids,
+                         value_centroids=lc.value_centroids, lam=lc.transform.lam,
+                         rotation=lc.transform.rotation(torch.float32, "cpu"))
+
+
+def assert_nearest(codes, x, centroids, what):
+    """Each code is a nearest centroid of its sub-vector (ties / last-ulp rounding allowed):
+    catches any lost, duplicated or reordered token since the data are random."""
+    dims = centroids.shape[1]
+    sub = x.double().reshape(*x.shape[:-1], x.shape[-1] // dims, dims)
+    dist = ((sub[..., None, :] - centroids.double()) ** 2).sum(-1)  # [..., n, E]
+    chosen = dist.gather(-1, codes.long()[..., None]).squeeze(-1)
+    best = dist.min(-1).values
+    assert torch.all(chosen <= best + 1e-5 * (1 + best)), f"{what}: codes are not the nearest centroids"
+
+
+# -- the window / flush bookkeeping ------------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 2),
+    r=st.integers(0, 6),
+    prefill=st.integers(1, 12),
+    chunks=st.lists(st.integers(1, 3), min_size=0, max_size=12),
+    seed=st.integers(0, 2**16),
+)
+def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks, seed):
+    d = 16
+    sizes = [prefill] + chunks
+    tmax = sum(sizes)
+    layer = make_layer(b, h, d, r, tmax, seed=seed % 7)
+    gen = torch.Generator().manual_seed(seed)
+    ks, kts, vs = [], [], []
+    for i, t in enumerate(sizes):
+        k = torch.randn(b, h, t, d, generator=gen)
+        v = torch.randn(b, h, t, d, generator=gen)
+        ks.append(k), vs.append(v), kts.append(layer.transform_keys(k))
+        rk, rv = layer.update(k, v)
+        total = sum(sizes[: i + 1])
+        n_coded, n_window = int(layer.n_coded), int(layer.n_window)
+        assert n_coded + n_window == total
+        assert n_window == min(r, total)
+        assert layer.get_seq_length() == total
+        kt_all, v_all, k_all = torch.cat(kts, 2), torch.cat(vs, 2), torch.cat(ks, 2)
+        # full precision window == the last n_window tokens exactly
+        assert torch.equal(layer.k_window[:, :, :n_window], kt_all[:, :, n_coded:])
+        assert torch.equal(layer.v_window[:, :, :n_window], v_all[:, :, n_coded:])
+        # codes == encode(all tokens but the last R), in order
+        assert_nearest(layer.k_codes[:, :, :n_coded], kt_all[:, :, :n_coded], layer.key_centroids, "keys")
+        assert_nearest(layer.v_codes[:, :, :n_coded], v_all[:, :, :n_coded], layer.value_centroids, "values")
+        if i == 0:  # prefill returns the full-precision inputs
+            assert rk is k and rv is v
+            assert layer.get_mask_sizes(1) == (tmax, 0)
+        else:  # decode returns the full-length dequantized K/V in the original domain
+            assert rk.shape == (b, h, tmax, d)
+            if n_window:
+                torch.testing.assert_close(rk[:, :, n_coded:total], k_all[:, :, n_coded:], rtol=1e-5, atol=1e-5)
+                assert torch.equal(rv[:, :, n_coded:total], v_all[:, :, n_coded:])
+            dec_v = layer.value_centroids[layer.v_codes[:, :, :n_coded].long()].reshape(b, h, n_coded, d)
+            assert torch.equal(rv[:, :, :n_coded], dec_v)
+            assert not rk[:, :, total:].any() and not rv[:, :, total:].any()
+
+
+def test_prefill_longer_than_window_and_reset():
+    layer = make_layer(1, 2, 16, 4, 32)
+    assert layer.get_mask_sizes(7) == (7, 0) and layer.get_seq_length() == 0
+    k, v = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    layer.update(k, v)
+    assert (int(layer.n_coded), int(layer.n_window)) == (6, 4)
+    layer.reset()
+    assert layer.get_seq_length() == 0 and int(layer.n_coded) == 0 and not layer.k_codes.any()
+    layer.update(k[:, :, :3], v[:, :, :3])
+    assert (int(layer.n_coded), int(layer.n_window)) == (0, 3)
+
+
+def test_cache_window_mask():
+    m = cache_window_mask(1, 10, 4)
+    assert m.tolist() == [[False] * 6 + [True] * 4]
+    assert cache_window_mask(3, 5, 2, prefill=True).all()
+    m = cache_window_mask(2, 6, 3)
+    assert m.tolist() == [[False] * 3 + [True] * 3] * 2
+
+
+# -- eager generate ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config()).eval()
+
+
+def test_generate_large_window_equals_full_precision(tiny_model):
+    ids, mask = left_padded()
+    cb = random_codebooks(tiny_model.config)
+    ref = generate(tiny_model, ids, mask, max_new_tokens=8, do_sample=False)
+    cache = VecInferCache(tiny_model, cb, batch_size=2, max_cache_len=18, residual=18)
+    out = generate(tiny_model, ids, mask, cache, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_generate_small_window_reads_codes(tiny_model):
+    ids, mask = left_padded()
+    cb = random_codebooks(tiny_model.config)
+    cache = VecInferCache(tiny_model, cb, batch_size=2, max_cache_len=24, residual=3)
+    out = generate(tiny_model, ids, mask, cache, max_new_tokens=8, do_sample=False)
+    assert out.shape == (2, 18)
+    layer = cache.layers[0]
+    assert (int(layer.n_coded), int(layer.n_window)) == (14, 3)  # 10 + 8 - 1 tokens went through
+    # the decoded logits differ from full precision (codes are read) but stay finite
+    full = tiny_model(out, attention_mask=torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], 1)).logits
+    assert torch.isfinite(full).all()
+
+
+def test_generate_sampling_and_eos(tiny_model):
+    ids, mask = left_padded(seed=3)
+    cb = random_codebooks(tiny_model.config)
+    cache = VecInferCache(tiny_model, cb, batch_size=2, max_cache_len=30, residual=4)
+    torch.manual_seed(0)
+    out = generate(tiny_model, ids, mask, cache, max_new_tokens=6, do_sample=True, top_k=20,
+                   eos_token_id=int(ids[1, -1]))
+    assert out.shape[0] == 2 and 11 <= out.shape[1] <= 16
+
+
+def test_generate_tiny_checkpoint(shared_tiny_dir):
+    model = LlamaForCausalLM.from_pretrained(shared_tiny_dir, dtype=torch.float32).eval()
+    cb = random_codebooks(model.config, bits=2.0)
+    ids, mask = left_padded(vocab=model.config.vocab_size, length=12, pad=4)
+    ref = generate(model, ids, mask, max_new_tokens=6, do_sample=False)
+    cache = VecInferCache(model, cb, batch_size=2, max_cache_len=17, residual=17)
+    assert torch.equal(generate(model, ids, mask, cache, max_new_tokens=6, do_sample=False), ref)
+    cache = VecInferCache(model, cb, batch_size=2, max_cache_len=17, residual=4)
+    out = generate(model, ids, mask, cache, max_new_tokens=6, do_sample=False)
+    assert out.shape == (2, 18) and int(cache.layers[0].n_coded) == 13
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2.0, 1.25, 3.0])
+def test_kv_bytes_arithmetic(bits):
+    cfg = tiny_config()
+    cb = random_codebooks(cfg, bits=bits)
+    b, tmax, r, hkv, d, layers = 3, 50, 8, 2, 16, 2
+    cache = VecInferCache(cfg, cb, batch_size=b, max_cache_len=tmax, residual=r, dtype=torch.bfloat16)
+    p = get_preset(bits)
+    isz = lambda entries: 1 if entries <= 256 else 2  # noqa: E731
+    per_layer = (
+        b * hkv * tmax * (d // p.key.dims) * isz(p.key.entries)
+        + b * hkv * tmax * (d // p.value.dims) * isz(p.value.entries)
+        + 2 * b * hkv * r * d * 2  # bf16 windows
+        + 2 * 8  # two int64 counters
+        + 4 * (p.key.entries * p.key.dims + p.value.entries * p.value.dims)  # f32 codebooks
+        + 4 * hkv * d  # f32 lam
+    )
+    assert cache.kv_bytes() == layers * per_layer + 4 * d * d  # one shared rotation
+    assert cache.fp_kv_bytes() == layers * 2 * b * hkv * tmax * d * 2
+
+
+# -- errors --------------------------------------------------------------------------------------
+def test_error_wrong_dtype(tiny_model):
+    cb = random_codebooks(tiny_model.config)
+    cache = VecInferCache(tiny_model.config, cb, batch_size=2, max_cache_len=20, dtype=torch.bfloat16)
+    ids, mask = left_padded()
+    with pytest.raises(TypeError, match="dtype"):
+        generate(tiny_model, ids, mask, cache, max_new_tokens=2)
+
+
+def test_error_codebooks_for_another_model(tiny_model):
+    other = random_codebooks(tiny_config(head_dim=32, hidden_size=128))
+    with pytest.raises(ValueError, match="another model"):
+        VecInferCache(tiny_model, other, batch_size=1, max_cache_len=8)
+    with pytest.raises(TypeError, match="VecInferCodebooks"):
+        VecInferCache(tiny_model, {"not": "codebooks"}, batch_size=1, max_cache_len=8)
+
+
+def test_error_head_dim_mismatch():
+    layer = make_layer(1, 2, 16, 4, 16)
+    with pytest.raises(ValueError, match="head_dim"):
+        layer.update(torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32))
+    with pytest.raises(ValueError, match="batch_size"):
+        layer.update(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16))
+
+
+def test_error_beyond_max_cache_len(tiny_model):
+    layer = make_layer(1, 2, 16, 4, 8)
+    with pytest.raises(ValueError, match="increase max_cache_len"):
+        layer.update(torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16))
+    layer.update(torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 16))
+    layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    with pytest.raises(ValueError, match="increase max_cache_len"):
+        layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    cb = random_codebooks(tiny_model.config)
+    cache = VecInferCache(tiny_model, cb, batch_size=2, max_cache_len=12, residual=4)
+    ids, mask = left_padded()
+    with pytest.raises(ValueError, match="increase max_cache_len"):
+        generate(tiny_model, ids, mask, cache, max_new_tokens=8, do_sample=False)
+
+
+def test_error_crop_and_sliding():
+    layer = make_layer(1, 2, 16, 4, 8)
+    layer.crop(0)
+    with pytest.raises(NotImplementedError, match="cropped"):
+        layer.crop(-1)
+    cfg = tiny_config(layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="full-attention"):
+        VecInferCache(cfg, random_codebooks(cfg), batch_size=1, max_cache_len=8)
+
+
+# -- the cache_kv op -----------------------------------------------------------------------------
+def _cache_kv_args(lam=True, rot=True, bits=2.0):
+    layer = make_layer(2, 2, 16, 4, 12, bits=bits)
+    layer.update(torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16))
+    layer.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))
+    return (layer.k_codes, layer.v_codes, layer.key_centroids, layer.value_centroids, layer.n_coded,
+            layer.k_window, layer.v_window, layer.n_window, layer.lam if lam else None,
+            layer.rotation if rot else None)
+
+
+@pytest.mark.parametrize("lam,rot,bits", [(True, True, 2.0), (False, False, 1.25), (True, False, 3.0)])
+def test_cache_kv_opcheck(lam, rot, bits):
+    torch.library.opcheck(torch.ops.vecinfer.cache_kv.default, _cache_kv_args(lam, rot, bits))
+
+
+def test_cache_kv_matches_keys_inverse():
+    args = _cache_kv_args()
+    k, v = torch.ops.vecinfer.cache_kv(*args)
+    k_codes, _, kc, _, n_coded, k_window, _, n_window, lam, rot = args
+    c, w = int(n_coded), int(n_window)
+    tr = KeyTransform(16, lam, True)
+    dec = kc[k_codes[:, :, :c].long()].reshape(2, 2, c, 16)
+    torch.testing.assert_close(k[:, :, :c], tr.keys_inverse(dec))
+    torch.testing.assert_close(k[:, :, c:c + w], tr.keys_inverse(k_window[:, :, :w]))
+    assert not k[:, :, c + w:].any() and math.prod(v.shape) == 2 * 2 * 12 * 16

@@ -1,0 +1,465 @@
+"""VecInferCache: a compileable Hugging Face ``Cache`` that stores K/V as VQ codes plus a small
+full-precision window of the most recent tokens.
+
+Use it like HF's ``StaticCache``::
+
+    cache = VecInferCache(model, codebooks, batch_size=2, max_cache_len=4096)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+
+See :class:`VecInferCache` for the exact semantics, :func:`cache_window_mask` for the same
+semantics as a mask (used by the eager simulate path), and
+:mod:`vecinfer_compile.passes.cache_decode` for the compiled decode rewrite.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .codebooks import VecInferCodebooks, model_geometry
+from .quant.codebook import code_dtype
+
+__all__ = ["VecInferCache", "VecInferLayer", "cache_window_mask"]
+
+
+def _ops():
+    """Import (and so register) the vecinfer ops lazily: cache.py stays importable on its own."""
+    from . import ops  # noqa: F401  registers vecinfer::encode / decode_attention
+    from .ops import cache_ops  # noqa: F401  registers vecinfer::cache_kv
+
+    return torch.ops.vecinfer
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _encode_flush(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Codes of the few tokens a decode step moves out of the window (``x`` already transformed).
+
+    CUDA: ``vecinfer::encode`` (Triton). Elsewhere: nearest centroid by ``((x - c) ** 2).sum()``.
+    The op's reference form ``argmin(|x|^2 - 2 x c^T + |c|^2)`` is miscompiled by Inductor's CPU
+    backend in torch 2.11 (the fused argmin returns indices rounded down to a multiple of 8), so
+    the compiled CPU decode step uses this form, which compiles correctly on 2.11 and 2.13. It
+    materialises ``[N, E, d]`` floats: fine for the decode step's few tokens.
+    """
+    if x.device.type == "cuda":
+        return torch.ops.vecinfer.encode(x, None, None, centroids)
+    entries, dims = centroids.shape
+    b, h, t, d = x.shape
+    sub = x.float().reshape(b, h, t, d // dims, 1, dims)
+    dist = ((sub - centroids) ** 2).sum(-1)
+    return dist.argmin(-1).to(code_dtype(entries))
+
+
+def cache_window_mask(tq: int, tk: int, residual: int, *, prefill: bool = False, device=None) -> torch.Tensor:
+    """``[Tq, Tk]`` bool, True where key ``j`` is read in full precision by query ``i`` in a
+    :class:`VecInferCache` forward of ``Tq`` new tokens over ``Tk`` cached slots (queries are the
+    last ``Tq`` slots, bottom-right aligned, as in HF).
+
+    - ``prefill=True`` (the first update of an empty cache): everything is full precision.
+    - otherwise: key ``j`` is full precision iff ``(Tk - 1) - j < residual``, i.e. it lies in the
+      last ``residual`` slots *after* the new tokens were appended. For one new token (decode) this
+      is the simulate rule ``i - j < residual``; for a chunk of several tokens appended to a
+      non-empty cache, every query of the chunk sees the same window (that of the chunk's last
+      token), which is what the cache can hold.
+
+    Causality is not part of this mask (combine with the causal/padding mask as usual).
+    """
+    if prefill:
+        return torch.ones(tq, tk, dtype=torch.bool, device=device)
+    j = torch.arange(tk, device=device)
+    return ((tk - 1 - j) < residual)[None, :].expand(tq, tk).clone()
+
+
+class VecInferLayer(CacheLayerMixin):
+    """One decoder layer's compressed cache: static buffers, allocated up front.
+
+    Buffers (``B`` batch, ``H`` KV heads, ``D`` head_dim, ``R`` residual):
+
+    - ``k_codes [B, H, max_cache_len, D // dk]``, ``v_codes [B, H, max_cache_len, D // dv]``
+      (uint8, int16 for codebooks over 256 entries): slot ``t < n_coded`` holds position ``t``.
+    - ``k_window`` (transformed keys ``K~``), ``v_window`` (raw values) ``[B, H, R, D]`` in the
+      model dtype: slot ``s < n_window`` holds position ``n_coded + s``.
+    - ``n_coded``, ``n_window``: 0-d int64 tensors (never Python ints: no recompiles).
+    - ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``, ``lam [H, D]`` (or None), float32;
+      ``rotation [D, D]`` float32 (or None), shared by all layers of a cache.
+    """
+
+    is_compileable = True
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_cache_len: int,
+        residual: int,
+        dtype: torch.dtype,
+        device,
+        key_centroids: torch.Tensor,
+        value_centroids: torch.Tensor,
+        lam: torch.Tensor | None,
+        rotation: torch.Tensor | None,
+        layer_idx: int = 0,
+    ):
+        super().__init__()
+        _ops()  # register the ops now, never while tracing
+        if residual < 0:
+            raise ValueError(f"residual must be >= 0, got {residual}")
+        if max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be >= 1, got {max_cache_len}")
+        self.batch_size, self.num_heads, self.head_dim = batch_size, num_kv_heads, head_dim
+        self.k_head_dim = self.v_head_dim = head_dim
+        self.max_cache_len, self.residual = max_cache_len, residual
+        self.dtype, self.device, self.layer_idx = dtype, torch.device(device), layer_idx
+        dk, dv = key_centroids.shape[1], value_centroids.shape[1]
+        for dims, what in ((dk, "key"), (dv, "value")):
+            if head_dim % dims:
+                raise ValueError(
+                    f"head_dim {head_dim} is not divisible by the {what} sub-vector size {dims}: "
+                    "these codebooks do not fit this model"
+                )
+        dev = self.device
+        self.key_centroids = key_centroids.to(dev, torch.float32).contiguous()
+        self.value_centroids = value_centroids.to(dev, torch.float32).contiguous()
+        self.lam = None if lam is None else lam.to(dev, torch.float32).contiguous()
+        self.rotation = None if rotation is None else rotation.to(dev, torch.float32).contiguous()
+        b, h = batch_size, num_kv_heads
+        self.k_codes = torch.zeros(b, h, max_cache_len, head_dim // dk, dtype=code_dtype(key_centroids.shape[0]), device=dev)
+        self.v_codes = torch.zeros(b, h, max_cache_len, head_dim // dv, dtype=code_dtype(value_centroids.shape[0]), device=dev)
+        self.k_window = torch.zeros(b, h, residual, head_dim, dtype=dtype, device=dev)
+        self.v_window = torch.zeros(b, h, residual, head_dim, dtype=dtype, device=dev)
+        self.n_coded = torch.zeros((), dtype=torch.int64, device=dev)
+        self.n_window = torch.zeros((), dtype=torch.int64, device=dev)
+        if not _is_compiling():
+            for t in self._static_tensors():
+                torch._dynamo.mark_static_address(t)
+        self._empty = True  # Python flag: prefill (first update) vs decode; guarded by Dynamo
+        self.is_initialized = True
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _static_tensors(self) -> list[torch.Tensor]:
+        ts = [self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
+              self.key_centroids, self.value_centroids]
+        return ts + [t for t in (self.lam, self.rotation) if t is not None]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # Buffers are allocated in __init__; HF's early_initialization only gets a check.
+        self._check_states(key_states, value_states)
+
+    def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for t, name in ((k, "key_states"), (v, "value_states")):
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be [B, H_kv, T, D], got {tuple(t.shape)}")
+            if t.dtype != self.dtype:
+                raise TypeError(
+                    f"VecInferCache layer {self.layer_idx} holds {self.dtype} but the model gives {name} in "
+                    f"{t.dtype}: build the cache with dtype={t.dtype} (or load the model in {self.dtype})"
+                )
+            if t.shape[-1] != self.head_dim:
+                raise ValueError(
+                    f"{name} have head_dim {t.shape[-1]} but the cache was built for {self.head_dim}: "
+                    "build the cache from this model's config"
+                )
+            if t.shape[1] != self.num_heads:
+                raise ValueError(
+                    f"{name} have {t.shape[1]} KV heads but the cache was built for {self.num_heads}: "
+                    "build the cache from this model's config"
+                )
+            if t.shape[0] != self.batch_size:
+                raise ValueError(
+                    f"{name} have batch size {t.shape[0]} but the cache was built for batch_size="
+                    f"{self.batch_size}: build a VecInferCache with batch_size={t.shape[0]}"
+                )
+            if t.device != self.device:
+                raise ValueError(f"{name} are on {t.device} but the cache is on {self.device}: pass device=")
+
+    def _overflow(self, total) -> ValueError:
+        return ValueError(
+            f"VecInferCache layer {self.layer_idx}: {total} tokens do not fit max_cache_len="
+            f"{self.max_cache_len}: increase max_cache_len (prompt length + max_new_tokens)"
+        )
+
+    def transform_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """``K~ = (K / lam) @ H`` computed in float32, returned in the cache dtype."""
+        work = k.float()
+        if self.lam is not None:
+            work = work / self.lam[None, :, None, :]
+        if self.rotation is not None:
+            work = work @ self.rotation
+        return work.to(self.dtype)
+
+    # -- update --------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._check_states(key_states, value_states)
+        if self._empty:
+            return self._prefill(key_states, value_states)
+        return self._append(key_states, value_states)
+
+    def _prefill(self, k: torch.Tensor, v: torch.Tensor):
+        """First update of an empty cache: store, and return the full-precision K/V as given."""
+        ops = torch.ops.vecinfer
+        t = k.shape[2]
+        if t > self.max_cache_len:
+            raise self._overflow(t)
+        kt = self.transform_keys(k)
+        n_code = max(t - self.residual, 0)
+        n_win = t - n_code
+        if n_code > 0:
+            self.k_codes[:, :, :n_code].copy_(ops.encode(kt[:, :, :n_code], None, None, self.key_centroids))
+            self.v_codes[:, :, :n_code].copy_(ops.encode(v[:, :, :n_code], None, None, self.value_centroids))
+        if n_win > 0:
+            self.k_window[:, :, :n_win].copy_(kt[:, :, n_code:])
+            self.v_window[:, :, :n_win].copy_(v[:, :, n_code:])
+        self.n_coded.fill_(n_code)
+        self.n_window.fill_(n_win)
+        self._empty = False
+        return k, v
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor):
+        """Append ``T`` tokens without data-dependent Python (compiles with fullgraph=True).
+
+        Virtual sequence ``S = window[:w] ++ new[:T]`` (``w = n_window``). The first
+        ``f = w + T - min(w + T, R)`` tokens of ``S`` are encoded into code slots
+        ``n_coded .. n_coded + f``; the window becomes ``S[f:]``. ``S[v]`` sits at index ``v`` of
+        ``cat(window, new)`` if ``v < w``, else at ``R + v - w``. Codes computed for ``S[f:T]``
+        are written to slots ``n_coded + f .. n_coded + T`` (in bounds when the tokens fit, beyond
+        the new ``n_coded``, so never read) instead of branching.
+        """
+        t = k.shape[2]
+        r = self.residual
+        dev = self.device
+        if not _is_compiling():
+            total = int(self.n_coded) + int(self.n_window) + t
+            if total > self.max_cache_len:
+                raise self._overflow(total)
+        kt = self.transform_keys(k)
+        c, w = self.n_coded, self.n_window
+        ck = torch.cat([self.k_window, kt], dim=2)
+        cv = torch.cat([self.v_window, v], dim=2)
+        w_new = torch.clamp(w + t, max=r)
+        f = w + t - w_new
+
+        def source(virtual: torch.Tensor) -> torch.Tensor:
+            idx = torch.where(virtual < w, virtual, virtual - w + r)
+            return idx.clamp(0, r + t - 1)
+
+        j = torch.arange(t, device=dev)
+        flush = source(j)
+        k_flush = _encode_flush(ck.index_select(2, flush), self.key_centroids)
+        v_flush = _encode_flush(cv.index_select(2, flush), self.value_centroids)
+        pos = (c + j).clamp(max=self.max_cache_len - 1)
+        self.k_codes.index_copy_(2, pos, k_flush)
+        self.v_codes.index_copy_(2, pos, v_flush)
+        if r > 0:
+            keep = source(f + torch.arange(r, device=dev))
+            self.k_window.copy_(ck.index_select(2, keep))
+            self.v_window.copy_(cv.index_select(2, keep))
+        self.n_coded.add_(f)
+        self.n_window.copy_(w_new)
+        return torch.ops.vecinfer.cache_kv(
+            self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
+            self.k_window, self.v_window, self.n_window, self.lam, self.rotation,
+        )
+
+    # -- reads ---------------------------------------------------------------------------------
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager: the full-length ``[B, H, max_cache_len, D]`` K (original domain) and V the
+        cache stands for (zeros beyond the valid length)."""
+        return _ops().cache_kv(
+            self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
+            self.k_window, self.v_window, self.n_window, self.lam, self.rotation,
+        )
+
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older signature: cache_position
+            query_length = query_length.shape[0]
+        if self._empty:  # prefill returns only the new tokens, in full precision
+            return query_length, 0
+        return self.max_cache_len, 0
+
+    def get_seq_length(self, *args, **kwargs):
+        if self._empty:
+            return 0
+        return self.n_coded + self.n_window
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def kv_bytes(self) -> int:
+        seen, total = set(), 0
+        for t in self._static_tensors():
+            key = (t.data_ptr(), t.numel())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return total
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        for t in (self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window):
+            t.zero_()
+        self._empty = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise NotImplementedError(
+            "VecInferCache cannot be cropped: tokens that left the full-precision window are already "
+            "encoded; reset() it and prefill again"
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device)
+        for t in (self.k_codes, self.v_codes, self.k_window, self.v_window):
+            t.copy_(t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("VecInferCache has a fixed batch size: build it with the expanded batch_size")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("VecInferCache has a fixed batch size: build a new cache for the selected rows")
+
+    def offload(self):  # static buffers stay on device
+        pass
+
+    def prefetch(self):
+        pass
+
+
+def _config_of(model_or_config):
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _dtype_of(model_or_config, config) -> torch.dtype:
+    dtype = getattr(model_or_config, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+class VecInferCache(Cache):
+    """A transformers ``Cache`` holding a VecInfer-compressed KV cache; compileable.
+
+    ``VecInferCache(model_or_config, codebooks, *, batch_size, max_cache_len, residual=128,
+    dtype=None, device=None)``; ``dtype``/``device`` default to the model's (or the config's
+    dtype, then float32, and CPU).
+
+    Semantics (positions are cache slots: with left padding, slot = index in the padded row):
+
+    - **Prefill** (the first update of an empty layer; ``generate()`` runs it eagerly): ``update``
+      returns the given K/V unchanged, so the prompt attends in full precision. It stores all but
+      the last ``R = residual`` tokens as codes ``encode(K~)`` / ``encode(V)`` and keeps the last
+      ``R`` in the window (keys transformed, ``K~ = (K / lam) @ H``, in the cache dtype).
+    - **Decode** (every later update, usually one token): the new tokens are appended to the
+      window; tokens pushed out of it are encoded from their stored ``K~``/``V`` and moved to the
+      codes. After each update exactly the last ``min(R, length)`` tokens are in full precision:
+      the decode query at slot ``i`` reads key ``j`` in full precision iff ``i - j < R``, older
+      keys from codes (``keys_inverse(decode(codes))``). A chunk of several tokens appended to a
+      non-empty cache shares the window of its last token. :func:`cache_window_mask` states this
+      as a mask for the simulate path.
+    - **What decode returns**: eagerly, ``vecinfer::cache_kv``: full-length ``[B, H_kv,
+      max_cache_len, D]`` dequantized K (original domain) and V, zero beyond the valid length;
+      HF's mask (``get_mask_sizes`` -> ``max_cache_len``, padding, cache position) makes attention
+      exact over them. Compiled, :func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention`
+      replaces ``SDPA(q, cache_kv...)`` by ``vecinfer::decode_attention`` over the codes.
+    - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
+      path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
+      differ on near-ties).
+
+    No full-precision copy of older tokens is kept anywhere. :meth:`kv_bytes` counts every byte
+    held (codes, windows, codebooks, lam, rotation, counters). Not croppable (encoded tokens
+    cannot be un-flushed); fixed batch size; all layers must be full attention.
+    """
+
+    def __init__(
+        self,
+        model_or_config,
+        codebooks: VecInferCodebooks,
+        *,
+        batch_size: int,
+        max_cache_len: int,
+        residual: int = 128,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ):
+        config = _config_of(model_or_config)
+        if not isinstance(codebooks, VecInferCodebooks):
+            raise TypeError(
+                f"codebooks must be a VecInferCodebooks (load_codebooks(path) or calibrate(...)), got "
+                f"{type(codebooks).__name__}"
+            )
+        codebooks.check_model(config)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            other = sorted({t for t in layer_types if t != "full_attention"})
+            if other:
+                raise ValueError(
+                    f"VecInferCache supports full-attention layers only; this model has {other} layers"
+                )
+        geometry = model_geometry(config)
+        if dtype is None:
+            dtype = _dtype_of(model_or_config, config)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        if device is None:
+            device = getattr(model_or_config, "device", None) or "cpu"
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        head_dim = geometry["head_dim"]
+        rotation_cache: dict[bool, torch.Tensor | None] = {}
+        layers = []
+        for i in range(geometry["num_layers"]):
+            lc = codebooks.layer(i)
+            rotate = bool(lc.transform.rotate)
+            if rotate not in rotation_cache:  # one rotation tensor shared by all layers
+                rotation_cache[rotate] = lc.transform.rotation(torch.float32, device)
+            layers.append(
+                VecInferLayer(
+                    batch_size=batch_size,
+                    num_kv_heads=geometry["num_kv_heads"],
+                    head_dim=head_dim,
+                    max_cache_len=max_cache_len,
+                    residual=residual,
+                    dtype=dtype,
+                    device=device,
+                    key_centroids=lc.key_centroids,
+                    value_centroids=lc.value_centroids,
+                    lam=lc.transform.lam,
+                    rotation=rotation_cache[rotate],
+                    layer_idx=i,
+                )
+            )
+        super().__init__(layers=layers)
+        self.codebooks = codebooks
+        # (no `max_cache_len` attribute: transformers 5.17 has a read-only property of that name;
+        # use get_max_length())
+        self.residual, self.dtype, self.device = residual, dtype, torch.device(device)
+
+    def kv_bytes(self) -> int:
+        """Bytes of everything the cache holds on its device (shared tensors counted once)."""
+        seen, total = set(), 0
+        for layer in self.layers:
+            for t in layer._static_tensors():
+                key = (t.data_ptr(), t.numel())
+                if key not in seen:
+                    seen.add(key)
+                    total += t.numel() * t.element_size()
+        return total
+
+    def fp_kv_bytes(self) -> int:
+        """Bytes a full-precision static cache of the same shape would hold (for ratios)."""
+        l0 = self.layers[0]
+        per_layer = 2 * l0.batch_size * l0.num_heads * l0.max_cache_len * l0.head_dim
+        return len(self.layers) * per_layer * torch.empty((), dtype=self.dtype).element_size()

@@ -1,0 +1,102 @@
+"""``vecinfer::cache_kv``: the full-length K/V that a :class:`~vecinfer_compile.cache.VecInferCache`
+layer stands for, dequantized in the original (untransformed) key domain.
+
+Schema::
+
+    vecinfer::cache_kv(Tensor k_codes, Tensor v_codes, Tensor k_centroids, Tensor v_centroids,
+        Tensor n_coded, Tensor k_window, Tensor v_window, Tensor n_window, Tensor? lam,
+        Tensor? rotation) -> (Tensor, Tensor)
+
+It is the cache's *eager* read: ``K[b, h, t] = keys_inverse(decode(k_codes))[t]`` for
+``t < n_coded``, ``keys_inverse(k_window[t - n_coded])`` for ``n_coded <= t < n_coded + n_window``,
+zero beyond; ``V`` likewise without the inverse transform. Both ``[B, Hkv, Tmax, D]`` in the
+window's dtype. The op is pure (no mutation) and opaque, so in a Dynamo graph it is one node whose
+arguments are exactly the cache state: :mod:`vecinfer_compile.passes.cache_decode` finds
+``scaled_dot_product_attention(q, <cache_kv>[0], <cache_kv>[1], mask)`` and replaces it with
+``vecinfer::decode_attention`` over the codes, after which this node is dead and removed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAMESPACE = "vecinfer"
+QUALNAME = f"{NAMESPACE}::cache_kv"
+
+
+def _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation):
+    for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes"), (k_window, "k_window"), (v_window, "v_window")):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-d [B, Hkv, T, *], got {tuple(t.shape)}")
+    for t, name in ((k_centroids, "k_centroids"), (v_centroids, "v_centroids")):
+        if t.dim() != 2 or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 [entries, dims], got {t.dtype} {tuple(t.shape)}")
+    for t, name in ((n_coded, "n_coded"), (n_window, "n_window")):
+        if t.dim() != 0 or t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be a 0-d int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
+    d = k_window.shape[-1]
+    if k_codes.shape[-1] * k_centroids.shape[-1] != d or v_codes.shape[-1] * v_centroids.shape[-1] != d:
+        raise ValueError(
+            f"codes {tuple(k_codes.shape)}/{tuple(v_codes.shape)} with sub-vectors of "
+            f"{k_centroids.shape[-1]}/{v_centroids.shape[-1]} do not make head_dim {d}"
+        )
+    if lam is not None and tuple(lam.shape) != (k_window.shape[1], d):
+        raise ValueError(f"lam must be [Hkv, D] = {(k_window.shape[1], d)}, got {tuple(lam.shape)}")
+    if rotation is not None and tuple(rotation.shape) != (d, d):
+        raise ValueError(f"rotation must be [D, D] = {(d, d)}, got {tuple(rotation.shape)}")
+
+
+def _assemble(codes, centroids, n_coded, window, n_window) -> torch.Tensor:
+    """float32 ``[B, H, Tmax, D]``: decoded codes below n_coded, window slots after, zeros beyond."""
+    b, h, tmax, n = codes.shape
+    r = window.shape[2]
+    dec = centroids.float()[codes.long()].reshape(b, h, tmax, n * centroids.shape[1])
+    t = torch.arange(tmax, device=codes.device)
+    slot = t - n_coded
+    in_window = (slot >= 0) & (slot < n_window)
+    if r > 0:
+        win = window.float().index_select(2, slot.clamp(0, r - 1))
+    else:
+        win = torch.zeros_like(dec)
+        in_window = torch.zeros_like(in_window)
+    out = torch.where(in_window[:, None], win, torch.zeros_like(dec))
+    return torch.where((t < n_coded)[:, None], dec, out)
+
+
+@torch.library.custom_op(QUALNAME, mutates_args=())
+def cache_kv(
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    lam: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation)
+    kt = _assemble(k_codes, k_centroids, n_coded, k_window, n_window)
+    if rotation is not None:
+        kt = kt @ rotation.float().T
+    if lam is not None:
+        kt = kt * lam.float()[None, :, None, :]
+    v = _assemble(v_codes, v_centroids, n_coded, v_window, n_window)
+    return kt.to(k_window.dtype), v.to(v_window.dtype)
+
+
+@cache_kv.register_fake
+def _(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation):
+    _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation)
+    b, h, tmax, _ = k_codes.shape
+    d = k_window.shape[-1]
+    k = k_window.new_empty((b, h, tmax, d))
+    v = v_window.new_empty((b, h, tmax, d))
+    return k, v
+
+
+def is_cache_kv(target) -> bool:
+    """Whether an FX node target is this op (packet or overload)."""
+    op = torch.ops.vecinfer.cache_kv
+    return target is op or target is op.default

@@ -1,0 +1,192 @@
+"""Rewrite decode attention over a :class:`~vecinfer_compile.cache.VecInferCache` to the fused op.
+
+In a compiled decode step, each layer's cache update ends in ``vecinfer::cache_kv`` (the
+dequantized full-length K/V) and attention reads it::
+
+    kv   = vecinfer.cache_kv(k_codes, v_codes, kc, vc, n_coded, k_window, v_window, n_window, lam, H)
+    out  = F.scaled_dot_product_attention(q, repeat_kv?(kv[0]), repeat_kv?(kv[1]), attn_mask, scale=s)
+
+becomes::
+
+    q~       = ((q.float() * lam_q) @ H).to(q.dtype)        (plain torch ops; Inductor fuses them)
+    kv_start = first attended slot of each batch row of attn_mask  (left padding)
+    out      = vecinfer.decode_attention(q~, k_codes, v_codes, kc, vc, n_coded,
+                                         k_window, v_window, n_window, kv_start, s)
+
+after which ``cache_kv`` and the repetition are dead and erased, so the compiled graph holds no
+dequantized full-length K/V. The cache state nodes are the ``cache_kv`` arguments themselves, so
+no layer lookup is needed. Each rewrite bumps ``counters["vecinfer"]["cache_decode_rewrites"]``.
+
+Run it BEFORE the generic SDPA rewrite (:mod:`.sdpa`). SDPA nodes over ``cache_kv`` that are not
+rewritten (several query tokens, ``is_causal=True``, a mask that is not ``[B|1, *, 1, L]``) are
+left as they are (correct, full-length dequantized K/V) and tagged
+``node.meta["vecinfer_cache_read"] = True``: the generic rewrite must skip those (quantizing them
+again would quantize twice).
+
+Masks: ``kv_start`` is the index of the first attended slot of the mask's last query row (bool:
+True = attend; float: 0 = attend). This is exact for HF's masks at decode (left padding + slots
+beyond the valid length, which ``n_coded + n_window`` bounds anyway). A mask with holes after the
+first attended slot (padding inside the sequence) is NOT representable by the fused op; it cannot
+be detected without a device sync in a compiled graph, so it is documented, not checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from ..ops import cache_ops  # noqa: F401  registers vecinfer::cache_kv
+from ..ops.cache_ops import is_cache_kv
+from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
+
+log = logging.getLogger(__name__)
+
+SDPA = F.scaled_dot_product_attention
+CACHE_READ_META = "vecinfer_cache_read"
+
+# positions of the cache_kv arguments
+K_CODES, V_CODES, K_CENT, V_CENT, N_CODED, K_WIN, V_WIN, N_WIN, LAM, ROT = range(10)
+
+
+def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None) -> torch.Tensor:
+    """``q~ = ((q * lam_q) @ H)`` in float32, returned in q's dtype. ``q: [B, Hq, T, D]``,
+    ``lam: [Hkv, D]`` (query head h uses KV head ``h // (Hq // Hkv)``), ``rotation: [D, D]``."""
+    work = q.float()
+    if lam is not None:
+        b, hq, t, d = q.shape
+        hkv = lam.shape[0]
+        work = work.reshape(b, hkv, hq // hkv, t, d) * lam.float()[None, :, None, None, :]
+        work = work.reshape(b, hq, t, d)
+    if rotation is not None:
+        work = work @ rotation.float()
+    return work.to(q.dtype)
+
+
+def kv_start_from_mask(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``[B] int32``: the first attended slot of the last query row of ``mask`` ``[B|1, H|1, Tq, L]``
+    (bool True = attend, or additive float with 0 = attend): the left-padding length."""
+    attend = mask if mask.dtype == torch.bool else mask == 0
+    row = attend[:, 0, -1, :]
+    start = row.to(torch.int32).argmax(-1).to(torch.int32)
+    return start.expand(q.shape[0]).contiguous()
+
+
+def _example(node):
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _cache_output(node: fx.Node, index: int) -> fx.Node | None:
+    """The cache_kv node if ``node`` is ``getitem(cache_kv(...), index)``."""
+    if (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is operator.getitem
+        and node.args[1] == index
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op == "call_function"
+        and is_cache_kv(node.args[0].target)
+    ):
+        return node.args[0]
+    return None
+
+
+def _static_int(x) -> int | None:
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt) and x.node.is_constant():
+        return int(x)
+    try:
+        return int(x) if not isinstance(x, torch.SymInt) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _unfusable(node: fx.Node, why: str) -> None:
+    node.meta[CACHE_READ_META] = True
+    counters["vecinfer"]["cache_decode_unfused"] += 1
+    log.warning("vecinfer: attention over VecInferCache left unfused (%s): %s", why, node.format_node())
+
+
+def rewrite_cache_attention(gm: fx.GraphModule) -> int:
+    """Replace every SDPA over ``vecinfer::cache_kv`` by ``vecinfer::decode_attention`` (see the
+    module docstring). Returns the number of rewrites; recompiles ``gm`` if any."""
+    rewrites = 0
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA:
+            continue
+        normalized = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+        if normalized is None:
+            continue
+        kw = dict(normalized.kwargs)
+        key_arg, value_arg = kw["key"], kw["value"]
+        key, value = unwrap_repeat_kv(key_arg), unwrap_repeat_kv(value_arg)
+        cache = _cache_output(key, 0)
+        if cache is None:
+            continue
+        if _cache_output(value, 1) is not cache:
+            _unfusable(node, "key and value come from different cache reads")
+            continue
+        query, mask = kw["query"], kw.get("attn_mask")
+        q = _example(query)
+        if q is None or q.dim() != 4 or _static_int(q.shape[2]) != 1:
+            _unfusable(node, "the fused decode op takes one query token")
+            continue
+        if kw.get("is_causal", False) is not False:
+            _unfusable(node, "is_causal=True")
+            continue
+        dropout = kw.get("dropout_p", 0.0)
+        if not isinstance(dropout, (int, float)) or dropout != 0.0:
+            raise NotImplementedError(
+                "vecinfer: attention over VecInferCache has dropout_p != 0: call model.eval()"
+            )
+        if mask is not None:
+            m = _example(mask)
+            if not isinstance(mask, fx.Node) or m is None or m.dim() != 4:
+                _unfusable(node, "attn_mask is not a [B, H, 1, L] tensor")
+                continue
+        scale = kw.get("scale")
+        if scale is None:
+            scale = 1.0 / math.sqrt(int(q.shape[-1]))
+        if isinstance(scale, (int, float)):
+            scale = float(scale)
+        elif not isinstance(scale, fx.Node):  # a SymFloat node (dynamic=True) passes through
+            _unfusable(node, "unsupported scale")
+            continue
+        a = cache.args
+        with graph.inserting_before(node):
+            q_t = graph.call_function(transform_queries, (query, a[LAM], a[ROT]))
+            q_t.meta["example_value"] = q
+            kv_start = None
+            if mask is not None:
+                kv_start = graph.call_function(kv_start_from_mask, (mask, query))
+            out = graph.call_function(
+                torch.ops.vecinfer.decode_attention.default,
+                (q_t, a[K_CODES], a[V_CODES], a[K_CENT], a[V_CENT], a[N_CODED],
+                 a[K_WIN], a[V_WIN], a[N_WIN], kv_start, scale),
+            )
+        out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "example_value")})
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        erase_dead_repetition(key_arg, key)
+        erase_dead_repetition(value_arg, value)
+        for item in (key, value):
+            if not item.users:
+                graph.erase_node(item)
+        if not cache.users:
+            graph.erase_node(cache)
+        counters["vecinfer"]["cache_decode_rewrites"] += 1
+        rewrites += 1
+    if rewrites:
+        graph.lint()
+        gm.recompile()
+    return rewrites
