@@ -122,13 +122,14 @@ def _mask_view(attn_mask: torch.Tensor | None, b: int, hq: int, tq: int, tk: int
     """-> (kind, tensor, strides over [B, Hq, Tq, Tk] with 0 on broadcast dims)."""
     if attn_mask is None:
         return MASK_NONE, None, (0, 0, 0, 0)
-    mask = attn_mask
+    kind = MASK_BOOL if attn_mask.dtype == torch.bool else MASK_FLOAT
+    # A bool mask is converted (a copy of the un-expanded mask), not viewed as uint8: Inductor
+    # on torch 2.11 cannot lower a dtype view of a bool tensor.
+    mask = attn_mask.to(torch.uint8) if kind == MASK_BOOL else attn_mask
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
     mask = mask.expand(b, hq, tq, tk)
-    if mask.dtype == torch.bool:
-        return MASK_BOOL, mask.view(torch.uint8), mask.stride()
-    return MASK_FLOAT, mask, mask.stride()
+    return kind, mask, mask.stride()
 
 
 def attention_triton(

@@ -1,0 +1,67 @@
+"""Shared fixtures: paths to ../shared/data (skipped with a reason when absent) and the
+embedded tiny model, loaded once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} is absent: these tests need the shared data next to the repo (../shared/data)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    return _require(SHARED_DATA)
+
+
+@pytest.fixture(scope="session")
+def evalmodel_dir(shared_data) -> Path:
+    return _require(shared_data / "evalmodel")
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_dir(shared_data) -> Path:
+    return _require(shared_data / "tiny")
+
+
+@pytest.fixture(scope="session")
+def wikitext_path(shared_data) -> Path:
+    return _require(shared_data / "text" / "wikitext2_test.raw")
+
+
+@pytest.fixture(scope="session")
+def calibration_text_path(shared_data) -> Path:
+    return _require(shared_data / "text" / "calibration.txt")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The tiny model embedded in the package (always present)."""
+    from vecinfer_compile.models import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def sample_text_path() -> Path:
+    """The public-domain text embedded in the package."""
+    from vecinfer_compile.models import default_text_path
+
+    return default_text_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    """``(model, tokenizer)``: the embedded tiny model in float32 on the CPU, eval mode.
+    Tests that switch attention must switch it back (use ``evaluation.ablation.applied``)."""
+    from vecinfer_compile.models import load_model
+
+    return load_model(tiny_dir, "float32", "cpu")

@@ -1,0 +1,198 @@
+"""The `vecinfer` command line: JSON schema, clear errors, demo, calibrate -> eval, ablation."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vecinfer_compile.cli import COMMANDS, main
+
+
+def run_json(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = [l for l in out.splitlines() if l.strip()]
+    assert len(lines) == 1, out  # exactly one JSON object on stdout
+    return json.loads(lines[0])
+
+
+def run_error(capsys, argv) -> str:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line, no traceback
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def random_codebooks(geometry: dict, bits: float, method: str = "vecinfer", seed: int = 0):
+    from vecinfer_compile.codebooks import LayerCodebooks, VecInferCodebooks
+    from vecinfer_compile.methods import VQ_METHODS
+    from vecinfer_compile.presets import get_preset
+    from vecinfer_compile.quant.transform import KeyTransform
+
+    gen = torch.Generator().manual_seed(seed)
+    p, spec = get_preset(bits), VQ_METHODS[method]
+    d, h = geometry["head_dim"], geometry["num_kv_heads"]
+    layers = [
+        LayerCodebooks(
+            KeyTransform(d, torch.rand(h, d, generator=gen) + 0.5 if spec.smooth else None, spec.rotate),
+            torch.randn(p.key.entries, p.key.dims, generator=gen),
+            torch.randn(p.value.entries, p.value.dims, generator=gen),
+        )
+        for _ in range(geometry["num_layers"])
+    ]
+    return VecInferCodebooks(method, float(bits), layers, geometry)
+
+
+def test_commands_registered():
+    assert COMMANDS[:4] == ["demo", "calibrate", "eval_ppl", "ablation"]
+    from vecinfer_compile.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert {"demo", "calibrate", "eval-ppl", "ablation"} <= set(sub.choices)
+
+
+def test_eval_ppl_fp16_json_equals_model_loss(capsys, tiny_model, tiny_dir, sample_text_path):
+    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                            "--method", "fp16", "--windows", "2", "--window-len", "64", "--json",
+                            "--no-progress"])
+    for key in ("method", "bits", "ppl", "tokens", "kv_bytes_per_token", "backend", "residual"):
+        assert key in out
+    assert (out["method"], out["bits"], out["tokens"], out["backend"], out["residual"]) == ("fp16", 16.0, 126, "eager", 0)
+    assert out["kv_bytes_per_token"] == 2048
+    model, tok = tiny_model
+    from vecinfer_compile.models import load_text, tokenize
+
+    ids = tokenize(tok, load_text(sample_text_path))[:128].reshape(2, 64)
+    with torch.no_grad():
+        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in ids]
+    assert out["ppl"] == pytest.approx(math.exp(sum(losses) / 2), rel=1e-5)
+
+
+def test_eval_ppl_kivi_json(capsys, tiny_dir, sample_text_path):
+    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                            "--method", "kivi", "--bits", "2", "--windows", "2", "--window-len", "64",
+                            "--json", "--no-progress"])
+    assert out["method"] == "kivi" and out["bits"] == 2.0 and out["kv_bytes_per_token"] == 384
+    assert math.isfinite(out["ppl"]) and out["ppl"] > 1
+
+
+def test_eval_ppl_with_codebooks_file(capsys, tmp_path, tiny_model, tiny_dir, sample_text_path):
+    from vecinfer_compile.codebooks import model_geometry
+
+    path = random_codebooks(model_geometry(tiny_model[0].config), 2).save(tmp_path / "cb.safetensors")
+    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                            "--method", "vecinfer", "--bits", "2", "--codebooks", str(path),
+                            "--windows", "1", "--window-len", "64", "--json", "--no-progress",
+                            "--residual", "16"])
+    assert out["method"] == "vecinfer" and out["residual"] == 16 and out["kv_bytes_per_token"] == 256
+    assert math.isfinite(out["ppl"])
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["eval-ppl", "--model", "/nonexistent/model", "--text", "{text}", "--method", "fp16"],
+         "model directory /nonexistent/model does not exist"),
+        (["eval-ppl", "--model", "{tiny}", "--text", "/nonexistent.txt", "--method", "fp16"],
+         "text file /nonexistent.txt does not exist"),
+        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "vecinfer", "--bits", "2"],
+         "needs codebooks: pass --codebooks FILE"),
+        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "int8"], "invalid choice: 'int8'"),
+        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "vecinfer", "--bits", "5",
+          "--calib-text", "{text}"], "no VecInfer preset for 5"),
+        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "kivi", "--bits", "3"],
+         "KIVI runs at 2 or 4 bits"),
+        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "kivi", "--bits", "two"],
+         "bits must be a number"),
+        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "vecinfer", "--bits", "2",
+          "--codebooks", "/nonexistent.safetensors"], "codebook file /nonexistent.safetensors does not exist"),
+        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "fp16", "--windows", "1000",
+          "--no-progress"], "the text has"),
+        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "2", "--method", "kivi",
+          "--out", "x"], "invalid choice: 'kivi'"),
+        (["demo", "--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
+        (["ablation", "--model", "{tiny}", "--text", "{text}", "--calib-text", "/nope.txt"],
+         "calibration text /nope.txt does not exist"),
+        ([], "required"),
+    ],
+)
+def test_clear_errors(capsys, tiny_dir, sample_text_path, argv, match):
+    argv = [a.format(tiny=tiny_dir, text=sample_text_path) for a in argv]
+    assert match in run_error(capsys, argv)
+
+
+def test_codebooks_for_another_model(capsys, tmp_path, tiny_dir, sample_text_path):
+    other = {"model_type": "llama", "num_layers": 6, "num_query_heads": 4, "num_kv_heads": 2,
+             "head_dim": 128, "hidden_size": 512, "vocab_size": 8192}
+    path = random_codebooks(other, 2).save(tmp_path / "other.safetensors")
+    msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                             "--method", "vecinfer", "--bits", "2", "--codebooks", str(path),
+                             "--windows", "1", "--window-len", "32"])
+    assert "calibrated for another model" in msg and "num_layers" in msg
+
+
+def test_codebooks_for_another_bit_width(capsys, tmp_path, tiny_model, tiny_dir, sample_text_path):
+    from vecinfer_compile.codebooks import model_geometry
+
+    path = random_codebooks(model_geometry(tiny_model[0].config), 4).save(tmp_path / "cb4.safetensors")
+    msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                             "--method", "vecinfer", "--bits", "2", "--codebooks", str(path)])
+    assert "for 4 bits, not 2" in msg
+
+
+def test_demo_end_to_end(capsys):
+    out = run_json(capsys, ["demo", "--windows", "2", "--window-len", "64", "--json", "--no-progress"])
+    rows = {(r["method"], r["bits"]): r for r in out["rows"]}
+    assert set(rows) == {("fp16", 16.0), ("vecinfer", 4.0), ("vecinfer", 2.0), ("vecinfer", 1.5), ("kivi", 2.0)}
+    assert out["embedded_text_in_training"] is True
+    assert rows[("fp16", 16.0)]["ppl_ratio"] == 1.0
+    for r in out["rows"]:
+        assert math.isfinite(r["ppl"]) and r["tokens"] == 126
+    # 4-bit VQ is close to fp16 on the tiny model
+    assert rows[("vecinfer", 4.0)]["ppl_ratio"] < 1.5
+
+
+def test_demo_table_says_how_it_was_calibrated(capsys):
+    assert main(["demo", "--windows", "1", "--window-len", "32", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on the second half" in out and "NOT held out" in out
+    assert "| VecInfer | 1.5 |" in out and "| KIVI | 2 |" in out
+
+
+@pytest.mark.slow  # k-means on the CPU: ~20-50 s
+def test_calibrate_then_eval_and_ablation(capsys, tmp_path, tiny_dir, sample_text_path):
+    cb = tmp_path / "cb2.safetensors"
+    assert main(["calibrate", "--model", str(tiny_dir), "--text", str(sample_text_path), "--bits", "2",
+                 "--max-tokens", "512", "--seq-len", "256", "--iters", "3", "--out", str(cb),
+                 "--no-progress"]) == 0
+    assert "wrote" in capsys.readouterr().out and cb.is_file()
+    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                            "--method", "vecinfer", "--bits", "2", "--codebooks", str(cb),
+                            "--windows", "1", "--window-len", "64", "--json", "--no-progress"])
+    assert math.isfinite(out["ppl"])
+    pytest.importorskip("matplotlib")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "vecinfer-2bit.safetensors").write_bytes(cb.read_bytes())  # reused, not recalibrated
+    plot = tmp_path / "plot.png"
+    res = run_json(capsys, ["ablation", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                            "--calib-text", str(sample_text_path), "--rows", "fp16:16,vecinfer:2,kivi:2",
+                            "--windows", "1", "--window-len", "64", "--max-tokens", "512",
+                            "--seq-len", "256", "--iters", "3", "--out-codebooks", str(cache),
+                            "--plot", str(plot), "--json", "--no-progress"])
+    assert [r["method"] for r in res["rows"]] == ["fp16", "vecinfer", "kivi"]
+    assert (cache / "vecinfer-2bit.safetensors").is_file() and plot.stat().st_size > 1000
+
+
+def test_python_m_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "vecinfer_compile", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "eval-ppl" in proc.stdout

@@ -1,0 +1,105 @@
+"""KV-cache memory of each method: nominal bits and physical bytes.
+
+Per token and layer the cache holds ``num_kv_heads * head_dim`` key elements and as many value
+elements. What one element costs:
+
+- ``fp16``: 2 bytes.
+- VQ methods (``vecinfer``, ``vq``, ``smooth``, ``hadamard``): each sub-vector of ``dims``
+  channels is one code of nominally ``log2(entries)`` bits, physically stored as ``uint8``
+  (<= 256 entries) or ``int16`` (more). So the 3-bit preset (4096x4) is 3 bits nominal but
+  4 bits physical per element, and 1.5-bit (4096x8) is 2 bits physical. Fixed cost, paid once
+  and not per token: the fp16 codebooks (``entries * dims`` per layer, keys and values) and, for
+  smoothing methods, the fp16 smoothing factors (``num_kv_heads * head_dim`` per layer).
+- ``kivi``: ``bits`` per element (packed) plus an fp16 scale and an fp16 zero-point per group of
+  32 elements (keys: per channel over 32 tokens; values: per token over 32 channels), i.e.
+  ``bits + 1`` physical bits per element.
+
+A residual window of the most recent ``R`` tokens stays in fp16 (:meth:`KVBytes.total`).
+``bytes_per_token`` is the steady-state cost of one more quantized token (codes + scales).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..methods import VQ_METHODS, check_method
+
+FP16_BYTES = 2
+KIVI_GROUP = 32
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    method: str
+    nominal_bits: float  # bits per element the method is named after
+    physical_bits_per_element: float  # as stored: codes (+ scales), K and V averaged
+    bytes_per_token: float  # all layers, K and V, one quantized token
+    fp16_bytes_per_token: int  # all layers, K and V, one full-precision token
+    fixed_bytes: int  # codebooks + smoothing factors (0 for fp16 / kivi)
+    residual: int = 0  # most recent tokens kept in fp16
+
+    def total(self, tokens: int) -> float:
+        """Bytes of a cache holding ``tokens`` tokens (one sequence), fixed costs included."""
+        full = min(tokens, self.residual) if self.method != "fp16" else tokens
+        return full * self.fp16_bytes_per_token + (tokens - full) * self.bytes_per_token + self.fixed_bytes
+
+    def per_token_at(self, tokens: int) -> float:
+        """Average bytes per token for a cache of ``tokens`` tokens, everything included."""
+        return self.total(tokens) / tokens
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _geometry(geometry) -> dict:
+    """Accept a geometry dict (``codebooks.model_geometry``) or a HF config."""
+    if isinstance(geometry, dict):
+        return geometry
+    from ..codebooks import model_geometry
+
+    return model_geometry(geometry)
+
+
+def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0) -> KVBytes:
+    """The memory accounting of ``method`` at ``bits`` for a model ``geometry`` (a dict with
+    ``num_layers``, ``num_kv_heads``, ``head_dim``, or a HF config)."""
+    check_method(method, bits)
+    g = _geometry(geometry)
+    layers, heads, head_dim = g["num_layers"], g["num_kv_heads"], g["head_dim"]
+    elems = layers * heads * head_dim  # per token, keys only (values: as many)
+    fp16_token = 2 * elems * FP16_BYTES
+    if method == "fp16":
+        return KVBytes("fp16", 16.0, 16.0, float(fp16_token), fp16_token, 0, 0)
+    if method == "kivi":
+        b = int(bits)
+        phys = b + 2 * FP16_BYTES * 8 / KIVI_GROUP  # codes + fp16 scale & zero per group
+        return KVBytes("kivi", float(b), phys, 2 * elems * phys / 8, fp16_token, 0, residual)
+    from ..presets import get_preset
+
+    preset = get_preset(bits)
+    code_bytes = 0
+    nominal = 0.0
+    fixed = 0
+    for spec in (preset.key, preset.value):
+        spec.check_head_dim(head_dim)
+        codes = elems // spec.dims  # codes per token (all layers, all heads)
+        code_bytes += codes * (1 if spec.entries <= 256 else 2)
+        nominal += codes * math.log2(spec.entries)
+        fixed += layers * spec.entries * spec.dims * FP16_BYTES
+    if VQ_METHODS[method].smooth:
+        fixed += layers * heads * head_dim * FP16_BYTES
+    return KVBytes(
+        method,
+        float(preset.bits),
+        8 * code_bytes / (2 * elems),
+        float(code_bytes),
+        fp16_token,
+        fixed,
+        residual,
+    )
+
+
+def kv_bytes_per_token(method: str, bits: float | None, geometry) -> float:
+    """Steady-state bytes of one quantized token (all layers, K and V)."""
+    return kv_bytes(method, bits, geometry).bytes_per_token

@@ -1,0 +1,128 @@
+"""Loading models and texts for the command line and the evaluations, with clear errors.
+
+The package ships a tiny model (``data/tiny``, 5.2 M parameters, Llama architecture) and a
+~100 KB public-domain text (``data/sample_public_domain.txt``) so that ``vecinfer demo`` runs
+offline. Every function also takes any local path, so the same code runs on your own models.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _data_dir() -> Path:
+    return Path(str(resources.files("vecinfer_compile") / "data"))
+
+
+def default_model_dir() -> Path:
+    """The embedded tiny model (a Hugging Face directory inside the package)."""
+    return _data_dir() / "tiny"
+
+
+def default_text_path() -> Path:
+    """The embedded public-domain text (it is in the tiny model's training corpus)."""
+    return _data_dir() / "sample_public_domain.txt"
+
+
+def default_codebooks_dir() -> Path:
+    """Codebooks for the embedded tiny model, calibrated on the second half of the embedded
+    text (see ``data/tiny/DATA_CARD.md``); ``vecinfer demo`` uses them unless --recalibrate."""
+    return _data_dir() / "tiny_codebooks"
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Raise FileNotFoundError naming the problem unless ``path`` is a HF model directory."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {path} is not a directory (expected a Hugging Face model directory)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json: not a Hugging Face model directory")
+    return path
+
+
+def check_file(path: str | Path, what: str = "text file") -> Path:
+    """Raise FileNotFoundError unless ``path`` is an existing regular file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} is not a file")
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}") from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(
+    model_dir: str | Path | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = "auto",
+    attn_implementation: str = "sdpa",
+):
+    """Load ``(model, tokenizer)`` from a local Hugging Face directory (default: the embedded
+    tiny model), in eval mode on ``device``. Clear errors for a missing or wrong directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    model_dir = check_model_dir(default_model_dir() if model_dir is None else model_dir)
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # no weight-loading chatter in command output
+    try:
+        hf_logging.disable_progress_bar()
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch_dtype, attn_implementation=attn_implementation
+        )
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot load a model from {model_dir}: {exc}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    model.to(dev).eval()
+    return model, tokenizer
+
+
+def load_text(path: str | Path | None = None) -> str:
+    """Read a UTF-8 text file (default: the embedded sample); clear error if it is missing or
+    empty."""
+    path = check_file(default_text_path() if path is None else path)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"text file {path} is empty")
+    return text
+
+
+def split_text(text: str, fraction: float = 0.5) -> tuple[str, str]:
+    """Cut ``text`` at the first line break after ``fraction`` of its length: ``(head, tail)``.
+    The demo evaluates on the head and calibrates on the tail, so the two never overlap."""
+    at = text.find("\n", int(len(text) * fraction))
+    if at < 0:
+        at = int(len(text) * fraction)
+    return text[: at + 1], text[at + 1 :]
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """Token ids ``[N]`` (int64) of ``text`` with no special tokens added (no BOS)."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
