@@ -1,0 +1,63 @@
+"""vecinfer inspect: key statistics on a synthetic outlier case, codebook usage, PNGs written."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from vecinfer_compile.cli import main
+from vecinfer_compile.evaluation.inspect import key_absmax_stats
+from vecinfer_compile.quant.transform import smoothing_factors
+
+
+def test_smoothing_reduces_outlier_ratio_synthetic():
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 512, 64, generator=gen)
+    k[:, :, [3, 17, 40]] *= 20.0  # Llama-like outlier channels
+    lam = smoothing_factors(k.abs().amax(dim=1))
+    stats = key_absmax_stats({0: k}, {0: lam})[0]
+    raw, sm, both = stats["raw"], stats["smoothed"], stats["smoothed+hadamard"]
+    assert raw["max_over_median"] > 10
+    assert sm["max_over_median"] < raw["max_over_median"] / 3
+    assert both["max_over_median"] < raw["max_over_median"] / 3
+    assert stats["hadamard"]["max_over_median"] < raw["max_over_median"]  # rotation spreads outliers
+    assert raw["absmax"].shape == (128,)
+
+
+def test_inspect_cli_writes_pngs_and_summary(tiny_dir, sample_text_path, tmp_path, capsys):
+    abl = tmp_path / "abl.json"
+    abl.write_text(json.dumps({"rows": [
+        {"method": "fp16", "label": "FP16", "nominal_bits": 16, "bits": 16, "ppl": 30.0},
+        {"method": "vecinfer", "label": "VecInfer", "nominal_bits": 2, "bits": 2, "ppl": 33.0},
+        {"method": "vecinfer", "label": "VecInfer", "nominal_bits": 4, "bits": 4, "ppl": 30.5},
+    ]}))
+    out = tmp_path / "inspect"
+    rc = main(["inspect", "--model", str(tiny_dir), "--text", str(sample_text_path), "--calib-text",
+               str(sample_text_path), "--out", str(out), "--methods", "vq,vecinfer", "--tokens", "128",
+               "--seq-len", "128", "--max-tokens", "512", "--iters", "2", "--fit-vectors", "2048",
+               "--ablation-json", str(abl), "--json", "--no-progress"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    for name in ("key_absmax", "codebook_usage", "ppl_vs_bits"):
+        png = out / f"{name}.png"
+        assert png.is_file() and png.stat().st_size > 1000
+    assert (out / "summary.json").is_file()
+    assert len(summary["key_absmax"]) == 4  # tiny model: 4 layers
+    for m in ("vq", "vecinfer"):
+        u = summary["codebook_usage"][m]
+        assert 0 < u["used"] <= u["entries"] == 256 and 0 < u["entropy_bits"] <= 8
+        assert u["key_rel_mse"] > 0 and u["score_rel_err"] > 0
+    assert (out / "codebooks" / "vq-2bit.safetensors").is_file()  # reused next time
+
+
+def test_inspect_cli_errors(tiny_dir, sample_text_path, tmp_path, capsys):
+    assert main(["inspect", "--model", str(tiny_dir), "--text", str(tmp_path / "nope.txt"),
+                 "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["inspect", "--model", str(tiny_dir), "--text", str(sample_text_path), "--out", str(tmp_path),
+                 "--methods", "kivi"]) == 2
+    assert "VQ methods" in capsys.readouterr().err
+    assert main(["inspect", "--model", str(tiny_dir), "--text", str(sample_text_path), "--out", str(tmp_path / "o"),
+                 "--tokens", "64", "--seq-len", "64", "--no-ppl", "--methods", "vq"]) == 2
+    assert "--calib-text" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""``vecinfer gsm8k``: few-shot GSM8K exact match through each method's KV cache."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from . import add_calib_args, add_model_args, add_progress_arg, bits_arg, print_json
+
+HELP = "few-shot GSM8K exact match (greedy generate through each method's KV cache)"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "gsm8k", help=HELP,
+        description=HELP + ". The first --shots problems of the file are the examples (not scored); "
+        "the final number (after '####', else the last number) is compared with the reference.",
+    )
+    add_model_args(p)
+    p.add_argument("--data", required=True, metavar="FILE", help="GSM8K JSONL (question, answer)")
+    p.add_argument("--methods", default="fp16,vecinfer,kivi",
+                   help="comma-separated: fp16, vecinfer, kivi, vq, smooth, hadamard (default fp16,vecinfer,kivi)")
+    p.add_argument("--bits", type=bits_arg, default=2.0, help="bits of the quantized methods (default 2)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--codebooks", metavar="FILE", help="codebooks from `vecinfer calibrate` (one VQ method)")
+    src.add_argument("--calib-text", metavar="FILE", help="calibrate the VQ methods now on this text")
+    p.add_argument("--save-codebooks", metavar="DIR", default=None,
+                   help="save (and reuse when present) calibrated codebooks in DIR")
+    p.add_argument("--limit", type=int, default=20, metavar="N", help="problems scored (default 20)")
+    p.add_argument("--shots", type=int, default=4, metavar="K", help="few-shot examples (default 4)")
+    p.add_argument("--residual", type=int, default=128, metavar="R",
+                   help="most recent R tokens stay full precision (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B", help="problems per generate() (default 1)")
+    add_calib_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON result here")
+    add_progress_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..evaluation.ablation import normalize_bits
+    from ..evaluation.generation import check_vq_sources, prepare_method
+    from ..evaluation.gsm8k import build_prompts, load_gsm8k, run_gsm8k
+    from ..methods import METHODS
+    from ..models import check_model_dir, load_model
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ValueError("--methods is empty")
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose from: {', '.join(METHODS)}")
+        normalize_bits(m, args.bits)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    check_vq_sources(methods, args.codebooks, args.calib_text, args.save_codebooks)
+    check_model_dir(args.model)
+    rows = load_gsm8k(args.data)
+    prompts, refs, _ = build_prompts(rows, args.shots, args.limit)
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, args.dtype, args.device)
+    results = []
+    for m in methods:
+        gm = prepare_method(
+            model, tokenizer, m, args.bits, codebooks_path=args.codebooks if m not in ("fp16", "kivi") else None,
+            calib_text_path=args.calib_text, cache_dir=args.save_codebooks, residual=args.residual,
+            max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters, seed=args.seed,
+            progress=args.progress,
+        )
+        results.append(run_gsm8k(model, tokenizer, prompts, refs, gm, max_new_tokens=args.max_new_tokens,
+                                 batch_size=args.batch_size, progress=args.progress))
+    out = {
+        "model": str(args.model), "data": str(args.data), "shots": args.shots, "limit": len(prompts),
+        "bits": args.bits, "residual": args.residual, "max_new_tokens": args.max_new_tokens,
+        "accuracy": {r.method: r.accuracy for r in results},
+        "methods": [r.as_dict() for r in results],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    if args.json:
+        print_json(out)
+    else:
+        print(f"{args.model} on {args.data}: {args.shots}-shot, {len(prompts)} problems scored, greedy, "
+              f"up to {args.max_new_tokens} new tokens")
+        for r in results:
+            print(f"  {r.note}")
+        print("\n| method | bits | correct | accuracy |\n|---|---:|---:|---:|")
+        for r in results:
+            bits = "16" if r.method == "fp16" else f"{r.bits:g}"
+            print(f"| {r.method} | {bits} | {r.correct}/{r.total} | {r.accuracy:.3f} |")
+        print(f"\n({out['seconds']:.0f} s)")
+    return 0

@@ -1,0 +1,204 @@
+"""Greedy generation through each method's KV cache, shared by ``vecinfer needle`` and
+``vecinfer gsm8k``.
+
+How each method runs during ``generate()``:
+
+- ``fp16``: Hugging Face's default ``DynamicCache`` in full precision (plain SDPA).
+- ``vecinfer`` / ``vq`` / ``smooth`` / ``hadamard``: the real compressed
+  :class:`~vecinfer_compile.cache.VecInferCache` (codes + a full-precision window of the last
+  ``residual`` tokens), sized automatically to ``prompt + max_new_tokens``.
+- ``kivi``: there is no KIVI cache; it runs in **simulate mode** (quantize->dequantize inside
+  attention) with ``full_precision_prefill=True``, which gives it the cache's window semantics:
+  the prefill attends in full precision, and each decode step reads keys/values outside the last
+  ``residual`` tokens quantized. :func:`method_note` says so in every report.
+
+In every method the prompt (prefill) attends in full precision, as with a real quantized cache:
+quantization error enters from the first decode step on (the second generated token).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..methods import VQ_METHODS, check_method
+
+DEFAULT_RESIDUAL = 128
+
+
+@dataclass
+class GenerationMethod:
+    """A method ready to generate with: name, bits, codebooks (VQ methods) and window size."""
+
+    method: str
+    bits: float
+    codebooks: object = None
+    residual: int = DEFAULT_RESIDUAL
+
+    @property
+    def label(self) -> str:
+        return "fp16" if self.method == "fp16" else f"{self.method}-{self.bits:g}bit"
+
+    def note(self) -> str:
+        return method_note(self.method, self.bits, self.residual)
+
+
+def method_note(method: str, bits: float | None, residual: int) -> str:
+    """One line saying how ``method`` runs during generation."""
+    if method == "fp16":
+        return "fp16: full-precision DynamicCache (plain SDPA)"
+    if method == "kivi":
+        return (f"kivi {int(bits)}-bit: runs in SIMULATE mode (quantize->dequantize attention, "
+                f"full_precision_prefill=True) with the cache's window semantics: prefill in full "
+                f"precision, decode reads K/V outside the last {residual} tokens quantized")
+    return (f"{method} {bits:g}-bit: real VecInferCache (codes + full-precision window of the last "
+            f"{residual} tokens; prefill attends in full precision)")
+
+
+def prepare_method(
+    model,
+    tokenizer,
+    method: str,
+    bits: float | None,
+    *,
+    codebooks_path: str | Path | None = None,
+    calib_text_path: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    residual: int = DEFAULT_RESIDUAL,
+    max_tokens: int = 32768,
+    seq_len: int = 1024,
+    iters: int = 20,
+    seed: int = 0,
+    progress: bool = True,
+) -> GenerationMethod:
+    """Validate ``method``/``bits`` and load or calibrate its codebooks (VQ methods: from
+    ``codebooks_path``, else ``cache_dir/<method>-<bits>bit.safetensors`` if present, else
+    calibrated on ``calib_text_path`` and saved to ``cache_dir``)."""
+    from ..models import load_text
+    from .ablation import get_codebooks, normalize_bits
+
+    bits = normalize_bits(method, bits)
+    if residual < 0:
+        raise ValueError(f"--residual must be >= 0, got {residual}")
+    cb = None
+    if method in VQ_METHODS:
+        cb = get_codebooks(
+            model, tokenizer, method, bits, codebooks_path=codebooks_path,
+            calib_text=None if calib_text_path is None else load_text(calib_text_path),
+            cache_dir=cache_dir, max_tokens=max_tokens, seq_len=seq_len, iters=iters, seed=seed,
+            progress=progress,
+        )
+    elif codebooks_path is not None:
+        raise ValueError(f"method {method!r} takes no codebooks; drop --codebooks")
+    return GenerationMethod(method, bits, cb, residual)
+
+
+def check_vq_sources(methods, codebooks: str | None, calib_text: str | None, cache_dir: str | None = None) -> None:
+    """Fail before loading the model when a VQ method has no codebook source."""
+    from ..models import check_file
+
+    needs = [m for m in methods if m in VQ_METHODS]
+    if codebooks is not None:
+        check_file(codebooks, "codebook file")
+        if len(needs) > 1:
+            raise ValueError(f"--codebooks is one file for one method; {needs} need --calib-text instead")
+    if calib_text is not None:
+        check_file(calib_text, "calibration text")
+    if needs and codebooks is None and calib_text is None and cache_dir is None:
+        raise ValueError(
+            f"method {needs[0]!r} needs codebooks: pass --codebooks FILE (from `vecinfer calibrate`) "
+            f"or --calib-text FILE to calibrate now"
+        )
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[B, T_max]`` with the prompts left-padded."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    t = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), t), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, t - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, t - len(p):] = 1
+    return ids, mask
+
+
+@contextlib.contextmanager
+def _attention_for(model, gm: GenerationMethod):
+    """Switch the model's attention for ``gm`` (KIVI: simulation) and restore it afterwards."""
+    from ..simulate import disable_simulation, enable_simulation
+
+    if gm.method == "kivi":
+        enable_simulation(model, "kivi", bits=gm.bits, residual=gm.residual, full_precision_prefill=True)
+        try:
+            yield
+        finally:
+            disable_simulation(model)
+        return
+    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+        disable_simulation(model)
+    yield
+
+
+def make_cache(model, gm: GenerationMethod, batch_size: int, max_cache_len: int):
+    """The ``past_key_values`` for ``gm``: None (HF's default DynamicCache) for fp16/KIVI, a
+    :class:`VecInferCache` of ``max_cache_len`` slots for the VQ methods."""
+    if gm.method not in VQ_METHODS:
+        return None
+    from ..cache import VecInferCache
+
+    return VecInferCache(model, gm.codebooks, batch_size=batch_size, max_cache_len=max_cache_len,
+                         residual=gm.residual, device=_device_of(model))
+
+
+@torch.no_grad()
+def greedy_generate(
+    model,
+    prompts: list[list[int]],
+    gm: GenerationMethod,
+    *,
+    max_new_tokens: int = 8,
+    pad_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> list[list[int]]:
+    """Greedy ``model.generate()`` of up to ``max_new_tokens`` for each prompt (token id lists,
+    batched with left padding) through ``gm``'s cache. Returns the new tokens of each prompt,
+    cut at the first EOS."""
+    check_method(gm.method, None if gm.method == "fp16" else gm.bits)
+    config = model.config
+    if pad_token_id is None:
+        pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+    if eos_token_id is None:
+        eos_token_id = config.eos_token_id
+    ids, mask = left_pad(prompts, pad_token_id)
+    dev = _device_of(model)
+    ids, mask = ids.to(dev), mask.to(dev)
+    cache = make_cache(model, gm, ids.shape[0], ids.shape[1] + max_new_tokens)
+    extra = {} if cache is None else {"past_key_values": cache}
+    with _attention_for(model, gm), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+            temperature=None, top_p=None, top_k=None, pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id, **extra,
+        )
+    new = out[:, ids.shape[1]:].tolist()
+    eos = set(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])
+    result = []
+    for row in new:
+        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+        result.append(row[:cut])
+    return result
+
+
+def max_positions(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
