@@ -52,14 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
     for name in COMMANDS:
-        full = f"{__package__}.commands.{name}"
-        try:
-            module = importlib.import_module(full)
-        except ModuleNotFoundError as exc:
-            if exc.name != full:  # a missing dependency of a present module is a real error
-                raise
-            continue  # listed but not written yet
-        module.register(subparsers)
+        importlib.import_module(f"{__package__}.commands.{name}").register(subparsers)
     return parser
 
 

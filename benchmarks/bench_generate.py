@@ -1,0 +1,260 @@
+"""End-to-end decode tokens/s with ``model.generate()``: VecInferCache compiled vs HF static cache
+compiled vs HF dynamic cache eager, side by side, on a random-weight Llama-3.1-8B-geometry model.
+
+Methods (greedy, ``min_new_tokens = max_new_tokens = N``, random input ids, no padding):
+
+- ``ours``: ``past_key_values=VecInferCache(model, random 2-bit codebooks, R=128)`` and
+  ``compile_config=CompileConfig(backend=vecinfer_backend.configure(codebooks=...), fullgraph=True)``
+  (HF's default mode ``reduce-overhead``: CUDA graphs);
+- ``static``: HF ``StaticCache`` (what ``cache_implementation="static"`` builds, passed explicitly
+  so it is reused across runs) with HF's default compile config (Inductor, reduce-overhead);
+- ``dynamic``: HF ``DynamicCache``, eager (the paper's baseline).
+
+For each (B, T) and method: one warm-up ``generate`` with a short prompt and the same cache size
+(compiles the decode step and records CUDA graphs; not timed), then ``generate`` with N new
+tokens and with 1 new token on the full T-token prompt. Prefill runs eagerly in all three and
+is excluded by the subtraction:
+
+    decode tok/s = B x (N - 1) / (time(N new tokens) - time(1 new token))
+
+(N - 1: the N-token run makes N - 1 decode forwards more than the 1-token run). The same N-token
+run is also timed step by step (a stopping criterion that synchronizes and takes a timestamp
+after each token; HF synchronizes once per step anyway): ``in-run tok/s = B x (N - 1) / (last
+stamp - first stamp)``, free of prefill noise. Each row is printed as soon as it is measured; a
+method that fails (e.g. out of memory) gets its error in its row and the run goes on.
+
+    python benchmarks/bench_generate.py [--cases 1x32768,1x131072,16x32768] [--new-tokens 32]
+        [--methods ours,static,dynamic]
+    python benchmarks/bench_generate.py --smoke   # tiny config on the CPU, compiled too
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
+
+
+def _common():
+    """benchmarks/common.py, loaded by path (benchmarks/ is not a package)."""
+    name = "vecinfer_benchmarks_common"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("common.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+C = _common()
+METHODS = ("ours", "static", "dynamic")
+LABELS = {"ours": "ours (VecInferCache, compiled)", "static": "HF static, compiled",
+          "dynamic": "HF dynamic, eager"}
+
+
+class StepTimer(StoppingCriteria):
+    """Never stops; records a timestamp (after a device sync) each time a token is produced."""
+
+    def __init__(self, device):
+        self.device, self.stamps = device, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        C.sync(self.device)
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class Runner:
+    """One method at one (B, T): its cache (reused, reset before every generate) and compile config."""
+
+    def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual):
+        self.method, self.model, self.setup = method, model, setup
+        self.cache, self.compile_config = None, None
+        if method == "ours":
+            from vecinfer_compile.backend import vecinfer_backend
+            from vecinfer_compile.cache import VecInferCache
+
+            self.cache = VecInferCache(model, codebooks, batch_size=batch, max_cache_len=max_cache_len,
+                                       residual=residual)
+            self.compile_config = CompileConfig(backend=vecinfer_backend.configure(codebooks=codebooks),
+                                                fullgraph=True)
+        elif method == "static":
+            self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+            self.compile_config = CompileConfig()  # HF's default: inductor, reduce-overhead
+        elif method != "dynamic":
+            raise ValueError(f"unknown method {method!r}: pick from {', '.join(METHODS)}")
+        if self.compile_config is not None and not setup.cuda:
+            self.compile_config._compile_all_devices = True  # let generate() compile decode on CPU
+
+    def generate(self, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float], torch.Tensor]:
+        if self.cache is None:
+            cache = DynamicCache(config=self.model.config)
+        else:
+            cache = self.cache
+            cache.reset()
+        timer = StepTimer(self.setup.device)
+        kwargs = {} if self.compile_config is None else {"compile_config": self.compile_config}
+        C.sync(self.setup.device)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                pad_token_id=self.setup.config.pad_token_id, stopping_criteria=StoppingCriteriaList([timer]),
+                **kwargs,
+            )
+        C.sync(self.setup.device)
+        elapsed = time.perf_counter() - t0
+        if out.shape[1] != ids.shape[1] + new_tokens:
+            raise RuntimeError(f"generated {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
+        return elapsed, timer.stamps, out
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["stats"].get(k, 0) for k in ("unique_graphs",))
+
+
+def reset_compiled(model) -> None:
+    """Forget compiled code (and CUDA graphs) between methods and cases: every (method, B, T)
+    compiles afresh, and the recompile limit is never reached."""
+    for attr in ("_compiled_call", "_last_compile_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    torch._dynamo.reset()
+    C.free_memory(next(model.parameters()).device)
+
+
+def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len) -> dict:
+    dev = setup.device
+    row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens}
+    reset_compiled(model)
+    vocab = setup.config.vocab_size
+    gen = torch.Generator(device=dev).manual_seed(length * 131 + batch)
+    ids = torch.randint(3, vocab, (batch, length), device=dev, generator=gen)
+    runner = Runner(method, model, setup, codebooks, batch, length + new_tokens, residual)
+    graphs_before = _compiled_graphs()
+    t0 = time.perf_counter()
+    runner.generate(ids[:, :min(warmup_len, length)], new_tokens)  # compile + CUDA graphs
+    row["warmup_s"] = time.perf_counter() - t0
+    row["warmup_compiles"] = _compiled_graphs() - graphs_before
+    graphs_before = _compiled_graphs()
+    C.reset_peak(dev)
+    t_n, stamps, _ = runner.generate(ids, new_tokens)
+    row["peak_bytes"] = C.peak(dev)
+    t_1, _, _ = runner.generate(ids, 1)
+    # Dynamo graphs compiled during the timed runs (should be 0: the warm-up compiled them)
+    row["timed_compiles"] = _compiled_graphs() - graphs_before
+    steps = new_tokens - 1
+    row["time_n_s"], row["time_1_s"] = t_n, t_1
+    row["tok_s"] = batch * steps / (t_n - t_1) if t_n > t_1 else float("nan")
+    if len(stamps) >= 2:
+        row["in_run_tok_s"] = batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        row["step_ms"] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+    del runner, ids
+    return row
+
+
+def _num(x, fmt="{:.1f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def format_row(row: dict) -> str:
+    head = f"| {row['B']} | {row['T']} | {LABELS[row['method']]} |"
+    if "error" in row:
+        return f"{head} error: {row['error']} | | | | | |"
+    note = ""
+    if row.get("timed_compiles"):
+        note = f" (WARNING: {row['timed_compiles']} graph(s) compiled during the timed runs)"
+    return (f"{head} {_num(row['tok_s'])} | {_num(row.get('in_run_tok_s'))} | "
+            f"{_num(row.get('step_ms'), '{:.2f}')} | {row['time_1_s']:.2f} | {row['warmup_s']:.1f} | "
+            f"{C.gib(row.get('peak_bytes'))}{note} |")
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> str:
+    x, y = (a or {}).get(key), (b or {}).get(key)
+    if x is None or y is None or not (x == x and y == y and y > 0):  # missing or nan
+        return "n/a"
+    return f"{x / y:.2f}x"
+
+
+def summary(rows: list[dict]) -> list[str]:
+    lines = [
+        "| B | T | ours tok/s | static tok/s | dynamic tok/s | ours/static | ours/dynamic | "
+        "in-run ours/static | in-run ours/dynamic |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    cases = list(dict.fromkeys((r["B"], r["T"]) for r in rows))
+    for b, t in cases:
+        by = {r["method"]: r for r in rows if (r["B"], r["T"]) == (b, t) and "error" not in r}
+        cells = [_num(by[m]["tok_s"]) if m in by else "error/skipped" for m in METHODS]
+        lines.append(
+            f"| {b} | {t} | {' | '.join(cells)} | {_ratio(by.get('ours'), by.get('static'), 'tok_s')} | "
+            f"{_ratio(by.get('ours'), by.get('dynamic'), 'tok_s')} | "
+            f"{_ratio(by.get('ours'), by.get('static'), 'in_run_tok_s')} | "
+            f"{_ratio(by.get('ours'), by.get('dynamic'), 'in_run_tok_s')} |"
+        )
+    return lines
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=None,
+                    help="BxT list (default 1x32768,1x131072,16x32768; smoke 2x24)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="N new tokens per timed run (default 32; smoke 3)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    ap.add_argument("--bits", type=float, default=2.0)
+    ap.add_argument("--residual", type=int, default=None, help="VecInferCache window R (default 128; smoke 8)")
+    ap.add_argument("--warmup-len", type=int, default=None,
+                    help="prompt length of the untimed warm-up run (default 256; smoke 8)")
+    ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
+    args = ap.parse_args(argv)
+    setup = C.bench_setup(args.smoke, args.device)
+    cases = C.parse_cases(args.cases or ("2x24" if args.smoke else "1x32768,1x131072,16x32768"))
+    new_tokens = args.new_tokens or (3 if args.smoke else 32)
+    if new_tokens < 2:
+        raise SystemExit("--new-tokens must be at least 2 (the 1-token run is subtracted)")
+    residual = args.residual if args.residual is not None else (8 if args.smoke else 128)
+    warmup_len = args.warmup_len or (8 if args.smoke else 256)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"unknown method {m!r}: pick from {', '.join(METHODS)}")
+    model = C.build_model(setup)
+    codebooks = C.random_codebooks(setup.config, args.bits)
+    print(f"# generate() decode throughput, {setup.label}, random weights (built in {model._bench_build_s:.1f} s); "
+          f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
+          f"tok/s = B*(N-1)/(t(N)-t(1)); in-run = per-step timestamps of the N run; "
+          f"prefill s = t(1); warm-up s includes compilation; peak = max allocated incl. weights")
+    print("| B | T | method | decode tok/s | in-run tok/s | ms/step | prefill s | warm-up s | peak |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for batch, length in cases:
+        for method in methods:
+            try:
+                row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len)
+            except Exception as exc:  # OOM, compile failure...: report and go on
+                row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
+                del exc
+            reset_compiled(model)
+            rows.append(row)
+            print(format_row(row), flush=True)
+            if args.json:  # rewritten after every row: partial results survive a kill
+                C.write_json(args.json, rows)
+    print()
+    print("\n".join(summary(rows)), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

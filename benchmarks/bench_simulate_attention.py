@@ -1,0 +1,68 @@
+"""Compiled simulate attention (prefill) vs FP16 SDPA, side by side, at evalmodel geometry.
+
+The compiled simulate forward is what the backend puts in place of one SDPA call: the query
+transform, encoding of the new keys and values (``vecinfer::encode``) and attention over the
+codes (``vecinfer::attention``), compiled by Inductor. The baseline is causal bf16 SDPA on the
+same q, k, v (default backend choice, GQA via ``enable_gqa``). Prints times and the ratio.
+
+    python benchmarks/bench_simulate_attention.py [--cases 1x8192,8x2048] [--bits 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
+from vecinfer_compile.presets import get_preset
+from vecinfer_compile.quant.transform import KeyTransform
+
+HQ, HKV, D = 4, 2, 128  # evalmodel: Llama-3.1-8B per-head geometry, 4 query / 2 KV heads
+
+
+def simulate_forward(q, k, v, lam, rot, kc, vc):
+    """q: [B, Hq, T, D] bf16; k, v: [B, Hkv, T, D] bf16 -> [B, Hq, T, D] bf16."""
+    lam_q = lam.repeat_interleave(HQ // HKV, 0)
+    q_t = ((q.float() * lam_q[None, :, None, :]) @ rot).to(q.dtype)
+    k_t = ((k.float() / lam[None, :, None, :]) @ rot)
+    k_codes = torch.ops.vecinfer.encode(k_t, None, None, kc)
+    v_codes = torch.ops.vecinfer.encode(v, None, None, vc)
+    return torch.ops.vecinfer.attention(q_t, k_codes, v_codes, kc, vc, None, None, None, True, D**-0.5, 0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="1x8192,8x2048")
+    ap.add_argument("--bits", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    preset = get_preset(args.bits)
+    dev = "cuda"
+    compiled = torch.compile(simulate_forward, fullgraph=True)
+    print(f"# compiled simulate attention vs bf16 SDPA, {torch.cuda.get_device_name()}, "
+          f"Hq={HQ} Hkv={HKV} D={D}, causal, {args.bits:g}-bit; median ms")
+    print("| B | T | simulate (compiled) | SDPA bf16 | ours / SDPA | max abs diff vs SDPA |")
+    print("|---|---|---|---|---|---|")
+    for case in args.cases.split(","):
+        b, t = map(int, case.split("x"))
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(b, HQ, t, D, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, HKV, t, D, device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, HKV, t, D, device=dev, dtype=torch.bfloat16, generator=g)
+        lam = torch.rand(HKV, D, device=dev, generator=g) + 0.5
+        rot = KeyTransform(D).rotation(torch.float32, dev)
+        kc = torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g)
+        vc = torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g)
+        out = compiled(q, k, v, lam, rot, kc, vc)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        ours = triton.testing.do_bench(lambda: compiled(q, k, v, lam, rot, kc, vc), return_mode="median")
+        base = triton.testing.do_bench(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            return_mode="median")
+        print(f"| {b} | {t} | {ours:.3f} | {base:.3f} | {ours / base:.2f}x | "
+              f"{(out.float() - ref.float()).abs().max().item():.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Shared helpers of the benchmark scripts (not a package: the scripts load this file by path).
+
+- :func:`llama_config`: Llama-3.1-8B attention/MLP geometry (hidden 4096, 32 layers, 32 query
+  heads, 8 KV heads, head_dim 128, intermediate 14336, vocab 128256), or, with ``smoke=True``, a
+  tiny Llama that runs on a laptop CPU in seconds.
+- :func:`build_model`: a random-weight model built directly on the target device (no CPU
+  round trip, no checkpoint), SDPA attention, eval mode.
+- :func:`random_codebooks`: random VecInfer codebooks (smoothing + rotation) for a config —
+  fine for speed and memory, meaningless for accuracy.
+- :func:`bench_setup`: device / dtype / defaults for the normal run and for ``--smoke``.
+- small formatting and CUDA-memory helpers.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout, not installed
+    sys.path.insert(0, str(REPO_ROOT))
+
+from vecinfer_compile.codebooks import LayerCodebooks, VecInferCodebooks, model_geometry
+from vecinfer_compile.methods import VQ_METHODS
+from vecinfer_compile.presets import get_preset
+from vecinfer_compile.quant.transform import KeyTransform
+
+LLAMA_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072 + 4096,
+    tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and how a benchmark runs."""
+
+    smoke: bool
+    device: torch.device
+    dtype: torch.dtype
+    config: LlamaConfig
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def label(self) -> str:
+        where = torch.cuda.get_device_name(self.device) if self.cuda else "CPU"
+        geo = "tiny Llama (smoke)" if self.smoke else "Llama-3.1-8B geometry"
+        return f"{geo}, {str(self.dtype).removeprefix('torch.')}, {where}"
+
+
+def llama_config(smoke: bool = False) -> LlamaConfig:
+    config = LlamaConfig(**(TINY if smoke else LLAMA_8B))
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def bench_setup(smoke: bool, device: str | None = None) -> Setup:
+    """``smoke``: tiny config, float32, CPU. Otherwise the 8B geometry in bf16 on CUDA (a clear
+    SystemExit when there is no GPU: these numbers mean nothing on a CPU)."""
+    if smoke:
+        torch.set_num_threads(1)  # tiny tensors: threads only add contention (and CI boxes are shared)
+        return Setup(True, torch.device(device or "cpu"), torch.float32, llama_config(True))
+    if not torch.cuda.is_available() and (device is None or device.startswith("cuda")):
+        raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a tiny CPU run)")
+    dev = torch.device(device or "cuda")
+    if dev.type == "cuda" and dev.index is None:  # "cuda" != "cuda:0" in device checks
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return Setup(False, dev, torch.bfloat16, llama_config(False))
+
+
+def build_model(setup: Setup):
+    """Random-weight causal LM allocated and initialised on ``setup.device`` (for the 8B
+    geometry on an H200 this takes seconds: ``normal_`` runs on the GPU)."""
+    t0 = time.perf_counter()
+    with torch.device(setup.device):
+        model = AutoModelForCausalLM.from_config(setup.config, dtype=setup.dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    model.generation_config.pad_token_id = setup.config.pad_token_id
+    sync(setup.device)
+    model._bench_build_s = time.perf_counter() - t0
+    return model
+
+
+def random_codebooks(config, bits: float = 2.0, method: str = "vecinfer", seed: int = 0) -> VecInferCodebooks:
+    """Random smoothing factors and codebooks at ``bits`` for every layer of ``config``."""
+    gen = torch.Generator().manual_seed(seed)
+    geo = model_geometry(config)
+    preset, spec = get_preset(bits), VQ_METHODS[method]
+    d, h = geo["head_dim"], geo["num_kv_heads"]
+    layers = [
+        LayerCodebooks(
+            KeyTransform(d, torch.rand(h, d, generator=gen) + 0.5 if spec.smooth else None, spec.rotate),
+            torch.randn(preset.key.entries, preset.key.dims, generator=gen),
+            torch.randn(preset.value.entries, preset.value.dims, generator=gen),
+        )
+        for _ in range(geo["num_layers"])
+    ]
+    return VecInferCodebooks(method, float(bits), layers, geo)
+
+
+# -- parsing --------------------------------------------------------------------------------------
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """``"1x32768,16x32768"`` -> ``[(1, 32768), (16, 32768)]`` (batch x context length)."""
+    cases = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        try:
+            b, t = item.split("x")
+            cases.append((int(b), int(t)))
+        except ValueError:
+            raise SystemExit(f"bad case {item!r}: write BxT, e.g. 1x32768") from None
+    return cases
+
+
+# -- memory and timing ----------------------------------------------------------------------------
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def allocated(device) -> int | None:
+    return torch.cuda.memory_allocated(device) if torch.device(device).type == "cuda" else None
+
+
+def reset_peak(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda" else None
+
+
+def gib(n: int | float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def short_error(exc: BaseException) -> str:
+    """One table-safe line for an exception (OOM messages are long)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = text.replace("|", "/")
+    return f"{type(exc).__name__}: {text[:120]}"
+
+
+def write_json(path: str, rows: list[dict]) -> None:
+    """Write ``rows`` atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,67 @@
+"""benchmarks/bench_memory.py and bench_generate.py end to end on the CPU (--smoke: tiny Llama),
+and the `vecinfer bench` command that runs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vecinfer_compile.cli import COMMANDS, main
+from vecinfer_compile.commands.bench import SCRIPTS, benchmarks_dir, load_script
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    before = torch.get_num_threads()  # --smoke pins one thread
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bench_registered_and_scripts_present():
+    assert "bench" in COMMANDS
+    folder = benchmarks_dir()
+    for script, _ in SCRIPTS.values():
+        assert (folder / script).is_file(), script
+
+
+def test_bench_memory_smoke(capsys):
+    rows = load_script("memory", benchmarks_dir()).main(["--smoke", "--lengths", "64,200"])
+    out = capsys.readouterr().out
+    assert [r["T"] for r in rows] == [64, 200]
+    for r in rows:
+        assert not [k for k in r if k.endswith("_error")], r
+        # smoke caches hold float32: HF caches hold exactly twice the FP16 bytes
+        assert r["dynamic_kv_bytes"] == r["static_kv_bytes"] == 2 * r["fp16_bytes"]
+        assert r["ours_kv_bytes"] > 0 and r["ratio"] == r["ours_kv_bytes"] / r["fp16_bytes"]
+    # codes grow by 2 bits per element; the window and codebooks are fixed
+    assert rows[1]["ours_kv_bytes"] - rows[0]["ours_kv_bytes"] < rows[1]["fp16_bytes"] - rows[0]["fp16_bytes"]
+    assert "| T | B | ours KV |" in out and "| 200 | 1 |" in out
+
+
+def test_vecinfer_bench_memory_cli(capsys):
+    assert main(["bench", "memory", "--smoke", "--lengths", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| 64 | 1 |" in out
+
+
+def test_vecinfer_bench_errors(capsys, tmp_path):
+    assert main(["bench", "--benchmarks-dir", str(tmp_path / "nope"), "memory"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["bench", "--benchmarks-dir", str(tmp_path), "memory"]) == 2
+    assert "is missing" in capsys.readouterr().err
+    assert main(["bench", "nosuch"]) == 2
+    assert main(["bench", "memory", "--no-such-option"]) == 2
+    assert main(["bench", "memory", "--help"]) == 0
+
+
+@pytest.mark.slow
+def test_bench_generate_smoke(capsys):
+    """All three methods at one tiny case; ours and static compile the decode step (Inductor on
+    the CPU: the slow part, ~15-45 s depending on the machine and the compile cache)."""
+    rows = load_script("generate", benchmarks_dir()).main(["--smoke", "--cases", "2x24", "--new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert [r["method"] for r in rows] == ["ours", "static", "dynamic"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["in_run_tok_s"] > 0 and r["time_n_s"] > 0 and r["time_1_s"] > 0
+    assert "| B | T | ours tok/s |" in out and "HF dynamic, eager" in out
