@@ -1,0 +1,29 @@
+"""Generate with the compressed VecInfer cache (2-bit codes + a full-precision window).
+
+Runs offline on the tiny model shipped in the package; pass a model directory and a codebook
+file (from `vecinfer calibrate`) to use your own:
+
+    python examples/generate_with_cache.py [MODEL_DIR CODEBOOKS]
+"""
+
+import sys
+from importlib.resources import files
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import vecinfer_compile as vc
+
+data = files("vecinfer_compile") / "data"
+model_dir = sys.argv[1] if len(sys.argv) > 1 else str(data / "tiny")
+codebooks = sys.argv[2] if len(sys.argv) > 2 else str(data / "tiny_codebooks" / "vecinfer-2bit.safetensors")
+
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+cb = vc.load_codebooks(codebooks)
+
+ids = tok("It was a bright cold day in April, and", return_tensors="pt").input_ids
+cache = vc.VecInferCache(model, cb, batch_size=1, max_cache_len=ids.shape[1] + 48, residual=16)
+out = model.generate(ids, past_key_values=cache, max_new_tokens=48, do_sample=False)
+print(tok.decode(out[0]))
+print(f"cache holds {cache.kv_bytes():,} bytes; FP16 would hold {cache.fp_kv_bytes():,}")
