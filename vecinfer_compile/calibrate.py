@@ -28,11 +28,13 @@ RECORDER = "vecinfer_calibration_recorder"
 
 
 class _Recorder:
-    """Per-layer lists of ``[B, H_kv, T, D]`` float32 CPU tensors."""
+    """Per-layer lists of ``[B, H, T, D]`` float32 CPU tensors: keys, values and (optionally)
+    queries, as attention receives them (post-RoPE, before any GQA repetition)."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_queries: bool) -> None:
         self.keys: dict[int, list[torch.Tensor]] = {}
         self.values: dict[int, list[torch.Tensor]] = {}
+        self.queries: dict[int, list[torch.Tensor]] | None = {} if with_queries else None
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -40,20 +42,22 @@ class _Recorder:
         layer = getattr(module, "layer_idx", None)
         if layer is None:
             raise ValueError(
-                f"{type(module).__name__} has no layer_idx: calibration needs a transformers model "
-                "whose attention modules carry their layer index"
+                f"{type(module).__name__} has no layer_idx: recording attention inputs needs a "
+                "transformers model whose attention modules carry their layer index"
             )
         self.keys.setdefault(layer, []).append(key.detach().float().cpu())
         self.values.setdefault(layer, []).append(value.detach().float().cpu())
+        if self.queries is not None:
+            self.queries.setdefault(layer, []).append(query.detach().float().cpu())
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 @contextlib.contextmanager
-def _recording(model):
+def _recording(model, with_queries: bool):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    recorder = _Recorder()
+    recorder = _Recorder(with_queries)
     AttentionInterface.register(RECORDER, recorder)
     AttentionMaskInterface.register(RECORDER, sdpa_mask)
     previous = model.config._attn_implementation
@@ -86,25 +90,30 @@ def text_hash(texts: list[str] | str) -> str:
 
 
 @torch.no_grad()
-def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = True):
+def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = True, *,
+               with_queries: bool = False):
     """Run ``model`` over ``token_ids: [N]`` in windows of ``seq_len`` tokens (each starting
-    with BOS when the tokenizer has one) and return per-layer keys and values,
-    each ``[H_kv, N_tokens, D]`` float32 on the CPU."""
+    with BOS when the tokenizer has one) and return per-layer ``(keys, values)``, each
+    ``{layer: [H_kv, N_tokens, D]}`` float32 on the CPU; with ``with_queries`` also
+    ``{layer: [H_q, N_tokens, D]}`` queries as a third element."""
     device = next(model.parameters()).device
     bos = model.config.bos_token_id
     windows = token_ids.split(seq_len)
-    with _recording(model) as rec:
-        for window in tqdm(windows, desc="calibration forward", disable=not progress):
+    with _recording(model, with_queries) as rec:
+        for window in tqdm(windows, desc="recording attention inputs", disable=not progress):
             ids = window if bos is None else torch.cat([torch.tensor([bos]), window])
             model(input_ids=ids[None].to(device), use_cache=False)
-    keys = {l: torch.cat([t[0] for t in ts], dim=1) for l, ts in rec.keys.items()}
-    values = {l: torch.cat([t[0] for t in ts], dim=1) for l, ts in rec.values.items()}
-    if not keys:
+    if not rec.keys:
         raise ValueError(
-            "calibration recorded no attention calls: the model does not dispatch attention "
+            "recorded no attention calls: the model does not dispatch attention "
             "through transformers' AttentionInterface"
         )
-    return keys, values
+
+    def join(store):
+        return {l: torch.cat([t[0] for t in ts], dim=1) for l, ts in sorted(store.items())}
+
+    out = (join(rec.keys), join(rec.values))
+    return out + (join(rec.queries),) if with_queries else out
 
 
 def _fit_codebook(vectors: torch.Tensor, entries: int, dims: int, *, iters: int, seed: int,

@@ -13,67 +13,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
 import torch
 
-INSPECT_RECORDER = "vecinfer_inspect_recorder"
+from ..calibrate import collect_kv
+
 STAGES = ("raw", "smoothed", "smoothed+hadamard", "hadamard")
 STAGE_LABELS = {"raw": "before smoothing", "smoothed": "after smoothing",
                 "smoothed+hadamard": "after smoothing + Hadamard", "hadamard": "Hadamard only"}
 
 
-class _QKVRecorder:
-    def __init__(self) -> None:
-        self.q: dict[int, list[torch.Tensor]] = {}
-        self.k: dict[int, list[torch.Tensor]] = {}
-        self.v: dict[int, list[torch.Tensor]] = {}
-
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        layer = getattr(module, "layer_idx", None)
-        if layer is None:
-            raise ValueError(f"{type(module).__name__} has no layer_idx: inspect needs a transformers "
-                             "model whose attention modules carry their layer index")
-        for store, t in ((self.q, query), (self.k, key), (self.v, value)):
-            store.setdefault(layer, []).append(t.detach().float().cpu())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-@contextlib.contextmanager
-def _recording(model):
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    rec = _QKVRecorder()
-    AttentionInterface.register(INSPECT_RECORDER, rec)
-    AttentionMaskInterface.register(INSPECT_RECORDER, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(INSPECT_RECORDER)
-    try:
-        yield rec
-    finally:
-        model.set_attn_implementation(previous)
-
-
-@torch.no_grad()
 def record_qkv(model, token_ids: torch.Tensor, seq_len: int = 1024) -> dict[int, tuple[torch.Tensor, ...]]:
     """``{layer: (q [H_q, N, D], k [H_kv, N, D], v [H_kv, N, D])}`` float32 CPU, from windows of
     ``seq_len`` tokens (each led by BOS when the model has one, as in calibration)."""
-    device = next(model.parameters()).device
-    bos = model.config.bos_token_id
-    with _recording(model) as rec:
-        for window in token_ids.reshape(-1).split(seq_len):
-            ids = window if bos is None else torch.cat([torch.tensor([bos]), window])
-            model(input_ids=ids[None].to(device), use_cache=False)
-    if not rec.k:
-        raise ValueError("inspect recorded no attention calls: the model does not dispatch attention "
-                         "through transformers' AttentionInterface")
-    return {l: tuple(torch.cat([t[0] for t in store[l]], dim=1) for store in (rec.q, rec.k, rec.v))
-            for l in sorted(rec.k)}
+    keys, values, queries = collect_kv(model, token_ids.reshape(-1), seq_len, progress=False,
+                                       with_queries=True)
+    return {l: (queries[l], keys[l], values[l]) for l in keys}
 
 
 def transformed_keys(k: torch.Tensor, stage: str, lam: torch.Tensor | None) -> torch.Tensor:
