@@ -89,21 +89,6 @@ class VecInferCodebooks:
                 total += 2 * layer.transform.lam.numel()
         return total
 
-    def to(self, device) -> "VecInferCodebooks":
-        layers = [
-            LayerCodebooks(
-                KeyTransform(
-                    l.transform.head_dim,
-                    None if l.transform.lam is None else l.transform.lam.to(device),
-                    l.transform.rotate,
-                ),
-                l.key_centroids.to(device),
-                l.value_centroids.to(device),
-            )
-            for l in self.layers
-        ]
-        return VecInferCodebooks(self.method, self.bits, layers, self.geometry, self.metadata)
-
     # -- checks -----------------------------------------------------------------------------
     def check_model(self, config, *, bits: float | None = None, method: str | None = None) -> None:
         """Raise a ValueError naming the fix if these codebooks do not fit ``config`` (a HF

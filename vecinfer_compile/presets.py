@@ -22,11 +22,6 @@ class VQSpec:
     def bits(self) -> float:
         return math.log2(self.entries) / self.dims
 
-    @property
-    def code_dtype_name(self) -> str:
-        """``uint8`` up to 256 entries, ``int16`` above (up to 32768)."""
-        return "uint8" if self.entries <= 256 else "int16"
-
     def check_head_dim(self, head_dim: int) -> None:
         if head_dim % self.dims != 0:
             raise ValueError(

@@ -53,8 +53,3 @@ def kivi_step(x: torch.Tensor, bits: int, group: int, per_channel: bool) -> torc
     _, scale = _step(g, (1 << bits) - 1)
     step = scale.expand_as(g).flatten(-2)[..., : xt.shape[-1]]
     return step.transpose(-1, -2) if per_channel else step
-
-
-def kivi_bits_per_element(bits: int, group: int = 32, scale_bytes: int = 2) -> float:
-    """Physical bits per element: codes plus one fp16 scale and zero-point per group."""
-    return bits + 2 * scale_bytes * 8 / group
