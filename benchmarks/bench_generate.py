@@ -31,28 +31,14 @@ method that fails (e.g. out of memory) gets its error in its row and the run goe
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 
-def _common():
-    """benchmarks/common.py, loaded by path (benchmarks/ is not a package)."""
-    name = "vecinfer_benchmarks_common"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("common.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-C = _common()
 METHODS = ("ours", "static", "dynamic")
 LABELS = {"ours": "ours (VecInferCache, compiled)", "static": "HF static, compiled",
           "dynamic": "HF dynamic, eager"}

@@ -23,26 +23,12 @@ Target (the issue): ours <= 0.14x FP16 for T >= 32k.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache, StaticCache
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 
-def _common():
-    """benchmarks/common.py, loaded by path (benchmarks/ is not a package)."""
-    name = "vecinfer_benchmarks_common"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("common.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-C = _common()
 TARGET_RATIO = 0.14
 METHODS = ("ours", "dynamic", "static")
 

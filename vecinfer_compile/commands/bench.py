@@ -64,6 +64,8 @@ def load_script(name: str, folder: Path):
     script = folder / SCRIPTS[name][0]
     if not script.is_file():
         raise FileNotFoundError(f"benchmark script {script} is missing from {folder}")
+    if str(folder) not in sys.path:  # the scripts import their sibling bench_common.py
+        sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(f"vecinfer_bench_{name}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
