@@ -5,7 +5,7 @@
   tiny Llama that runs on a laptop CPU in seconds.
 - :func:`build_model`: a random-weight model built directly on the target device (no CPU
   round trip, no checkpoint), SDPA attention, eval mode.
-- :func:`random_codebooks`: random VecInfer codebooks (smoothing + rotation) for a config —
+- :func:`random_codebooks` (re-exported from :mod:`vecinfer_compile.testing`): random codebooks for a config —
   fine for speed and memory, meaningless for accuracy.
 - :func:`bench_setup`: device / dtype / defaults for the normal run and for ``--smoke``.
 - small formatting and CUDA-memory helpers.
@@ -29,10 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout, not installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from vecinfer_compile.codebooks import LayerCodebooks, VecInferCodebooks, model_geometry
-from vecinfer_compile.methods import VQ_METHODS
-from vecinfer_compile.presets import get_preset
-from vecinfer_compile.quant.transform import KeyTransform
+from vecinfer_compile.testing import random_codebooks  # noqa: F401  (C.random_codebooks in the scripts)
 
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -98,23 +95,6 @@ def build_model(setup: Setup):
     sync(setup.device)
     model._bench_build_s = time.perf_counter() - t0
     return model
-
-
-def random_codebooks(config, bits: float = 2.0, method: str = "vecinfer", seed: int = 0) -> VecInferCodebooks:
-    """Random smoothing factors and codebooks at ``bits`` for every layer of ``config``."""
-    gen = torch.Generator().manual_seed(seed)
-    geo = model_geometry(config)
-    preset, spec = get_preset(bits), VQ_METHODS[method]
-    d, h = geo["head_dim"], geo["num_kv_heads"]
-    layers = [
-        LayerCodebooks(
-            KeyTransform(d, torch.rand(h, d, generator=gen) + 0.5 if spec.smooth else None, spec.rotate),
-            torch.randn(preset.key.entries, preset.key.dims, generator=gen),
-            torch.randn(preset.value.entries, preset.value.dims, generator=gen),
-        )
-        for _ in range(geo["num_layers"])
-    ]
-    return VecInferCodebooks(method, float(bits), layers, geo)
 
 
 # -- parsing --------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_window_mask
-from vecinfer_compile.codebooks import LayerCodebooks, VecInferCodebooks, model_geometry
 from vecinfer_compile.ops import cache_ops  # noqa: F401
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.transform import KeyTransform
+from vecinfer_compile.testing import random_codebooks
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,21 +25,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def random_codebooks(config, bits=2.0, seed=0, smooth=True, rotate=True) -> VecInferCodebooks:
-    g = model_geometry(config)
-    gen = torch.Generator().manual_seed(seed)
-    p = get_preset(bits)
-    layers = []
-    for _ in range(g["num_layers"]):
-        lam = torch.rand(g["num_kv_heads"], g["head_dim"], generator=gen) + 0.5 if smooth else None
-        layers.append(LayerCodebooks(
-            KeyTransform(g["head_dim"], lam, rotate),
-            torch.randn(p.key.entries, p.key.dims, generator=gen),
-            torch.randn(p.value.entries, p.value.dims, generator=gen),
-        ))
-    return VecInferCodebooks("vecinfer", bits, layers, g)
 
 
 def tiny_config(**kw) -> LlamaConfig:

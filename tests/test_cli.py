@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vecinfer_compile.cli import COMMANDS, main
+from vecinfer_compile.testing import random_codebooks
 
 
 def run_json(capsys, argv):
@@ -30,26 +31,6 @@ def run_error(capsys, argv) -> str:
     assert len(lines) == 1, err  # one line, no traceback
     assert "Traceback" not in err
     return lines[0]
-
-
-def random_codebooks(geometry: dict, bits: float, method: str = "vecinfer", seed: int = 0):
-    from vecinfer_compile.codebooks import LayerCodebooks, VecInferCodebooks
-    from vecinfer_compile.methods import VQ_METHODS
-    from vecinfer_compile.presets import get_preset
-    from vecinfer_compile.quant.transform import KeyTransform
-
-    gen = torch.Generator().manual_seed(seed)
-    p, spec = get_preset(bits), VQ_METHODS[method]
-    d, h = geometry["head_dim"], geometry["num_kv_heads"]
-    layers = [
-        LayerCodebooks(
-            KeyTransform(d, torch.rand(h, d, generator=gen) + 0.5 if spec.smooth else None, spec.rotate),
-            torch.randn(p.key.entries, p.key.dims, generator=gen),
-            torch.randn(p.value.entries, p.value.dims, generator=gen),
-        )
-        for _ in range(geometry["num_layers"])
-    ]
-    return VecInferCodebooks(method, float(bits), layers, geometry)
 
 
 def test_commands_registered():

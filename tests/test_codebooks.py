@@ -7,27 +7,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from vecinfer_compile.codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks, model_geometry
-from vecinfer_compile.presets import get_preset
-from vecinfer_compile.quant.transform import KeyTransform
-
-
-def make_codebooks(config, bits=2.0, method="vecinfer", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    geo = model_geometry(config)
-    p = get_preset(bits)
-    smooth = method in ("vecinfer", "smooth")
-    rotate = method in ("vecinfer", "hadamard")
-    layers = [
-        LayerCodebooks(
-            KeyTransform(geo["head_dim"], torch.rand(geo["num_kv_heads"], geo["head_dim"], generator=g) + 0.5
-                         if smooth else None, rotate),
-            torch.randn(p.key.entries, p.key.dims, generator=g),
-            torch.randn(p.value.entries, p.value.dims, generator=g),
-        )
-        for _ in range(geo["num_layers"])
-    ]
-    return VecInferCodebooks(method, bits, layers, geo, {"calibration_text_hash": "abc"})
+from vecinfer_compile.codebooks import load_codebooks
+from vecinfer_compile.testing import random_codebooks as make_codebooks
 
 
 CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -38,6 +19,7 @@ CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=
 @pytest.mark.parametrize("bits", [2.0, 1.5])
 def test_round_trip(tmp_path, method, bits):
     cb = make_codebooks(CONFIG, bits, method)
+    cb.metadata["calibration_text_hash"] = "abc"
     path = cb.save(tmp_path / "cb.safetensors")
     back = load_codebooks(path)
     assert (back.method, back.bits, back.geometry) == (method, bits, cb.geometry)

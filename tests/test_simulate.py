@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import vecinfer_compile as vc
 from vecinfer_compile.simulate import simulated_attention
 
-from test_codebooks import make_codebooks
+from vecinfer_compile.testing import random_codebooks as make_codebooks
 
 CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      num_hidden_layers=2, intermediate_size=64, vocab_size=128,

@@ -16,7 +16,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from .backend import vecinfer_backend
-from .codebooks import LayerCodebooks
+from .codebooks import LayerCodebooks, VecInferCodebooks, model_geometry
+from .methods import VQ_METHODS
 from .presets import get_preset
 from .quant.transform import KeyTransform
 
@@ -128,6 +129,21 @@ def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, s
         torch.randn(preset.key.entries, preset.key.dims, generator=gen),
         torch.randn(preset.value.entries, preset.value.dims, generator=gen),
     )
+
+
+def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecinfer",
+                     seed: int = 0) -> VecInferCodebooks:
+    """Random codebooks for every layer of a model (a HF config or a
+    :func:`~vecinfer_compile.codebooks.model_geometry` dict): for tests and speed benchmarks,
+    never for accuracy. Layer ``i`` uses seed ``seed + i``."""
+    geo = config_or_geometry if isinstance(config_or_geometry, dict) else model_geometry(config_or_geometry)
+    spec = VQ_METHODS[method]
+    layers = [
+        random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], bits=bits, seed=seed + i,
+                               smooth=spec.smooth, rotate=spec.rotate)
+        for i in range(geo["num_layers"])
+    ]
+    return VecInferCodebooks(method, float(bits), layers, geo)
 
 
 @dataclass
