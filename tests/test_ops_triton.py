@@ -116,6 +116,8 @@ def _sdpa_error(q, k, v, mask, causal, scale, want):
     """Max error of bf16 SDPA on dequantized, GQA-repeated K/V against ``want`` (float64)."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.bfloat16()  # some SDPA backends want an additive mask in the query's dtype
     out = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask,
                                          is_causal=causal, scale=scale)
     return (out.double().nan_to_num(0.0) - want).abs().max().item()

@@ -4,23 +4,36 @@ One program handles one (batch, KV head, block of ``BLOCK_M`` rows). The rows pa
 group of query heads into the M dimension, interleaved (``row = i * G + g`` for query position i
 and group member g), so every K/V tile is dequantized once for the whole group and causal loop
 bounds stay tight. K/V tiles are dequantized in registers by gathering centroid rows with
-code-derived offsets (the codebook stays in L1/L2). Online softmax in base 2; keys inside the
+code-derived offsets, each code loaded once (the codebook, a few KiB in q's dtype, stays in L1). Online softmax in base 2; keys inside the
 residual window (``(i + Tk - Tq) - j < residual``) use the full-precision tiles instead of codes,
 which are only loaded for key blocks that can contain such keys.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .checks import check_attention_args
-from .triton_common import LOG2E, check_head_dim_pow2, dequant_tile, launch, softmax_step
+from .triton_common import LOG2E, check_head_dim_pow2, dequant_tile_2d, launch, softmax_step
 
-BLOCK_M = 64  # rows (query position x group member) per program
-BLOCK_N = 64  # keys per step
-NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch shape: ``block_m`` rows (query position x group member) per program, ``block_n``
+    keys per loop step."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_CONFIG = AttentionConfig()
 
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
@@ -66,7 +79,7 @@ def _attention_kernel(
     for j0 in range(0, k_end, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         j_ok = offs_j < TK
-        k = dequant_tile(kc_base, skc_t, offs_j, j_ok, kcent_ptr, D, DSUB_K).to(q.dtype)
+        k = dequant_tile_2d(kc_base, skc_t, offs_j, j_ok, kcent_ptr, BLOCK_N, D, DSUB_K)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -97,7 +110,7 @@ def _attention_kernel(
         s = tl.where(keep, s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None]
-        v = dequant_tile(vc_base, svc_t, offs_j, j_ok, vcent_ptr, D, DSUB_V).to(q.dtype)
+        v = dequant_tile_2d(vc_base, svc_t, offs_j, j_ok, vcent_ptr, BLOCK_N, D, DSUB_V)
         if HAS_RESIDUAL:
             if near:
                 vf = tl.load(vf_ptr + b * svf_b + kvh * svf_h + offs_j[:, None] * svf_t + d[None, :],
@@ -146,9 +159,11 @@ def attention_triton(
     residual: int,
     *,
     wrap: bool = False,
+    config: AttentionConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """Same contract as :func:`vecinfer_compile.ops.reference.attention`; returns
-    ``[B, Hq, Tq, D]`` in q.dtype. ``wrap=True`` launches through ``wrap_triton`` (inside the op)."""
+    ``[B, Hq, Tq, D]`` in q.dtype. ``wrap=True`` launches through ``wrap_triton`` (inside the op);
+    ``config`` is the launch shape (benchmarks sweep it)."""
     group = check_attention_args(q, k_codes, v_codes, k_centroids, v_centroids, k_full, v_full, attn_mask, residual)
     b, hq, tq, d = q.shape
     hkv, tk = k_codes.shape[1], k_codes.shape[2]
@@ -163,10 +178,11 @@ def attention_triton(
         vf = vf.contiguous() if vf.stride(-1) != 1 else vf
     kind, mask, mask_strides = _mask_view(attn_mask, b, hq, tq, tk)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grid = (triton.cdiv(tq * group, BLOCK_M), b * hkv)
+    grid = (triton.cdiv(tq * group, config.block_m), b * hkv)
     launch(
         _attention_kernel, grid, wrap,
-        q, k_codes, v_codes, k_centroids.contiguous(), v_centroids.contiguous(), kf, vf,
+        # Centroids in q's dtype: the tiles are cast to it anyway, and half the bytes to gather.
+        q, k_codes, v_codes, k_centroids.to(q.dtype).contiguous(), v_centroids.to(q.dtype).contiguous(), kf, vf,
         mask if mask is not None else q, out,
         q.stride(0), q.stride(1), q.stride(2),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
@@ -178,6 +194,6 @@ def attention_triton(
         hkv, tq, tk, residual, scale * LOG2E,
         G=group, D=d, DSUB_K=k_centroids.shape[1], DSUB_V=v_centroids.shape[1],
         MASK_KIND=kind, IS_CAUSAL=is_causal, HAS_RESIDUAL=has_residual, IEEE=q.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

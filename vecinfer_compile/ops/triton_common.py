@@ -3,8 +3,8 @@
 - :func:`launch`: one launch path for the op (``wrap=True``: through ``torch.library.wrap_triton``
   so Inductor sees the kernel) and for direct calls (benchmarks, ``TRITON_INTERPRET=1`` tests on
   CPU tensors, ``wrap=False``).
-- ``@triton.jit`` helpers: centroid gather (dequantization inside the kernel) and the online
-  softmax step in base 2 that returns zeros for fully masked rows.
+- ``@triton.jit`` helpers: centroid gather (dequantization inside the kernel; the codebook, a few
+  KiB, is served by L1) and the online softmax step in base 2 that returns zeros for fully masked rows.
 """
 
 from __future__ import annotations
@@ -36,12 +36,34 @@ def block_rows(n: int) -> int:
 
 
 @triton.jit
-def dequant_tile(codes_ptr, stride_t, offs_t, t_mask, cent_ptr, D: tl.constexpr, DSUB: tl.constexpr):
-    """Rows ``offs_t`` of a code matrix (``stride_t`` between rows, sub-vectors contiguous) ->
-    ``[len(offs_t), D]`` float32 centroid values (zeros where ``t_mask`` is False)."""
-    c = tl.arange(0, D)
-    code = tl.load(codes_ptr + offs_t[:, None] * stride_t + (c // DSUB)[None, :], mask=t_mask[:, None], other=0)
-    return tl.load(cent_ptr + code.to(tl.int32) * DSUB + (c % DSUB)[None, :], mask=t_mask[:, None], other=0.0)
+def dequant_tile(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
+                 N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr):
+    """Rows ``offs_t`` (``N`` of them) of a code matrix (``stride_t`` between rows, the
+    ``D // DSUB`` sub-vector codes of a row contiguous) -> ``[N, D]`` centroid values in the
+    dtype of ``cent_ptr``. Rows outside ``t_mask`` hold centroid 0.
+
+    Each code is loaded once and its centroid row is fetched as one contiguous ``DSUB``-wide
+    vector (one 8-byte load for a 4-channel bf16 centroid), not channel by channel."""
+    NSUB: tl.constexpr = D // DSUB
+    sub = tl.arange(0, NSUB)
+    code = tl.load(codes_ptr + offs_t[:, None] * stride_t + sub[None, :], mask=t_mask[:, None], other=0)
+    row = code.to(tl.int32) * DSUB
+    rows = tl.load(cent_ptr + row[:, :, None] + tl.arange(0, DSUB)[None, None, :])
+    return tl.reshape(rows, [N, D])
+
+
+@triton.jit
+def dequant_tile_2d(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
+                    N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr):
+    """:func:`dequant_tile` through a 2-D ``[N, D]`` gather: each code is loaded once and
+    broadcast to its ``DSUB`` channels before the gather, so no 3-D tile is reshaped into a
+    ``tl.dot`` operand (Triton 3.6 rejects that shared layout for 16-bit wgmma operands on
+    sm_90: "Illegal shared layout"). Rows outside ``t_mask`` hold centroid 0."""
+    NSUB: tl.constexpr = D // DSUB
+    sub = tl.arange(0, NSUB)
+    code = tl.load(codes_ptr + offs_t[:, None] * stride_t + sub[None, :], mask=t_mask[:, None], other=0)
+    row = tl.reshape(tl.broadcast_to((code.to(tl.int32) * DSUB)[:, :, None], [N, NSUB, DSUB]), [N, D])
+    return tl.load(cent_ptr + row + (tl.arange(0, D) % DSUB)[None, :])
 
 
 @triton.jit

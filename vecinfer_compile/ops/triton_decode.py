@@ -12,11 +12,18 @@ Three launches per step:
 3. ``_merge_kernel``: grid ``(B * Hkv,)``; log-sum-exp merge of the partials, then the
    full-precision residual window folded in by the same online softmax, then normalisation.
 
+Centroids are gathered from global memory (a 256 x 4 bf16 codebook is 2 KiB and stays in L1),
+one vectorised centroid row per code. Holding the codebook as a register tensor and gathering
+with ``tl.gather`` fails to compile on Triton 3.6 for these shapes (an assertion that the gather
+be warp-local), so that variant is not offered.
+
 The split count depends only on shapes (``B * Hkv`` and ``Tmax``), never on ``n_coded``, so CUDA
 graphs and compile do not specialise on the cache length.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,12 +32,24 @@ import triton.language as tl
 from .checks import check_decode_args
 from .triton_common import LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, softmax_step
 
-BLOCK_N = 64  # coded positions per step of a split
 BLOCK_R = 64  # window slots per step of the merge
 BLOCK_E = 128  # centroids per LUT program
-NUM_WARPS = 4
-WAVES = 3  # target programs = WAVES x SMs
+NUM_WARPS = 4  # LUT and merge kernels
 MIN_CHUNK = 256  # fewest positions per split
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Launch shape of the split kernel: ``block_n`` coded positions per loop step, ``waves``
+    target waves of programs over the SMs (sets the split count)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: int = 3
+
+
+DEFAULT_SPLIT = SplitConfig()
 DEFAULT_SMS = 132  # H100/H200; used when the device cannot be queried (interpreter on CPU)
 SCORES = ("dequant", "lut")
 
@@ -58,7 +77,8 @@ def _split_kernel(
     q_ptr, kc_ptr, vc_ptr, kcent_ptr, vcent_ptr, lut_ptr, n_coded_ptr, start_ptr,
     pm_ptr, pl_ptr, pacc_ptr,
     sq_b, sq_h, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
-    H_KV, NUM_SPLITS, CHUNK, E_K, qk_scale,
+    H_KV, NUM_SPLITS, CHUNK, qk_scale,
+    E_K: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DSUB_K: tl.constexpr, DSUB_V: tl.constexpr,
     SCORE_LUT: tl.constexpr, HAS_START: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -96,14 +116,14 @@ def _split_kernel(
                 part = tl.load(lut_base + (gi * NSUB_K + sub[None, :]) * E_K + codes, mask=in_chunk[:, None], other=0.0)
                 s = tl.where(g[:, None] == gi, tl.sum(part, 1)[None, :], s)
         else:
-            k = dequant_tile(kc_base, skc_t, offs, in_chunk, kcent_ptr, D, DSUB_K).to(q.dtype)
+            k = dequant_tile(kc_base, skc_t, offs, in_chunk, kcent_ptr, BLOCK_N, D, DSUB_K)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             else:
                 s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where((in_chunk & (offs >= start))[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        v = dequant_tile(vc_base, svc_t, offs, in_chunk, vcent_ptr, D, DSUB_V).to(q.dtype)
+        v = dequant_tile(vc_base, svc_t, offs, in_chunk, vcent_ptr, BLOCK_N, D, DSUB_V)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
         else:
@@ -171,13 +191,13 @@ def _merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
-def num_splits(batch_heads: int, tmax: int, device: torch.device) -> tuple[int, int]:
+def num_splits(batch_heads: int, tmax: int, device: torch.device, config: SplitConfig = DEFAULT_SPLIT) -> tuple[int, int]:
     """``(splits, chunk)`` for ``batch_heads = B * Hkv`` programs over ``tmax`` coded positions:
-    enough splits for ~``WAVES`` waves of the device's SMs, chunks of at least ``MIN_CHUNK``
-    positions, a multiple of ``BLOCK_N``."""
+    enough splits for ~``config.waves`` waves of the device's SMs, chunks of at least
+    ``MIN_CHUNK`` positions, a multiple of ``config.block_n``."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
-    splits = max(1, min(triton.cdiv(WAVES * sms, batch_heads), triton.cdiv(tmax, MIN_CHUNK)))
-    chunk = triton.cdiv(triton.cdiv(max(tmax, 1), splits), BLOCK_N) * BLOCK_N
+    splits = max(1, min(triton.cdiv(config.waves * sms, batch_heads), triton.cdiv(tmax, MIN_CHUNK)))
+    chunk = triton.cdiv(triton.cdiv(max(tmax, 1), splits), config.block_n) * config.block_n
     return triton.cdiv(max(tmax, 1), chunk), chunk
 
 
@@ -200,10 +220,12 @@ def decode_attention_triton(
     *,
     score: str = "dequant",
     wrap: bool = False,
+    config: SplitConfig = DEFAULT_SPLIT,
 ) -> torch.Tensor:
     """Same contract as :func:`vecinfer_compile.ops.reference.decode_attention`; returns
     ``[B, Hq, 1, D]`` in q.dtype. ``score``: ``"dequant"`` (gather centroids into a K tile) or
-    ``"lut"`` (per-query lookup table). ``wrap=True`` launches through ``wrap_triton``."""
+    ``"lut"`` (per-query lookup table). ``wrap=True`` launches through ``wrap_triton``;
+    ``config`` is the split kernel's launch shape (benchmarks sweep it)."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)
@@ -213,13 +235,15 @@ def decode_attention_triton(
     q = _unit_last_stride(q)
     k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
     k_window, v_window = _unit_last_stride(k_window), _unit_last_stride(v_window)
-    k_centroids, v_centroids = k_centroids.contiguous(), v_centroids.contiguous()
+    k_centroids = k_centroids.contiguous()
+    # Centroids in q's dtype: the tiles are cast to it anyway, and half the bytes to gather.
+    k_cent_q, v_cent_q = k_centroids.to(q.dtype), v_centroids.to(q.dtype).contiguous()
     (e_k, dsub_k), dsub_v = k_centroids.shape, v_centroids.shape[1]
     qk_scale = scale * LOG2E
     block_g = block_rows(group)
     ieee = q.dtype == torch.float32
     start = kv_start if kv_start is not None else n_coded
-    splits, chunk = num_splits(b * hkv, tmax, q.device)
+    splits, chunk = num_splits(b * hkv, tmax, q.device, config)
     part_m = torch.empty((b * hkv, splits, block_g), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((b * hkv, splits, block_g, d), dtype=torch.float32, device=q.device)
@@ -233,12 +257,14 @@ def decode_attention_triton(
         lut = part_m  # unused by the dequant variant
     launch(
         _split_kernel, (splits, b * hkv), wrap,
-        q, k_codes, v_codes, k_centroids, v_centroids, lut, n_coded, start, part_m, part_l, part_acc,
+        q, k_codes, v_codes, k_cent_q, v_cent_q, lut, n_coded, start, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
         v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
-        hkv, splits, chunk, e_k, qk_scale,
+        hkv, splits, chunk, qk_scale,
+        E_K=e_k,
         G=group, BLOCK_G=block_g, D=d, DSUB_K=dsub_k, DSUB_V=dsub_v,
-        SCORE_LUT=use_lut, HAS_START=kv_start is not None, IEEE=ieee, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        SCORE_LUT=use_lut, HAS_START=kv_start is not None, IEEE=ieee, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
     launch(
