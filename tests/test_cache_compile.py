@@ -214,7 +214,7 @@ def test_cuda_compiled_decode(dtype):
     torch.manual_seed(0)
     cfg = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512)
     model = LlamaForCausalLM(cfg).eval().to("cuda", dtype)
-    cb = random_codebooks(cfg).to("cuda")
+    cb = random_codebooks(cfg)  # CPU tensors: the cache and the backend move them to the model
     ids, mask = left_padded(length=40, pad=7)
     ids, mask = ids.cuda(), mask.cuda()
     eager, compiled, backend, _, _ = _compiled_vs_eager(model, cb, ids, mask, tmax=80, residual=8, new_tokens=8)
