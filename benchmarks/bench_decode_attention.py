@@ -19,10 +19,14 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from vecinfer_compile.ops.triton_decode import decode_attention_triton
+from vecinfer_compile.ops import reference
+from vecinfer_compile.ops.triton_decode import DEFAULT_SPLIT, SplitConfig, decode_attention_triton
 from vecinfer_compile.presets import get_preset
 
 HQ, HKV, D, R = 32, 8, 128, 128
+CHECK_MAX_T = 32768
+SWEEP = [SplitConfig(block_n=n, num_warps=w, num_stages=st, waves=wv)
+         for n, w, st, wv in ((64, 4, 2, 3), (128, 4, 2, 3), (128, 8, 2, 3), (64, 4, 3, 6))]
 
 
 def bench(fn) -> float:
@@ -46,7 +50,7 @@ def sdpa_variants(q, k, v):
         yield f"{backend.name.lower()}-packed", packed
 
 
-def run_case(b: int, t: int, bits: float) -> dict:
+def run_case(b: int, t: int, bits: float, sweep: bool = False) -> dict:
     preset = get_preset(bits)
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -63,8 +67,19 @@ def run_case(b: int, t: int, bits: float) -> dict:
     nw = torch.tensor(R, device=dev, dtype=torch.int32)
     row = {"B": b, "T": t, "bits": bits}
     for score in ("dequant", "lut"):
-        row[f"ours_{score}_ms"] = bench(lambda: decode_attention_triton(
-            q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5, score=score))
+        times = {}
+        for cfg in (SWEEP if sweep else [DEFAULT_SPLIT]):
+            times[cfg] = bench(lambda: decode_attention_triton(
+                q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5, score=score, config=cfg))
+        best_cfg = min(times, key=times.get)
+        row[f"ours_{score}_ms"] = times[best_cfg]
+        row[f"ours_{score}_config"] = f"n{best_cfg.block_n}w{best_cfg.num_warps}s{best_cfg.num_stages}x{best_cfg.waves}"
+        row[f"ours_{score}_default_ms"] = times.get(DEFAULT_SPLIT)
+        if t <= CHECK_MAX_T:  # the fp32 reference materialises K and V: checked on the smaller cases
+            got = decode_attention_triton(q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5,
+                                          score=score, config=best_cfg)
+            want = reference.decode_attention(q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5)
+            row[f"ours_{score}_max_err"] = (got.float() - want.float()).abs().max().item()
     del k_codes, v_codes
     k = torch.randn(b, HKV, t, D, device=dev, dtype=torch.bfloat16, generator=g)
     v = torch.randn(b, HKV, t, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -89,27 +104,32 @@ def run_case(b: int, t: int, bits: float) -> dict:
     return row
 
 
+def err_text(err: float | None) -> str:
+    return "-" if err is None else f"{err:.1e}"
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
     ap.add_argument("--bits", type=float, default=2.0)
     ap.add_argument("--json", help="also write the rows to this JSON file")
+    ap.add_argument("--sweep", action="store_true", help="time several launch shapes of ours, keep the best")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     rows = []
     print(f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, "
           f"bf16, {args.bits:g}-bit codes; times are medians in ms")
-    print("| B | T | ours dequant | ours LUT | best FP16 SDPA | backend | FP16 GB/s | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| B | T | ours dequant | ours LUT | best FP16 SDPA | backend | FP16 GB/s | speedup | config | max err vs reference |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for b in map(int, args.batches.split(",")):
         for t in map(int, args.lengths.split(",")):
-            r = run_case(b, t, args.bits)
+            r = run_case(b, t, args.bits, args.sweep)
             rows.append(r)
             print(f"| {b} | {t} | {r['ours_dequant_ms']:.3f} | {r['ours_lut_ms']:.3f} | "
                   f"{r['baseline_ms']:.3f} | {r['baseline']} | {r['fp16_kv_gbps']:.0f} | "
-                  f"{r['speedup']:.2f}x |", flush=True)
+                  f"{r['speedup']:.2f}x | {r['ours_dequant_config']} | {err_text(r.get('ours_dequant_max_err'))} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -16,10 +16,13 @@ import torch
 import triton
 
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
+from vecinfer_compile.ops.triton_attention import DEFAULT_CONFIG, AttentionConfig, attention_triton
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.transform import KeyTransform
 
 HQ, HKV, D = 4, 2, 128  # evalmodel: Llama-3.1-8B per-head geometry, 4 query / 2 KV heads
+SWEEP = [AttentionConfig(m, n, w, st) for m, n, w, st in
+         ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 1))]
 
 
 def simulate_forward(q, k, v, lam, rot, kc, vc):
@@ -36,6 +39,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x8192,8x2048")
     ap.add_argument("--bits", type=float, default=2.0)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the raw attention kernel at several launch shapes")
     args = ap.parse_args(argv)
     preset = get_preset(args.bits)
     dev = "cuda"
@@ -62,6 +67,23 @@ def main(argv=None):
             return_mode="median")
         print(f"| {b} | {t} | {ours:.3f} | {base:.3f} | {ours / base:.2f}x | "
               f"{(out.float() - ref.float()).abs().max().item():.3f} |", flush=True)
+        if args.sweep:
+            sweep_kernel(q, k, v, kc, vc, base)
+
+
+def sweep_kernel(q, k, v, kc, vc, sdpa_ms: float) -> None:
+    """Attention kernel alone (codes precomputed) at each launch shape of SWEEP, against SDPA."""
+    k_codes = torch.ops.vecinfer.encode(k.float(), None, None, kc)
+    v_codes = torch.ops.vecinfer.encode(v.float(), None, None, vc)
+    for cfg in SWEEP:
+        try:
+            ms = triton.testing.do_bench(lambda: attention_triton(
+                q, k_codes, v_codes, kc, vc, None, None, None, True, D**-0.5, 0, config=cfg), return_mode="median")
+        except Exception as exc:  # a launch shape this GPU cannot fit (shared memory, registers)
+            print(f"  kernel {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+            continue
+        mark = " (default)" if cfg == DEFAULT_CONFIG else ""
+        print(f"  kernel {cfg}{mark}: {ms:.3f} ms = {ms / sdpa_ms:.2f}x SDPA", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,77 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (a GPU lease is short: batch it):
-#   bash benchmarks/run_gpu_suite.sh OUT_DIR MODEL_DIR CALIB_TEXT EVAL_TEXT
-# Writes OUT_DIR/log.txt (all output), decode.json, ablation.json, ablation.png,
-# cuda_tests.txt and the 2 / 1.5-bit VecInfer codebooks; each step is time-boxed so that a slow
-# step cannot eat the rest.
+#   bash benchmarks/run_gpu_suite.sh OUT_DIR MODEL_DIR CALIB_TEXT EVAL_TEXT [CODEBOOK_DIR]
+# Five independent streams, spread over the GPUs (see STREAMS below):
+#   tests     -> OUT/tests.txt     every `cuda`-marked test
+#   kernels   -> OUT/kernels.txt   decode (OUT/decode.json) and simulate attention with launch-shape
+#                                  sweeps
+#   memory    -> OUT/memory.txt    KV bytes and peak memory at 4k/32k/128k
+#   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json)
+#   accuracy  -> OUT/accuracy.txt  eval-ppl eager vs compile at 2 and 1.5 bits; greedy tokens through
+#                                  the cache (eager and compiled) vs the simulate path
+# CODEBOOK_DIR holds vecinfer-2bit.safetensors and vecinfer-1.5bit.safetensors for MODEL_DIR;
+# without it they are calibrated on CALIB_TEXT first. Every step is time-boxed.
 set -u
-OUT=${1:?OUT_DIR}; M=${2:?MODEL_DIR}; C=${3:?CALIB_TEXT}; W=${4:?EVAL_TEXT}
-mkdir -p "$OUT"; CB=$(mktemp -d)
+OUT=${1:?OUT_DIR}; M=${2:?MODEL_DIR}; C=${3:?CALIB_TEXT}; W=${4:?EVAL_TEXT}; CB=${5:-}
+mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$(pwd) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-exec > "$OUT/log.txt" 2>&1
 sec() { echo; echo "=== $* ($(date +%T))"; }
-sec env; nvidia-smi --query-gpu=name,driver_version --format=csv
-python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-sec cuda tests
-timeout 300 python -m pytest -q -m cuda -p no:cacheprovider tests > "$OUT/cuda_tests.txt" 2>&1; tail -5 "$OUT/cuda_tests.txt"
-sec decode attention; timeout 150 python benchmarks/bench_decode_attention.py --json "$OUT/decode.json"
-sec simulate attention; timeout 90 python benchmarks/bench_simulate_attention.py
-sec memory; timeout 120 python benchmarks/bench_memory.py
-sec ablation
-timeout 240 python -m vecinfer_compile ablation --model "$M" --text "$W" --calib-text "$C" --windows 16 \
-    --window-len 1024 --device cuda --out-codebooks "$CB" --out "$OUT/ablation.json" --plot "$OUT/ablation.png" --no-progress
-cp "$CB"/vecinfer-2bit.safetensors "$CB"/vecinfer-1.5bit.safetensors "$OUT"/
-sec perplexity, eager vs compile
-for b in 2 1.5; do for be in eager compile; do
-    timeout 120 python -m vecinfer_compile eval-ppl --model "$M" --text "$W" --method vecinfer --bits $b \
-        --codebooks "$CB/vecinfer-${b}bit.safetensors" --windows 16 --window-len 1024 --device cuda --backend $be --json --no-progress
-done; done
-sec generate; timeout 590 python benchmarks/bench_generate.py --cases 1x32768
+V="python -m vecinfer_compile"
+
+tests() {
+    sec env; nvidia-smi --query-gpu=name,driver_version --format=csv
+    python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+    sec cuda tests; timeout ${TEST_TIMEOUT:-500} python -m pytest -q -m cuda -p no:cacheprovider -rf --tb=short tests
+}
+
+kernels() {
+    sec decode attention; timeout 150 python benchmarks/bench_decode_attention.py --sweep --json "$OUT/decode.json"
+    sec simulate attention; timeout 80 python benchmarks/bench_simulate_attention.py --sweep
+}
+
+memory() {
+    sec memory; timeout 150 python benchmarks/bench_memory.py
+}
+
+generate() {
+    sec generate; timeout ${GEN_TIMEOUT:-560} python benchmarks/bench_generate.py --cases ${GEN_CASES:-1x131072,16x32768,1x32768} \
+        --json "$OUT/generate.json"
+}
+
+accuracy() {
+    if [ -z "$CB" ]; then
+        CB=$(mktemp -d)
+        for b in 2 1.5; do
+            sec calibrate $b; timeout 120 $V calibrate --model "$M" --text "$C" --bits $b --device cuda \
+                --out "$CB/vecinfer-${b}bit.safetensors" --no-progress
+        done
+    fi
+    sec perplexity, eager vs compile
+    for b in 2 1.5; do for be in eager compile; do
+        timeout 150 $V eval-ppl --model "$M" --text "$W" --method vecinfer --bits $b --codebooks "$CB/vecinfer-${b}bit.safetensors" \
+            --windows 16 --window-len 1024 --device cuda --backend $be --json --no-progress
+    done; done
+    for be in eager compile; do
+        sec greedy tokens, cache $be vs simulate
+        timeout 150 $V match --model "$M" --codebooks "$CB/vecinfer-2bit.safetensors" --text "$W" --device cuda \
+            --backend $be --no-progress
+    done
+}
+
+# STREAMS picks a subset; with G GPUs, entry k runs on GPU k mod G, entries sharing a GPU in
+# turn; "a+b" runs a then b on one GPU.
+STREAMS=${STREAMS:-tests kernels+memory generate accuracy}
+GPUS=$(nvidia-smi -L | wc -l)
+for g in $(seq 0 $((GPUS - 1))); do
+    (
+        k=0
+        for entry in $STREAMS; do
+            if [ $((k % GPUS)) -eq "$g" ]; then
+                for s in ${entry//+/ }; do CUDA_VISIBLE_DEVICES=$g $s > "$OUT/$s.txt" 2>&1; done
+            fi
+            k=$((k + 1))
+        done
+    ) &
+done
+wait
 sec done
