@@ -24,6 +24,7 @@ COMMANDS: list[str] = [
     "needle",
     "inspect",
     "gsm8k",
+    "match",
     "bench",
 ]
 

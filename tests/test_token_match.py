@@ -1,0 +1,60 @@
+"""Greedy tokens through VecInferCache vs the eager simulate path (`vecinfer match`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vecinfer_compile.cli import main
+from vecinfer_compile.codebooks import load_codebooks
+from vecinfer_compile.evaluation.token_match import MatchResult, prompts_from_ids, token_match
+from vecinfer_compile.models import default_codebooks_dir, load_text, tokenize
+
+
+def test_match_result_first_mismatch():
+    assert MatchResult(4, [1, 2, 3], [1, 2, 3]).first_mismatch is None
+    assert MatchResult(4, [1, 2, 3], [1, 2, 3]).matched == 3
+    assert MatchResult(4, [1, 5, 3], [1, 2, 3]).first_mismatch == 1
+    assert MatchResult(4, [7, 2, 3], [1, 2, 3]).matched == 0
+
+
+def test_prompts_are_disjoint_slices_and_short_text_is_an_error():
+    ids = torch.arange(100)
+    prompts = prompts_from_ids(ids, 3, 20)
+    assert [p.tolist()[:2] for p in prompts] == [[0, 1], [33, 34], [66, 67]]
+    assert all(len(p) == 20 for p in prompts)
+    with pytest.raises(ValueError, match="fewer than 6 prompts"):
+        prompts_from_ids(ids, 6, 20)
+
+
+@pytest.mark.parametrize("residual", [0, 16])
+def test_cache_matches_simulate_on_tiny_model(tiny_model, sample_text_path, residual):
+    """The cache reads codes for most of a 96-token prompt; same codebooks, same window -> same
+    greedy tokens as simulate mode with full_precision_prefill."""
+    model, tok = tiny_model
+    codebooks = load_codebooks(default_codebooks_dir() / "vecinfer-2bit.safetensors")
+    prompts = prompts_from_ids(tokenize(tok, load_text(sample_text_path)), 2, 96)
+    results = token_match(model, prompts, codebooks, new_tokens=12, residual=residual, progress=False)
+    assert [r.first_mismatch for r in results] == [None, None]
+    assert all(len(r.cache_tokens) == 12 for r in results)
+
+
+def test_match_cli_json(capsys, tiny_dir, sample_text_path):
+    cb = default_codebooks_dir() / "vecinfer-2bit.safetensors"
+    code = main(["match", "--model", str(tiny_dir), "--codebooks", str(cb), "--text", str(sample_text_path),
+                 "--prompts", "1", "--prompt-len", "48", "--new-tokens", "6", "--residual", "8", "--json",
+                 "--no-progress", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["prompts"], result["identical_prompts"], result["new_tokens"]) == (1, 1, 6)
+    assert result["results"][0]["cache"] == result["results"][0]["simulate"]
+
+
+def test_match_cli_missing_codebooks_is_one_line(capsys, tiny_dir, sample_text_path, tmp_path):
+    code = main(["match", "--model", str(tiny_dir), "--codebooks", str(tmp_path / "nope.safetensors"),
+                 "--text", str(sample_text_path)])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "nope.safetensors" in err

@@ -1,0 +1,110 @@
+"""Greedy generation through the real cache against the eager simulate path, token for token.
+
+Both paths use the same codebooks and the same window semantics:
+
+- cache: :class:`~vecinfer_compile.VecInferCache` (the prompt attends in full precision, is then
+  encoded; decode steps read codes plus a full-precision window of the last ``residual``
+  tokens), in eager or compiled with :data:`~vecinfer_compile.vecinfer_backend` (on CUDA the
+  compiled decode runs the fused Triton decode-attention kernel);
+- simulate: HF's DynamicCache with the ``"vecinfer"`` attention in simulate mode,
+  ``full_precision_prefill=True`` and the same ``residual``.
+
+Every prompt generates exactly ``new_tokens`` tokens (``min_new_tokens``: no early EOS in one
+path only). A result records the first position where the two disagree, if any.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MatchResult:
+    """One prompt: the new tokens of both paths and the first index where they differ."""
+
+    prompt_len: int
+    cache_tokens: list[int]
+    simulate_tokens: list[int]
+
+    @property
+    def first_mismatch(self) -> int | None:
+        return next((i for i, (a, b) in enumerate(zip(self.cache_tokens, self.simulate_tokens)) if a != b), None)
+
+    @property
+    def matched(self) -> int:
+        """Tokens equal before the first mismatch (all of them when none)."""
+        m = self.first_mismatch
+        return len(self.cache_tokens) if m is None else m
+
+
+def prompts_from_ids(ids: torch.Tensor, count: int, length: int) -> list[torch.Tensor]:
+    """``count`` non-overlapping, evenly spaced slices of ``length`` tokens from ``ids [N]``."""
+    if count < 1 or length < 1:
+        raise ValueError(f"need at least one prompt of at least one token, got {count} x {length}")
+    if count * length > ids.numel():
+        raise ValueError(f"the text has {ids.numel()} tokens, fewer than {count} prompts x {length} tokens; "
+                         "pass a longer --text or fewer/shorter prompts")
+    stride = ids.numel() // count
+    return [ids[i * stride: i * stride + length] for i in range(count)]
+
+
+def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> list[int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None,
+                             top_k=None, pad_token_id=model.config.pad_token_id or 0, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@torch.no_grad()
+def cache_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool) -> list[int]:
+    """Greedy new tokens of ``ids [T]`` through a fresh VecInferCache (eager or compiled)."""
+    from transformers import CompileConfig
+
+    from ..backend import vecinfer_backend
+    from ..cache import VecInferCache
+
+    dev = next(model.parameters()).device
+    ids = ids[None].to(dev)
+    cache = VecInferCache(model, codebooks, batch_size=1, max_cache_len=ids.shape[1] + new_tokens,
+                          residual=residual, device=dev)
+    kwargs = {"past_key_values": cache}
+    if compiled:
+        config = CompileConfig(backend=vecinfer_backend.configure(codebooks=codebooks, residual=residual),
+                               fullgraph=True)
+        config._compile_all_devices = dev.type != "cuda"  # generate() compiles on CUDA only otherwise
+        kwargs["compile_config"] = config
+    return _generate(model, ids, new_tokens, **kwargs)
+
+
+@torch.no_grad()
+def simulate_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int) -> list[int]:
+    """Greedy new tokens of ``ids [T]`` in eager simulate mode with the cache's semantics."""
+    from ..simulate import disable_simulation, enable_simulation
+
+    dev = next(model.parameters()).device
+    enable_simulation(model, codebooks.method, bits=codebooks.bits, codebooks=codebooks, residual=residual,
+                      full_precision_prefill=True)
+    try:
+        return _generate(model, ids[None].to(dev), new_tokens)
+    finally:
+        disable_simulation(model)
+
+
+def token_match(model, prompts: list[torch.Tensor], codebooks, *, new_tokens: int = 64, residual: int = 128,
+                compiled: bool = False, progress: bool = True) -> list[MatchResult]:
+    """Run both paths on every prompt (``[T]`` int64 token ids); one :class:`MatchResult` each."""
+    from tqdm.auto import tqdm
+
+    results = []
+    for ids in tqdm(prompts, desc="prompts", disable=not progress):
+        results.append(MatchResult(
+            len(ids),
+            cache_tokens(model, ids, codebooks, new_tokens=new_tokens, residual=residual, compiled=compiled),
+            simulate_tokens(model, ids, codebooks, new_tokens=new_tokens, residual=residual),
+        ))
+    return results
