@@ -26,13 +26,22 @@ method that fails (e.g. out of memory) gets its error in its row and the run goe
     python benchmarks/bench_generate.py [--cases 1x32768,1x131072,16x32768] [--new-tokens 32]
         [--methods ours,static,dynamic]
     python benchmarks/bench_generate.py --smoke   # tiny config on the CPU, compiled too
+
+``--isolate`` measures every (case, method) in a fresh child process: otherwise a method runs
+after another in one process and can inherit its memory (CUDA-graph pools, cached blocks); at
+B=16, T=32k on an H200 both baselines ran out of memory that way, right after ours.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
@@ -191,6 +200,31 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:
+    """The options a child process of ``--isolate`` needs to measure the same thing."""
+    out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
+           "--warmup-len", str(warmup_len)]
+    if args.smoke:
+        out.append("--smoke")
+    if args.device:
+        out += ["--device", args.device]
+    return out
+
+
+def run_isolated(extra: list[str], batch: int, length: int, method: str) -> dict:
+    """One (case, method) measured by a child process of this script; its row, or its error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--cases", f"{batch}x{length}", "--methods", method,
+               "--json", str(out), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        rows = json.loads(out.read_text()) if out.exists() else []
+    if rows:
+        return rows[0]
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()] or [f"exit code {proc.returncode}"]
+    return {"B": batch, "T": length, "method": method, "error": f"child process: {lines[-1][:120].replace('|', '/')}"}
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=None,
@@ -204,6 +238,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="run every (case, method) in its own process, so no method inherits another's "
+                         "memory (CUDA-graph pools, allocator cache)")
     args = ap.parse_args(argv)
     setup = C.bench_setup(args.smoke, args.device)
     cases = C.parse_cases(args.cases or ("2x24" if args.smoke else "1x32768,1x131072,16x32768"))
@@ -216,9 +253,13 @@ def main(argv=None) -> list[dict]:
     for m in methods:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}: pick from {', '.join(METHODS)}")
-    model = C.build_model(setup)
-    codebooks = C.random_codebooks(setup.config, args.bits)
-    print(f"# generate() decode throughput, {setup.label}, random weights (built in {model._bench_build_s:.1f} s); "
+    if args.isolate:
+        model, codebooks, built = None, None, "per process"
+    else:
+        model = C.build_model(setup)
+        codebooks = C.random_codebooks(setup.config, args.bits)
+        built = f"built in {model._bench_build_s:.1f} s"
+    print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
           f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
           f"tok/s = B*(N-1)/(t(N)-t(1)); in-run = per-step timestamps of the N run; "
           f"prefill s = t(1); warm-up s includes compilation; peak = max allocated incl. weights")
@@ -227,12 +268,15 @@ def main(argv=None) -> list[dict]:
     rows = []
     for batch, length in cases:
         for method in methods:
-            try:
-                row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len)
-            except Exception as exc:  # OOM, compile failure...: report and go on
-                row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
-                del exc
-            reset_compiled(model)
+            if args.isolate:
+                row = run_isolated(passthrough_args(args, new_tokens, residual, warmup_len), batch, length, method)
+            else:
+                try:
+                    row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len)
+                except Exception as exc:  # OOM, compile failure...: report and go on
+                    row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
+                    del exc
+                reset_compiled(model)
             rows.append(row)
             print(format_row(row), flush=True)
             if args.json:  # rewritten after every row: partial results survive a kill

@@ -34,7 +34,7 @@ memory() {
 }
 
 generate() {
-    sec generate; timeout ${GEN_TIMEOUT:-560} python benchmarks/bench_generate.py --cases ${GEN_CASES:-1x131072,16x32768,1x32768} \
+    sec generate; timeout ${GEN_TIMEOUT:-560} python benchmarks/bench_generate.py --isolate --cases ${GEN_CASES:-1x131072,16x32768,1x32768} \
         --json "$OUT/generate.json"
 }
 

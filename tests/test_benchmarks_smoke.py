@@ -65,3 +65,13 @@ def test_bench_generate_smoke(capsys):
         assert "error" not in r, r
         assert r["in_run_tok_s"] > 0 and r["time_n_s"] > 0 and r["time_1_s"] > 0
     assert "| B | T | ours tok/s |" in out and "HF dynamic, eager" in out
+
+
+def test_bench_generate_isolate_runs_each_method_in_a_child(capsys):
+    """--isolate: the row comes back from a child process (same fields as in-process)."""
+    rows = load_script("generate", benchmarks_dir()).main(
+        ["--smoke", "--isolate", "--methods", "dynamic", "--cases", "1x16", "--new-tokens", "3"])
+    assert [r["method"] for r in rows] == ["dynamic"]
+    assert "error" not in rows[0], rows[0]
+    assert rows[0]["in_run_tok_s"] > 0 and (rows[0]["B"], rows[0]["T"]) == (1, 16)
+    assert "random weights (per process)" in capsys.readouterr().out
