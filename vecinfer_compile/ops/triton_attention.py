@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_args
-from .triton_common import LOG2E, check_head_dim_pow2, dequant_tile_2d, launch, softmax_step
+from .triton_common import LOG2E, check_head_dim_pow2, dequant_tile_2d, launch, softmax_step, unit_last_stride
 
 
 
@@ -168,14 +168,13 @@ def attention_triton(
     b, hq, tq, d = q.shape
     hkv, tk = k_codes.shape[1], k_codes.shape[2]
     check_head_dim_pow2(d)
-    q = q.contiguous() if q.stride(-1) != 1 else q
+    q = unit_last_stride(q)
     k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
     has_residual = residual > 0
     kf = k_full if has_residual else k_codes
     vf = v_full if has_residual else v_codes
     if has_residual:
-        kf = kf.contiguous() if kf.stride(-1) != 1 else kf
-        vf = vf.contiguous() if vf.stride(-1) != 1 else vf
+        kf, vf = unit_last_stride(kf), unit_last_stride(vf)
     kind, mask, mask_strides = _mask_view(attn_mask, b, hq, tq, tk)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     grid = (triton.cdiv(tq * group, config.block_m), b * hkv)

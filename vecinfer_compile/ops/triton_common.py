@@ -22,6 +22,11 @@ def launch(kernel, grid: tuple, wrap: bool, *args, **kwargs) -> None:
     runner[grid](*args, **kwargs)
 
 
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if its last dim is contiguous (the kernels index it with stride 1), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def check_head_dim_pow2(head_dim: int) -> None:
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(
@@ -36,6 +41,13 @@ def block_rows(n: int) -> int:
 
 
 @triton.jit
+def load_codes(codes_ptr, stride_t, offs_t, t_mask, NSUB: tl.constexpr):
+    """``[len(offs_t), NSUB]`` int32 codes of rows ``offs_t`` (0 where ``t_mask`` is False)."""
+    sub = tl.arange(0, NSUB)
+    return tl.load(codes_ptr + offs_t[:, None] * stride_t + sub[None, :], mask=t_mask[:, None], other=0).to(tl.int32)
+
+
+@triton.jit
 def dequant_tile(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
                  N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr):
     """Rows ``offs_t`` (``N`` of them) of a code matrix (``stride_t`` between rows, the
@@ -44,10 +56,7 @@ def dequant_tile(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
 
     Each code is loaded once and its centroid row is fetched as one contiguous ``DSUB``-wide
     vector (one 8-byte load for a 4-channel bf16 centroid), not channel by channel."""
-    NSUB: tl.constexpr = D // DSUB
-    sub = tl.arange(0, NSUB)
-    code = tl.load(codes_ptr + offs_t[:, None] * stride_t + sub[None, :], mask=t_mask[:, None], other=0)
-    row = code.to(tl.int32) * DSUB
+    row = load_codes(codes_ptr, stride_t, offs_t, t_mask, D // DSUB) * DSUB
     rows = tl.load(cent_ptr + row[:, :, None] + tl.arange(0, DSUB)[None, None, :])
     return tl.reshape(rows, [N, D])
 
@@ -60,9 +69,8 @@ def dequant_tile_2d(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
     ``tl.dot`` operand (Triton 3.6 rejects that shared layout for 16-bit wgmma operands on
     sm_90: "Illegal shared layout"). Rows outside ``t_mask`` hold centroid 0."""
     NSUB: tl.constexpr = D // DSUB
-    sub = tl.arange(0, NSUB)
-    code = tl.load(codes_ptr + offs_t[:, None] * stride_t + sub[None, :], mask=t_mask[:, None], other=0)
-    row = tl.reshape(tl.broadcast_to((code.to(tl.int32) * DSUB)[:, :, None], [N, NSUB, DSUB]), [N, D])
+    code = load_codes(codes_ptr, stride_t, offs_t, t_mask, NSUB)
+    row = tl.reshape(tl.broadcast_to((code * DSUB)[:, :, None], [N, NSUB, DSUB]), [N, D])
     return tl.load(cent_ptr + row + (tl.arange(0, D) % DSUB)[None, :])
 
 

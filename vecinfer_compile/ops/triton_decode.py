@@ -30,7 +30,10 @@ import triton
 import triton.language as tl
 
 from .checks import check_decode_args
-from .triton_common import LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, softmax_step
+from .triton_common import (
+    LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, softmax_step,
+    unit_last_stride,
+)
 
 BLOCK_R = 64  # window slots per step of the merge
 BLOCK_E = 128  # centroids per LUT program
@@ -110,7 +113,7 @@ def _split_kernel(
         offs = j0 + tl.arange(0, BLOCK_N)
         in_chunk = offs < hi
         if SCORE_LUT:
-            codes = tl.load(kc_base + offs[:, None] * skc_t + sub[None, :], mask=in_chunk[:, None], other=0).to(tl.int32)
+            codes = load_codes(kc_base, skc_t, offs, in_chunk, NSUB_K)
             s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             for gi in tl.static_range(G):
                 part = tl.load(lut_base + (gi * NSUB_K + sub[None, :]) * E_K + codes, mask=in_chunk[:, None], other=0.0)
@@ -201,10 +204,6 @@ def num_splits(batch_heads: int, tmax: int, device: torch.device, config: SplitC
     return triton.cdiv(max(tmax, 1), chunk), chunk
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def decode_attention_triton(
     q: torch.Tensor,
     k_codes: torch.Tensor,
@@ -232,9 +231,9 @@ def decode_attention_triton(
     b, hq, _, d = q.shape
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
     check_head_dim_pow2(d)
-    q = _unit_last_stride(q)
+    q = unit_last_stride(q)
     k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
-    k_window, v_window = _unit_last_stride(k_window), _unit_last_stride(v_window)
+    k_window, v_window = unit_last_stride(k_window), unit_last_stride(v_window)
     k_centroids = k_centroids.contiguous()
     # Centroids in q's dtype: the tiles are cast to it anyway, and half the bytes to gather.
     k_cent_q, v_cent_q = k_centroids.to(q.dtype), v_centroids.to(q.dtype).contiguous()
