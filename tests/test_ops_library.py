@@ -57,6 +57,23 @@ def test_opcheck_encode(device, entries):
     torch.library.opcheck(torch.ops.vecinfer.encode.default, to(args, device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("entries", [256, 4096])
+def test_opcheck_quantize(device, entries):
+    x = torch.randn(2, 3, 5, 16, dtype=torch.bfloat16)
+    args = (x, None, None, torch.randn(entries, 4))
+    torch.library.opcheck(torch.ops.vecinfer.quantize.default, to(args, device))
+
+
+def test_quantize_is_dequantized_codes():
+    x = torch.randn(2, 3, 5, 16)
+    lam, rot, cent = torch.rand(3, 16) + 0.5, torch.eye(16), torch.randn(256, 4)
+    out = torch.ops.vecinfer.quantize(x, lam, rot, cent)
+    codes = torch.ops.vecinfer.encode(x, lam, rot, cent)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    torch.testing.assert_close(out, cent[codes.long()].reshape(x.shape), rtol=0, atol=0)
+
+
 def _attention_args(**overrides):
     gen = torch.Generator().manual_seed(0)
     args = dict(zip(

@@ -101,12 +101,14 @@ def test_interp_encode(spec):
     lam = torch.rand(2, 32, generator=gen) + 0.5
     rot = hadamard_matrix(32, torch.float32, "cpu")
     cent = torch.randn(*spec, generator=gen)
-    got = ops.encode_triton(x, lam, rot, cent)
+    got, values = ops.encode_triton(x, lam, rot, cent, values=True)
     want = ops.reference.encode(x, lam, rot, cent)
     xt = codebook.subvectors((x / lam[None, :, None, :]) @ rot, spec[1])
     dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
     assert got.dtype == want.dtype
     torch.testing.assert_close(dist(got), dist(want), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(values, cent[got.long()].reshape(x.shape), rtol=0, atol=0)
+    assert (ops.encode_triton(x, lam, rot, cent) == got).all()
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -229,6 +231,9 @@ def test_cuda_encode(entries, dims):
     dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
     assert got.dtype == want.dtype
     torch.testing.assert_close(dist(got), dist(want), atol=1e-4, rtol=1e-4)
+    values = torch.ops.vecinfer.quantize(x, lam, rot, cent)
+    assert values.dtype == x.dtype
+    torch.testing.assert_close(values, cent[got.long()].reshape(x.shape).to(x.dtype), rtol=0, atol=0)
 
 
 test_cuda_encode = pytest.mark.cuda(test_cuda_encode)

@@ -1,6 +1,6 @@
 """The ``vecinfer`` custom ops (registered at import) and their implementations.
 
-- ``torch.ops.vecinfer.encode`` / ``attention`` / ``decode_attention``: see :mod:`.library`.
+- ``torch.ops.vecinfer.encode`` / ``quantize`` / ``attention`` / ``decode_attention``: see :mod:`.library`.
 - :mod:`.reference`: pure-torch oracle (CPU path).
 - :func:`encode_triton`, :func:`attention_triton`, :func:`decode_attention_triton`: the CUDA
   kernels' launchers, callable directly (benchmarks) or, with ``wrap=True``, inside the ops.

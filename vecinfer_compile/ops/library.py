@@ -8,6 +8,7 @@ per process, at import of :mod:`vecinfer_compile.ops`.
 Schemas::
 
     vecinfer::encode(Tensor x, Tensor? lam, Tensor? rotation, Tensor centroids) -> Tensor
+    vecinfer::quantize(Tensor x, Tensor? lam, Tensor? rotation, Tensor centroids) -> Tensor
     vecinfer::attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_centroids,
         Tensor v_centroids, Tensor? k_full, Tensor? v_full, Tensor? attn_mask, bool is_causal,
         float scale, int residual) -> Tensor
@@ -34,6 +35,14 @@ def _encode(
     if x.device.type == "cuda":
         return encode_triton(x, lam, rotation, centroids, wrap=True)
     return reference.encode(x, lam, rotation, centroids)
+
+
+def _quantize(
+    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor
+) -> torch.Tensor:
+    if x.device.type == "cuda":
+        return encode_triton(x, lam, rotation, centroids, values=True, wrap=True)[1]
+    return reference.quantize(x, lam, rotation, centroids)
 
 
 def _attention(
@@ -74,7 +83,7 @@ def _decode_attention(
     return reference.decode_attention(*args)
 
 
-_OPS = {"encode": _encode, "attention": _attention, "decode_attention": _decode_attention}
+_OPS = {"encode": _encode, "quantize": _quantize, "attention": _attention, "decode_attention": _decode_attention}
 
 
 def _is_registered(name: str) -> bool:

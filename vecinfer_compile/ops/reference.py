@@ -43,6 +43,14 @@ def encode(
     return dist.argmin(-1).to(code_dtype(entries))
 
 
+def quantize(
+    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor
+) -> torch.Tensor:
+    """Quantize-dequantize: the centroid values of :func:`encode`'s codes, ``[B, H, T, D]`` in
+    x.dtype (in the transformed space when ``lam``/``rotation`` are given)."""
+    return dequantize(encode(x, lam, rotation, centroids), centroids).to(x.dtype)
+
+
 def _safe_softmax_weights(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalised weights and their row sums; a row of all ``-inf`` gives zeros (no NaN)."""
     row_max = scores.amax(-1, keepdim=True)
