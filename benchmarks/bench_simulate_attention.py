@@ -1,11 +1,13 @@
 """Compiled simulate attention (prefill) vs FP16 SDPA, side by side, at evalmodel geometry.
 
-The compiled simulate forward is what the backend puts in place of one SDPA call: the query
-transform, encoding of the new keys and values (``vecinfer::encode``) and attention over the
-codes (``vecinfer::attention``), compiled by Inductor. The baseline is causal bf16 SDPA on the
-same q, k, v (default backend choice, GQA via ``enable_gqa``). Prints times and the ratio.
+The compiled simulate forward is what the backend puts in place of one SDPA call, compiled by
+Inductor: the query transform, then, without a residual window, ``vecinfer::quantize`` of the
+new keys and values and the same SDPA over them; with a window of R keys (``--residual``),
+``vecinfer::encode`` and attention over the codes (``vecinfer::attention``). The baseline is
+causal bf16 SDPA on the same q, k, v (default backend choice, GQA via ``enable_gqa``). Prints
+times and the ratio for both forms.
 
-    python benchmarks/bench_simulate_attention.py [--cases 1x8192,8x2048] [--bits 2]
+    python benchmarks/bench_simulate_attention.py [--cases 1x8192,8x2048] [--bits 2] [--residual 128]
 """
 
 from __future__ import annotations
@@ -25,20 +27,25 @@ SWEEP = [AttentionConfig(m, n, w, st) for m, n, w, st in
          ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 1))]
 
 
-def simulate_forward(q, k, v, lam, rot, kc, vc):
-    """q: [B, Hq, T, D] bf16; k, v: [B, Hkv, T, D] bf16 -> [B, Hq, T, D] bf16."""
+def simulate_forward(q, k, v, lam, rot, kc, vc, residual: int):
+    """q: [B, Hq, T, D] bf16; k, v: [B, Hkv, T, D] bf16 -> [B, Hq, T, D] bf16 (as passes/sdpa.py)."""
     lam_q = lam.repeat_interleave(HQ // HKV, 0)
     q_t = ((q.float() * lam_q[None, :, None, :]) @ rot).to(q.dtype)
-    k_t = ((k.float() / lam[None, :, None, :]) @ rot)
+    k_t = ((k.float() / lam[None, :, None, :]) @ rot).to(k.dtype)
+    if residual == 0:
+        k_hat = torch.ops.vecinfer.quantize(k_t, None, None, kc)
+        v_hat = torch.ops.vecinfer.quantize(v, None, None, vc)
+        return torch.nn.functional.scaled_dot_product_attention(q_t, k_hat, v_hat, is_causal=True, enable_gqa=True)
     k_codes = torch.ops.vecinfer.encode(k_t, None, None, kc)
     v_codes = torch.ops.vecinfer.encode(v, None, None, vc)
-    return torch.ops.vecinfer.attention(q_t, k_codes, v_codes, kc, vc, None, None, None, True, D**-0.5, 0)
+    return torch.ops.vecinfer.attention(q_t, k_codes, v_codes, kc, vc, k_t, v, None, True, D**-0.5, residual)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x8192,8x2048")
     ap.add_argument("--bits", type=float, default=2.0)
+    ap.add_argument("--residual", type=int, default=128, help="window R of the second form (default 128)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the raw attention kernel at several launch shapes")
     args = ap.parse_args(argv)
@@ -47,8 +54,9 @@ def main(argv=None):
     compiled = torch.compile(simulate_forward, fullgraph=True)
     print(f"# compiled simulate attention vs bf16 SDPA, {torch.cuda.get_device_name()}, "
           f"Hq={HQ} Hkv={HKV} D={D}, causal, {args.bits:g}-bit; median ms")
-    print("| B | T | simulate (compiled) | SDPA bf16 | ours / SDPA | max abs diff vs SDPA |")
-    print("|---|---|---|---|---|---|")
+    r = args.residual
+    print(f"| B | T | SDPA bf16 | simulate R=0 | R=0 / SDPA | simulate R={r} | R={r} / SDPA | max abs diff vs SDPA (R=0) |")
+    print("|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
         b, t = map(int, case.split("x"))
         g = torch.Generator(device=dev).manual_seed(0)
@@ -59,13 +67,14 @@ def main(argv=None):
         rot = KeyTransform(D).rotation(torch.float32, dev)
         kc = torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g)
         vc = torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g)
-        out = compiled(q, k, v, lam, rot, kc, vc)
+        out = compiled(q, k, v, lam, rot, kc, vc, 0)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        ours = triton.testing.do_bench(lambda: compiled(q, k, v, lam, rot, kc, vc), return_mode="median")
         base = triton.testing.do_bench(
             lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
             return_mode="median")
-        print(f"| {b} | {t} | {ours:.3f} | {base:.3f} | {ours / base:.2f}x | "
+        ours = triton.testing.do_bench(lambda: compiled(q, k, v, lam, rot, kc, vc, 0), return_mode="median")
+        windowed = triton.testing.do_bench(lambda: compiled(q, k, v, lam, rot, kc, vc, r), return_mode="median")
+        print(f"| {b} | {t} | {base:.3f} | {ours:.3f} | {ours / base:.2f}x | {windowed:.3f} | {windowed / base:.2f}x | "
               f"{(out.float() - ref.float()).abs().max().item():.3f} |", flush=True)
         if args.sweep:
             sweep_kernel(q, k, v, kc, vc, base)

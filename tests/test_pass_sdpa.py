@@ -28,7 +28,7 @@ try:
 except ImportError:  # not installed on the GPU box: the snapshot test skips there
     TestCase = None
 
-OPS = {torch.ops.vecinfer.encode.default, torch.ops.vecinfer.attention.default}
+OPS = {torch.ops.vecinfer.encode.default, torch.ops.vecinfer.quantize.default, torch.ops.vecinfer.attention.default}
 
 
 class Capture:
@@ -122,9 +122,9 @@ matmul_1 = call_function:matmul(div, vecinfer_layer0_rotation_1)
 to_16 = call_method:to(matmul_1, torch.float32)
 vecinfer_layer0_key_centroids = get_attr:vecinfer_layer0_key_centroids()
 vecinfer_layer0_value_centroids = get_attr:vecinfer_layer0_value_centroids()
-encode_default = call_function:vecinfer.encode.default(to_16, None, None, vecinfer_layer0_key_centroids)
-encode_default_1 = call_function:vecinfer.encode.default(value_states, None, None, vecinfer_layer0_value_centroids)
-attention_default = call_function:vecinfer.attention.default(to_15, encode_default, encode_default_1, vecinfer_layer0_key_centroids, vecinfer_layer0_value_centroids, None, None, attention_mask, False, 0.25, 0)
+quantize_default = call_function:vecinfer.quantize.default(to_16, None, None, vecinfer_layer0_key_centroids)
+quantize_default_1 = call_function:vecinfer.quantize.default(value_states, None, None, vecinfer_layer0_value_centroids)
+scaled_dot_product_attention_2 = call_function:scaled_dot_product_attention(to_15, quantize_default, quantize_default_1, attn_mask=attention_mask, dropout_p=0.0, is_causal=False, scale=0.25, enable_gqa=True)
 float_4 = call_method:float(q_embed_1)
 vecinfer_layer1_lam_q = get_attr:vecinfer_layer1_lam_q()
 mul_24 = call_function:mul(float_4, vecinfer_layer1_lam_q)
@@ -139,12 +139,16 @@ matmul_3 = call_function:matmul(div_1, vecinfer_layer1_rotation_1)
 to_18 = call_method:to(matmul_3, torch.float32)
 vecinfer_layer1_key_centroids = get_attr:vecinfer_layer1_key_centroids()
 vecinfer_layer1_value_centroids = get_attr:vecinfer_layer1_value_centroids()
-encode_default_2 = call_function:vecinfer.encode.default(to_18, None, None, vecinfer_layer1_key_centroids)
-encode_default_3 = call_function:vecinfer.encode.default(value_states_1, None, None, vecinfer_layer1_value_centroids)
-attention_default_1 = call_function:vecinfer.attention.default(to_17, encode_default_2, encode_default_3, vecinfer_layer1_key_centroids, vecinfer_layer1_value_centroids, None, None, attention_mask, False, 0.25, 0)""")
+quantize_default_2 = call_function:vecinfer.quantize.default(to_18, None, None, vecinfer_layer1_key_centroids)
+quantize_default_3 = call_function:vecinfer.quantize.default(value_states_1, None, None, vecinfer_layer1_value_centroids)
+scaled_dot_product_attention_3 = call_function:scaled_dot_product_attention(to_17, quantize_default_2, quantize_default_3, attn_mask=attention_mask, dropout_p=0.0, is_causal=False, scale=0.25, enable_gqa=True)""")
         # HF's repeat_kv (getitem -> expand -> reshape) is gone: K/V stay at 2 KV heads.
         gm = capture.graphs[0]
-        assert not [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+        # Every SDPA left attends over quantize-dequantized K and V, never the originals.
+        left = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+        assert len(left) == 2
+        for n in left:
+            assert [a.target for a in n.args[1:3]] == [torch.ops.vecinfer.quantize.default] * 2
         for op in [n for n in gm.graph.nodes if n.target in OPS]:
             assert not repeats_heads(op)
 

@@ -5,12 +5,26 @@ For each SDPA node (any argument form: positional or keyword, bool or float ``at
 
     q~ = ((q.float() * lam_q) @ H).to(q.dtype)          q: [B, Hq, Tq, D], lam_q: [Hq, 1, D]
     K~ = ((k.float() / lam) @ H).to(k.dtype)            k: [B, Hkv, Tk, D], lam: [Hkv, 1, D]
-    quantize=True:   k_codes = vecinfer.encode(K~, None, None, key_centroids)
+    quantize, residual == 0:
+                     K^ = vecinfer.quantize(K~, None, None, key_centroids)
+                     V^ = vecinfer.quantize(v, None, None, value_centroids)
+                     out = F.scaled_dot_product_attention(q~, K^, V^, mask, is_causal=...,
+                                                          scale=scale, enable_gqa=Hq != Hkv)
+    quantize, residual > 0:
+                     k_codes = vecinfer.encode(K~, None, None, key_centroids)
                      v_codes = vecinfer.encode(v, None, None, value_centroids)
                      out = vecinfer.attention(q~, k_codes, v_codes, kc, vc,
-                                              K~ | None, v | None, mask, is_causal, scale, residual)
+                                              K~, v, mask, is_causal, scale, residual)
     quantize=False:  out = F.scaled_dot_product_attention(q~, K~, v, mask, is_causal=...,
                                                           scale=scale, enable_gqa=Hq != Hkv)
+
+Without a residual window every key of the call is read quantized, so the simulate graph
+quantize-dequantizes K and V once (``K^``, ``V^``: centroid values, the size of the K and V they
+replace) and hands them to the SDPA Inductor would have run: prefill attention is compute-bound,
+and re-gathering each K/V tile from the codebook for every query block (what
+``vecinfer.attention`` does) costs more than reading it once dequantized. With a window, keys
+near each query stay full precision, which one SDPA call cannot express: ``vecinfer.attention``
+mixes both per (query, key) pair.
 
 The transform is applied once, as plain torch ops in front of the ops (Inductor fuses them);
 ``encode`` gets ``lam=None, rotation=None``. K/V stay at ``Hkv`` heads: HF's ``repeat_kv`` is
@@ -244,20 +258,25 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
         emit = _Emitter(gm, site)
         q_t = emit.transform(site.query, lam_q, rotation, torch.mul, "lam_q")
         k_t = emit.transform(site.key, lam, rotation, torch.div, "lam")
+        kc = vc = None
         if quantize:
             kc = emit.constant("key_centroids", layer.key_centroids.float())
             vc = emit.constant("value_centroids", layer.value_centroids.float())
+        if quantize and residual:
             k_codes = emit.call(torch.ops.vecinfer.encode.default, k_t, None, None, kc)
             v_codes = emit.call(torch.ops.vecinfer.encode.default, site.value, None, None, vc)
             out = emit.call(
                 torch.ops.vecinfer.attention.default,
                 q_t, k_codes, v_codes, kc, vc,
-                k_t if residual else None, site.value if residual else None,
-                site.attn_mask, site.is_causal, site.scale, residual,
+                k_t, site.value, site.attn_mask, site.is_causal, site.scale, residual,
             )
         else:
+            k_in, v_in = k_t, site.value
+            if quantize:
+                k_in = emit.call(torch.ops.vecinfer.quantize.default, k_t, None, None, kc)
+                v_in = emit.call(torch.ops.vecinfer.quantize.default, site.value, None, None, vc)
             out = emit.call(
-                SDPA, q_t, k_t, site.value,
+                SDPA, q_t, k_in, v_in,
                 attn_mask=site.attn_mask, dropout_p=0.0, is_causal=site.is_causal,
                 scale=site.scale, enable_gqa=site.q_heads != site.kv_heads,
             )
