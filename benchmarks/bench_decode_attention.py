@@ -26,7 +26,10 @@ from vecinfer_compile.presets import get_preset
 HQ, HKV, D, R = 32, 8, 128, 128
 CHECK_MAX_T = 32768
 SWEEP = [SplitConfig(block_n=n, num_warps=w, num_stages=st, waves=wv)
-         for n, w, st, wv in ((64, 4, 2, 3), (128, 4, 2, 3), (128, 8, 2, 3), (64, 4, 3, 6))]
+         for n, w, st, wv in ((64, 4, 2, 3), (128, 4, 2, 3), (128, 8, 2, 3), (64, 4, 3, 6),
+                              # num_stages=1: plain vector loads for the centroid gathers; with
+                              # pipelining Triton turns them into 8-byte cp.async copies
+                              (64, 4, 1, 3), (32, 4, 1, 6), (128, 8, 1, 3), (64, 8, 1, 6))]
 
 
 def bench(fn) -> float:
