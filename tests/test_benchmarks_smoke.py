@@ -75,3 +75,32 @@ def test_bench_generate_isolate_runs_each_method_in_a_child(capsys):
     assert "error" not in rows[0], rows[0]
     assert rows[0]["in_run_tok_s"] > 0 and (rows[0]["B"], rows[0]["T"]) == (1, 16)
     assert "random weights (per process)" in capsys.readouterr().out
+
+
+def test_gather_ceiling_probes_under_interpreter(tmp_path):
+    """The ceiling probes of bench_gather_ceiling.py compute what they claim to read (a probe that
+    skipped work would report a false ceiling): sums checked against torch, in a child process
+    with TRITON_INTERPRET=1 (set before the kernels are decorated)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    check = (
+        "import torch, bench_gather_ceiling as g\n"
+        "codes = torch.randint(0, 256, (2, 3, 200, g.NSUB), dtype=torch.uint8)\n"
+        "cent = torch.randn(256, g.DSUB)\n"
+        "splits, chunk = g.split(6, 200, 32, 2, 4)\n"
+        "out = torch.empty(6 * splits)\n"
+        "g.gather_only_kernel[(splits, 6)](codes, cent, out, 200, chunk, NSUB=g.NSUB, DSUB=g.DSUB, BLOCK_N=32)\n"
+        "want = cent[codes.long()].reshape(6, -1).sum(1)\n"
+        "torch.testing.assert_close(out.view(6, splits).sum(1), want, rtol=1e-4, atol=1e-2)\n"
+        "g.codes_only_kernel[(splits, 6)](codes, out, 200, chunk, NSUB=g.NSUB, BLOCK_N=32)\n"
+        "assert torch.equal(out.view(6, splits).sum(1), codes.reshape(6, -1).float().sum(1))\n"
+        "print('ok', splits, chunk)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "benchmarks"), str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
