@@ -4,7 +4,7 @@
 # Five independent streams, spread over the GPUs (see STREAMS below):
 #   tests     -> OUT/tests.txt     every `cuda`-marked test
 #   kernels   -> OUT/kernels.txt   decode (OUT/decode.json) and simulate attention with launch-shape
-#                                  sweeps; the decode gather-ceiling probe
+#                                  sweeps; the decode gather-ceiling probe; encode vs compiled torch
 #   memory    -> OUT/memory.txt    KV bytes and peak memory at 4k/32k/128k
 #   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json)
 #   accuracy  -> OUT/accuracy.txt  eval-ppl eager vs compile at 2 and 1.5 bits; greedy tokens through
@@ -28,6 +28,7 @@ kernels() {
     sec decode attention; timeout 150 python benchmarks/bench_decode_attention.py --sweep --json "$OUT/decode.json"
     sec simulate attention; timeout 80 python benchmarks/bench_simulate_attention.py --sweep
     sec decode ceiling probe; timeout 90 python benchmarks/bench_gather_ceiling.py
+    sec encode; timeout 90 python benchmarks/bench_encode.py
 }
 
 memory() {

@@ -22,6 +22,7 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "memory": ("bench_memory.py", "KV bytes and peak memory vs HF dynamic/static caches (--smoke: CPU)"),
     "generate": ("bench_generate.py", "generate() decode tokens/s vs HF static compiled / dynamic eager (--smoke: CPU)"),
     "simulate": ("bench_simulate_attention.py", "compiled simulate (prefill) attention vs SDPA (GPU)"),
+    "encode": ("bench_encode.py", "encode / quantize kernels vs compiled PyTorch nearest centroid (GPU)"),
     "ceiling": ("bench_gather_ceiling.py", "Triton code-read and centroid-gather floors of decode vs FP16 SDPA (GPU)"),
 }
 ENV_DIR = "VECINFER_BENCHMARKS_DIR"
