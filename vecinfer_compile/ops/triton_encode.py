@@ -36,6 +36,8 @@ NUM_WARPS = 4
 
 @triton.jit
 def _store(out_ptr, val_ptr, cent_ptr, offs_n, n_mask, best_i, dd, DSUB: tl.constexpr, VALUES: tl.constexpr):
+    """Codes ``best_i`` of sub-vectors ``offs_n`` -> out; with VALUES their centroids -> val
+    (``dd``: channel offsets, possibly padded past DSUB)."""
     tl.store(out_ptr + offs_n, best_i.to(out_ptr.dtype.element_ty), mask=n_mask)
     if VALUES:
         c = tl.load(cent_ptr + best_i[:, None] * DSUB + dd[None, :], mask=(dd < DSUB)[None, :], other=0.0)
