@@ -6,7 +6,9 @@ Ours is ``torch.ops.vecinfer.encode`` / ``quantize`` (the Triton scan kernel for
 keys of one evalmodel-geometry layer (2 KV heads, head_dim 128, already transformed); every row
 checks that ours picks centroids no farther than the baseline's.
 
-    python benchmarks/bench_encode.py [--cases 1x8192,8x2048] [--bits 2,1.5]
+    python benchmarks/bench_encode.py [--cases 1x8192,8x2048] [--bits 2,1.5] [--sweep]
+
+``--sweep`` also times the encode kernel alone at other launch shapes (``EncodeConfig``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ import triton
 
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.ops import reference
+from vecinfer_compile.ops.triton_encode import SCAN_MAX_ENTRIES, EncodeConfig, encode_triton
 from vecinfer_compile.presets import get_preset
 
 HKV, D = 2, 128
+SCAN_SWEEP = [EncodeConfig(scan_block_n=n, scan_unroll=u, scan_warps=w) for n, u, w in
+              ((256, 4, 4), (1024, 4, 4), (1024, 4, 8), (2048, 4, 8), (1024, 8, 4))]
+DOT_SWEEP = [EncodeConfig(dot_block_n=n, dot_block_e=e, dot_warps=w) for n, e, w in
+             ((64, 64, 4), (128, 128, 8), (256, 64, 8), (128, 32, 4))]
 
 
 def nearest_excess(x: torch.Tensor, cent: torch.Tensor, ours: torch.Tensor, base: torch.Tensor) -> float:
@@ -34,6 +41,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x8192,8x2048", help="BxT, comma-separated")
     ap.add_argument("--bits", default="2,1.5", help="presets, comma-separated")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernel at other launch shapes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -56,6 +64,20 @@ def main(argv=None) -> None:
             base = bench(lambda: baseline(x, None, None, cent))
             print(f"| {bits:g} | {spec.entries}x{spec.dims} | {b} | {t} | {x.numel() // spec.dims} | {ours:.3f} | "
                   f"{quant:.3f} | {base:.3f} | {base / ours:.2f}x | {excess:.1e} |", flush=True)
+            if args.sweep:
+                sweep(x, cent, ours_codes, bench)
+
+
+def sweep(x: torch.Tensor, cent: torch.Tensor, default_codes: torch.Tensor, bench) -> None:
+    """The encode kernel in use for this codebook at each of its other launch shapes."""
+    for cfg in SCAN_SWEEP if cent.shape[0] <= SCAN_MAX_ENTRIES else DOT_SWEEP:
+        try:
+            excess = nearest_excess(x, cent, encode_triton(x, None, None, cent, config=cfg), default_codes)
+            ms = bench(lambda: encode_triton(x, None, None, cent, config=cfg))
+        except Exception as exc:  # a shape this GPU cannot fit
+            print(f"  {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+            continue
+        print(f"  {cfg}: {ms:.3f} ms, max distance excess vs the default shape {excess:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -94,21 +94,23 @@ def test_interp_decode(score, seed, b, hkv, group, tmax, frac, r, wfrac, d, kspe
 
 
 @interp_only
+@pytest.mark.parametrize("config", [ops.triton_encode.DEFAULT_CONFIG, ops.triton_encode.EncodeConfig(
+    scan_block_n=64, scan_unroll=8, dot_block_n=64, dot_block_e=128)], ids=["default", "other"])
 @pytest.mark.parametrize("spec", SPECS)
-def test_interp_encode(spec):
+def test_interp_encode(spec, config):
     gen = torch.Generator().manual_seed(spec[0] + spec[1])
     x = torch.randn(2, 2, 37, 32, generator=gen)
     lam = torch.rand(2, 32, generator=gen) + 0.5
     rot = hadamard_matrix(32, torch.float32, "cpu")
     cent = torch.randn(*spec, generator=gen)
-    got, values = ops.encode_triton(x, lam, rot, cent, values=True)
+    got, values = ops.encode_triton(x, lam, rot, cent, values=True, config=config)
     want = ops.reference.encode(x, lam, rot, cent)
     xt = codebook.subvectors((x / lam[None, :, None, :]) @ rot, spec[1])
     dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
     assert got.dtype == want.dtype
     torch.testing.assert_close(dist(got), dist(want), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(values, cent[got.long()].reshape(x.shape), rtol=0, atol=0)
-    assert (ops.encode_triton(x, lam, rot, cent) == got).all()
+    assert (ops.encode_triton(x, lam, rot, cent, config=config) == got).all()
 
 
 # ----------------------------------------------------------------------------------- CUDA

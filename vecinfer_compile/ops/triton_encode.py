@@ -3,7 +3,7 @@
 Smoothing and rotation run in torch (one float32 matmul, fused by Inductor); a kernel does the
 argmin of ``|c|^2 - 2 x.c`` over the codebook. Two kernels, picked by codebook size:
 
-- ``_encode_scan_kernel`` (E <= 256, uint8 codes): every thread owns whole sub-vectors and scans
+- ``_encode_scan_kernel`` (E <= 256 and a multiple of the unroll, uint8 codes): every thread owns whole sub-vectors and scans
   the centroids one at a time (each one a broadcast load), keeping its best in registers. No
   cross-thread reduction at all. A tiled ``[sub-vectors, centroids]`` argmin spent most of its
   time in warp shuffles and spilled registers: on the H200, 0.61 ms against 0.07 ms for this
@@ -18,6 +18,8 @@ pass; the simulate path attends over those).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -27,11 +29,24 @@ from .checks import check_encode_args
 from .triton_common import launch
 
 SCAN_MAX_ENTRIES = 256
-SCAN_BLOCK_N = 512  # sub-vectors per program (4 per thread)
-SCAN_UNROLL = 4  # centroids per loop step
-DOT_BLOCK_N = 128
-DOT_BLOCK_E = 64
-NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class EncodeConfig:
+    """Launch shapes: the scan kernel takes ``scan_block_n`` sub-vectors per program and
+    ``scan_unroll`` centroids per loop step; the tile kernel ``dot_block_n`` x ``dot_block_e``.
+    The defaults were the fastest measured on the H200 (``benchmarks/bench_encode.py --sweep``
+    times others)."""
+
+    scan_block_n: int = 512
+    scan_unroll: int = 4
+    scan_warps: int = 4
+    dot_block_n: int = 128
+    dot_block_e: int = 64
+    dot_warps: int = 4
+
+
+DEFAULT_CONFIG = EncodeConfig()
 
 
 @triton.jit
@@ -99,13 +114,15 @@ def encode_triton(
     *,
     values: bool = False,
     wrap: bool = False,
+    config: EncodeConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`vecinfer_compile.ops.reference.encode`.
 
     x ``[B, H, T, D]`` float -> codes ``[B, H, T, D // d]`` uint8 (E <= 256) or int16; with
     ``values=True`` also the centroid values ``[B, H, T, D]`` in x.dtype (as
     :func:`vecinfer_compile.ops.reference.quantize`). ``wrap=True`` launches through
-    ``torch.library.wrap_triton`` (inside the op)."""
+    ``torch.library.wrap_triton`` (inside the op); ``config`` is the launch shape (benchmarks
+    sweep it)."""
     check_encode_args(x, lam, rotation, centroids)
     work = x.float()
     if lam is not None:
@@ -119,11 +136,12 @@ def encode_triton(
     out = torch.empty((b, h, t, d // dims), dtype=code_dtype(entries), device=x.device)
     val = torch.empty((b, h, t, d), dtype=x.dtype, device=x.device) if values else out
     n = b * h * t * (d // dims)
-    if entries <= SCAN_MAX_ENTRIES and entries % SCAN_UNROLL == 0:
-        launch(_encode_scan_kernel, (triton.cdiv(n, SCAN_BLOCK_N),), wrap, work, centroids, out, val, n, entries,
-               DSUB=dims, BLOCK_N=SCAN_BLOCK_N, UNROLL=SCAN_UNROLL, VALUES=values, num_warps=NUM_WARPS)
+    c = config
+    if entries <= SCAN_MAX_ENTRIES and entries % c.scan_unroll == 0:
+        launch(_encode_scan_kernel, (triton.cdiv(n, c.scan_block_n),), wrap, work, centroids, out, val, n, entries,
+               DSUB=dims, BLOCK_N=c.scan_block_n, UNROLL=c.scan_unroll, VALUES=values, num_warps=c.scan_warps)
     else:
-        launch(_encode_dot_kernel, (triton.cdiv(n, DOT_BLOCK_N),), wrap, work, centroids, out, val, n, entries,
-               DSUB=dims, DPAD=max(16, triton.next_power_of_2(dims)), BLOCK_N=DOT_BLOCK_N, BLOCK_E=DOT_BLOCK_E,
-               VALUES=values, num_warps=NUM_WARPS)
+        launch(_encode_dot_kernel, (triton.cdiv(n, c.dot_block_n),), wrap, work, centroids, out, val, n, entries,
+               DSUB=dims, DPAD=max(16, triton.next_power_of_2(dims)), BLOCK_N=c.dot_block_n, BLOCK_E=c.dot_block_e,
+               VALUES=values, num_warps=c.dot_warps)
     return (out, val) if values else out
