@@ -28,7 +28,7 @@ kernels() {
     sec decode attention; timeout 150 python benchmarks/bench_decode_attention.py --sweep --json "$OUT/decode.json"
     sec simulate attention; timeout 80 python benchmarks/bench_simulate_attention.py --sweep
     sec decode ceiling probe; timeout 90 python benchmarks/bench_gather_ceiling.py
-    sec encode; timeout 90 python benchmarks/bench_encode.py
+    sec encode; timeout 120 python benchmarks/bench_encode.py --sweep
 }
 
 memory() {
