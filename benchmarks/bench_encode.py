@@ -18,6 +18,7 @@ import argparse
 import torch
 import triton
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.triton_encode import SCAN_MAX_ENTRIES, EncodeConfig, encode_triton
@@ -52,8 +53,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for bits in map(float, args.bits.split(",")):
         spec = get_preset(bits).key
-        for case in args.cases.split(","):
-            b, t = map(int, case.split("x"))
+        for b, t in C.parse_cases(args.cases):
             g = torch.Generator(device="cuda").manual_seed(0)
             x = torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g)
             cent = torch.randn(spec.entries, spec.dims, device="cuda", generator=g)

@@ -18,14 +18,14 @@ gather; ``tl.gather`` fails to compile for these shapes on Triton 3.6). Also tim
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from vecinfer_compile.ops.triton_decode import decode_attention_triton
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
+from vecinfer_compile.ops.triton_decode import SplitConfig, decode_attention_triton, num_splits
 
 HQ, HKV, D, NSUB, DSUB, R = 32, 8, 128, 32, 4, 128
 SHAPES = ((64, 4, 4), (128, 4, 4), (64, 8, 8), (32, 4, 8), (128, 8, 4))  # block_n, warps, waves
@@ -66,18 +66,13 @@ def codes_only_kernel(codes_ptr, out_ptr, T, CHUNK, NSUB: tl.constexpr, BLOCK_N:
     tl.store(out_ptr + bh * tl.num_programs(0) + pid, tl.sum(tl.sum(acc, 1), 0).to(tl.float32))
 
 
-def split(bh: int, t: int, block_n: int, waves: int, sms: int) -> tuple[int, int]:
-    """``(splits, chunk)``: about ``waves`` waves of programs, chunks a multiple of block_n."""
-    chunk = math.ceil(t / max(1, math.ceil(waves * sms / bh)) / block_n) * block_n
-    return math.ceil(t / chunk), chunk
-
-
-def probe(codes: torch.Tensor, cent: torch.Tensor, sms: int, bench) -> tuple[float, float]:
-    """Best ``(gather-only, codes-only)`` ms over SHAPES, for K and V (twice one code tensor)."""
+def probe(codes: torch.Tensor, cent: torch.Tensor, bench) -> tuple[float, float]:
+    """Best ``(gather-only, codes-only)`` ms over SHAPES, for K and V (twice one code tensor);
+    the split over positions is the decode kernel's (:func:`num_splits`)."""
     bh, t = codes.shape[0] * codes.shape[1], codes.shape[2]
     best_gather = best_codes = float("inf")
     for block_n, warps, waves in SHAPES:
-        splits, chunk = split(bh, t, block_n, waves, sms)
+        splits, chunk = num_splits(bh, t, codes.device, SplitConfig(block_n=block_n, waves=waves))
         out = torch.empty(bh * splits, device=codes.device)
         best_gather = min(best_gather, 2 * bench(lambda: gather_only_kernel[(splits, bh)](
             codes, cent, out, t, chunk, NSUB=NSUB, DSUB=DSUB, BLOCK_N=block_n, num_warps=warps)))
@@ -93,17 +88,15 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# decode ceiling probe, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D}, 2-bit codes "
           "(256 x 4 bf16 codebook); median ms; K and V both counted")
     print("| B | T | cuDNN FP16 SDPA | ours (default) | gather-only | codes-only | FP16 / gather-only (ceiling) | FP16 / ours |")
     print("|---|---|---|---|---|---|---|---|")
-    for case in args.cases.split(","):
-        b, t = map(int, case.split("x"))
+    for b, t in C.parse_cases(args.cases):
         g = torch.Generator(device="cuda").manual_seed(0)
         codes = torch.randint(0, 256, (b, HKV, t, NSUB), device="cuda", generator=g).to(torch.uint8)
         cent = torch.randn(256, DSUB, device="cuda", generator=g)
-        gather, codes_ms = probe(codes, cent.to(torch.bfloat16), sms, bench)
+        gather, codes_ms = probe(codes, cent.to(torch.bfloat16), bench)
         q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
         kw = torch.randn(b, HKV, R, D, device="cuda", dtype=torch.bfloat16, generator=g)
         n_coded = torch.tensor(t - R, device="cuda", dtype=torch.int32)

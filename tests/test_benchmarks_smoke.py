@@ -89,14 +89,15 @@ def test_gather_ceiling_probes_under_interpreter(tmp_path):
     root = Path(__file__).resolve().parents[1]
     check = (
         "import torch, bench_gather_ceiling as g\n"
-        "codes = torch.randint(0, 256, (2, 3, 200, g.NSUB), dtype=torch.uint8)\n"
+        "codes = torch.randint(0, 256, (2, 3, 600, g.NSUB), dtype=torch.uint8)\n"
         "cent = torch.randn(256, g.DSUB)\n"
-        "splits, chunk = g.split(6, 200, 32, 2, 4)\n"
+        "splits, chunk = g.num_splits(6, 600, codes.device, g.SplitConfig(block_n=32))\n"
+        "assert splits > 1 and 600 % chunk, (splits, chunk)  # several splits, a partial last one\n"
         "out = torch.empty(6 * splits)\n"
-        "g.gather_only_kernel[(splits, 6)](codes, cent, out, 200, chunk, NSUB=g.NSUB, DSUB=g.DSUB, BLOCK_N=32)\n"
+        "g.gather_only_kernel[(splits, 6)](codes, cent, out, 600, chunk, NSUB=g.NSUB, DSUB=g.DSUB, BLOCK_N=32)\n"
         "want = cent[codes.long()].reshape(6, -1).sum(1)\n"
         "torch.testing.assert_close(out.view(6, splits).sum(1), want, rtol=1e-4, atol=1e-2)\n"
-        "g.codes_only_kernel[(splits, 6)](codes, out, 200, chunk, NSUB=g.NSUB, BLOCK_N=32)\n"
+        "g.codes_only_kernel[(splits, 6)](codes, out, 600, chunk, NSUB=g.NSUB, BLOCK_N=32)\n"
         "assert torch.equal(out.view(6, splits).sum(1), codes.reshape(6, -1).float().sum(1))\n"
         "print('ok', splits, chunk)\n"
     )

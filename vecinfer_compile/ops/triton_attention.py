@@ -4,9 +4,10 @@ One program handles one (batch, KV head, block of ``BLOCK_M`` rows). The rows pa
 group of query heads into the M dimension, interleaved (``row = i * G + g`` for query position i
 and group member g), so every K/V tile is dequantized once for the whole group and causal loop
 bounds stay tight. K/V tiles are dequantized in registers by gathering centroid rows with
-code-derived offsets, each code loaded once (the codebook, a few KiB in q's dtype, stays in L1). Online softmax in base 2; keys inside the
-residual window (``(i + Tk - Tq) - j < residual``) use the full-precision tiles instead of codes,
-which are only loaded for key blocks that can contain such keys.
+code-derived offsets, each code loaded once (the codebook, a few KiB in q's dtype, stays in L1).
+Online softmax in base 2; keys inside the residual window (``(i + Tk - Tq) - j < residual``)
+use the full-precision tiles instead of codes, which are only loaded for key blocks that can
+contain such keys.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import triton.language as tl
 
 from .checks import check_attention_args
 from .triton_common import LOG2E, check_head_dim_pow2, dequant_tile_2d, launch, softmax_step, unit_last_stride
-
 
 
 @dataclass(frozen=True)
