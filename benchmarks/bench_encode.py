@@ -6,7 +6,7 @@ Ours is ``torch.ops.vecinfer.encode`` / ``quantize`` (the Triton scan kernel for
 keys of one evalmodel-geometry layer (2 KV heads, head_dim 128, already transformed); every row
 checks that ours picks centroids no farther than the baseline's.
 
-    python benchmarks/bench_encode.py [--cases 1x8192,8x2048] [--bits 2,1.5] [--sweep]
+    python benchmarks/bench_encode.py [--cases 1x8192,8x2048] [--bits 2,1.5,1] [--sweep]
 
 ``--sweep`` also times the encode kernel alone at other launch shapes (``EncodeConfig``).
 """
@@ -26,7 +26,7 @@ from vecinfer_compile.presets import get_preset
 
 HKV, D = 2, 128
 SCAN_SWEEP = [EncodeConfig(scan_block_n=n, scan_unroll=u, scan_warps=w) for n, u, w in
-              ((256, 4, 4), (1024, 4, 4), (1024, 4, 8), (2048, 4, 8), (1024, 8, 4))]
+              ((512, 4, 4), (1024, 8, 4), (4096, 4, 8), (2048, 8, 8), (4096, 8, 16))]
 DOT_SWEEP = [EncodeConfig(dot_block_n=n, dot_block_e=e, dot_warps=w) for n, e, w in
              ((64, 64, 4), (128, 128, 8), (256, 64, 8), (128, 32, 4))]
 
@@ -41,7 +41,7 @@ def nearest_excess(x: torch.Tensor, cent: torch.Tensor, ours: torch.Tensor, base
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x8192,8x2048", help="BxT, comma-separated")
-    ap.add_argument("--bits", default="2,1.5", help="presets, comma-separated")
+    ap.add_argument("--bits", default="2,1.5,1", help="presets, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="also time the kernel at other launch shapes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -93,24 +93,37 @@ def test_interp_decode(score, seed, b, hkv, group, tmax, frac, r, wfrac, d, kspe
     _fp32_tol(ops.decode_attention_triton(*args, score=score), expected_decode(args))
 
 
+ENCODE_CONFIGS = {
+    "default": ops.triton_encode.DEFAULT_CONFIG,
+    "other": ops.triton_encode.EncodeConfig(scan_block_n=1024, scan_unroll=8, scan_warps=4, dot_block_n=64,
+                                            dot_block_e=128),
+}
+
+
 @interp_only
-@pytest.mark.parametrize("config", [ops.triton_encode.DEFAULT_CONFIG, ops.triton_encode.EncodeConfig(
-    scan_block_n=64, scan_unroll=8, dot_block_n=64, dot_block_e=128)], ids=["default", "other"])
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("config", ENCODE_CONFIGS.keys())
+@pytest.mark.parametrize("spec", SPECS + [(100, 4)])
 def test_interp_encode(spec, config):
+    """Each sub-vector gets a nearest centroid (its distance is the reference's); transformed
+    float32 input, and bfloat16 input read as it is."""
     gen = torch.Generator().manual_seed(spec[0] + spec[1])
     x = torch.randn(2, 2, 37, 32, generator=gen)
     lam = torch.rand(2, 32, generator=gen) + 0.5
     rot = hadamard_matrix(32, torch.float32, "cpu")
     cent = torch.randn(*spec, generator=gen)
-    got, values = ops.encode_triton(x, lam, rot, cent, values=True, config=config)
-    want = ops.reference.encode(x, lam, rot, cent)
-    xt = codebook.subvectors((x / lam[None, :, None, :]) @ rot, spec[1])
-    dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
-    assert got.dtype == want.dtype
-    torch.testing.assert_close(dist(got), dist(want), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(values, cent[got.long()].reshape(x.shape), rtol=0, atol=0)
-    assert (ops.encode_triton(x, lam, rot, cent, config=config) == got).all()
+    for x_in, lam_in, rot_in in ((x, lam, rot), (x.bfloat16(), None, None)):
+        got, values = ops.encode_triton(x_in, lam_in, rot_in, cent, values=True, config=ENCODE_CONFIGS[config])
+        want = ops.reference.encode(x_in, lam_in, rot_in, cent)
+        xt = x_in.float() if lam_in is None else (x / lam[None, :, None, :]) @ rot
+        xt = codebook.subvectors(xt, spec[1])
+        dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(dist(got), dist(want), atol=1e-5, rtol=1e-5)
+        # the interpreter rounds float32 -> bfloat16 toward zero, the GPU to nearest
+        exact = x_in.dtype == torch.float32
+        torch.testing.assert_close(values.float(), cent[got.long()].reshape(x.shape), atol=0,
+                                   rtol=0 if exact else 2**-7)
+        assert (ops.encode_triton(x_in, lam_in, rot_in, cent, config=ENCODE_CONFIGS[config]) == got).all()
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -227,15 +240,17 @@ def test_cuda_encode(entries, dims):
     lam = torch.rand(8, 128, device="cuda") + 0.5
     rot = hadamard_matrix(128, torch.float32, "cuda")
     cent = torch.randn(entries, dims, device="cuda")
-    got = torch.ops.vecinfer.encode(x, lam, rot, cent)
-    want = ops.reference.encode(x, lam, rot, cent)
-    xt = codebook.subvectors((x.float() / lam[None, :, None, :]) @ rot, dims)
-    dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
-    assert got.dtype == want.dtype
-    torch.testing.assert_close(dist(got), dist(want), atol=1e-4, rtol=1e-4)
-    values = torch.ops.vecinfer.quantize(x, lam, rot, cent)
-    assert values.dtype == x.dtype
-    torch.testing.assert_close(values, cent[got.long()].reshape(x.shape).to(x.dtype), rtol=0, atol=0)
+    for lam_in, rot_in in ((lam, rot), (None, None)):
+        got = torch.ops.vecinfer.encode(x, lam_in, rot_in, cent)
+        want = ops.reference.encode(x, lam_in, rot_in, cent)
+        xt = x.float() if lam_in is None else (x.float() / lam[None, :, None, :]) @ rot
+        xt = codebook.subvectors(xt, dims)
+        dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(dist(got), dist(want), atol=1e-4, rtol=1e-4)
+        values = torch.ops.vecinfer.quantize(x, lam_in, rot_in, cent)
+        assert values.dtype == x.dtype
+        torch.testing.assert_close(values, cent[got.long()].reshape(x.shape).to(x.dtype), rtol=0, atol=0)
 
 
 test_cuda_encode = pytest.mark.cuda(test_cuda_encode)

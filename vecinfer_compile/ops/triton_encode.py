@@ -1,16 +1,22 @@
 """Triton encode: nearest centroid of every sub-vector of the transformed keys/values.
 
-Smoothing and rotation run in torch (one float32 matmul, fused by Inductor); a kernel does the
-argmin of ``|c|^2 - 2 x.c`` over the codebook. Two kernels, picked by codebook size:
+Smoothing and rotation, when given, run in torch (one float32 matmul); a kernel does the argmin of
+``|c|^2 - 2 x.c`` over the codebook, reading x in its own dtype. Two kernels, picked by codebook
+size:
 
-- ``_encode_scan_kernel`` (E <= 256 and a multiple of the unroll, uint8 codes): every thread owns whole sub-vectors and scans
-  the centroids one at a time (each one a broadcast load), keeping its best in registers. No
-  cross-thread reduction at all. A tiled ``[sub-vectors, centroids]`` argmin spent most of its
-  time in warp shuffles and spilled registers: on the H200, 0.61 ms against 0.07 ms for this
-  scan, for 524k sub-vectors x 256 centroids.
+- ``_encode_scan_kernel`` (E <= 256 and a multiple of the unroll, uint8 codes): every thread owns
+  whole sub-vectors and scans the centroids one at a time (each one a broadcast load), keeping its
+  best in registers. No cross-thread reduction at all.
 - ``_encode_dot_kernel`` (E > 256, int16 codes): the dot products of a ``[BLOCK_N, BLOCK_E]``
   tile on the tensor cores (``tf32x3``: float32-accurate), then a row argmin per tile; at 4096
   centroids the scan's per-centroid loop costs more than the reductions.
+
+Measured on the H200 (``benchmarks/bench_encode.py``), 524k sub-vectors x 256 centroids: a tiled
+``tl.argmin`` spent its time in warp shuffles and spilled registers (0.61 ms); the scan takes
+0.06 ms. A tensor-core variant for small codebooks (distances as one bf16 product of split
+operands, argmin as an integer min over distance bits packed with the index) took 0.075-0.094 ms
+at its best launch shapes: building the split operands and reducing 256 columns per row cost
+more than the scan's arithmetic.
 
 With ``values`` given, a kernel also writes each sub-vector's centroid (quantize-dequantize in one
 pass; the simulate path attends over those).
@@ -38,9 +44,9 @@ class EncodeConfig:
     The defaults were the fastest measured on the H200 (``benchmarks/bench_encode.py --sweep``
     times others)."""
 
-    scan_block_n: int = 512
+    scan_block_n: int = 2048
     scan_unroll: int = 4
-    scan_warps: int = 4
+    scan_warps: int = 8
     dot_block_n: int = 128
     dot_block_e: int = 64
     dot_warps: int = 4
@@ -63,12 +69,12 @@ def _store(out_ptr, val_ptr, cent_ptr, offs_n, n_mask, best_i, dd, DSUB: tl.cons
 @triton.jit
 def _encode_scan_kernel(x_ptr, cent_ptr, out_ptr, val_ptr, N, E, DSUB: tl.constexpr, BLOCK_N: tl.constexpr,
                         UNROLL: tl.constexpr, VALUES: tl.constexpr):
-    """x ``[N, DSUB]`` float32, centroids ``[E, DSUB]`` float32 (E a multiple of UNROLL) -> out
+    """x ``[N, DSUB]`` (any float dtype), centroids ``[E, DSUB]`` float32 (E a multiple of UNROLL) -> out
     ``[N]`` codes (and val ``[N, DSUB]`` centroid values when VALUES)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     dd = tl.arange(0, DSUB)
-    x = tl.load(x_ptr + offs_n[:, None] * DSUB + dd[None, :], mask=n_mask[:, None], other=0.0)
+    x = tl.load(x_ptr + offs_n[:, None] * DSUB + dd[None, :], mask=n_mask[:, None], other=0.0).to(tl.float32)
     best_d = tl.full([BLOCK_N], float("inf"), tl.float32)
     best_i = tl.zeros([BLOCK_N], tl.int32)
     for e0 in range(0, E, UNROLL):
@@ -89,7 +95,8 @@ def _encode_dot_kernel(x_ptr, cent_ptr, out_ptr, val_ptr, N, E, DSUB: tl.constex
     n_mask = offs_n < N
     dd = tl.arange(0, DPAD)
     d_ok = dd < DSUB
-    x = tl.load(x_ptr + offs_n[:, None] * DSUB + dd[None, :], mask=n_mask[:, None] & d_ok[None, :], other=0.0)
+    x = tl.load(x_ptr + offs_n[:, None] * DSUB + dd[None, :], mask=n_mask[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)
     best_d = tl.full([BLOCK_N], float("inf"), tl.float32)
     best_i = tl.zeros([BLOCK_N], tl.int32)
     for e0 in range(0, E, BLOCK_E):
@@ -124,11 +131,13 @@ def encode_triton(
     ``torch.library.wrap_triton`` (inside the op); ``config`` is the launch shape (benchmarks
     sweep it)."""
     check_encode_args(x, lam, rotation, centroids)
-    work = x.float()
-    if lam is not None:
-        work = work / lam.float()[None, :, None, :]
-    if rotation is not None:
-        work = work @ rotation.float()
+    work = x
+    if lam is not None or rotation is not None:
+        work = x.float()
+        if lam is not None:
+            work = work / lam.float()[None, :, None, :]
+        if rotation is not None:
+            work = work @ rotation.float()
     entries, dims = centroids.shape
     b, h, t, d = x.shape
     work = work.contiguous()
