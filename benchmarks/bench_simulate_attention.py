@@ -1,13 +1,14 @@
 """Compiled simulate attention (prefill) vs FP16 SDPA, side by side, at evalmodel geometry.
 
 The compiled simulate forward is what the backend puts in place of one SDPA call, compiled by
-Inductor: the query transform, then, without a residual window, ``vecinfer::quantize`` of the
-new keys and values and the same SDPA over them; with a window of R keys (``--residual``),
-``vecinfer::encode`` and attention over the codes (``vecinfer::attention``). The baseline is
-causal bf16 SDPA on the same q, k, v (default backend choice, GQA via ``enable_gqa``). Prints
-times and the ratio for both forms.
+Inductor: the query and key transform (torch ops), then, without a residual window,
+``vecinfer::quantize`` of the new keys and values and the same SDPA over them; with a window of R
+keys (``--residual``), ``vecinfer::encode`` and attention over the codes (``vecinfer::attention``).
+The baseline is causal bf16 SDPA on the same q, k, v (default backend choice, GQA via
+``enable_gqa``). Prints times and the ratio for both forms; ``--sweep`` adds the attention
+kernel's launch shapes, ``--profile`` the time of each kernel of the no-window form.
 
-    python benchmarks/bench_simulate_attention.py [--cases 1x8192,8x2048] [--bits 2] [--residual 128]
+    python benchmarks/bench_simulate_attention.py [--cases 1x8192,8x2048] [--bits 2] [--residual 128] [--sweep] [--profile]
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main(argv=None):
     ap.add_argument("--residual", type=int, default=128, help="window R of the second form (default 128)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the raw attention kernel at several launch shapes")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the CUDA time of each kernel of the no-window forward (torch.profiler)")
     args = ap.parse_args(argv)
     preset = get_preset(args.bits)
     dev = "cuda"
@@ -76,8 +79,24 @@ def main(argv=None):
         windowed = triton.testing.do_bench(lambda: compiled(q, k, v, lam, rot, kc, vc, r), return_mode="median")
         print(f"| {b} | {t} | {base:.3f} | {ours:.3f} | {ours / base:.2f}x | {windowed:.3f} | {windowed / base:.2f}x | "
               f"{(out.float() - ref.float()).abs().max().item():.3f} |", flush=True)
+        if args.profile:
+            profile_kernels(lambda: compiled(q, k, v, lam, rot, kc, vc, 0))
         if args.sweep:
             sweep_kernel(q, k, v, kc, vc, base)
+
+
+def profile_kernels(forward, calls: int = 10) -> None:
+    """CUDA time per kernel over ``calls`` runs of ``forward``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            forward()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]  # kernels, not the ops launching them
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:8]:
+        print(f"  {e.self_device_time_total / calls:8.1f} us per forward  {e.count // calls} launch(es)  {e.key[:90]}")
 
 
 def sweep_kernel(q, k, v, kc, vc, sdpa_ms: float) -> None:

@@ -26,7 +26,7 @@ tests() {
 
 kernels() {
     sec decode attention; timeout 150 python benchmarks/bench_decode_attention.py --sweep --json "$OUT/decode.json"
-    sec simulate attention; timeout 80 python benchmarks/bench_simulate_attention.py --sweep
+    sec simulate attention; timeout 90 python benchmarks/bench_simulate_attention.py --sweep --profile
     sec decode ceiling probe; timeout 90 python benchmarks/bench_gather_ceiling.py
     sec encode; timeout 120 python benchmarks/bench_encode.py --sweep
 }
