@@ -18,6 +18,7 @@ import argparse
 import torch
 import triton
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.ops.triton_attention import DEFAULT_CONFIG, AttentionConfig, attention_triton
 from vecinfer_compile.presets import get_preset
@@ -60,8 +61,7 @@ def main(argv=None):
     r = args.residual
     print(f"| B | T | SDPA bf16 | simulate R=0 | R=0 / SDPA | simulate R={r} | R={r} / SDPA | max abs diff vs SDPA (R=0) |")
     print("|---|---|---|---|---|---|---|---|")
-    for case in args.cases.split(","):
-        b, t = map(int, case.split("x"))
+    for b, t in C.parse_cases(args.cases):
         g = torch.Generator(device=dev).manual_seed(0)
         q = torch.randn(b, HQ, t, D, device=dev, dtype=torch.bfloat16, generator=g)
         k = torch.randn(b, HKV, t, D, device=dev, dtype=torch.bfloat16, generator=g)

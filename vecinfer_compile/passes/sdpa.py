@@ -258,7 +258,6 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
         emit = _Emitter(gm, site)
         q_t = emit.transform(site.query, lam_q, rotation, torch.mul, "lam_q")
         k_t = emit.transform(site.key, lam, rotation, torch.div, "lam")
-        kc = vc = None
         if quantize:
             kc = emit.constant("key_centroids", layer.key_centroids.float())
             vc = emit.constant("value_centroids", layer.value_centroids.float())
