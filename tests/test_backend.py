@@ -104,20 +104,23 @@ def test_graph_break_rewrites_each_subgraph_by_layer():
     assert sorted(backend.fitted) == [0, 1]  # layer ids from the module path, per subgraph
 
 
-def test_compiled_simulate_matches_eager_simulate():
+@pytest.mark.parametrize("layer_bits", [[2.0, 2.0], [4.0, 1.0]])
+def test_compiled_simulate_matches_eager_simulate(layer_bits):
     """Given codebooks and a residual window: the compiled model over codes matches the eager
-    simulate attention (quantize -> dequantize K/V) with the same codebooks."""
+    simulate attention (quantize -> dequantize K/V) with the same codebooks, also when the
+    layers use different presets."""
     from vecinfer_compile.simulate import enable_simulation
 
     model = tiny_model("llama")
-    layers = [random_layer_codebooks(2, 16, seed=i) for i in range(2)]
-    codebooks = VecInferCodebooks("vecinfer", 2.0, layers, model_geometry(model.config))
-    backend = vecinfer_backend.configure(codebooks, bits=2, residual=4)
+    layers = [random_layer_codebooks(2, 16, bits=b, seed=i) for i, b in enumerate(layer_bits)]
+    bits = sum(layer_bits) / 2
+    codebooks = VecInferCodebooks("vecinfer", bits, layers, model_geometry(model.config), layer_bits=layer_bits)
+    backend = vecinfer_backend.configure(codebooks, bits=bits, residual=4)
     text = ids(16, seed=6)
     with torch.no_grad():
         full = model(input_ids=text, use_cache=False).logits
         compiled = torch.compile(model, backend=backend, fullgraph=True)(input_ids=text, use_cache=False).logits
-        sim_model = enable_simulation(copy.deepcopy(model), "vecinfer", bits=2, codebooks=codebooks, residual=4)
+        sim_model = enable_simulation(copy.deepcopy(model), "vecinfer", bits=bits, codebooks=codebooks, residual=4)
         simulated = sim_model(input_ids=text, use_cache=False).logits
     torch.testing.assert_close(compiled, simulated, atol=1e-4, rtol=1e-4)
     assert (compiled - full).abs().max() > 1e-3  # really quantized

@@ -15,6 +15,7 @@ from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_window_ma
 from vecinfer_compile.ops import cache_ops  # noqa: F401
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.transform import KeyTransform
+from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.testing import random_codebooks
 
 
@@ -192,24 +193,32 @@ def test_generate_tiny_checkpoint(shared_tiny_dir):
 
 
 # -- bytes ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bits", [2.0, 1.25, 3.0])
-def test_kv_bytes_arithmetic(bits):
+@pytest.mark.parametrize("layer_bits", [[2.0, 2.0], [1.25, 1.25], [3.0, 3.0], [4.0, 1.0]])
+def test_kv_bytes_arithmetic(layer_bits):
     cfg = tiny_config()
-    cb = random_codebooks(cfg, bits=bits)
-    b, tmax, r, hkv, d, layers = 3, 50, 8, 2, 16, 2
+    cb = random_codebooks(cfg, layer_bits=layer_bits)
+    b, tmax, r, hkv, d = 3, 50, 8, 2, 16
     cache = VecInferCache(cfg, cb, batch_size=b, max_cache_len=tmax, residual=r, dtype=torch.bfloat16)
-    p = get_preset(bits)
     isz = lambda entries: 1 if entries <= 256 else 2  # noqa: E731
-    per_layer = (
-        b * hkv * tmax * (d // p.key.dims) * isz(p.key.entries)
-        + b * hkv * tmax * (d // p.value.dims) * isz(p.value.entries)
-        + 2 * b * hkv * r * d * 2  # bf16 windows
-        + 2 * 8  # two int64 counters
-        + 4 * (p.key.entries * p.key.dims + p.value.entries * p.value.dims)  # f32 codebooks
-        + 4 * hkv * d  # f32 lam
-    )
-    assert cache.kv_bytes() == layers * per_layer + 4 * d * d  # one shared rotation
-    assert cache.fp_kv_bytes() == layers * 2 * b * hkv * tmax * d * 2
+    total = 4 * d * d  # one shared rotation
+    for bits in layer_bits:
+        p = get_preset(bits)
+        total += (
+            b * hkv * tmax * (d // p.key.dims) * isz(p.key.entries)
+            + b * hkv * tmax * (d // p.value.dims) * isz(p.value.entries)
+            + 2 * b * hkv * r * d * 2  # bf16 windows
+            + 2 * 8  # two int64 counters
+            + 4 * (p.key.entries * p.key.dims + p.value.entries * p.value.dims)  # f32 codebooks
+            + 4 * hkv * d  # f32 lam
+        )
+    assert cache.kv_bytes() == total
+    accounting = kv_bytes("vecinfer", cb.bits, cfg, layer_bits=cb.layer_bits)  # the evaluation's model
+    windows_and_fixed = sum(2 * b * hkv * r * d * 2 + 2 * 8 for _ in layer_bits) + 4 * d * d
+    codebooks_f32 = sum(4 * hkv * d + 4 * (get_preset(x).key.entries * get_preset(x).key.dims
+                                          + get_preset(x).value.entries * get_preset(x).value.dims)
+                        for x in layer_bits)
+    assert b * tmax * accounting.bytes_per_token == total - windows_and_fixed - codebooks_f32
+    assert cache.fp_kv_bytes() == len(layer_bits) * 2 * b * hkv * tmax * d * 2
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -93,11 +93,12 @@ def _compiled_vs_eager(model, cb, ids, mask, *, tmax, residual, device="cpu", ne
     return eager, compiled, backend, eager_cache, cache
 
 
-def test_compiled_decode_matches_eager_and_holds_no_dequantized_kv():
+@pytest.mark.parametrize("layer_bits", [None, [4.0, 1.0]])
+def test_compiled_decode_matches_eager_and_holds_no_dequantized_kv(layer_bits):
     torch.manual_seed(0)
     cfg = tiny_config()
     model = LlamaForCausalLM(cfg).eval()
-    cb = random_codebooks(cfg)
+    cb = random_codebooks(cfg, layer_bits=layer_bits)
     ids, mask = left_padded(length=10, pad=3)
     tmax, residual = 20, 3
     eager, compiled, backend, eager_cache, cache = _compiled_vs_eager(model, cb, ids, mask, tmax=tmax, residual=residual)
@@ -206,15 +207,17 @@ def test_pass_ignores_sdpa_without_cache():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("layer_bits", [None, [4.0, 1.0]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_compiled_decode(dtype):
-    """On the GPU the compiled decode runs the Triton decode kernel; fp32 must match eager."""
+def test_cuda_compiled_decode(dtype, layer_bits):
+    """On the GPU the compiled decode runs the Triton decode kernel (one per layer's preset);
+    fp32 must match eager."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
     cfg = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512)
     model = LlamaForCausalLM(cfg).eval().to("cuda", dtype)
-    cb = random_codebooks(cfg)  # CPU tensors: the cache and the backend move them to the model
+    cb = random_codebooks(cfg, layer_bits=layer_bits)  # CPU tensors: the cache and the backend move them
     ids, mask = left_padded(length=40, pad=7)
     ids, mask = ids.cuda(), mask.cuda()
     eager, compiled, backend, _, _ = _compiled_vs_eager(model, cb, ids, mask, tmax=80, residual=8, new_tokens=8)

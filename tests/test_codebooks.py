@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from vecinfer_compile.codebooks import load_codebooks
+from vecinfer_compile.codebooks import VecInferCodebooks, load_codebooks
 from vecinfer_compile.testing import random_codebooks as make_codebooks
 
 
@@ -76,10 +76,44 @@ def test_corrupt_metadata_is_detected(tmp_path):
     save_file(tensors, str(path), metadata={"vecinfer": json.dumps(meta)})
     with pytest.raises(ValueError, match="fingerprint"):
         load_codebooks(path)
-    meta = {**meta, "geometry": cb.geometry, "bits": 1.0}
+    meta = {**meta, "geometry": cb.geometry, "bits": 1.0, "layer_bits": [1.0, 1.0]}
     from vecinfer_compile.codebooks import geometry_fingerprint
 
     meta["fingerprint"] = geometry_fingerprint(cb.geometry)
     save_file(tensors, str(path), metadata={"vecinfer": json.dumps(meta)})
-    with pytest.raises(ValueError, match="do not match the 1-bit preset"):
+    with pytest.raises(ValueError, match="layer 0 codebook shapes .* do not match its 1-bit preset"):
         load_codebooks(path)
+    meta = {**meta, "bits": 2.0, "layer_bits": [2.0, 2.0]}
+    del tensors["layers.1.value_centroids"]
+    save_file(tensors, str(path), metadata={"vecinfer": json.dumps(meta)})
+    with pytest.raises(ValueError, match="'layers.1.value_centroids' is missing"):
+        load_codebooks(path)
+
+
+def test_per_layer_bits_round_trip(tmp_path):
+    cb = make_codebooks(CONFIG, layer_bits=[4.0, 1.0])
+    assert cb.bits == 2.5 and cb.layer_bits == [4.0, 1.0]
+    with pytest.raises(ValueError, match="allocate bits per layer"):
+        cb.preset
+    back = load_codebooks(cb.save(tmp_path / "cb.safetensors"))
+    assert back.layer_bits == [4.0, 1.0] and back.bits == 2.5
+    assert [back.layer_preset(i).key.dims for i in range(2)] == [2, 8]
+    for a, b in zip(cb.layers, back.layers):
+        assert torch.equal(a.key_centroids, b.key_centroids)
+        assert torch.equal(a.value_centroids, b.value_centroids)
+    back.check_model(CONFIG, bits=2.5)
+    with pytest.raises(ValueError, match=r"for 2.5 bits \(per layer: \[4.0, 1.0\]\), not 2"):
+        back.check_model(CONFIG, bits=2)
+    with pytest.raises(ValueError, match="average 2.5 bits, not 2"):
+        VecInferCodebooks("vecinfer", 2.0, cb.layers, cb.geometry, layer_bits=[4.0, 1.0])
+    assert make_codebooks(CONFIG, layer_bits=[2.0, 2.0]).layer_bits is None  # uniform
+
+
+def test_format_1_files_still_load():
+    """The codebooks shipped with the package were written in format 1 (stacked tensors)."""
+    from vecinfer_compile.models import default_model_dir
+
+    path = default_model_dir().parent / "tiny_codebooks" / "vecinfer-2bit.safetensors"
+    back = load_codebooks(path)
+    assert back.metadata["format"] == "vecinfer-codebooks/1" and back.layer_bits is None
+    assert back.bits == 2.0 and tuple(back.layer(0).key_centroids.shape) == (256, 4)

@@ -1,11 +1,13 @@
 """The calibration artifact: per-layer key transform and key/value codebooks, with metadata.
 
-File format: one safetensors file. Tensors ``key_centroids [L, E_k, d_k]``,
-``value_centroids [L, E_v, d_v]`` (float32) and, when the method smooths, ``lam [L, H_kv, D]``.
-The safetensors metadata key ``"vecinfer"`` holds a JSON object: method, bits, the presets, the
-model fingerprint (geometry + a hash of it), calibration text hash and token count, and the
-package version. Loading checks the format; :meth:`VecInferCodebooks.check_model` checks that the
-file fits a model.
+File format 2: one safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
+``layers.{i}.value_centroids [E_v, d_v]`` (float32; each layer has its own preset) and, when the
+method smooths, ``lam [L, H_kv, D]``. The safetensors metadata key ``"vecinfer"`` holds a JSON
+object: method, bits (the average over layers), ``layer_bits`` (one preset per layer), the model
+fingerprint (geometry + a hash of it), calibration text hash and token count, and the package
+version. Format 1 (one preset for all layers, stacked ``key_centroids [L, E_k, d_k]`` and
+``value_centroids [L, E_v, d_v]``) still loads. Loading checks the format;
+:meth:`VecInferCodebooks.check_model` checks that the file fits a model.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from .methods import VQ_METHODS
 from .presets import Preset, get_preset
 from .quant.transform import KeyTransform
 
-FORMAT = "vecinfer-codebooks/1"
+FORMAT = "vecinfer-codebooks/2"
+FORMAT_V1 = "vecinfer-codebooks/1"
 
 
 def model_geometry(config) -> dict:
@@ -57,19 +60,52 @@ class LayerCodebooks:
     value_centroids: torch.Tensor
 
 
+def average_bits(layer_bits: list[float]) -> float:
+    """Nominal bits per element of a per-layer allocation (every layer stores as many elements)."""
+    return sum(layer_bits) / len(layer_bits)
+
+
 @dataclass
 class VecInferCodebooks:
-    """Codebooks and transforms for every layer of one model at one bit-width."""
+    """Codebooks and transforms for every layer of one model.
+
+    ``bits`` is the nominal bits per element over the whole cache; ``layer_bits`` gives each
+    layer's preset when the layers differ (a per-layer allocation, see
+    :mod:`vecinfer_compile.allocate`) and is None when every layer uses the preset of ``bits``."""
 
     method: str
     bits: float
     layers: list[LayerCodebooks]
     geometry: dict
     metadata: dict = field(default_factory=dict)
+    layer_bits: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_bits is None:
+            return
+        self.layer_bits = [float(b) for b in self.layer_bits]
+        if len(self.layer_bits) != len(self.layers):
+            raise ValueError(f"layer_bits has {len(self.layer_bits)} entries for {len(self.layers)} layers")
+        if abs(average_bits(self.layer_bits) - float(self.bits)) > 1e-9:
+            raise ValueError(
+                f"layer_bits {self.layer_bits} average {average_bits(self.layer_bits):g} bits, not {self.bits:g}"
+            )
+        if len(set(self.layer_bits)) == 1:
+            self.layer_bits = None
 
     @property
     def preset(self) -> Preset:
+        """The preset of every layer; an error for a per-layer allocation (use layer_preset)."""
+        if self.layer_bits is not None:
+            raise ValueError(f"these codebooks allocate bits per layer ({self.layer_bits}): use layer_preset(i)")
         return get_preset(self.bits)
+
+    def layer_preset(self, index: int) -> Preset:
+        """The preset of layer ``index``."""
+        return get_preset(self.bits if self.layer_bits is None else self.layer_bits[index])
+
+    def bits_per_layer(self) -> list[float]:
+        return [self.layer_preset(i).bits for i in range(len(self.layers))]
 
     @property
     def head_dim(self) -> int:
@@ -106,9 +142,10 @@ class VecInferCodebooks:
                 + "): run `vecinfer calibrate` on this model"
             )
         if bits is not None and float(bits) != float(self.bits):
+            per_layer = "" if self.layer_bits is None else f" (per layer: {self.layer_bits})"
             raise ValueError(
-                f"these codebooks are for {self.bits:g} bits, not {bits:g}: calibrate at "
-                f"{bits:g} bits or pass --bits {self.bits:g}"
+                f"these codebooks are for {self.bits:g} bits{per_layer}, not {bits:g}: calibrate "
+                f"at {bits:g} bits or pass --bits {self.bits:g}"
             )
         if method is not None and method != self.method:
             raise ValueError(
@@ -123,20 +160,18 @@ class VecInferCodebooks:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            "key_centroids": torch.stack([l.key_centroids.float().cpu() for l in self.layers]),
-            "value_centroids": torch.stack([l.value_centroids.float().cpu() for l in self.layers]),
-        }
+        tensors = {}
+        for i, layer in enumerate(self.layers):
+            tensors[f"layers.{i}.key_centroids"] = layer.key_centroids.float().cpu()
+            tensors[f"layers.{i}.value_centroids"] = layer.value_centroids.float().cpu()
         if self.layers[0].transform.lam is not None:
             tensors["lam"] = torch.stack([l.transform.lam.float().cpu() for l in self.layers])
-        preset = self.preset
         meta = {
-            **self.metadata,
+            **{k: v for k, v in self.metadata.items() if k not in ("key_preset", "value_preset")},
             "format": FORMAT,
             "method": self.method,
             "bits": self.bits,
-            "key_preset": [preset.key.entries, preset.key.dims],
-            "value_preset": [preset.value.entries, preset.value.dims],
+            "layer_bits": self.bits_per_layer(),
             "rotate": self.layers[0].transform.rotate,
             "geometry": self.geometry,
             "fingerprint": geometry_fingerprint(self.geometry),
@@ -164,22 +199,40 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     if raw is None:
         raise ValueError(f"{path} has no vecinfer metadata: it was not written by vecinfer calibrate")
     meta = json.loads(raw)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} has format {meta.get('format')!r}; this version reads {FORMAT}")
+    if meta.get("format") not in (FORMAT, FORMAT_V1):
+        raise ValueError(
+            f"{path} has format {meta.get('format')!r}; this version reads {FORMAT} and {FORMAT_V1}"
+        )
     geometry = meta["geometry"]
     if meta["fingerprint"] != geometry_fingerprint(geometry):
         raise ValueError(f"{path}: metadata fingerprint does not match its geometry (corrupt file)")
     method, bits = meta["method"], float(meta["bits"])
     spec = VQ_METHODS[method]
-    preset = get_preset(bits)
-    key_c, value_c = tensors["key_centroids"], tensors["value_centroids"]
-    expect_k = (geometry["num_layers"], preset.key.entries, preset.key.dims)
-    expect_v = (geometry["num_layers"], preset.value.entries, preset.value.dims)
-    if tuple(key_c.shape) != expect_k or tuple(value_c.shape) != expect_v:
-        raise ValueError(
-            f"{path}: codebook shapes {tuple(key_c.shape)}/{tuple(value_c.shape)} do not match "
-            f"the {bits:g}-bit preset {expect_k}/{expect_v} (corrupt file)"
-        )
+    num_layers = geometry["num_layers"]
+
+    def tensor(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {name!r} is missing (corrupt file)")
+        return tensors[name]
+
+    if meta.get("format") == FORMAT_V1:
+        layer_bits = [bits] * num_layers
+        key_c, value_c = list(tensor("key_centroids")), list(tensor("value_centroids"))
+    else:
+        layer_bits = [float(b) for b in meta["layer_bits"]]
+        key_c = [tensor(f"layers.{i}.key_centroids") for i in range(num_layers)]
+        value_c = [tensor(f"layers.{i}.value_centroids") for i in range(num_layers)]
+    if len(layer_bits) != num_layers or len(key_c) != num_layers:
+        raise ValueError(f"{path}: holds {len(key_c)} layers, its geometry says {num_layers} (corrupt file)")
+    for i, (b, kc, vc) in enumerate(zip(layer_bits, key_c, value_c)):
+        preset = get_preset(b)
+        expect_k = (preset.key.entries, preset.key.dims)
+        expect_v = (preset.value.entries, preset.value.dims)
+        if tuple(kc.shape) != expect_k or tuple(vc.shape) != expect_v:
+            raise ValueError(
+                f"{path}: layer {i} codebook shapes {tuple(kc.shape)}/{tuple(vc.shape)} do not match "
+                f"its {b:g}-bit preset {expect_k}/{expect_v} (corrupt file)"
+            )
     lam = tensors.get("lam")
     if spec.smooth and lam is None:
         raise ValueError(f"{path}: method {method!r} needs smoothing factors but the file has none")
@@ -189,8 +242,8 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
             key_c[i],
             value_c[i],
         )
-        for i in range(geometry["num_layers"])
+        for i in range(num_layers)
     ]
-    keep = {k: v for k, v in meta.items() if k not in ("method", "bits", "geometry")}
-    return VecInferCodebooks(method, bits, layers, geometry, keep)
+    keep = {k: v for k, v in meta.items() if k not in ("method", "bits", "geometry", "layer_bits")}
+    return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
 

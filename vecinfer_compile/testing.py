@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .backend import vecinfer_backend
-from .codebooks import LayerCodebooks, VecInferCodebooks, model_geometry
+from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
 from .methods import VQ_METHODS
 from .presets import get_preset
 from .quant.transform import KeyTransform
@@ -132,18 +132,20 @@ def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, s
 
 
 def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecinfer",
-                     seed: int = 0) -> VecInferCodebooks:
+                     seed: int = 0, *, layer_bits: list[float] | None = None) -> VecInferCodebooks:
     """Random codebooks for every layer of a model (a HF config or a
     :func:`~vecinfer_compile.codebooks.model_geometry` dict): for tests and speed benchmarks,
-    never for accuracy. Layer ``i`` uses seed ``seed + i``."""
+    never for accuracy. Layer ``i`` uses seed ``seed + i`` and the preset ``layer_bits[i]``
+    (default: ``bits`` for every layer; given, ``bits`` is their average)."""
     geo = config_or_geometry if isinstance(config_or_geometry, dict) else model_geometry(config_or_geometry)
     spec = VQ_METHODS[method]
+    per_layer = [float(bits)] * geo["num_layers"] if layer_bits is None else list(layer_bits)
     layers = [
-        random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], bits=bits, seed=seed + i,
+        random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], bits=b, seed=seed + i,
                                smooth=spec.smooth, rotate=spec.rotate)
-        for i in range(geo["num_layers"])
+        for i, b in enumerate(per_layer)
     ]
-    return VecInferCodebooks(method, float(bits), layers, geo)
+    return VecInferCodebooks(method, average_bits(per_layer), layers, geo, layer_bits=per_layer)
 
 
 @dataclass

@@ -77,13 +77,15 @@ def run(args) -> int:
         max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters, seed=args.seed,
         progress=args.progress,
     )
-    acc = kv_bytes(args.method, None if args.method == "fp16" else bits, model.config, residual=args.residual)
+    acc = kv_bytes(args.method, None if args.method == "fp16" else bits, model.config, residual=args.residual,
+                   layer_bits=None if cb is None else cb.layer_bits)
     with applied(model, args.method, bits, codebooks=cb, residual=args.residual, backend=args.backend) as m:
         res = perplexity(m, ids, windows=args.windows, window_len=args.window_len,
                          batch_size=args.batch_size, progress=args.progress)
     out = {
         "method": args.method,
         "bits": bits,
+        "layer_bits": None if cb is None else cb.bits_per_layer(),
         "ppl": res.ppl,
         "nll": res.nll,
         "tokens": res.tokens,

@@ -61,9 +61,11 @@ def _geometry(geometry) -> dict:
     return model_geometry(geometry)
 
 
-def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0) -> KVBytes:
+def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
+             layer_bits: list[float] | None = None) -> KVBytes:
     """The memory accounting of ``method`` at ``bits`` for a model ``geometry`` (a dict with
-    ``num_layers``, ``num_kv_heads``, ``head_dim``, or a HF config)."""
+    ``num_layers``, ``num_kv_heads``, ``head_dim``, or a HF config). ``layer_bits``: one VQ
+    preset per layer (a per-layer allocation; ``bits`` is then their average)."""
     check_method(method, bits)
     g = _geometry(geometry)
     layers, heads, head_dim = g["num_layers"], g["num_kv_heads"], g["head_dim"]
@@ -77,21 +79,23 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0) ->
         return KVBytes("kivi", float(b), phys, 2 * elems * phys / 8, fp16_token, 0, residual)
     from ..presets import get_preset
 
-    preset = get_preset(bits)
+    per_layer = [float(bits)] * layers if layer_bits is None else [float(b) for b in layer_bits]
+    if len(per_layer) != layers:
+        raise ValueError(f"layer_bits gives {len(per_layer)} presets for {layers} layers")
     code_bytes = 0
-    nominal = 0.0
     fixed = 0
-    for spec in (preset.key, preset.value):
-        spec.check_head_dim(head_dim)
-        codes = elems // spec.dims  # codes per token (all layers, all heads)
-        code_bytes += codes * (1 if spec.entries <= 256 else 2)
-        nominal += codes * math.log2(spec.entries)
-        fixed += layers * spec.entries * spec.dims * FP16_BYTES
+    for b in per_layer:
+        preset = get_preset(b)
+        for spec in (preset.key, preset.value):
+            spec.check_head_dim(head_dim)
+            codes = heads * head_dim // spec.dims  # codes per token in this layer
+            code_bytes += codes * (1 if spec.entries <= 256 else 2)
+            fixed += spec.entries * spec.dims * FP16_BYTES
     if VQ_METHODS[method].smooth:
         fixed += layers * heads * head_dim * FP16_BYTES
     return KVBytes(
         method,
-        float(preset.bits),
+        sum(get_preset(b).bits for b in per_layer) / layers,
         8 * code_bytes / (2 * elems),
         float(code_bytes),
         fp16_token,
