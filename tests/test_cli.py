@@ -100,6 +100,16 @@ def test_eval_ppl_with_codebooks_file(capsys, tmp_path, tiny_model, tiny_dir, sa
           "--no-progress"], "the text has"),
         (["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "2", "--method", "kivi",
           "--out", "x"], "invalid choice: 'kivi'"),
+        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--out", "x"],
+         "give --bits B (one preset for all layers"),
+        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "2", "--layer-bits", "2,2",
+          "--out", "x"], "give --bits B (one preset for all layers"),
+        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "1.5", "--allocate", "retrieval",
+          "--out", "x"], "needs 8-bit-code presets at 0.75, 1.5 and 3 bits; available for --bits 2"),
+        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--layer-bits", "2,7,2,2", "--out", "x"],
+         "no VecInfer preset for 7"),
+        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--layer-bits", "2,x", "--out", "x"],
+         "bits must be a number"),
         (["demo", "--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
         (["ablation", "--model", "{tiny}", "--text", "{text}", "--calib-text", "/nope.txt"],
          "calibration text /nope.txt does not exist"),
@@ -160,6 +170,16 @@ def test_calibrate_then_eval_and_ablation(capsys, tmp_path, tiny_dir, sample_tex
                             "--method", "vecinfer", "--bits", "2", "--codebooks", str(cb),
                             "--windows", "1", "--window-len", "64", "--json", "--no-progress"])
     assert math.isfinite(out["ppl"])
+    mixed = tmp_path / "cb-mixed.safetensors"
+    assert main(["calibrate", "--model", str(tiny_dir), "--text", str(sample_text_path), "--layer-bits",
+                 "4,1,2,1", "--max-tokens", "512", "--seq-len", "256", "--iters", "3", "--out", str(mixed),
+                 "--no-progress"]) == 0
+    assert "per layer 4/1/2/1" in capsys.readouterr().out
+    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                            "--method", "vecinfer", "--codebooks", str(mixed),
+                            "--windows", "1", "--window-len", "64", "--json", "--no-progress"])
+    assert out["bits"] == 2.0 and out["layer_bits"] == [4.0, 1.0, 2.0, 1.0]
+    assert out["physical_bits_per_element"] == 2.0 and math.isfinite(out["ppl"])
     pytest.importorskip("matplotlib")
     cache = tmp_path / "cache"
     cache.mkdir()

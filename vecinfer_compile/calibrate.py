@@ -15,7 +15,8 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
-from .codebooks import LayerCodebooks, VecInferCodebooks, model_geometry
+from .allocate import allocation_choices, retrieval_allocation
+from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
 from .methods import VQ_METHODS, check_method
 from .presets import get_preset
 from .quant.codebook import subvectors
@@ -130,9 +131,12 @@ def calibrate(
     model,
     tokenizer,
     texts: list[str] | str,
-    bits: float = 2,
+    bits: float | None = 2,
     method: str = "vecinfer",
     *,
+    layer_bits: list[float] | None = None,
+    allocate: str | None = None,
+    residual: int = 128,
     max_tokens: int = 32768,
     seq_len: int = 1024,
     iters: int = 20,
@@ -145,18 +149,36 @@ def calibrate(
     key/value K-Means codebooks for ``bits`` (a preset of :mod:`vecinfer_compile.presets`).
 
     ``method`` is ``vecinfer`` (smoothing + Hadamard), or an ablation: ``vq`` (neither),
-    ``smooth`` or ``hadamard``. K-Means runs on ``device`` (default: the model's device) over at
-    most ``max_fit_vectors`` sub-vectors per codebook. Returns a :class:`VecInferCodebooks`;
-    ``.save(path)`` writes it.
+    ``smooth`` or ``hadamard``. By default every layer uses the preset of ``bits``;
+    ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
+    is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
+    ``bits`` (:mod:`vecinfer_compile.allocate`; ``residual`` is the cache window it assumes).
+    K-Means runs on ``device`` (default: the model's device) over at most ``max_fit_vectors``
+    sub-vectors per codebook. Returns a :class:`VecInferCodebooks`; ``.save(path)`` writes it.
     """
-    check_method(method, bits)
+    if layer_bits is not None and allocate is not None:
+        raise ValueError("give either layer_bits or allocate, not both")
+    if allocate not in (None, "uniform", "retrieval"):
+        raise ValueError(f"allocate must be 'uniform' or 'retrieval', got {allocate!r}")
+    check_method(method)
     if method not in VQ_METHODS:
         raise ValueError(f"method {method!r} needs no calibration; calibrate one of {list(VQ_METHODS)}")
-    preset = get_preset(bits)
     geometry = model_geometry(model.config)
-    head_dim = geometry["head_dim"]
-    preset.key.check_head_dim(head_dim)
-    preset.value.check_head_dim(head_dim)
+    num_layers, head_dim = geometry["num_layers"], geometry["head_dim"]
+    if layer_bits is not None:
+        if len(layer_bits) != num_layers:
+            raise ValueError(f"layer_bits gives {len(layer_bits)} presets for a model of {num_layers} layers")
+        candidates = [(float(b),) for b in layer_bits]
+    elif bits is None:
+        raise ValueError("give bits (one preset for every layer, or the average to allocate) or layer_bits")
+    elif allocate == "retrieval":
+        candidates = [allocation_choices(float(bits))] * num_layers
+    else:
+        candidates = [(float(bits),)] * num_layers
+    for b in {b for c in candidates for b in c}:
+        preset = get_preset(b)
+        preset.key.check_head_dim(head_dim)
+        preset.value.check_head_dim(head_dim)
     spec = VQ_METHODS[method]
     if spec.rotate:
         KeyTransform(head_dim).rotation(torch.float32, "cpu")  # clear error for bad head dims
@@ -164,22 +186,23 @@ def calibrate(
 
     token_ids = calibration_token_ids(tokenizer, texts, max_tokens)
     keys, values = collect_kv(model, token_ids, seq_len, progress)
-    layers = []
-    for layer in tqdm(sorted(keys), desc=f"fitting {bits:g}-bit codebooks", disable=not progress):
+    if len(keys) != num_layers:
+        raise ValueError(f"recorded {len(keys)} attention layers but the config has {num_layers}")
+    fitted: dict[int, dict[float, LayerCodebooks]] = {}
+    for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
         lam = smoothing_factors(k.abs().amax(dim=(0, 2))) if spec.smooth else None
         transform = KeyTransform(head_dim, lam, spec.rotate)
+        k_t = transform.keys(k)
         layer_seed = seed + 1000 * layer
-        key_cb = _fit_codebook(transform.keys(k), preset.key.entries, preset.key.dims,
-                               iters=iters, seed=layer_seed, max_vectors=max_fit_vectors, device=device)
-        value_cb = _fit_codebook(v, preset.value.entries, preset.value.dims,
-                                 iters=iters, seed=layer_seed + 1, max_vectors=max_fit_vectors,
-                                 device=device)
-        layers.append(LayerCodebooks(transform, key_cb, value_cb))
-    if len(layers) != geometry["num_layers"]:
-        raise ValueError(
-            f"recorded {len(layers)} attention layers but the config has {geometry['num_layers']}"
-        )
+        fitted[layer] = {}
+        for b in candidates[layer]:
+            preset = get_preset(b)
+            key_cb = _fit_codebook(k_t, preset.key.entries, preset.key.dims, iters=iters,
+                                   seed=layer_seed, max_vectors=max_fit_vectors, device=device)
+            value_cb = _fit_codebook(v, preset.value.entries, preset.value.dims, iters=iters,
+                                     seed=layer_seed + 1, max_vectors=max_fit_vectors, device=device)
+            fitted[layer][b] = LayerCodebooks(transform, key_cb, value_cb)
     metadata = {
         "model_name": getattr(model.config, "_name_or_path", "") or "",
         "calibration_text_hash": text_hash(texts),
@@ -188,5 +211,17 @@ def calibrate(
         "kmeans_iters": iters,
         "seed": seed,
     }
-    log.info("calibrated %s-bit %s codebooks on %d tokens", bits, method, token_ids.numel())
-    return VecInferCodebooks(method, float(bits), layers, geometry, metadata)
+    if allocate == "retrieval":
+        text = texts if isinstance(texts, str) else "\n".join(texts)
+        allocation = retrieval_allocation(model, tokenizer, text, token_ids, fitted, float(bits),
+                                          method, seq_len=seq_len, residual=residual, seed=seed,
+                                          progress=progress)
+        layer_bits = allocation.layer_bits
+        metadata["allocation"] = {**allocation.as_dict(), "residual": residual}
+        log.info("retrieval allocation: layer bits %s (retrieval scores %s)", layer_bits,
+                 [round(s, 3) for s in allocation.retrieval])
+    per_layer = [c[0] for c in candidates] if layer_bits is None else [float(b) for b in layer_bits]
+    layers = [fitted[i][b] for i, b in enumerate(per_layer)]
+    average = average_bits(per_layer)
+    log.info("calibrated %g-bit %s codebooks on %d tokens", average, method, token_ids.numel())
+    return VecInferCodebooks(method, average, layers, geometry, metadata, layer_bits=per_layer)

@@ -125,7 +125,7 @@ def _register() -> None:
 _register()
 
 
-def _attention_modules(model):
+def attention_modules(model):
     mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
     if not mods:
         mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
@@ -152,7 +152,7 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
                 "load_codebooks(path)"
             )
         codebooks.check_model(model.config, bits=bits, method=method)
-    for module in _attention_modules(model):
+    for module in attention_modules(model):
         module.vecinfer_simulator = LayerSimulator(
             method, float(bits), residual, codebooks, module.layer_idx, full_precision_prefill
         )

@@ -47,6 +47,11 @@ def bits_arg(text: str) -> float:
     return value
 
 
+def layer_bits_arg(text: str) -> list[float]:
+    """``"2,2,1,2,1,4"`` -> ``[2.0, 2.0, 1.0, 2.0, 1.0, 4.0]``."""
+    return [bits_arg(part) for part in text.split(",")]
+
+
 def print_json(obj) -> None:
     """Exactly one JSON object on stdout."""
     sys.stdout.write(json.dumps(obj, sort_keys=False) + "\n")

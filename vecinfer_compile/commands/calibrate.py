@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from . import add_calib_args, add_model_args, add_progress_arg, bits_arg
+from . import add_calib_args, add_model_args, add_progress_arg, bits_arg, layer_bits_arg
 
 HELP = "fit VecInfer (or ablation) codebooks on a text and save them"
 
@@ -15,7 +15,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help=HELP, description=HELP + ".")
     add_model_args(p)
     p.add_argument("--text", required=True, metavar="FILE", help="calibration text (UTF-8)")
-    p.add_argument("--bits", type=bits_arg, required=True, help="preset: 4, 3, 2, 1.5, 1.25 or 1")
+    p.add_argument("--bits", type=bits_arg, help="preset: 4, 3, 2, 1.5, 1.25 or 1 (with --allocate "
+                   "retrieval: the average over layers)")
+    p.add_argument("--allocate", choices=["uniform", "retrieval"], default="uniform",
+                   help="uniform: every layer at --bits (default); retrieval: more bits for the "
+                        "layers that retrieve distant tokens, fewer elsewhere, averaging exactly --bits")
+    p.add_argument("--layer-bits", type=layer_bits_arg, metavar="B0,B1,...",
+                   help="one preset per layer instead of --bits, e.g. 2,2,1,2,1,4")
     p.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
                    help="vecinfer (default) or an ablation: vq, smooth, hadamard")
     add_calib_args(p)
@@ -28,7 +34,18 @@ def run(args) -> int:
     from ..evaluation.ablation import normalize_bits
     from ..models import check_file, check_model_dir, load_model, load_text
 
-    bits = normalize_bits(args.method, args.bits)
+    if (args.bits is None) == (args.layer_bits is None):
+        raise ValueError("give --bits B (one preset for all layers, or the average with --allocate "
+                         "retrieval) or --layer-bits B0,B1,... (one preset per layer)")
+    if args.layer_bits is not None and args.allocate != "uniform":
+        raise ValueError("--layer-bits sets every layer's preset: drop --allocate")
+    bits = None if args.bits is None else normalize_bits(args.method, args.bits)
+    if args.allocate == "retrieval":
+        from ..allocate import allocation_choices
+
+        allocation_choices(bits)  # a clear error now rather than after calibration
+    for b in args.layer_bits or ():
+        normalize_bits(args.method, b)
     check_model_dir(args.model)
     check_file(args.text)
     t0 = time.perf_counter()
@@ -36,9 +53,17 @@ def run(args) -> int:
     from ..calibrate import calibrate
 
     cb = calibrate(model, tokenizer, load_text(args.text), bits=bits, method=args.method,
+                   layer_bits=args.layer_bits,
+                   allocate=None if args.allocate == "uniform" else args.allocate,
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,
                    seed=args.seed, progress=args.progress)
     path = cb.save(args.out)
-    print(f"wrote {path}: {args.method} {bits:g}-bit codebooks for {cb.geometry['num_layers']} layers "
-          f"({cb.nbytes():,} bytes as fp16) in {time.perf_counter() - t0:.1f} s")
+    per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"
+    print(f"wrote {path}: {args.method} {cb.bits:g}-bit codebooks for {cb.geometry['num_layers']} layers"
+          f"{per_layer} ({cb.nbytes():,} bytes as fp16) in {time.perf_counter() - t0:.1f} s")
+    allocation = cb.metadata.get("allocation")
+    if allocation is not None:
+        scores = " ".join(f"{s:.3f}" for s in allocation["retrieval_scores"])
+        print(f"retrieval scores per layer: {scores}; pinned at {2 * cb.bits:g} bits: "
+              f"{allocation['pinned_layers'] or 'none'}")
     return 0
