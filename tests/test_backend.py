@@ -150,5 +150,7 @@ def test_registered_by_name_and_reimport_is_safe():
     assert configured.config.residual == 4 and callable(configured.configure)
     assert copy.deepcopy(configured) is configured  # HF's CompileConfig deep-copies backends
     assert backend_module._config_patches("reduce-overhead", {"max_autotune": False}) == {
-        "triton.cudagraphs": True, "max_autotune": False}
+        "triton.cudagraphs": True, "max_autotune": False, "graph_partition": False}
+    assert backend_module._config_patches(None, {"triton.cudagraphs": True, "graph_partition": True}) == {
+        "triton.cudagraphs": True, "graph_partition": True}
     assert backend_module._config_patches(None, None) == {}

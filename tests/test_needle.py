@@ -139,3 +139,31 @@ def test_needle_too_long_for_haystack(haystack, tiny_dir, capsys):
                  "--depths", "0", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "haystack" in err
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_greedy_generate_compile_backend_matches_eager(tiny_dir, device):
+    """Decode compiled with vecinfer_backend gives eager's tokens, over two batches of
+    different prompt lengths through one GenerationMethod (the shape change that breaks plain
+    Inductor's CUDA-graph decode on torch 2.11); eager decode never auto-compiles."""
+    import torch
+
+    from vecinfer_compile.evaluation.generation import GenerationMethod, greedy_generate
+    from vecinfer_compile.models import load_model
+    from vecinfer_compile.testing import random_codebooks
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch._dynamo.reset()
+    model, _ = load_model(tiny_dir, "float32", device)
+    cb = random_codebooks(model.config, layer_bits=[4.0, 1.0, 2.0, 1.0])
+    eager = GenerationMethod("vecinfer", cb.bits, cb, residual=8)
+    compiled = GenerationMethod("vecinfer", cb.bits, cb, residual=8, backend="compile")
+    gen = random.Random(0)
+    for lengths in ([40, 33], [57, 61, 50]):
+        prompts = [[gen.randrange(3, model.config.vocab_size) for _ in range(n)] for n in lengths]
+        want = greedy_generate(model, prompts, eager, max_new_tokens=6)
+        assert greedy_generate(model, prompts, compiled, max_new_tokens=6) == want
+    assert eager.generate_kwargs(object(), torch.device(device))["disable_compile"] is True
+    with pytest.raises(ValueError, match="backend must be one of eager, compile"):
+        GenerationMethod("vecinfer", 2.0, cb, backend="inductor")

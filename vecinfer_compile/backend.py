@@ -87,8 +87,14 @@ def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize
 
 
 def _config_patches(mode: str | None, options: dict | None) -> dict:
+    """Inductor config patches for torch.compile's ``mode``/``options``. With CUDA graphs on,
+    graph partitioning is off unless asked for: on torch 2.11 a partitioned decode graph that
+    recompiles with dynamic shapes (generate() with a new prompt length) fails at run time with
+    ``NameError: name 's95' is not defined`` (a size symbol missing from a partition)."""
     patches = dict(torch._inductor.list_mode_options(mode)) if mode not in (None, "default") else {}
     patches.update(options or {})
+    if patches.get("triton.cudagraphs"):
+        patches.setdefault("graph_partition", False)
     return patches
 
 

@@ -29,6 +29,9 @@ def register(subparsers) -> None:
                    help="save (and reuse when present) calibrated codebooks in DIR")
     p.add_argument("--limit", type=int, default=20, metavar="N", help="problems scored (default 20)")
     p.add_argument("--shots", type=int, default=4, metavar="K", help="few-shot examples (default 4)")
+    p.add_argument("--backend", choices=["eager", "compile"], default="eager",
+                   help="the cache's decode step: eager (default), or compiled with vecinfer_backend "
+                        "(the fused kernel over codes)")
     p.add_argument("--residual", type=int, default=128, metavar="R",
                    help="most recent R tokens stay full precision (default 128)")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
@@ -68,13 +71,13 @@ def run(args) -> int:
             model, tokenizer, m, args.bits, codebooks_path=args.codebooks if m not in ("fp16", "kivi") else None,
             calib_text_path=args.calib_text, cache_dir=args.save_codebooks, residual=args.residual,
             max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters, seed=args.seed,
-            progress=args.progress,
+            progress=args.progress, backend=args.backend,
         )
         results.append(run_gsm8k(model, tokenizer, prompts, refs, gm, max_new_tokens=args.max_new_tokens,
                                  batch_size=args.batch_size, progress=args.progress))
     out = {
         "model": str(args.model), "data": str(args.data), "shots": args.shots, "limit": len(prompts),
-        "bits": args.bits, "residual": args.residual, "max_new_tokens": args.max_new_tokens,
+        "bits": args.bits, "residual": args.residual, "backend": args.backend, "max_new_tokens": args.max_new_tokens,
         "accuracy": {r.method: r.accuracy for r in results},
         "methods": [r.as_dict() for r in results],
         "seconds": round(time.perf_counter() - t0, 2),

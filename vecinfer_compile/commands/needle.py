@@ -54,6 +54,9 @@ def register(subparsers) -> None:
     src.add_argument("--calib-text", metavar="FILE", help="calibrate now on this text")
     p.add_argument("--save-codebooks", metavar="DIR", default=None,
                    help="with --calib-text: save (and reuse when present) codebooks in DIR")
+    p.add_argument("--backend", choices=["eager", "compile"], default="eager",
+                   help="the cache's decode step: eager (default), or compiled with vecinfer_backend "
+                        "(the fused kernel over codes)")
     p.add_argument("--residual", type=int, default=128, metavar="R",
                    help="most recent R tokens stay full precision (default 128, as VecInferCache)")
     p.add_argument("--trials", type=int, default=2, metavar="N", help="prompts per cell (default 2)")
@@ -114,7 +117,7 @@ def run(args) -> int:
         model, tokenizer, args.method, bits, codebooks_path=args.codebooks,
         calib_text_path=args.calib_text, cache_dir=args.save_codebooks, residual=args.residual,
         max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters, seed=args.seed,
-        progress=args.progress,
+        progress=args.progress, backend=args.backend,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the length warning is printed once above
@@ -124,10 +127,16 @@ def run(args) -> int:
             seed=args.seed, progress=args.progress,
         )
     out = result.as_dict()
+    out["backend"] = args.backend
+    out["layer_bits"] = None if gm.codebooks is None else gm.codebooks.bits_per_layer()
     out.update({"model": str(args.model), "haystack": str(args.haystack),
                 "seconds": round(time.perf_counter() - t0, 2)})
     if args.plot:
-        plot_grid(result, args.plot)
+        title = None
+        if gm.layer_bits_text is not None:
+            title = (f"needle ({result.template}): {result.method} {result.bits:g}-bit average "
+                     f"({gm.layer_bits_text} per layer)\nmean {result.accuracy:.2f}, {result.trials} trials/cell")
+        plot_grid(result, args.plot, title)
         out["plot"] = str(args.plot)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -14,13 +14,19 @@ How each method runs during ``generate()``:
 
 In every method the prompt (prefill) attends in full precision, as with a real quantized cache:
 quantization error enters from the first decode step on (the second generated token).
+
+Decoding is eager by default on every device (``backend="eager"``): ``generate()`` would
+otherwise compile a static cache's decode step with plain Inductor on CUDA, which on torch 2.11
+fails once prompt shapes vary (``NameError: name 's95' is not defined`` in a CUDA-graph
+partition). ``backend="compile"`` compiles decode with
+:data:`~vecinfer_compile.vecinfer_backend` instead (the fused kernel over codes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,21 +36,58 @@ from ..methods import VQ_METHODS, check_method
 DEFAULT_RESIDUAL = 128
 
 
+BACKENDS = ("eager", "compile")
+
+
 @dataclass
 class GenerationMethod:
-    """A method ready to generate with: name, bits, codebooks (VQ methods) and window size."""
+    """A method ready to generate with: name, bits, codebooks (VQ methods), window size and how
+    a VecInferCache's decode step runs (``backend``: eager, or compiled with vecinfer_backend;
+    fp16 and KIVI have no such cache and always run eagerly)."""
 
     method: str
     bits: float
     codebooks: object = None
     residual: int = DEFAULT_RESIDUAL
+    backend: str = "eager"
+    _compile_config: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+
+    def generate_kwargs(self, cache, device: torch.device) -> dict:
+        """``generate()`` keyword arguments for ``cache`` (None: HF's DynamicCache): eager decode,
+        or one CompileConfig with vecinfer_backend reused across calls (no recompiles)."""
+        if cache is None:
+            return {}
+        if self.backend == "eager":
+            return {"past_key_values": cache, "disable_compile": True}
+        if self._compile_config is None:
+            from transformers import CompileConfig
+
+            from ..backend import vecinfer_backend
+
+            config = CompileConfig(backend=vecinfer_backend.configure(codebooks=self.codebooks,
+                                                                       residual=self.residual),
+                                   fullgraph=True)
+            config._compile_all_devices = device.type != "cuda"  # generate() compiles on CUDA only otherwise
+            self._compile_config = config
+        return {"past_key_values": cache, "compile_config": self._compile_config}
 
     @property
     def label(self) -> str:
         return "fp16" if self.method == "fp16" else f"{self.method}-{self.bits:g}bit"
 
     def note(self) -> str:
-        return method_note(self.method, self.bits, self.residual)
+        note = method_note(self.method, self.bits, self.residual)
+        return note if self.layer_bits_text is None else f"{note}; bits per layer {self.layer_bits_text}"
+
+    @property
+    def layer_bits_text(self) -> str | None:
+        """``"2/1/1/2/2/4"`` for codebooks with a per-layer allocation, else None."""
+        layer_bits = getattr(self.codebooks, "layer_bits", None)
+        return None if not layer_bits else "/".join(f"{b:g}" for b in layer_bits)
 
 
 def method_note(method: str, bits: float | None, residual: int) -> str:
@@ -74,14 +117,17 @@ def prepare_method(
     iters: int = 20,
     seed: int = 0,
     progress: bool = True,
+    backend: str = "eager",
 ) -> GenerationMethod:
     """Validate ``method``/``bits`` and load or calibrate its codebooks (VQ methods: from
     ``codebooks_path``, else ``cache_dir/<method>-<bits>bit.safetensors`` if present, else
-    calibrated on ``calib_text_path`` and saved to ``cache_dir``)."""
+    calibrated on ``calib_text_path`` and saved to ``cache_dir``). ``backend``: how the cache's
+    decode step runs (module docstring)."""
     from ..models import load_text
     from .ablation import get_codebooks, normalize_bits
 
     bits = normalize_bits(method, bits)
+    GenerationMethod(method, bits, backend=backend)  # a clear error for a bad backend, before loading
     if residual < 0:
         raise ValueError(f"--residual must be >= 0, got {residual}")
     cb = None
@@ -94,7 +140,7 @@ def prepare_method(
         )
     elif codebooks_path is not None:
         raise ValueError(f"method {method!r} takes no codebooks; drop --codebooks")
-    return GenerationMethod(method, bits, cb, residual)
+    return GenerationMethod(method, bits, cb, residual, backend)
 
 
 def check_vq_sources(methods, codebooks: str | None, calib_text: str | None, cache_dir: str | None = None) -> None:
@@ -183,7 +229,7 @@ def greedy_generate(
     dev = _device_of(model)
     ids, mask = ids.to(dev), mask.to(dev)
     cache = make_cache(model, gm, ids.shape[0], ids.shape[1] + max_new_tokens)
-    extra = {} if cache is None else {"past_key_values": cache}
+    extra = gm.generate_kwargs(cache, dev)
     with _attention_for(model, gm), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(
