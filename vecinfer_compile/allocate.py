@@ -62,15 +62,17 @@ class Allocation:
         }
 
 
+def _byte_coded(bits: float) -> bool:
+    """Whether ``bits`` is a preset whose key and value codes fit in 8 bits."""
+    return bits in PRESETS and max(PRESETS[bits].key.entries, PRESETS[bits].value.entries) <= 256
+
+
 def allocation_choices(bits: float) -> tuple[float, float, float]:
     """The presets a retrieval allocation mixes: ``bits / 2``, ``bits`` and ``2 * bits``, each
     with 8-bit codes so that physical size follows nominal bits."""
     choices = (bits / 2, bits, 2 * bits)
-    ok = [b in PRESETS and max(PRESETS[b].key.entries, PRESETS[b].value.entries) <= 256 for b in choices]
-    if not all(ok):
-        usable = [b for b in PRESETS if all(
-            c in PRESETS and max(PRESETS[c].key.entries, PRESETS[c].value.entries) <= 256
-            for c in (b / 2, b, 2 * b))]
+    if not all(map(_byte_coded, choices)):
+        usable = [b for b in PRESETS if all(map(_byte_coded, (b / 2, b, 2 * b)))]
         raise ValueError(
             f"a per-layer allocation at {bits:g} bits needs 8-bit-code presets at {bits / 2:g}, "
             f"{bits:g} and {2 * bits:g} bits; available for --bits {', '.join(f'{b:g}' for b in usable)}"
