@@ -109,11 +109,22 @@ def test_per_layer_bits_round_trip(tmp_path):
     assert make_codebooks(CONFIG, layer_bits=[2.0, 2.0]).layer_bits is None  # uniform
 
 
-def test_format_1_files_still_load():
-    """The codebooks shipped with the package were written in format 1 (stacked tensors)."""
-    from vecinfer_compile.models import default_model_dir
+def test_format_1_files_still_load(tmp_path):
+    """Format 1 (one preset, stacked [L, E, d] tensors), as the codebooks shipped with the
+    package and those of earlier versions were written."""
+    from safetensors import safe_open
 
-    path = default_model_dir().parent / "tiny_codebooks" / "vecinfer-2bit.safetensors"
-    back = load_codebooks(path)
-    assert back.metadata["format"] == "vecinfer-codebooks/1" and back.layer_bits is None
-    assert back.bits == 2.0 and tuple(back.layer(0).key_centroids.shape) == (256, 4)
+    cb = make_codebooks(CONFIG, 2.0)
+    path = cb.save(tmp_path / "v2.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["vecinfer"])
+        lam = f.get_tensor("lam")
+    del meta["layer_bits"]
+    meta.update(format="vecinfer-codebooks/1", key_preset=[256, 4], value_preset=[256, 4])
+    tensors = {"key_centroids": torch.stack([l.key_centroids for l in cb.layers]),
+               "value_centroids": torch.stack([l.value_centroids for l in cb.layers]), "lam": lam}
+    save_file(tensors, str(tmp_path / "v1.safetensors"), metadata={"vecinfer": json.dumps(meta)})
+    back = load_codebooks(tmp_path / "v1.safetensors")
+    assert back.metadata["format"] == "vecinfer-codebooks/1" and back.layer_bits is None and back.bits == 2.0
+    for a, b in zip(cb.layers, back.layers):
+        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
