@@ -19,7 +19,9 @@ def register(subparsers) -> None:
                    "retrieval: the average over layers)")
     p.add_argument("--allocate", choices=["uniform", "retrieval"], default="uniform",
                    help="uniform: every layer at --bits (default); retrieval: more bits for the "
-                        "layers that retrieve distant tokens, fewer elsewhere, averaging exactly --bits")
+                        "layers that retrieve distant tokens, fewer elsewhere, averaging exactly --bits "
+                        "(chosen for VecInferCache's 128-token full-precision window; with no window "
+                        "it costs perplexity)")
     p.add_argument("--layer-bits", type=layer_bits_arg, metavar="B0,B1,...",
                    help="one preset per layer instead of --bits, e.g. 2,2,1,2,1,4")
     p.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
