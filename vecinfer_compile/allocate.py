@@ -53,9 +53,9 @@ class Allocation:
     pinned: list[int]
 
     def as_dict(self) -> dict:
+        """The file's ``allocation`` metadata (the chosen presets are its ``layer_bits``)."""
         return {
             "rule": "retrieval",
-            "layer_bits": self.layer_bits,
             "retrieval_scores": [round(s, 4) for s in self.retrieval],
             "loss_increase": {f"{b:g}": [round(e, 5) for e in errs] for b, errs in self.sensitivity.items()},
             "pinned_layers": self.pinned,

@@ -20,7 +20,6 @@ A residual window of the most recent ``R`` tokens stays in fp16 (:meth:`KVBytes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from ..methods import VQ_METHODS, check_method
@@ -77,6 +76,7 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
         b = int(bits)
         phys = b + 2 * FP16_BYTES * 8 / KIVI_GROUP  # codes + fp16 scale & zero per group
         return KVBytes("kivi", float(b), phys, 2 * elems * phys / 8, fp16_token, 0, residual)
+    from ..codebooks import average_bits
     from ..presets import get_preset
 
     per_layer = [float(bits)] * layers if layer_bits is None else [float(b) for b in layer_bits]
@@ -95,7 +95,7 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
         fixed += layers * heads * head_dim * FP16_BYTES
     return KVBytes(
         method,
-        sum(get_preset(b).bits for b in per_layer) / layers,
+        average_bits(per_layer),
         8 * code_bytes / (2 * elems),
         float(code_bytes),
         fp16_token,
