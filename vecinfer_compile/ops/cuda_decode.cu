@@ -1,0 +1,486 @@
+// Decode attention over VQ codes: flash-decoding with the codebooks in shared memory.
+//
+// Compiled at run time with NVRTC (see cuda_decode.py); no toolkit headers. Compile-time
+// parameters arrive as -D defines:
+//   D            head_dim (64 or 128)             G        query heads per KV head (1..16)
+//   DK, DV       channels per key / value centroid (2, 4 or 8)
+//   EK, EV       key / value codebook entries     KCB, VCB bytes per key / value code (1 or 2)
+//   KCOPIES, VCOPIES  codebook copies in shared memory (lane l reads copy l % COPIES)
+//   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
+//   NWARPS       warps per CTA of the split kernel
+//
+// vq_decode_split: grid (splits, B * Hkv), NWARPS warps. Each warp is one "unit" of the
+// flash-decoding split: it takes a contiguous range of the n_coded coded positions (the range is
+// computed on the device from n_coded, so the launch does not depend on the cache length) and
+// writes its partial (max, sum, unnormalised accumulator) for the G query heads of its KV head.
+// Scores and the value accumulation run on the tensor cores (mma.sync m16n8k16, fp32
+// accumulators): the query heads are the M rows (G <= 16), positions and channels the N/K
+// dimensions. Each thread gathers its operand fragments straight from the shared-memory codebook
+// with one 4/8/16-byte load per centroid; the contraction dimension is permuted so that a
+// centroid's consecutive channels land in one fragment register pair (the query fragment uses the
+// same permutation, so the products are unchanged).
+//
+// vq_decode_merge: grid (B * Hkv), D threads. Log-sum-exp merge of the partials, then the
+// full-precision window (positions n_coded + s, s < n_window) by the same online softmax, then
+// normalisation. Fully masked rows give zeros.
+
+#define BLOCK_T 64              // positions per warp iteration
+#define NT (BLOCK_T / 8)        // score n-tiles per iteration
+#define KSTEPS (D / 16)         // k-steps of the score product
+#define SLICE_K (D / 4)         // key channels a thread gathers per position
+#define NCODE_K (SLICE_K / DK)  // key codes a thread reads per position
+#define KS_BYTES (NCODE_K * KCB)
+#define KWORDS ((KS_BYTES + 3) / 4)
+#define SLICE_V (D / 8)         // value channels a thread gathers per position (= value n-tiles)
+#define NCODE_V (SLICE_V / DV)
+#define VS_BYTES (NCODE_V * VCB)
+#define VWORDS ((VS_BYTES + 3) / 4)
+#define KROW_BYTES ((D / DK) * KCB)
+#define VROW_BYTES ((D / DV) * VCB)
+#define ROWS2 (G > 8)
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+#if FP16
+#define MMA_TYPE "f16"
+#else
+#define MMA_TYPE "bf16"
+#endif
+
+struct __align__(8) vq_w2 { unsigned x, y; };
+struct __align__(16) vq_w4 { unsigned x, y, z, w; };
+struct __align__(16) vq_f4 { float x, y, z, w; };
+
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+#if FP16
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return __uint_as_float(((unsigned)h) << 16);
+#endif
+}
+
+// Two floats -> one register of two 16-bit values, `lo` in the low half (round to nearest).
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+#if FP16
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ int read_index(const void* p, int i, int is64) {
+    return is64 ? (int)((const long long*)p)[i] : ((const int*)p)[i];
+}
+
+// NB bytes of codes at p (NB in 1, 2, 4, 8, 16; p aligned to NB) into words w[].
+template <int NB>
+__device__ __forceinline__ void load_code_bytes(const unsigned char* p, unsigned* w) {
+    if (NB == 16) {
+        vq_w4 v = *(const vq_w4*)p;
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if (NB == 8) {
+        vq_w2 v = *(const vq_w2*)p;
+        w[0] = v.x; w[1] = v.y;
+    } else if (NB == 4) {
+        w[0] = *(const unsigned*)p;
+    } else if (NB == 2) {
+        w[0] = *(const unsigned short*)p;
+    } else {
+        w[0] = *p;
+    }
+}
+
+template <int CB>
+__device__ __forceinline__ unsigned code_at(const unsigned* w, int j) {
+    return CB == 1 ? (w[j >> 2] >> ((j & 3) * 8)) & 0xffu : (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
+}
+
+// The DIM/2 words (DIM 16-bit channels) at shared-memory address `addr`.
+template <int DIM>
+__device__ __forceinline__ void lds(unsigned addr, unsigned* out) {
+    if (DIM == 8) {
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3]) : "r"(addr));
+    } else if (DIM == 4) {
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(out[0]), "=r"(out[1]) : "r"(addr));
+    } else {
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(out[0]) : "r"(addr));
+    }
+}
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// float32 centroids [entries, DIM] -> 16-bit book [entries][COPIES][DIM] in shared memory.
+template <int DIM, int COPIES>
+__device__ __forceinline__ void fill_book(const float* __restrict__ cent, unsigned short* book, int entries) {
+    for (int e = threadIdx.x; e < entries; e += blockDim.x) {
+        unsigned w[DIM / 2];
+#pragma unroll
+        for (int i = 0; i < DIM / 2; ++i) w[i] = pack2(cent[e * DIM + 2 * i], cent[e * DIM + 2 * i + 1]);
+#pragma unroll
+        for (int c = 0; c < COPIES; ++c) {
+            const unsigned idx = e * COPIES + c;
+            if (DIM == 8) {
+                vq_w4 v; v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
+                ((vq_w4*)book)[idx] = v;
+            } else if (DIM == 4) {
+                vq_w2 v; v.x = w[0]; v.y = w[1];
+                ((vq_w2*)book)[idx] = v;
+            } else {
+                ((unsigned*)book)[idx] = w[0];
+            }
+        }
+    }
+}
+
+#define KROW_SMEM (KCOPIES * DK * 2)  // bytes between consecutive key centroids in shared memory
+#define VROW_SMEM (VCOPIES * DV * 2)
+
+// Codes of the block at t0, loaded into registers (zeros for positions >= hi unless FULL). Key
+// n-tile nt: position t0 + 8 nt + gid, this thread's SLICE_K channels. Value k-step i: positions
+// t0 + 16 i + {2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9}, this thread's SLICE_V channels.
+struct BlockCodes {
+    unsigned k[NT][KWORDS];
+    unsigned v[4][4][VWORDS];
+};
+
+template <bool FULL>
+__device__ __forceinline__ void load_block(BlockCodes& bc, int t0, int hi, const unsigned char* kc,
+                                           const unsigned char* vc, int gid, int tig) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int t = t0 + 8 * nt + gid;
+        if (FULL || t < hi) load_code_bytes<KS_BYTES>(kc + (long long)t * KROW_BYTES, bc.k[nt]);
+        else for (int w = 0; w < KWORDS; ++w) bc.k[nt][w] = 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int t = t0 + 16 * i + 2 * tig + (r & 1) + 8 * (r >> 1);
+            if (FULL || t < hi) load_code_bytes<VS_BYTES>(vc + (long long)t * VROW_BYTES, bc.v[i][r]);
+            else for (int w = 0; w < VWORDS; ++w) bc.v[i][r][w] = 0u;
+        }
+}
+
+// Attention over the block at t0 whose codes are in bc (positions >= hi masked unless FULL).
+template <bool FULL>
+__device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi, unsigned kbase, unsigned vbase,
+                                           int tig, const unsigned (&qa)[KSTEPS][2], const unsigned (&qb)[KSTEPS][2],
+                                           float scale_log2, float& m0, float& m1, float& l0, float& l1,
+                                           float (&acc)[SLICE_V][4]) {
+    // Scores S[head, position] in log2 units; C fragment: heads gid / gid + 8, positions
+    // t0 + 8 nt + 2 tig + {0, 1}.
+    float sc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        unsigned kv[SLICE_K / 2];
+#pragma unroll
+        for (int j = 0; j < NCODE_K; ++j) lds<DK>(kbase + code_at<KCB>(bc.k[nt], j) * KROW_SMEM, kv + j * (DK / 2));
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int s = 0; s < KSTEPS; ++s) mma16816(c, qa[s][0], qb[s][0], qa[s][1], qb[s][1], kv[2 * s], kv[2 * s + 1]);
+        const int t = t0 + 8 * nt + 2 * tig;
+        sc[nt][0] = (FULL || t < hi) ? c[0] * scale_log2 : NEG_INF;
+        sc[nt][1] = (FULL || t + 1 < hi) ? c[1] * scale_log2 : NEG_INF;
+        sc[nt][2] = (FULL || t < hi) ? c[2] * scale_log2 : NEG_INF;
+        sc[nt][3] = (FULL || t + 1 < hi) ? c[3] * scale_log2 : NEG_INF;
+    }
+
+    // Online softmax; a row's max is shared by the quad of threads holding it.
+    float bm0 = NEG_INF, bm1 = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        bm0 = fmaxf(bm0, fmaxf(sc[nt][0], sc[nt][1]));
+        bm1 = fmaxf(bm1, fmaxf(sc[nt][2], sc[nt][3]));
+    }
+    bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, 1));
+    bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, 2));
+    const float mn0 = fmaxf(m0, bm0), ms0 = mn0 == NEG_INF ? 0.f : mn0;
+    const float al0 = exp2f(m0 - ms0);
+    m0 = mn0;
+    float al1 = 1.f, ms1 = 0.f;
+    if (ROWS2) {
+        bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, 1));
+        bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, 2));
+        const float mn1 = fmaxf(m1, bm1);
+        ms1 = mn1 == NEG_INF ? 0.f : mn1;
+        al1 = exp2f(m1 - ms1);
+        m1 = mn1;
+    }
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        sc[nt][0] = exp2f(sc[nt][0] - ms0);
+        sc[nt][1] = exp2f(sc[nt][1] - ms0);
+        rs0 += sc[nt][0] + sc[nt][1];
+        if (ROWS2) {
+            sc[nt][2] = exp2f(sc[nt][2] - ms1);
+            sc[nt][3] = exp2f(sc[nt][3] - ms1);
+            rs1 += sc[nt][2] + sc[nt][3];
+        } else {
+            sc[nt][2] = sc[nt][3] = 0.f;
+        }
+    }
+    l0 = l0 * al0 + rs0;
+    l1 = l1 * al1 + rs1;
+#pragma unroll
+    for (int j = 0; j < SLICE_V; ++j) {
+        acc[j][0] *= al0; acc[j][1] *= al0;
+        acc[j][2] *= al1; acc[j][3] *= al1;
+    }
+
+    // O[head, channel] += P[head, position] V[position, channel]. The P fragment is the score
+    // C fragment of n-tiles 2i and 2i+1; value n-tile j, column gid is channel
+    // gid * SLICE_V + j, so each thread gathers SLICE_V consecutive channels of its 4 positions.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned pa0 = pack2(sc[2 * i][0], sc[2 * i][1]);
+        const unsigned pa1 = pack2(sc[2 * i][2], sc[2 * i][3]);
+        const unsigned pa2 = pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
+        const unsigned pa3 = pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
+        unsigned vv[4][SLICE_V / 2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int j = 0; j < NCODE_V; ++j)
+                lds<DV>(vbase + code_at<VCB>(bc.v[i][r], j) * VROW_SMEM, vv[r] + j * (DV / 2));
+#pragma unroll
+        for (int j = 0; j < SLICE_V; ++j) {
+            const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
+            const unsigned b0 = __byte_perm(vv[0][j >> 1], vv[1][j >> 1], sel);
+            const unsigned b1 = __byte_perm(vv[2][j >> 1], vv[3][j >> 1], sel);
+            mma16816(acc[j], pa0, pa1, pa2, pa3, b0, b1);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, 2)
+vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
+                const unsigned char* __restrict__ kcodes,  // [B, Hkv, Tmax, D / DK] codes
+                const unsigned char* __restrict__ vcodes,  // [B, Hkv, Tmax, D / DV] codes
+                const float* __restrict__ kcent,           // [EK, DK]
+                const float* __restrict__ vcent,           // [EV, DV]
+                const void* __restrict__ n_coded_p,        // 0-d int32/int64
+                const void* __restrict__ start_p,          // [B] int32/int64, or unused
+                float* __restrict__ part_m,                // [B * Hkv, units, G]
+                float* __restrict__ part_l,                // [B * Hkv, units, G]
+                float* __restrict__ part_acc,              // [B * Hkv, units, G, D]
+                int hkv, int tmax, int n_coded_is64, int start_kind, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned short* kbook = (unsigned short*)smem;
+    unsigned short* vbook = kbook + EK * KCOPIES * DK;
+    fill_book<DK, KCOPIES>(kcent, kbook, EK);
+    fill_book<DV, VCOPIES>(vcent, vbook, EV);
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int bh = blockIdx.y, b = bh / hkv, kvh = bh - b * hkv;
+    const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
+    const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
+    const int units = gridDim.x * NWARPS, unit = blockIdx.x * NWARPS + warp;
+    int chunk = (n_coded + units - 1) / units;
+    chunk = (chunk + BLOCK_T - 1) / BLOCK_T * BLOCK_T;
+    const int lo = max(unit * chunk, start), hi = min(unit * chunk + chunk, n_coded);
+
+    // Query fragments (A operand, rows = heads): thread (gid, tig) holds head gid (and gid + 8),
+    // channels tig * SLICE_K + 4 s + {0, 1} and {2, 3} for k-step s.
+    unsigned qa[KSTEPS][2], qb[KSTEPS][2];
+    const unsigned short* qrow = q + ((long long)b * hkv * G + kvh * G) * D + tig * SLICE_K;
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+        qa[s][0] = gid < G ? *(const unsigned*)(qrow + gid * D + 4 * s) : 0u;
+        qa[s][1] = gid < G ? *(const unsigned*)(qrow + gid * D + 4 * s + 2) : 0u;
+        qb[s][0] = (ROWS2 && gid + 8 < G) ? *(const unsigned*)(qrow + (gid + 8) * D + 4 * s) : 0u;
+        qb[s][1] = (ROWS2 && gid + 8 < G) ? *(const unsigned*)(qrow + (gid + 8) * D + 4 * s + 2) : 0u;
+    }
+
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    float acc[SLICE_V][4];
+#pragma unroll
+    for (int j = 0; j < SLICE_V; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+    const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES + tig * KS_BYTES;
+    const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES + gid * VS_BYTES;
+    // Lane l reads copy l % COPIES of each codebook.
+    const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
+    const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
+
+    // Software pipeline over blocks: the next block's codes load while this one computes.
+    int t0 = lo;
+    BlockCodes cur, nxt;
+    if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
+    for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
+        load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
+        block_step<true>(cur, t0, hi, kbase, vbase, tig, qa, qb, scale_log2, m0, m1, l0, l1, acc);
+        cur = nxt;
+    }
+    if (t0 < hi) block_step<false>(cur, t0, hi, kbase, vbase, tig, qa, qb, scale_log2, m0, m1, l0, l1, acc);
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    // Output C fragment: head gid (gid + 8), channels (2 tig + e) * SLICE_V + j for e = 0, 1.
+    const long long prow = ((long long)bh * units + unit) * G;
+#pragma unroll
+    for (int half = 0; half < (ROWS2 ? 2 : 1); ++half) {
+        const int g = gid + 8 * half;
+        if (g < G) {
+            if (tig == 0) {
+                part_m[prow + g] = half ? m1 : m0;
+                part_l[prow + g] = half ? l1 : l0;
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float* dst = part_acc + (prow + g) * D + (2 * tig + e) * SLICE_V;
+#pragma unroll
+                for (int j = 0; j < SLICE_V; j += 4) {
+                    vq_f4 v;
+                    v.x = acc[j][2 * half + e]; v.y = acc[j + 1][2 * half + e];
+                    v.z = acc[j + 2][2 * half + e]; v.w = acc[j + 3][2 * half + e];
+                    *(vq_f4*)(dst + j) = v;
+                }
+            }
+        }
+    }
+}
+
+#define WCH 32        // window slots per merge step
+#define MAX_UNITS 256  // partials per (batch row, KV head); the launcher caps the split count
+
+extern "C" __global__ void __launch_bounds__(D)
+vq_decode_merge(const unsigned short* __restrict__ q,   // [B, Hkv * G, D]
+                const unsigned short* __restrict__ kw,  // [B, Hkv, R, D] (K~)
+                const unsigned short* __restrict__ vw,  // [B, Hkv, R, D]
+                const float* __restrict__ part_m, const float* __restrict__ part_l,
+                const float* __restrict__ part_acc,
+                unsigned short* __restrict__ out,       // [B, Hkv * G, D]
+                const void* __restrict__ n_coded_p, const void* __restrict__ n_window_p,
+                const void* __restrict__ start_p,
+                int hkv, int units, int r_slots, int tmax, int n_coded_is64, int n_window_is64,
+                int start_kind, float scale_log2) {
+    __shared__ float qs[G][D];
+    __shared__ float sw[G][WCH];
+    __shared__ float wu[MAX_UNITS * G];  // exp2(m_u - M) per (unit, head), then times l_u
+    __shared__ float mh[G], lh[G];
+    __shared__ __align__(16) unsigned short ks[WCH * D], vs[WCH * D];  // a chunk of the window
+    const int c = threadIdx.x, lane = c & 31, warp = c >> 5;
+    const int bh = blockIdx.x, b = bh / hkv, kvh = bh - b * hkv;
+    const long long qbase = ((long long)b * hkv * G + kvh * G) * D;
+#pragma unroll
+    for (int g = 0; g < G; ++g) qs[g][c] = half_to_float(q[qbase + g * D + c]);
+
+    // Per head: the max over units (one warp per head, lanes over units), then the weights.
+    const long long prow = (long long)bh * units * G;
+    for (int g = warp; g < G; g += D / 32) {
+        float m = NEG_INF;
+        for (int u = lane; u < units; u += 32) m = fmaxf(m, part_m[prow + u * G + g]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float ms = m == NEG_INF ? 0.f : m;
+        float l = 0.f;
+        for (int u = lane; u < units; u += 32) {
+            const float w = exp2f(part_m[prow + u * G + g] - ms);
+            wu[u * G + g] = w;
+            l += w * part_l[prow + u * G + g];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+        if (lane == 0) { mh[g] = m; lh[g] = l; }
+    }
+    __syncthreads();
+    float acc[G], lsum[G], mx[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) { acc[g] = 0.f; lsum[g] = lh[g]; mx[g] = mh[g]; }
+    const float* pa = part_acc + prow * D + c;
+#pragma unroll 8
+    for (int u = 0; u < units; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[g] += wu[u * G + g] * pa[(u * G + g) * D];
+    }
+
+    const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
+    const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
+    const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
+    const long long wbase = (long long)bh * r_slots * D;
+    const vq_w2* kw2 = (const vq_w2*)(kw + wbase);  // 4 channels per 8-byte word
+    const vq_w2* vw2 = (const vq_w2*)(vw + wbase);
+    for (int r0 = 0; r0 < n_window; r0 += WCH) {
+        __syncthreads();  // the previous chunk is consumed
+        // Stage WCH slots of K~ and V (4 channels per thread and load; D / 4 threads a row).
+#pragma unroll
+        for (int i = 0; i < WCH * D / 4 / D; ++i) {
+            const int idx = i * D + c, r = idx / (D / 4), c4 = idx % (D / 4);
+            vq_w2 kv = {0u, 0u}, vv = {0u, 0u};
+            if (r0 + r < n_window) { kv = kw2[(long long)(r0 + r) * (D / 4) + c4]; vv = vw2[(long long)(r0 + r) * (D / 4) + c4]; }
+            ((vq_w2*)ks)[idx] = kv;
+            ((vq_w2*)vs)[idx] = vv;
+        }
+        __syncthreads();
+        for (int rr = warp; rr < WCH; rr += D / 32) {
+            const int r = r0 + rr;
+            const bool ok = r < n_window && n_coded + r >= start;
+            float kr[D / 32];
+#pragma unroll
+            for (int i = 0; i < D / 32; ++i) kr[i] = half_to_float(ks[rr * D + lane + 32 * i]);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < D / 32; ++i) d += qs[g][lane + 32 * i] * kr[i];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                if (lane == 0) sw[g][rr] = ok ? d * scale_log2 : NEG_INF;
+            }
+        }
+        __syncthreads();
+        float ms[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float m = mx[g];
+#pragma unroll
+            for (int rr = 0; rr < WCH; ++rr) m = fmaxf(m, sw[g][rr]);
+            ms[g] = m == NEG_INF ? 0.f : m;
+            const float al = exp2f(mx[g] - ms[g]);
+            acc[g] *= al; lsum[g] *= al; mx[g] = m;
+        }
+#pragma unroll 8
+        for (int rr = 0; rr < WCH; ++rr) {
+            const float v = half_to_float(vs[rr * D + c]);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float p = exp2f(sw[g][rr] - ms[g]);
+                lsum[g] += p;
+                acc[g] += p * v;
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const float o = lsum[g] > 0.f ? acc[g] / lsum[g] : 0.f;
+        unsigned short h;
+#if FP16
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(o));
+#else
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(o));
+#endif
+        out[qbase + g * D + c] = h;
+    }
+}

@@ -1,0 +1,220 @@
+"""CUDA decode attention over a compressed cache: codebooks in shared memory, tensor-core maths.
+
+The kernels are in ``cuda_decode.cu`` (read its header for the algorithm); this module picks a
+variant for the inputs, compiles it once per process with NVRTC (:mod:`.nvrtc`), sizes the split
+from shapes only, and launches the two kernels on torch's current stream with no host
+synchronisation and every buffer from torch's allocator, so CUDA graphs capture it.
+
+Variants are cached per (head_dim, group size, key/value codebook geometry, dtype, device
+architecture). Why a shared-memory codebook: the Triton kernel gathers 8-byte centroid rows
+through L1, and those random gathers bound it below FP16 SDPA (``bench_gather_ceiling.py``).
+Each 256-entry codebook is replicated ``64 // dims`` times (32 KiB) so that the lanes of one
+shared-memory wavefront read distinct copies and never collide on a bank; 4096-entry codebooks
+(32 or 64 KiB) are stored once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checks import check_decode_args
+from .nvrtc import CudaBuildError, Kernel, compile_source, load_kernels
+
+SOURCE = Path(__file__).with_name("cuda_decode.cu")
+NWARPS = 4  # warps per CTA of the split kernel
+BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
+MAX_SPLITS = 64  # MAX_UNITS / NWARPS in the source: the merge keeps one weight per partial in shared memory
+HEAD_DIMS = (64, 128)
+CENTROID_DIMS = (2, 4, 8)
+MAX_GROUP = 16
+MAX_ENTRIES = 4096
+SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80/sm_90
+MIN_ARCH = 80  # mma.sync bf16 and cvt.bf16x2
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled specialisation of the kernels."""
+
+    head_dim: int
+    group: int
+    k_entries: int
+    k_dims: int
+    v_entries: int
+    v_dims: int
+    fp16: bool
+
+    @staticmethod
+    def copies(entries: int, dims: int) -> int:
+        """Copies of a codebook in shared memory: one per lane of a 128-byte wavefront for
+        256-entry books (``64 // dims``), one for larger books."""
+        return 64 // dims if entries <= 256 else 1
+
+    @property
+    def smem_bytes(self) -> int:
+        k = self.k_entries * self.copies(self.k_entries, self.k_dims) * self.k_dims * 2
+        v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
+        return k + v
+
+    def defines(self) -> list[str]:
+        values = dict(
+            D=self.head_dim, G=self.group, DK=self.k_dims, DV=self.v_dims, EK=self.k_entries,
+            EV=self.v_entries, KCB=1 if self.k_entries <= 256 else 2, VCB=1 if self.v_entries <= 256 else 2,
+            KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
+            FP16=int(self.fp16), NWARPS=NWARPS,
+        )
+        return [f"-D{k}={v}" for k, v in values.items()]
+
+
+def variant_for(q: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor, group: int) -> Variant:
+    (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
+    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16)
+
+
+def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
+                       v_centroids: torch.Tensor) -> str | None:
+    """Why the CUDA kernel cannot run these inputs (None if it can). Shapes and dtypes only;
+    building (NVRTC, the driver) is checked by :func:`build_error`."""
+    if q.device.type != "cuda":
+        return f"the inputs are on {q.device.type}, not CUDA"
+    if q.dtype not in DTYPES:
+        return f"queries are {q.dtype}; the CUDA kernel multiplies bfloat16/float16 on tensor cores"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major * 10 + minor < MIN_ARCH:
+        return f"the GPU is sm_{major}{minor}; the CUDA kernel needs sm_80 or newer"
+    d = int(q.shape[-1])  # int(): a symbolic size (dynamic=True) is specialised here
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (the CUDA kernel is built for {HEAD_DIMS})"
+    group = int(q.shape[1]) // max(int(k_codes.shape[1]), 1)
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head (the CUDA kernel takes at most {MAX_GROUP})"
+    for name, c in (("key", k_centroids), ("value", v_centroids)):
+        entries, dims = (int(x) for x in c.shape)
+        if dims not in CENTROID_DIMS or entries > MAX_ENTRIES:
+            return f"a {entries}x{dims} {name} codebook (the CUDA kernel takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
+    smem = variant_for(q, k_centroids, v_centroids, group).smem_bytes
+    if smem > SMEM_LIMIT:
+        return f"the codebooks need {smem} bytes of shared memory, more than {SMEM_LIMIT}"
+    return None
+
+
+@functools.cache
+def _source() -> str:
+    return SOURCE.read_text()
+
+
+@functools.cache
+def _build(variant: Variant, device_index: int) -> dict[str, Kernel]:
+    device = torch.device("cuda", device_index)
+    major, minor = torch.cuda.get_device_capability(device)
+    image, _ = compile_source(_source(), "vq_decode", major * 10 + minor,
+                              ["--use_fast_math", "--std=c++17", *variant.defines()])
+    kernels = load_kernels(image, ["vq_decode_split", "vq_decode_merge"], device)
+    kernels["vq_decode_split"].set_dynamic_smem(variant.smem_bytes)
+    return kernels
+
+
+def kernels_for(variant: Variant, device: torch.device) -> dict[str, Kernel]:
+    """The compiled kernels of ``variant`` on ``device`` (compiled on first use, then cached)."""
+    return _build(variant, device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def blocks_per_sm(variant: Variant) -> int:
+    """Resident split CTAs per SM, as shared memory allows (at most 2: the kernel is built with
+    ``__launch_bounds__(128, 2)`` and uses up to ~200 registers)."""
+    return max(1, min(2, (228 * 1024) // (variant.smem_bytes + 1024)))
+
+
+def num_splits(batch_heads: int, tmax: int, variant: Variant, sms: int) -> int:
+    """CTAs per (batch row, KV head): as many as fill one wave of the SMs without starting a
+    second (a partial second wave doubles the time), but no more warps than there are 64-position
+    blocks in ``tmax``. Depends on shapes only (never on the cache's fill), so CUDA
+    graphs and compile do not specialise on the length; each warp's range is cut from the actual
+    ``n_coded`` on the device."""
+    wave = sms * blocks_per_sm(variant)
+    by_length = math.ceil(max(tmax, 1) / (BLOCK_T * NWARPS))
+    return max(1, min(wave // batch_heads, by_length, MAX_SPLITS))
+
+
+def _index_is64(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.int64)
+
+
+def decode_attention_cuda(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as :func:`vecinfer_compile.ops.reference.decode_attention`: q ``[B, Hq, 1, D]``
+    bf16/fp16 (q~), codes ``[B, Hkv, Tmax, D // d]`` uint8/int16, centroids float32 ``[E, d]``,
+    windows ``[B, Hkv, R, D]``, ``n_coded``/``n_window`` 0-d int tensors, ``kv_start`` ``[B]`` or
+    None -> ``[B, Hq, 1, D]`` in q.dtype. Raises :class:`CudaBuildError` if the inputs or the
+    machine do not fit the kernel (see :func:`unsupported_reason`)."""
+    group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)
+    reason = unsupported_reason(q, k_codes, k_centroids, v_centroids)
+    if reason is not None:
+        raise CudaBuildError(f"the CUDA decode kernel cannot run this call: {reason}; use the Triton kernel")
+    variant = variant_for(q, k_centroids, v_centroids, group)
+    kernels = kernels_for(variant, q.device)
+    b, hq, _, d = q.shape
+    hkv, tmax = k_codes.shape[1], k_codes.shape[2]
+    q = q.contiguous()
+    k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
+    k_window, v_window = k_window.to(q.dtype).contiguous(), v_window.to(q.dtype).contiguous()
+    k_centroids, v_centroids = k_centroids.contiguous(), v_centroids.contiguous()
+    splits = num_splits(b * hkv, tmax, variant, _sm_count(q.device.index or 0))
+    units = splits * NWARPS
+    part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((b * hkv, units, group, d), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
+    scale_log2 = float(scale) * 1.4426950408889634
+    start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
+    kernels["vq_decode_split"].launch(
+        (splits, b * hkv, 1), (NWARPS * 32, 1, 1),
+        [q, k_codes, v_codes, k_centroids, v_centroids, n_coded, kv_start, part_m, part_l, part_acc,
+         hkv, tmax, _index_is64(n_coded), start_kind, scale_log2],
+    )
+    kernels["vq_decode_merge"].launch(
+        (b * hkv, 1, 1), (d, 1, 1),
+        [q, k_window, v_window, part_m, part_l, part_acc, out, n_coded, n_window, kv_start,
+         hkv, units, k_window.shape[2], tmax, _index_is64(n_coded), _index_is64(n_window), start_kind, scale_log2],
+    )
+    return out
+
+
+def _aligned(codes: torch.Tensor) -> torch.Tensor:
+    """Contiguous codes whose base is 16-byte aligned (the kernel loads code slices as vectors)."""
+    codes = codes.contiguous()
+    return codes if codes.data_ptr() % 16 == 0 else codes.clone()
+
+
+def build_error(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
+                v_centroids: torch.Tensor) -> str | None:
+    """None if the variant for these inputs compiles and loads on their device, else why not
+    (compiles it as a side effect: call it before tracing, never inside a CUDA-graph capture)."""
+    group = int(q.shape[1]) // int(k_codes.shape[1])
+    try:
+        kernels_for(variant_for(q, k_centroids, v_centroids, group), q.device)
+    except (CudaBuildError, OSError) as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,215 @@
+"""Run-time compilation and launch of CUDA C++ kernels: NVRTC and the CUDA driver through ctypes.
+
+Why this route: the only compiler a PyTorch user with a CUDA GPU is sure to have is NVRTC, which
+torch's CUDA wheels depend on (package ``nvidia-cuda-nvrtc``), and the driver library
+``libcuda.so.1`` comes with every NVIDIA driver. Both have stable C ABIs, so a few ctypes
+bindings compile and launch a kernel with no toolkit, no nvcc, no headers and no new dependency,
+identically on torch 2.11 and 2.13. The alternatives were weighed: ``torch.cuda._compile_kernel``
+is private and looks for CUDA headers through CUDA_HOME or /usr/local/cuda (it raises without
+them); ``cuda.core`` is NVIDIA's public API for the same but is not a dependency of torch.
+
+Sources must be header-free (16-bit floats as ``unsigned short``, PTX for conversions and tensor
+cores). :func:`compile_module` compiles to a cubin for the device's own architecture (falling back
+to PTX when this NVRTC does not know the architecture), :class:`Kernel` launches on torch's current
+stream (so CUDA graphs capture it) with arguments passed by value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+class CudaBuildError(RuntimeError):
+    """NVRTC or the driver could not be found, or the source did not compile or load."""
+
+
+def _nvrtc_candidates() -> list[str]:
+    """Library names and paths to try, most specific first: the soname of torch's CUDA major
+    version (already loaded with torch, or on the loader path), then the ``nvidia`` pip wheels'
+    lib folders (``nvidia/cu13/lib``, ``nvidia/cuda_nvrtc/lib``)."""
+    names = []
+    major = (torch.version.cuda or "").split(".")[0]
+    for m in ([major] if major else []) + ["13", "12"]:
+        if f"libnvrtc.so.{m}" not in names:
+            names.append(f"libnvrtc.so.{m}")
+    for root in sys.path:
+        for pattern in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*"):
+            names.extend(p for p in sorted(glob.glob(os.path.join(root, pattern)), reverse=True)
+                         if "builtins" not in p and "alt" not in os.path.basename(p))
+    return names
+
+
+@functools.cache
+def nvrtc() -> ctypes.CDLL:
+    """The NVRTC library (a :class:`CudaBuildError` naming the fix if there is none)."""
+    tried = _nvrtc_candidates()
+    for name in tried:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        return lib
+    raise CudaBuildError(
+        "NVRTC (libnvrtc) was not found; it comes with torch's CUDA wheels as the package "
+        "nvidia-cuda-nvrtc: `pip install nvidia-cuda-nvrtc` (tried " + ", ".join(tried[:4]) + ")"
+    )
+
+
+@functools.cache
+def driver() -> ctypes.CDLL:
+    """The CUDA driver library."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise CudaBuildError(f"the CUDA driver library libcuda.so.1 could not be loaded: {exc}") from None
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check_nvrtc(nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+def _check_nvrtc(status: int, what: str, log: str = "") -> None:
+    if status != 0:
+        msg = nvrtc().nvrtcGetErrorString(status).decode()
+        raise CudaBuildError(f"{what} failed: {msg}" + (f"\n{log}" if log else ""))
+
+
+def _check_cu(status: int, what: str) -> None:
+    if status != 0:
+        text = ctypes.c_char_p()
+        driver().cuGetErrorString(status, ctypes.byref(text))
+        raise CudaBuildError(f"{what} failed: CUDA driver error {status} ({(text.value or b'?').decode()})")
+
+
+def supported_archs() -> list[int]:
+    """Compute capabilities this NVRTC can target (e.g. ``[75, 80, ..., 120]``)."""
+    lib = nvrtc()
+    n = ctypes.c_int()
+    _check_nvrtc(lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
+    archs = (ctypes.c_int * n.value)()
+    _check_nvrtc(lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
+    return list(archs)
+
+
+def compile_source(source: str, name: str, arch: int, options: list[str]) -> tuple[bytes, bool]:
+    """Compile ``source`` for ``sm_{arch}`` -> (image, is_cubin). A cubin when this NVRTC knows the
+    architecture, else PTX for the newest one it knows (the driver finishes it at load)."""
+    lib = nvrtc()
+    known = supported_archs()
+    cubin = arch in known
+    target = arch if cubin else max(a for a in known if a <= arch) if any(a <= arch for a in known) else None
+    if target is None:
+        raise CudaBuildError(f"this NVRTC targets compute capabilities {known}, none at or below sm_{arch}")
+    prog = ctypes.c_void_p()
+    _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None),
+                 "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={'sm' if cubin else 'compute'}_{target}", *options]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        status = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        log_size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(log_size))
+        log_buf = ctypes.create_string_buffer(log_size.value)
+        lib.nvrtcGetProgramLog(prog, log_buf)
+        _check_nvrtc(status, f"compiling {name} with NVRTC ({' '.join(opts)})", log_buf.value.decode(errors="replace"))
+        size = ctypes.c_size_t()
+        get_size, get = (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if cubin else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
+        _check_nvrtc(get_size(prog, ctypes.byref(size)), "nvrtcGet*Size")
+        image = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(get(prog, image), "nvrtcGet*")
+        return image.raw, cubin
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+@dataclass
+class Kernel:
+    """A loaded kernel function. ``launch`` takes tensors (passed as device pointers), Python ints
+    (``int``) and floats (``float``), in the kernel's parameter order."""
+
+    name: str
+    handle: ctypes.c_void_p
+    module: ctypes.c_void_p
+    dynamic_smem: int = 0
+
+    def attribute(self, attr: int) -> int:
+        value = ctypes.c_int()
+        _check_cu(driver().cuFuncGetAttribute(ctypes.byref(value), attr, self.handle), "cuFuncGetAttribute")
+        return value.value
+
+    @property
+    def registers(self) -> int:
+        return self.attribute(CU_FUNC_ATTRIBUTE_NUM_REGS)
+
+    @property
+    def local_bytes(self) -> int:
+        return self.attribute(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+
+    def set_dynamic_smem(self, nbytes: int) -> None:
+        if nbytes > 48 * 1024:
+            _check_cu(driver().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+                      f"raising {self.name}'s dynamic shared memory to {nbytes} bytes")
+        self.dynamic_smem = nbytes
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
+        values = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                values.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, bool) or isinstance(a, int):
+                values.append(ctypes.c_int(int(a)))
+            elif isinstance(a, float):
+                values.append(ctypes.c_float(a))
+            elif a is None:
+                values.append(ctypes.c_void_p(0))
+            else:
+                raise TypeError(f"cannot pass {type(a).__name__} to a CUDA kernel")
+        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check_cu(driver().cuLaunchKernel(self.handle, *grid, *block, self.dynamic_smem, stream, params, None),
+                  f"launching {self.name}")
+
+
+def _ensure_context(device: torch.device) -> None:
+    """Make torch's primary context of ``device`` current on this thread (module loads need it)."""
+    torch.cuda.init()
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # creates the primary context if torch has not yet
+        ctx = ctypes.c_void_p()
+        _check_cu(driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            _check_cu(driver().cuDeviceGet(ctypes.byref(dev), device.index or 0), "cuDeviceGet")
+            _check_cu(driver().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            _check_cu(driver().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def load_kernels(image: bytes, names: list[str], device: torch.device) -> dict[str, Kernel]:
+    """Load a cubin/PTX image into ``device``'s context and fetch the named functions."""
+    _ensure_context(device)
+    module = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        _check_cu(driver().cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image)), "cuModuleLoadData")
+        kernels = {}
+        for name in names:
+            fn = ctypes.c_void_p()
+            _check_cu(driver().cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), f"cuModuleGetFunction({name})")
+            kernels[name] = Kernel(name, fn, module)
+    return kernels
