@@ -1,40 +1,93 @@
-"""Decode attention: VecInfer over 2-bit codes vs the fastest FP16 SDPA backend, side by side.
+"""Decode attention over VQ codes (CUDA kernel and Triton kernel) vs the fastest FP16 SDPA, side by side.
 
 Llama-3.1-8B geometry (32 query heads, 8 KV heads, head_dim 128, bf16), one new token per
-sequence, residual window R=128. For every (B, T) it times, in the same process and on the same
-GPU: ours with both key-scoring variants (in-register dequantization and the per-query lookup
-table), and torch SDPA over bf16 K/V with the flash and the cuDNN backends, each in its two
-GQA forms (``enable_gqa=True``, and the group's query heads packed as query rows); the baseline
-is the fastest of those. Prints a markdown table with the ratio baseline / ours.
+sequence, residual window R=128. For every bit-width and (B, T) it times, in the same process on
+the same GPU: our CUDA kernel (``vecinfer::decode_attention_cuda``, NVRTC), our Triton kernel
+(default launch shape, in-register dequantization), and torch SDPA over bf16 K/V with the flash
+and cuDNN backends, each in its two GQA forms (``enable_gqa=True``, and the group's query heads
+packed as query rows); the baseline is the fastest of those four.
 
-    python benchmarks/bench_decode_attention.py [--batches 1,8,32] [--lengths 4096,32768,131072]
+Timing: each method is captured in a CUDA graph (as the compiled decode step runs it) over
+enough independent copies of its inputs that together they exceed the 60 MB L2, and the replay
+time is divided by the number of copies (median of several replays). So launch overhead is the
+graph's and no method reads its inputs from a warm L2. Prints a markdown table with the ratio
+FP16 / ours for each kernel.
+
+    python benchmarks/bench_decode_attention.py [--bits 2,1.5] [--batches 1,8,32] [--lengths 4096,32768,131072]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
+import sys
+from pathlib import Path
 
 import torch
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from vecinfer_compile.ops import reference
-from vecinfer_compile.ops.triton_decode import DEFAULT_SPLIT, SplitConfig, decode_attention_triton
+if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout, not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vecinfer_compile.ops import cuda_decode, reference
+from vecinfer_compile.ops.triton_decode import decode_attention_triton
 from vecinfer_compile.presets import get_preset
 
 HQ, HKV, D, R = 32, 8, 128, 128
-CHECK_MAX_T = 32768
-SWEEP = [SplitConfig(block_n=n, num_warps=w, num_stages=st, waves=wv)
-         for n, w, st, wv in ((64, 4, 2, 3), (128, 4, 2, 3), (128, 8, 2, 3), (64, 4, 3, 6),
-                              # num_stages=1: plain vector loads for the centroid gathers; with
-                              # pipelining Triton turns them into 8-byte cp.async copies
-                              (64, 4, 1, 3), (32, 4, 1, 6), (128, 8, 1, 3), (64, 8, 1, 6))]
+CHECK_MAX_T = 32768  # the fp32 reference materialises K and V: checked on the smaller cases
+L2_DEFEAT_BYTES = 256 * 2**20
+MAX_COPIES = 128
+REPLAYS = 15
 
 
-def bench(fn) -> float:
-    """Median milliseconds (triton.testing.do_bench: warm-up, L2 flushed between runs)."""
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+def graph_time_ms(calls: list) -> float:
+    """Median ms per call of ``calls`` (one per input copy) captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # warm-up: compiles, autotunes, allocates outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(bytes_per_copy: int) -> int:
+    return max(1, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / max(bytes_per_copy, 1))))
+
+
+def code_inputs(b: int, t: int, bits: float, g: torch.Generator):
+    preset = get_preset(bits)
+    dev = "cuda"
+    code = torch.uint8 if preset.key.entries <= 256 else torch.int16
+    q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=g)
+    kc = torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g)
+    vc = torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g)
+    vcode = torch.uint8 if preset.value.entries <= 256 else torch.int16
+    k_codes = torch.randint(0, preset.key.entries, (b, HKV, t, D // preset.key.dims), device=dev, generator=g).to(code)
+    v_codes = torch.randint(0, preset.value.entries, (b, HKV, t, D // preset.value.dims), device=dev, generator=g).to(vcode)
+    kw = torch.randn(b, HKV, R, D, device=dev, dtype=torch.bfloat16, generator=g)
+    vw = torch.randn(b, HKV, R, D, device=dev, dtype=torch.bfloat16, generator=g)
+    nc = torch.tensor(t - R, device=dev, dtype=torch.int32)
+    nw = torch.tensor(R, device=dev, dtype=torch.int32)
+    return (q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5)
 
 
 def sdpa_variants(q, k, v):
@@ -53,56 +106,46 @@ def sdpa_variants(q, k, v):
         yield f"{backend.name.lower()}-packed", packed
 
 
-def run_case(b: int, t: int, bits: float, sweep: bool = False) -> dict:
-    preset = get_preset(bits)
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=g)
-    kc = torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g)
-    vc = torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g)
-    code = torch.uint8 if preset.key.entries <= 256 else torch.int16
-    n_coded = t - R
-    k_codes = torch.randint(0, preset.key.entries, (b, HKV, t, D // preset.key.dims), device=dev, generator=g).to(code)
-    v_codes = torch.randint(0, preset.value.entries, (b, HKV, t, D // preset.value.dims), device=dev, generator=g).to(code)
-    kw = torch.randn(b, HKV, R, D, device=dev, dtype=torch.bfloat16, generator=g)
-    vw = torch.randn(b, HKV, R, D, device=dev, dtype=torch.bfloat16, generator=g)
-    nc = torch.tensor(n_coded, device=dev, dtype=torch.int32)
-    nw = torch.tensor(R, device=dev, dtype=torch.int32)
+def run_case(b: int, t: int, bits: float) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
     row = {"B": b, "T": t, "bits": bits}
-    for score in ("dequant", "lut"):
-        times = {}
-        for cfg in (SWEEP if sweep else [DEFAULT_SPLIT]):
-            times[cfg] = bench(lambda: decode_attention_triton(
-                q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5, score=score, config=cfg))
-        best_cfg = min(times, key=times.get)
-        row[f"ours_{score}_ms"] = times[best_cfg]
-        row[f"ours_{score}_config"] = f"n{best_cfg.block_n}w{best_cfg.num_warps}s{best_cfg.num_stages}x{best_cfg.waves}"
-        row[f"ours_{score}_default_ms"] = times.get(DEFAULT_SPLIT)
-        if t <= CHECK_MAX_T:  # the fp32 reference materialises K and V: checked on the smaller cases
-            got = decode_attention_triton(q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5,
-                                          score=score, config=best_cfg)
-            want = reference.decode_attention(q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5)
-            row[f"ours_{score}_max_err"] = (got.float() - want.float()).abs().max().item()
-    del k_codes, v_codes
-    k = torch.randn(b, HKV, t, D, device=dev, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(b, HKV, t, D, device=dev, dtype=torch.bfloat16, generator=g)
+    first = code_inputs(b, t, bits, g)
+    code_bytes = first[1].nbytes + first[2].nbytes + first[6].nbytes + first[7].nbytes
+    sets = [first] + [code_inputs(b, t, bits, g) for _ in range(copies_for(code_bytes) - 1)]
+    row["code_copies"] = len(sets)
+    kernels = {"cuda": cuda_decode.decode_attention_cuda, "triton": decode_attention_triton}
+    for name, fn in kernels.items():
+        row[f"{name}_ms"] = graph_time_ms([lambda a=a, fn=fn: fn(*a) for a in sets])
+        if t <= CHECK_MAX_T:
+            got = fn(*first)
+            want = reference.decode_attention(*first)
+            row[f"{name}_max_err"] = (got.float() - want.float()).abs().max().item()
+    del sets, first
+    torch.cuda.empty_cache()
+    kv_bytes = 2 * b * HKV * t * D * 2
+    fp16_sets = []
+    for _ in range(copies_for(kv_bytes)):
+        fp16_sets.append((torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=g),
+                          torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g),
+                          torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g)))
     best_name, best = None, float("inf")
-    for name, fn in sdpa_variants(q, k, v):
+    names = [name for name, _ in sdpa_variants(*fp16_sets[0])]
+    for i, name in enumerate(names):
+        calls = [list(sdpa_variants(*s))[i][1] for s in fp16_sets]
         try:
-            ms = bench(fn)
+            ms = graph_time_ms(calls)
         except RuntimeError as exc:  # a backend that does not take this shape
             row[f"{name}_error"] = str(exc).splitlines()[0][:80]
+            torch.cuda.synchronize()
             continue
         row[f"{name}_ms"] = ms
         if ms < best:
             best_name, best = name, ms
-    row["baseline"] = best_name
-    row["baseline_ms"] = best
-    row["fp16_kv_gbps"] = 2 * b * HKV * t * D * 2 / (best * 1e-3) / 1e9
-    ours = min(row["ours_dequant_ms"], row["ours_lut_ms"])
-    row["ours_ms"] = ours
-    row["speedup"] = best / ours
-    del k, v
+    row.update(baseline=best_name, baseline_ms=best, fp16_copies=len(fp16_sets))
+    row["fp16_kv_gbps"] = kv_bytes / (best * 1e-3) / 1e9
+    row["cuda_speedup"] = best / row["cuda_ms"]
+    row["triton_speedup"] = best / row["triton_ms"]
+    del fp16_sets
     torch.cuda.empty_cache()
     return row
 
@@ -111,31 +154,42 @@ def err_text(err: float | None) -> str:
     return "-" if err is None else f"{err:.1e}"
 
 
+def kernel_resources(bits: float) -> str:
+    preset = get_preset(bits)
+    variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
+                                  preset.value.dims, False)
+    split = cuda_decode.kernels_for(variant, torch.device("cuda", torch.cuda.current_device()))["vq_decode_split"]
+    return (f"split kernel: {split.registers} registers, {split.local_bytes} B local, "
+            f"{variant.smem_bytes // 1024} KiB shared, {cuda_decode.blocks_per_sm(variant)} CTAs/SM")
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bits", default="2", help="comma-separated presets, e.g. 4,3,2,1.5,1.25,1")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
-    ap.add_argument("--bits", type=float, default=2.0)
     ap.add_argument("--json", help="also write the rows to this JSON file")
-    ap.add_argument("--sweep", action="store_true", help="time several launch shapes of ours, keep the best")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     rows = []
-    print(f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, "
-          f"bf16, {args.bits:g}-bit codes; times are medians in ms")
-    print("| B | T | ours dequant | ours LUT | best FP16 SDPA | backend | FP16 GB/s | speedup | config | max err vs reference |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for b in map(int, args.batches.split(",")):
-        for t in map(int, args.lengths.split(",")):
-            r = run_case(b, t, args.bits, args.sweep)
-            rows.append(r)
-            print(f"| {b} | {t} | {r['ours_dequant_ms']:.3f} | {r['ours_lut_ms']:.3f} | "
-                  f"{r['baseline_ms']:.3f} | {r['baseline']} | {r['fp16_kv_gbps']:.0f} | "
-                  f"{r['speedup']:.2f}x | {r['ours_dequant_config']} | {err_text(r.get('ours_dequant_max_err'))} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print(f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, bf16; "
+          "ms per call, CUDA-graph replay over L2-defeating input copies, median")
+    for bits in map(float, args.bits.split(",")):
+        print(f"\n{bits:g}-bit: {kernel_resources(bits)}")
+        print("| bits | B | T | ours CUDA | ours Triton | best FP16 SDPA | FP16 backend | CUDA vs FP16 | Triton vs FP16 "
+              "| CUDA max err | Triton max err |")
+        print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
+        for b in map(int, args.batches.split(",")):
+            for t in map(int, args.lengths.split(",")):
+                r = run_case(b, t, bits)
+                rows.append(r)
+                print(f"| {bits:g} | {b} | {t} | {r['cuda_ms']:.3f} | {r['triton_ms']:.3f} | {r['baseline_ms']:.3f} | "
+                      f"{r['baseline']} | {r['cuda_speedup']:.2f}x | {r['triton_speedup']:.2f}x | "
+                      f"{err_text(r.get('cuda_max_err'))} | {err_text(r.get('triton_max_err'))} |", flush=True)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
     return rows
 
 

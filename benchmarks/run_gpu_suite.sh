@@ -3,7 +3,8 @@
 #   bash benchmarks/run_gpu_suite.sh OUT_DIR MODEL_DIR CALIB_TEXT EVAL_TEXT [CODEBOOK_DIR]
 # Five independent streams, spread over the GPUs (see STREAMS below):
 #   tests     -> OUT/tests.txt     every `cuda`-marked test
-#   kernels   -> OUT/kernels.txt   decode (OUT/decode.json) and simulate attention with launch-shape
+#   kernels   -> OUT/kernels.txt   decode attention, CUDA and Triton kernels vs FP16 (OUT/decode.json;
+#                                  every preset at a few sizes); simulate attention with launch-shape
 #                                  sweeps; the decode gather-ceiling probe; encode vs compiled torch
 #   memory    -> OUT/memory.txt    KV bytes and peak memory at 4k/32k/128k
 #   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json)
@@ -25,7 +26,9 @@ tests() {
 }
 
 kernels() {
-    sec decode attention; timeout 150 python benchmarks/bench_decode_attention.py --sweep --json "$OUT/decode.json"
+    sec decode attention; timeout 230 python benchmarks/bench_decode_attention.py --bits 2 --json "$OUT/decode.json"
+    sec decode attention, other presets; timeout 200 python benchmarks/bench_decode_attention.py --bits 4,3,1.5,1.25,1 \
+        --batches 1,8 --lengths 4096,131072
     sec simulate attention; timeout 90 python benchmarks/bench_simulate_attention.py --sweep --profile
     sec decode ceiling probe; timeout 90 python benchmarks/bench_gather_ceiling.py
     sec encode; timeout 120 python benchmarks/bench_encode.py --sweep

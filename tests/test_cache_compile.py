@@ -23,6 +23,7 @@ from vecinfer_compile.passes.cache_decode import (
 from test_cache import left_padded, make_layer, random_codebooks, tiny_config  # noqa: E402
 
 DECODE = torch.ops.vecinfer.decode_attention.default
+DECODE_OPS = (DECODE, torch.ops.vecinfer.decode_attention_cuda.default, torch.ops.vecinfer.decode_attention_triton.default)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,7 +74,7 @@ def _full_length_float_nodes(gm, tmax, head_dim):
 
 def _check_rewritten_graph(gm, layers, tmax, head_dim):
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert sum(t is DECODE for t in targets) == layers
+    assert sum(t in DECODE_OPS for t in targets) == layers
     assert not any(is_cache_kv(t) for t in targets), "dequantized cache read left in the graph"
     assert F.scaled_dot_product_attention not in targets
     assert "decode_attention" in gm.code and "cache_kv" not in gm.code
@@ -210,8 +211,8 @@ def test_pass_ignores_sdpa_without_cache():
 @pytest.mark.parametrize("layer_bits", [None, [4.0, 1.0]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_compiled_decode(dtype, layer_bits):
-    """On the GPU the compiled decode runs the Triton decode kernel (one per layer's preset);
-    fp32 must match eager."""
+    """On the GPU the compiled decode runs the CUDA decode kernel for bf16 and the Triton one for
+    fp32 (one per layer's preset); fp32 must match eager."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
@@ -222,6 +223,9 @@ def test_cuda_compiled_decode(dtype, layer_bits):
     ids, mask = ids.cuda(), mask.cuda()
     eager, compiled, backend, _, _ = _compiled_vs_eager(model, cb, ids, mask, tmax=80, residual=8, new_tokens=8)
     _check_rewritten_graph(backend.graphs[0], cfg.num_hidden_layers, 80, cfg.head_dim)
+    kernel = (torch.ops.vecinfer.decode_attention_triton if dtype == torch.float32
+              else torch.ops.vecinfer.decode_attention_cuda).default
+    assert sum(n.target is kernel for n in backend.graphs[0].graph.nodes) == cfg.num_hidden_layers
     if dtype == torch.float32:
         assert torch.equal(compiled, eager)
     else:  # bf16 rounding differs between kernel and eager dequantize+SDPA: most tokens agree

@@ -208,7 +208,9 @@ def test_cuda_decode_realistic(score, dtype, kspec, vspec):
     got = ops.decode_attention_triton(*args, score=score, wrap=False)
     assert got.dtype == dtype
     _check_rule(got, want, _decode_baseline_err(args, want))
-    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_triton(*args), atol=0, rtol=0)
+    torch.testing.assert_close(torch.ops.vecinfer.decode_attention_triton(*args), ops.decode_attention_triton(*args),
+                               atol=0, rtol=0)
+    _check_rule(torch.ops.vecinfer.decode_attention(*args), want, _decode_baseline_err(args, want))  # CUDA kernel if it runs
 
 
 test_cuda_decode_realistic = pytest.mark.cuda(test_cuda_decode_realistic)

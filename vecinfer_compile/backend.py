@@ -29,6 +29,7 @@ import torch.fx as fx
 from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
 from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
 from .methods import VQ_METHODS
+from .ops.decode_kernels import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
 from .passes.cache_decode import rewrite_cache_attention
 from .presets import get_preset
@@ -47,22 +48,28 @@ BACKEND_NAME = "vecinfer"
 class BackendConfig:
     """codebooks: None = fit from the first call; bits/method: of the fitted codebooks (checked
     against given ones); residual: most recent keys kept in full precision; quantize: False =
-    transform only (q~, K~ through plain SDPA)."""
+    transform only (q~, K~ through plain SDPA); decode_kernel: the CUDA decode-attention kernel
+    over a VecInferCache, "cuda" (NVRTC), "triton" or "auto" (None: ``$VECINFER_DECODE_KERNEL``,
+    else auto)."""
 
     codebooks: VecInferCodebooks | None = None
     bits: float = DEFAULT_BITS
     method: str = "vecinfer"
     residual: int = 0
     quantize: bool = True
+    decode_kernel: str | None = None
 
 
-def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize: bool) -> BackendConfig:
+def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize: bool,
+             decode_kernel: str | None = None) -> BackendConfig:
     if method not in VQ_METHODS:
         raise ValueError(
             f"vecinfer_backend runs the VQ methods {', '.join(VQ_METHODS)}; got method {method!r}"
         )
     if residual < 0:
         raise ValueError(f"residual must be >= 0, got {residual}")
+    if decode_kernel is not None:
+        check_kernel_name(decode_kernel)
     if isinstance(codebooks, (str, Path)):
         codebooks = load_codebooks(codebooks)
     if codebooks is not None and not isinstance(codebooks, VecInferCodebooks):
@@ -72,7 +79,7 @@ def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize
     if codebooks is None:
         bits = DEFAULT_BITS if bits is None else float(bits)
         get_preset(bits)  # a clear error for an unknown bit-width, now rather than at compile
-        return BackendConfig(None, bits, method, residual, quantize)
+        return BackendConfig(None, bits, method, residual, quantize, decode_kernel)
     if bits is not None and float(bits) != float(codebooks.bits):
         raise ValueError(
             f"the codebooks are for {codebooks.bits:g} bits, not {bits:g}: calibrate at {bits:g} "
@@ -83,7 +90,7 @@ def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize
             f"the codebooks are for method {codebooks.method!r}, not {method!r}: calibrate with "
             f"--method {method} or pass method={codebooks.method!r}"
         )
-    return BackendConfig(codebooks, float(codebooks.bits), method, residual, quantize)
+    return BackendConfig(codebooks, float(codebooks.bits), method, residual, quantize, decode_kernel)
 
 
 def _config_patches(mode: str | None, options: dict | None) -> dict:
@@ -142,12 +149,15 @@ class VecInferBackend:
         method: str = "vecinfer",
         residual: int = 0,
         quantize: bool = True,
+        decode_kernel: str | None = None,
     ) -> "VecInferBackend":
         """A new backend. codebooks: a file from ``vecinfer calibrate``, loaded codebooks, or None
         to fit them from the first call; bits: bit-width (default 2, or the codebooks'); method:
         vecinfer/vq/smooth/hadamard; residual: most recent keys kept in full precision;
-        quantize=False: apply the exact key transform only (for checks)."""
-        return VecInferBackend(_resolve(codebooks, bits, method, residual, quantize))
+        quantize=False: apply the exact key transform only (for checks); decode_kernel: "cuda",
+        "triton" or "auto" for decode attention over a VecInferCache on CUDA (default: the
+        environment variable VECINFER_DECODE_KERNEL, else auto)."""
+        return VecInferBackend(_resolve(codebooks, bits, method, residual, quantize, decode_kernel))
 
     def __deepcopy__(self, memo) -> "VecInferBackend":
         # HF's CompileConfig deep-copies its backend; keep one object so fitted codebooks persist.
@@ -157,11 +167,11 @@ class VecInferBackend:
         c = self.config
         source = "fit-on-first-call" if c.codebooks is None else "given"
         return (f"VecInferBackend(bits={c.bits:g}, method={c.method!r}, codebooks={source}, "
-                f"residual={c.residual}, quantize={c.quantize})")
+                f"residual={c.residual}, quantize={c.quantize}, decode_kernel={c.decode_kernel!r})")
 
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None):
-        cache_reads = rewrite_cache_attention(gm)
+        cache_reads = rewrite_cache_attention(gm, self.config.decode_kernel)
         sites = find_sdpa_sites(gm)
         if sites:
             layers = self._layers(gm, example_inputs, sites)

@@ -5,6 +5,13 @@ dispatching on ``q.device.type`` — CUDA launches the Triton kernels through ``
 Inductor sees them), every other device runs the pure-torch reference. Registration happens once
 per process, at import of :mod:`vecinfer_compile.ops`.
 
+Decode attention has three ops of one schema. ``decode_attention`` is the public one: on CUDA it
+runs the CUDA kernel (:mod:`.cuda_decode`) when :func:`.decode_kernels.choose` picks it, else the
+Triton kernel. ``decode_attention_cuda`` is the CUDA kernel alone, an opaque ``custom_op`` (Inductor
+calls it as an extern kernel; CUDA graphs capture it). ``decode_attention_triton`` is the Triton
+kernel alone, visible to Inductor. The compile pass emits the kernel-specific op it resolved, so
+the choice is part of the graph (and of Inductor's cache key) rather than hidden state.
+
 Schemas::
 
     vecinfer::encode(Tensor x, Tensor? lam, Tensor? rotation, Tensor centroids) -> Tensor
@@ -15,13 +22,16 @@ Schemas::
     vecinfer::decode_attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_centroids,
         Tensor v_centroids, Tensor n_coded, Tensor k_window, Tensor v_window, Tensor n_window,
         Tensor? kv_start, float scale) -> Tensor
+    vecinfer::decode_attention_cuda(...same...) -> Tensor
+    vecinfer::decode_attention_triton(...same...) -> Tensor
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import decode_kernels, reference
+from .cuda_decode import decode_attention_cuda
 from .triton_attention import attention_triton
 from .triton_decode import decode_attention_triton
 from .triton_encode import encode_triton
@@ -64,7 +74,7 @@ def _attention(
     return reference.attention(*args)
 
 
-def _decode_attention(
+def _decode_attention_triton(
     q: torch.Tensor,
     k_codes: torch.Tensor,
     v_codes: torch.Tensor,
@@ -83,15 +93,43 @@ def _decode_attention(
     return reference.decode_attention(*args)
 
 
-_OPS = {"encode": _encode, "quantize": _quantize, "attention": _attention, "decode_attention": _decode_attention}
+def _decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    args = (q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start, scale)
+    if q.device.type == "cuda" and decode_kernels.choose(q, k_codes, k_centroids, v_centroids) == "cuda":
+        return torch.ops.vecinfer.decode_attention_cuda(*args)
+    return _decode_attention_triton(*args)
+
+
+_OPS = {"encode": _encode, "quantize": _quantize, "attention": _attention,
+        "decode_attention_triton": _decode_attention_triton, "decode_attention": _decode_attention}
 
 
 def _is_registered(name: str) -> bool:
     return hasattr(getattr(torch.ops, NAMESPACE), name)
 
 
+def _decode_attention_cuda_fake(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window,
+                                n_window, kv_start, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def register() -> None:
     """Register the ops (a no-op for those already registered in this process)."""
+    if not _is_registered("decode_attention_cuda"):
+        op = torch.library.custom_op(f"{NAMESPACE}::decode_attention_cuda", decode_attention_cuda, mutates_args=())
+        op.register_fake(_decode_attention_cuda_fake)
     for name, fn in _OPS.items():
         if not _is_registered(name):
             torch.library.triton_op(f"{NAMESPACE}::{name}", fn, mutates_args=())

@@ -13,6 +13,10 @@ becomes::
     out      = vecinfer.decode_attention(q~, k_codes, v_codes, kc, vc, n_coded,
                                          k_window, v_window, n_window, kv_start, s)
 
+On CUDA the op emitted is the kernel-specific one the request resolves to
+(:func:`vecinfer_compile.ops.decode_kernels.choose`): ``decode_attention_cuda`` (the NVRTC kernel)
+or ``decode_attention_triton``, so the choice is in the graph; elsewhere ``decode_attention``.
+
 after which ``cache_kv`` and the repetition are dead and erased, so the compiled graph holds no
 dequantized full-length K/V. The cache state nodes are the ``cache_kv`` arguments themselves, so
 no layer lookup is needed. Each rewrite bumps ``counters["vecinfer"]["cache_decode_rewrites"]``.
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from ..ops import cache_ops  # noqa: F401  registers vecinfer::cache_kv
+from ..ops import decode_kernels
 from ..ops.cache_ops import is_cache_kv
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 
@@ -116,9 +121,27 @@ def _unfusable(node: fx.Node, why: str) -> None:
     log.warning("vecinfer: attention over VecInferCache left unfused (%s): %s", why, node.format_node())
 
 
-def rewrite_cache_attention(gm: fx.GraphModule) -> int:
-    """Replace every SDPA over ``vecinfer::cache_kv`` by ``vecinfer::decode_attention`` (see the
-    module docstring). Returns the number of rewrites; recompiles ``gm`` if any."""
+def _decode_op(q, cache_args, decode_kernel: str):
+    """The decode op for this call: kernel-specific on CUDA, the dispatching op elsewhere."""
+    if q.device.type != "cuda":
+        return torch.ops.vecinfer.decode_attention.default
+    k_codes, k_cent, v_cent = (_example(cache_args[i]) for i in (K_CODES, K_CENT, V_CENT))
+    if k_codes is None or k_cent is None or v_cent is None:  # no shapes here: the op decides when traced
+        return torch.ops.vecinfer.decode_attention.default
+    if decode_kernel is None:
+        kernel = decode_kernels.choose(q, k_codes, k_cent, v_cent)
+    else:
+        with decode_kernels.use_decode_kernel(decode_kernel):
+            kernel = decode_kernels.choose(q, k_codes, k_cent, v_cent)
+    counters["vecinfer"][f"cache_decode_{kernel}"] += 1
+    return getattr(torch.ops.vecinfer, f"decode_attention_{kernel}").default
+
+
+def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None) -> int:
+    """Replace every SDPA over ``vecinfer::cache_kv`` by a decode-attention op over the codes (see
+    the module docstring); ``decode_kernel`` (auto / cuda / triton; None: ``$VECINFER_DECODE_KERNEL``
+    or auto) picks the CUDA implementation.
+    Returns the number of rewrites; recompiles ``gm`` if any."""
     rewrites = 0
     graph = gm.graph
     for node in list(graph.nodes):
@@ -170,7 +193,7 @@ def rewrite_cache_attention(gm: fx.GraphModule) -> int:
             if mask is not None:
                 kv_start = graph.call_function(kv_start_from_mask, (mask, query))
             out = graph.call_function(
-                torch.ops.vecinfer.decode_attention.default,
+                _decode_op(q, a, decode_kernel),
                 (q_t, a[K_CODES], a[V_CODES], a[K_CENT], a[V_CENT], a[N_CODED],
                  a[K_WIN], a[V_WIN], a[N_WIN], kv_start, scale),
             )

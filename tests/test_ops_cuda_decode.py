@@ -1,0 +1,202 @@
+"""The CUDA decode-attention kernel (``ops/cuda_decode.cu``) and the choice between it and Triton.
+
+- CPU: every preset's variant compiles with NVRTC to an sm_90 cubin (syntax and PTX errors are
+  caught without a GPU; NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel of the dev extras), and
+  the kernel-choice rules.
+- ``cuda``: the kernel against the reference on random shapes (hypothesis: every preset, GQA
+  groups 1-16, head_dim 64/128, lengths off every block size, empty/partial/full windows,
+  left padding), with the rule ``err(ours) <= 2 * err(torch bf16 SDPA on the dequantized K/V) +
+  atol``; CUDA-graph capture with a length that changes between replays; the op's dispatch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vecinfer_compile.ops as ops
+from test_ops_reference import decode_case
+from test_ops_triton import _check_rule, _cuda, _decode_baseline_err
+from vecinfer_compile.ops import cuda_decode, decode_kernels
+from vecinfer_compile.ops.nvrtc import CudaBuildError, compile_source
+from vecinfer_compile.presets import PRESETS
+
+PRESET_SPECS = sorted({((p.key.entries, p.key.dims), (p.value.entries, p.value.dims)) for p in PRESETS.values()})
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _nvrtc_or_skip():
+    try:
+        ops.nvrtc.nvrtc()
+    except CudaBuildError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
+def test_cuda_source_compiles_for_sm90(kspec, vspec):
+    """Each preset's kernels compile to an sm_90 cubin; both entry points are in it."""
+    _nvrtc_or_skip()
+    for head_dim, group, fp16 in ((128, 4, False), (64, 16, True)):
+        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16)
+        image, is_cubin = compile_source(cuda_decode._source(), "vq_decode", 90,
+                                         ["--use_fast_math", "--std=c++17", *variant.defines()])
+        assert is_cubin and image[:4] == b"\x7fELF"
+        assert b"vq_decode_split" in image and b"vq_decode_merge" in image
+
+
+def test_variant_shared_memory_and_copies():
+    assert cuda_decode.Variant.copies(256, 4) == 16 and cuda_decode.Variant.copies(256, 8) == 8
+    assert cuda_decode.Variant.copies(256, 2) == 32 and cuda_decode.Variant.copies(4096, 8) == 1
+    two_bit = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False)
+    assert two_bit.smem_bytes == 64 * 1024 and cuda_decode.blocks_per_sm(two_bit) == 2
+    one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False)
+    assert one_and_half.smem_bytes == 128 * 1024 and cuda_decode.blocks_per_sm(one_and_half) == 1
+
+
+def test_splits_depend_on_shapes_only():
+    v = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False)
+    assert cuda_decode.num_splits(8, 4096, v, 132) == 16  # bounded by the length: 4096 / (64 * 4)
+    assert cuda_decode.num_splits(64, 131072, v, 132) == 4  # one wave of 2 CTAs per SM, no partial second
+    assert cuda_decode.num_splits(8, 131072, v, 132) == 33
+    assert cuda_decode.num_splits(512, 131072, v, 132) == 1
+    assert cuda_decode.num_splits(8, 1, v, 132) == 1
+
+
+def test_unsupported_reasons_name_the_limit():
+    q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    codes = torch.zeros(1, 2, 4, 32, dtype=torch.uint8)
+    assert "not CUDA" in cuda_decode.unsupported_reason(q, codes, torch.zeros(256, 4), torch.zeros(256, 4))
+
+
+def test_decode_kernel_request(monkeypatch):
+    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    assert decode_kernels.requested() == "auto"
+    monkeypatch.setenv(decode_kernels.ENV, "Triton")
+    assert decode_kernels.requested() == "triton"
+    with decode_kernels.use_decode_kernel("cuda"):
+        assert decode_kernels.requested() == "cuda"
+    assert decode_kernels.requested() == "triton"
+    monkeypatch.setenv(decode_kernels.ENV, "fast")
+    with pytest.raises(ValueError, match="use one of auto, cuda, triton"):
+        decode_kernels.requested()
+    with pytest.raises(ValueError, match="decode_kernel must be one of"):
+        decode_kernels.check_kernel_name("cutlass")
+
+
+def test_cuda_op_on_cpu_names_the_fix():
+    gen = torch.Generator().manual_seed(0)
+    args = decode_case(gen, b=1, hkv=1, group=2, tmax=4, n_coded=2, r=2, n_window=1, d=128, kspec=(256, 4),
+                       vspec=(256, 4), with_start=False, dtype=torch.bfloat16)
+    with pytest.raises(CudaBuildError, match="use the Triton kernel"):
+        torch.ops.vecinfer.decode_attention_cuda(*args)
+
+
+# --- GPU -----------------------------------------------------------------------------------------
+
+def _decode(dtype, seed, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    return _cuda(decode_case(gen, dtype=dtype, **kw))
+
+
+def _check(args, got):
+    want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
+    assert got.dtype == args[0].dtype and got.shape == args[0].shape
+    assert torch.isfinite(got).all()
+    _check_rule(got, want, _decode_baseline_err(args, want))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    specs=st.sampled_from(PRESET_SPECS),
+    group=st.sampled_from([1, 2, 4, 8, 16]),
+    d=st.sampled_from([64, 128]),
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 3),
+    tmax=st.integers(1, 700),
+    fill=st.floats(0.0, 1.0),
+    r=st.sampled_from([1, 16, 128]),
+    window=st.sampled_from(["empty", "partial", "full"]),
+    with_start=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+)
+def test_cuda_kernel_matches_reference(seed, specs, group, d, b, hkv, tmax, fill, r, window, with_start, dtype):
+    n_coded = round(fill * tmax)
+    n_window = {"empty": 0, "partial": r // 2, "full": r}[window]
+    args = _decode(dtype, seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=r, n_window=n_window,
+                   d=d, kspec=specs[0], vspec=specs[1], with_start=with_start)
+    got = ops.decode_attention_cuda(*args)
+    if n_coded + n_window == 0:
+        assert (got == 0).all()
+        return
+    _check(args, got)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("specs", PRESET_SPECS)
+def test_cuda_kernel_long_context(specs):
+    """Llama-3.1-8B geometry, 20k positions: many splits, every preset."""
+    args = _decode(torch.bfloat16, 7, b=2, hkv=8, group=4, tmax=20000, n_coded=19_873, r=128, n_window=77,
+                   d=128, kspec=specs[0], vspec=specs[1], with_start=True)
+    _check(args, ops.decode_attention_cuda(*args))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_op_dispatches_to_cuda_and_env_forces_triton(monkeypatch):
+    args = _decode(torch.bfloat16, 3, b=2, hkv=2, group=4, tmax=900, n_coded=800, r=128, n_window=50, d=128,
+                   kspec=(256, 4), vspec=(256, 4), with_start=False)
+    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    assert decode_kernels.choose(args[0], args[1], args[3], args[4]) == "cuda"
+    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_cuda(*args), rtol=0, atol=0)
+    monkeypatch.setenv(decode_kernels.ENV, "triton")
+    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_triton(*args), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_float32_queries_run_triton_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    args = _decode(torch.float32, 4, b=1, hkv=2, group=2, tmax=100, n_coded=90, r=16, n_window=3, d=128,
+                   kspec=(256, 4), vspec=(256, 4), with_start=False)
+    decode_kernels._logged.clear()
+    with caplog.at_level(logging.INFO, logger="vecinfer_compile.ops.decode_kernels"):
+        assert decode_kernels.choose(args[0], args[1], args[3], args[4]) == "triton"
+        assert decode_kernels.choose(args[0], args[1], args[3], args[4]) == "triton"
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "bfloat16/float16" in caplog.records[0].getMessage()
+    with decode_kernels.use_decode_kernel("cuda"), pytest.raises(RuntimeError, match="decode_kernel='cuda'"):
+        torch.ops.vecinfer.decode_attention(*args)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_kernel_in_a_cuda_graph_follows_the_length():
+    """Captured once, replayed after the cache grew: the launch reads n_coded on the device."""
+    args = list(_decode(torch.bfloat16, 5, b=2, hkv=8, group=4, tmax=4096, n_coded=1000, r=128, n_window=128,
+                        d=128, kspec=(256, 4), vspec=(256, 4), with_start=False))
+    ops.decode_attention_cuda(*args)  # compile and load outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.decode_attention_cuda(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.decode_attention_cuda(*args)
+    for n in (1000, 3001, 4096, 0):
+        args[5].fill_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        if n == 0:
+            want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
+            torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        else:
+            _check(args, out.clone())
