@@ -10,6 +10,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import vecinfer_compile.backend as backend_module
@@ -68,6 +70,85 @@ def test_fitted_codebooks_persist_across_recompiles():
     with torch.no_grad():
         torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids(8, seed=3), use_cache=False)
     assert all(backend.fitted[i] is fitted[i] for i in fitted)
+
+
+def test_one_backend_object_across_models_of_other_geometry(caplog):
+    """The global zero-config backend, used on an MQA model and then an MHA model: the MHA model's
+    layers are fitted again (they used to be rejected as "calibrated for another model")."""
+    backend = vecinfer_backend.configure(bits=2)
+    fits = {}
+    for kv_heads in (1, 4):
+        model = tiny_model("qwen2", num_key_value_heads=kv_heads).requires_grad_(False)
+        torch._dynamo.reset()
+        with caplog.at_level(logging.INFO, logger="vecinfer_compile.backend"):
+            out = torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids(9, batch=2), use_cache=False)
+        assert torch.isfinite(out.logits).all()
+        fits[kv_heads] = backend.fitted[0].transform.lam.shape
+    assert fits == {1: (1, 16), 4: (4, 16)}
+    assert any("another geometry" in r.getMessage() for r in caplog.records)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    family=st.sampled_from(TINY_FAMILIES),
+    heads=st.sampled_from([(4, 4), (4, 2), (4, 1), (8, 2)]),  # (query, KV): MHA, GQA, MQA
+    head_dim=st.sampled_from([16, 32]),
+    batch=st.integers(1, 3),
+    codebooks=st.sampled_from(["zero-config", "given", "transform-only"]),
+)
+def test_architectures_compile_and_rewrite_every_layer(family, heads, head_dim, batch, codebooks):
+    """Any family, MHA/GQA/MQA, head_dim and batch: every SDPA is rewritten and the output is
+    finite; with the transform alone the compiled model equals eager."""
+    q_heads, kv_heads = heads
+    model = tiny_model(family, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim).requires_grad_(False)
+    torch._dynamo.reset()
+    counters.clear()
+    if codebooks == "given":
+        layers = [random_layer_codebooks(kv_heads, head_dim, seed=i) for i in range(2)]
+        backend = vecinfer_backend.configure(VecInferCodebooks("vecinfer", 2.0, layers, model_geometry(model.config)))
+    else:
+        backend = vecinfer_backend.configure(bits=2, quantize=codebooks != "transform-only")
+    x = ids(11, seed=head_dim, batch=batch)
+    out = torch.compile(model, backend=backend, fullgraph=True)(input_ids=x, use_cache=False).logits
+    assert counters["vecinfer"]["sdpa_rewrites"] == 2
+    assert torch.isfinite(out).all()
+    if codebooks == "transform-only":
+        torch.testing.assert_close(out, model(input_ids=x, use_cache=False).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_zero_config_log_line_names_a_command_that_parses():
+    """The zero-config advice is a `vecinfer calibrate` command line the CLI accepts."""
+    from vecinfer_compile.cli import build_parser
+
+    model = tiny_model("llama").requires_grad_(False)
+    backend = vecinfer_backend.configure(bits=2)
+    logger = logging.getLogger("vecinfer_compile.backend")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids(8), use_cache=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    message = next(r.getMessage() for r in records if "vecinfer calibrate" in r.getMessage())
+    command = message.split("`")[1].split()
+    assert command[:2] == ["vecinfer", "calibrate"]
+    args = build_parser().parse_args(command[1:])
+    assert args.bits == 2.0 and args.out == "cb.safetensors"
+
+
+def test_transform_only_fit_gives_no_calibration_advice(caplog):
+    model = tiny_model("llama").requires_grad_(False)
+    with caplog.at_level(logging.INFO, logger="vecinfer_compile.backend"):
+        torch.compile(model, backend=vecinfer_backend.configure(quantize=False), fullgraph=True)(
+            input_ids=ids(8), use_cache=False)
+    messages = [r.getMessage() for r in caplog.records if r.name == "vecinfer_compile.backend"]
+    assert messages and not any("calibrate" in m for m in messages)
 
 
 class Attention(torch.nn.Module):

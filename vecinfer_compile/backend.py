@@ -128,11 +128,20 @@ def _fit_layer(keys: list[torch.Tensor], values: list[torch.Tensor], config: Bac
     return LayerCodebooks(transform, key_c, value_c)
 
 
+def _fits(layer: LayerCodebooks, site: SdpaSite) -> bool:
+    """Whether fitted codebooks match the geometry of an attention call."""
+    lam = layer.transform.lam
+    return layer.transform.head_dim == site.head_dim and (lam is None or lam.shape[0] == site.kv_heads)
+
+
 class VecInferBackend:
     """A torch.compile backend ``(gm, example_inputs, *, mode=None, options=None)``.
 
     Make variants with :meth:`configure`; each object keeps the codebooks it fitted (zero-config)
-    by layer index across recompiles."""
+    by layer index across recompiles. A fitted layer whose geometry (KV heads, head_dim) does not
+    match the attention being compiled, e.g. after compiling another model with the same object,
+    is fitted again; two models of one geometry would share fits, so give each model its own
+    ``vecinfer_backend.configure()``."""
 
     __name__ = BACKEND_NAME
 
@@ -193,6 +202,12 @@ class VecInferBackend:
         codebooks = self.config.codebooks
         if codebooks is not None:
             return {s.layer: self._given_layer(codebooks, s) for s in sites}
+        stale = [s for s in sites if s.layer in self.fitted and not _fits(self.fitted[s.layer], s)]
+        if stale:
+            log.info("vecinfer: layer(s) %s were fitted for attention of another geometry (another "
+                     "model?); fitting them again from this call", sorted({s.layer for s in stale}))
+            for s in stale:
+                del self.fitted[s.layer]
         missing = [s for s in sites if s.layer not in self.fitted]
         if missing:
             self._fit(gm, example_inputs, missing)
@@ -223,10 +238,15 @@ class VecInferBackend:
             )
         first = recorded[sites[0].key]
         tokens = first.shape[0] * first.shape[2]
+        if not self.config.quantize:  # transform-only check: the fit is smoothing factors, no advice
+            log.info("vecinfer: fitted smoothing factors for %d layer(s) from this call's %d token(s)",
+                     len(by_layer), tokens)
+            return
         log.info(
             "vecinfer: no codebooks given; fitted %g-bit %s codebooks for %d layer(s) from this "
-            "call's %d token(s) — calibrate for better accuracy: `vecinfer calibrate MODEL --bits "
-            "%g --out cb.safetensors`, then vecinfer_backend.configure(codebooks=\"cb.safetensors\")",
+            "call's %d token(s) — calibrate for better accuracy: `vecinfer calibrate --model "
+            "MODEL_DIR --text CALIBRATION.txt --bits %g --out cb.safetensors`, then "
+            "vecinfer_backend.configure(codebooks=\"cb.safetensors\")",
             self.config.bits, self.config.method, len(by_layer), tokens, self.config.bits,
         )
 

@@ -101,18 +101,16 @@ TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 def tiny_model(family: str = "llama", *, layers: int = 2, attn_implementation: str = "sdpa",
                seed: int = 0, **overrides):
     """A random causal LM of ``family`` with hidden 64, 4 query heads, 2 KV heads, head_dim 16,
-    vocab 128, in eval mode and float32."""
+    vocab 128 (``overrides`` replace any config field), in eval mode and float32."""
     import transformers
 
     names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
              "qwen3": "Qwen3Config"}
     if family not in names:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(names)}")
-    config = getattr(transformers, names[family])(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=128, num_hidden_layers=layers, max_position_embeddings=256,
-        **overrides,
-    )
+    fields = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, vocab_size=128, num_hidden_layers=layers, max_position_embeddings=256)
+    config = getattr(transformers, names[family])(**{**fields, **overrides})
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
