@@ -142,6 +142,16 @@ def test_zero_config_log_line_names_a_command_that_parses():
     assert args.bits == 2.0 and args.out == "cb.safetensors"
 
 
+def test_check_model_in_bfloat16_uses_dtype_tolerances():
+    from vecinfer_compile.models import default_model_dir, load_model
+
+    model = load_model(default_model_dir(), "float32", "cpu")[0].to(torch.bfloat16)
+    report = check_model(model)  # the shipped tiny model, as from_pretrained(dtype=bfloat16) loads it
+    assert report.sdpa_rewrites == report.num_layers
+    with pytest.raises(AssertionError, match="in torch.bfloat16.*check in float32"):
+        check_model(model, atol=0.0, rtol=0.0)
+
+
 def test_transform_only_fit_gives_no_calibration_advice(caplog):
     model = tiny_model("llama").requires_grad_(False)
     with caplog.at_level(logging.INFO, logger="vecinfer_compile.backend"):
