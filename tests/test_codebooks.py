@@ -1,6 +1,8 @@
 """Calibration artifact: round trip, metadata, and every mismatch error."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from transformers import LlamaConfig
 
 from vecinfer_compile.codebooks import VecInferCodebooks, load_codebooks
 from vecinfer_compile.testing import random_codebooks as make_codebooks
+from vecinfer_compile.testing import random_layer_codebooks
 
 
 CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -128,3 +131,17 @@ def test_format_1_files_still_load(tmp_path):
     assert back.metadata["format"] == "vecinfer-codebooks/1" and back.layer_bits is None and back.bits == 2.0
     for a, b in zip(cb.layers, back.layers):
         assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+
+
+def test_saved_file_honours_the_umask_and_repr_is_one_line(tmp_path):
+    cb = VecInferCodebooks("vecinfer", 2.0, [random_layer_codebooks(2, 16, seed=i) for i in range(3)],
+                           {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16})
+    old = os.umask(0o022)
+    try:
+        path = cb.save(tmp_path / "cb.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    text = repr(cb)
+    assert "\n" not in text and len(text) < 200
+    assert text.startswith("VecInferCodebooks(method='vecinfer', bits=2, layers=3, kv_heads=2, head_dim=16")

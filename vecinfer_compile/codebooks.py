@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,13 @@ class VecInferCodebooks:
         if len(set(self.layer_bits)) == 1:
             self.layer_bits = None
 
+    def __repr__(self) -> str:
+        g = self.geometry
+        per_layer = "" if self.layer_bits is None else f", layer_bits={self.layer_bits}"
+        return (f"VecInferCodebooks(method={self.method!r}, bits={self.bits:g}{per_layer}, "
+                f"layers={len(self.layers)}, kv_heads={g.get('num_kv_heads')}, head_dim={g.get('head_dim')}, "
+                f"{self.nbytes():,} bytes)")
+
     @property
     def preset(self) -> Preset:
         """The preset of every layer; an error for a per-layer allocation (use layer_preset)."""
@@ -145,12 +153,12 @@ class VecInferCodebooks:
             per_layer = "" if self.layer_bits is None else f" (per layer: {self.layer_bits})"
             raise ValueError(
                 f"these codebooks are for {self.bits:g} bits{per_layer}, not {bits:g}: calibrate "
-                f"at {bits:g} bits or pass --bits {self.bits:g}"
+                f"at {bits:g} bits or ask for bits={self.bits:g} (--bits {self.bits:g} on the command line)"
             )
         if method is not None and method != self.method:
             raise ValueError(
                 f"these codebooks are for method {self.method!r}, not {method!r}: calibrate with "
-                f"--method {method}"
+                f"method={method!r} (--method {method} on the command line)"
             )
 
     # -- file format ------------------------------------------------------------------------
@@ -179,7 +187,14 @@ class VecInferCodebooks:
         }
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
                   metadata={"vecinfer": json.dumps(meta, sort_keys=True)})
+        path.chmod(0o666 & ~_umask())  # safetensors creates the file 0600; honour the umask
         return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_codebooks(path: str | Path) -> VecInferCodebooks:
