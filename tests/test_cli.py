@@ -197,3 +197,29 @@ def test_calibrate_then_eval_and_ablation(capsys, tmp_path, tiny_dir, sample_tex
 def test_python_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "vecinfer_compile", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "eval-ppl" in proc.stdout
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "no-tokenizer"])
+def test_damaged_model_directory_is_one_line(capsys, tmp_path, tiny_dir, sample_text_path, damage):
+    import shutil
+
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_dir, broken)
+    weights = broken / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "empty":
+        weights.write_bytes(b"")
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (broken / name).unlink()
+    msg = run_error(capsys, ["eval-ppl", "--model", str(broken), "--text", str(sample_text_path), "--method", "fp16"])
+    assert "\n" not in msg.strip()
+    assert ("tokenizer" if damage == "no-tokenizer" else "truncated or damaged") in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_device_without_cuda_is_one_line(capsys, tiny_dir, sample_text_path):
+    msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
+                             "--method", "fp16", "--device", "cuda"])
+    assert "use --device cpu" in msg

@@ -67,9 +67,16 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``"auto"``/None: CUDA when available, else CPU. A CUDA device on a machine or a torch build
+    without CUDA is a ValueError naming the fix."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
+        raise ValueError(f"device {device!r} asked for, but this torch ({torch.__version__}) is {build}: "
+                         "use --device cpu, or install a CUDA build of torch on a GPU machine")
+    return dev
 
 
 def load_model(
@@ -90,17 +97,35 @@ def load_model(
     hf_logging.set_verbosity_error()  # no weight-loading chatter in command output
     try:
         hf_logging.disable_progress_bar()
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch_dtype, attn_implementation=attn_implementation
-        )
-    except OSError as exc:
-        raise FileNotFoundError(f"cannot load a model from {model_dir}: {exc}") from exc
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"cannot load the tokenizer of {model_dir} (tokenizer.json / tokenizer_config.json "
+                f"missing or unreadable): copy the model's tokenizer files into it ({_one_line(exc)})"
+            ) from exc
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=torch_dtype, attn_implementation=attn_implementation
+            )
+        except OSError as exc:
+            raise FileNotFoundError(f"cannot load a model from {model_dir}: {_one_line(exc)}") from exc
+        except Exception as exc:  # safetensors' SafetensorError and friends: a damaged weight file
+            if "safetensor" not in type(exc).__name__.lower() and "deserializ" not in str(exc).lower():
+                raise
+            raise ValueError(
+                f"cannot read the weights in {model_dir} ({_one_line(exc)}): the .safetensors file is "
+                "truncated or damaged; copy or download it again"
+            ) from exc
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model.to(dev).eval()
     return model, tokenizer
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 
 def load_text(path: str | Path | None = None) -> str:
