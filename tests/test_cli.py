@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -223,3 +224,18 @@ def test_cuda_device_without_cuda_is_one_line(capsys, tiny_dir, sample_text_path
     msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
                              "--method", "fp16", "--device", "cuda"])
     assert "use --device cpu" in msg
+
+
+def test_eval_ppl_saves_and_reuses_codebooks(capsys, tmp_path, tiny_dir, sample_text_path, caplog):
+    argv = ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path), "--method", "vecinfer",
+            "--bits", "2", "--calib-text", str(sample_text_path), "--save-codebooks", str(tmp_path),
+            "--max-tokens", "512", "--seq-len", "128", "--iters", "2", "--windows", "1", "--window-len", "4100",
+            "--json", "--no-progress"]
+    with caplog.at_level(logging.WARNING):
+        first = run_json(capsys, argv)
+    saved = tmp_path / "vecinfer-2bit.safetensors"
+    assert saved.is_file()
+    stamp = saved.stat().st_mtime_ns
+    assert run_json(capsys, argv)["ppl"] == first["ppl"]  # the saved file, not a new calibration
+    assert saved.stat().st_mtime_ns == stamp
+    assert any("exceed the model's max_position_embeddings (4096)" in r.getMessage() for r in caplog.records)

@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--codebooks", metavar="FILE", help="codebooks from `vecinfer calibrate`")
     src.add_argument("--calib-text", metavar="FILE", help="calibrate now on this text")
+    p.add_argument("--save-codebooks", metavar="DIR", default=None,
+                   help="with --calib-text: save the codebooks in DIR (and reuse them when present)")
     p.add_argument("--residual", type=int, default=0, metavar="R",
                    help="most recent R tokens stay full precision (default 0)")
     add_window_args(p, 16, 1024)
@@ -67,6 +69,8 @@ def run(args) -> int:
             check_file(args.calib_text, "calibration text")
     elif args.codebooks is not None or args.calib_text is not None:
         raise ValueError(f"method {args.method!r} takes no codebooks; drop --codebooks/--calib-text")
+    if args.save_codebooks is not None and args.calib_text is None:
+        raise ValueError("--save-codebooks saves what --calib-text calibrates: pass --calib-text FILE too")
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.dtype, args.device)
@@ -74,7 +78,7 @@ def run(args) -> int:
     cb = get_codebooks(
         model, tokenizer, args.method, bits, codebooks_path=args.codebooks,
         calib_text=None if args.calib_text is None else load_text(args.calib_text),
-        max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters, seed=args.seed,
+        cache_dir=args.save_codebooks, max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters, seed=args.seed,
         progress=args.progress,
     )
     acc = kv_bytes(args.method, None if args.method == "fp16" else bits, model.config, residual=args.residual,

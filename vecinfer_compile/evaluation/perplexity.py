@@ -16,10 +16,13 @@ Protocol (the same for every method, so numbers are comparable):
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,16 @@ def _device_of(model) -> torch.device:
 
 
 @torch.no_grad()
+def warn_beyond_trained_length(model, window_len: int) -> None:
+    """One warning when windows are longer than the model's ``max_position_embeddings``:
+    positions past it are out of range for quality, so the perplexity says little."""
+    config = getattr(getattr(model, "_orig_mod", model), "config", None)
+    limit = getattr(config.get_text_config() if config is not None else None, "max_position_embeddings", None)
+    if limit is not None and window_len > limit:
+        log.warning("vecinfer: windows of %d tokens exceed the model's max_position_embeddings (%d): "
+                    "positions beyond it are out of range; use --window-len %d or less", window_len, limit, limit)
+
+
 def perplexity(
     model,
     token_ids: torch.Tensor,
@@ -67,6 +80,7 @@ def perplexity(
     """Perplexity of ``model`` (a HF causal LM, or a compiled one) on the first
     ``windows * window_len`` tokens of ``token_ids``; see the module docstring."""
     chunks = make_windows(token_ids, windows, window_len)
+    warn_beyond_trained_length(model, window_len)
     device = _device_of(model)
     total_nll = 0.0  # float64 accumulation of summed nats
     total_tokens = 0
