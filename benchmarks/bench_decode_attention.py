@@ -158,9 +158,9 @@ def kernel_resources(bits: float) -> str:
     preset = get_preset(bits)
     variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
                                   preset.value.dims, False)
-    split = cuda_decode.kernels_for(variant, torch.device("cuda", torch.cuda.current_device()))["vq_decode_split"]
-    return (f"split kernel: {split.registers} registers, {split.local_bytes} B local, "
-            f"{variant.smem_bytes // 1024} KiB shared, {cuda_decode.blocks_per_sm(variant)} CTAs/SM")
+    built = cuda_decode.kernels_for(variant, torch.device("cuda", torch.cuda.current_device()))
+    return (f"split kernel: {built.split.registers} registers, {built.split.local_bytes} B local, "
+            f"{variant.smem_bytes // 1024} KiB shared, {built.ctas_per_sm} CTAs/SM")
 
 
 def main(argv=None) -> list[dict]:

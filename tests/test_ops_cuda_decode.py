@@ -43,7 +43,7 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec):
     for head_dim, group, fp16 in ((128, 4, False), (64, 16, True)):
         variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16)
         image, is_cubin = compile_source(cuda_decode._source(), "vq_decode", 90,
-                                         ["--use_fast_math", "--std=c++17", *variant.defines()])
+                                         ["--use_fast_math", "--std=c++17", *variant.defines(), "-DMINB=2"])
         assert is_cubin and image[:4] == b"\x7fELF"
         assert b"vq_decode_split" in image and b"vq_decode_merge" in image
 
@@ -52,18 +52,18 @@ def test_variant_shared_memory_and_copies():
     assert cuda_decode.Variant.copies(256, 4) == 16 and cuda_decode.Variant.copies(256, 8) == 8
     assert cuda_decode.Variant.copies(256, 2) == 32 and cuda_decode.Variant.copies(4096, 8) == 1
     two_bit = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False)
-    assert two_bit.smem_bytes == 64 * 1024 and cuda_decode.blocks_per_sm(two_bit) == 2
+    assert two_bit.smem_bytes == 64 * 1024 and cuda_decode.max_ctas_per_sm(two_bit) == 3
     one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False)
-    assert one_and_half.smem_bytes == 128 * 1024 and cuda_decode.blocks_per_sm(one_and_half) == 1
+    assert one_and_half.smem_bytes == 128 * 1024 and cuda_decode.max_ctas_per_sm(one_and_half) == 1
 
 
 def test_splits_depend_on_shapes_only():
-    v = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False)
-    assert cuda_decode.num_splits(8, 4096, v, 132) == 16  # bounded by the length: 4096 / (64 * 4)
-    assert cuda_decode.num_splits(64, 131072, v, 132) == 4  # one wave of 2 CTAs per SM, no partial second
-    assert cuda_decode.num_splits(8, 131072, v, 132) == 33
-    assert cuda_decode.num_splits(512, 131072, v, 132) == 1
-    assert cuda_decode.num_splits(8, 1, v, 132) == 1
+    assert cuda_decode.num_splits(8, 4096, 3, 132) == 16  # bounded by the length: 4096 / (64 * 4)
+    assert cuda_decode.num_splits(64, 131072, 3, 132) == 6  # one wave of 3 CTAs per SM, no partial second
+    assert cuda_decode.num_splits(64, 131072, 2, 132) == 4
+    assert cuda_decode.num_splits(8, 131072, 3, 132) == 49
+    assert cuda_decode.num_splits(512, 131072, 3, 132) == 1
+    assert cuda_decode.num_splits(8, 1, 3, 132) == 1
 
 
 def test_unsupported_reasons_name_the_limit():

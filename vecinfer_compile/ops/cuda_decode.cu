@@ -8,17 +8,20 @@
 //   KCOPIES, VCOPIES  codebook copies in shared memory (lane l reads copy l % COPIES)
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
+//   MINB         CTAs per SM the split kernel's register budget is sized for
 //
 // vq_decode_split: grid (splits, B * Hkv), NWARPS warps. Each warp is one "unit" of the
 // flash-decoding split: it takes a contiguous range of the n_coded coded positions (the range is
 // computed on the device from n_coded, so the launch does not depend on the cache length) and
 // writes its partial (max, sum, unnormalised accumulator) for the G query heads of its KV head.
 // Scores and the value accumulation run on the tensor cores (mma.sync m16n8k16, fp32
-// accumulators): the query heads are the M rows (G <= 16), positions and channels the N/K
-// dimensions. Each thread gathers its operand fragments straight from the shared-memory codebook
-// with one 4/8/16-byte load per centroid; the contraction dimension is permuted so that a
-// centroid's consecutive channels land in one fragment register pair (the query fragment uses the
-// same permutation, so the products are unchanged).
+// accumulators) in transposed form, so that the few query heads of a GQA group (G <= 8 per
+// n-tile of 8, G <= 16 in all) are the narrow N dimension: S^T = K Q^T (M = 16 positions) and
+// O^T = V^T P^T (M = 16 channels). Each thread gathers its A fragments straight from the
+// shared-memory codebook with one 4/8/16-byte load per centroid; the contraction dimension is
+// permuted so that a centroid's consecutive channels land in one fragment register pair (the
+// query fragment uses the same permutation, so the products are unchanged). P^T reaches the
+// value product's B fragment through four warp shuffles per 16 positions.
 //
 // vq_decode_merge: grid (B * Hkv), D threads. Log-sum-exp merge of the partials, then the
 // full-precision window (positions n_coded + s, s < n_window) by the same online softmax, then
@@ -37,7 +40,6 @@
 #define VWORDS ((VS_BYTES + 3) / 4)
 #define KROW_BYTES ((D / DK) * KCB)
 #define VROW_BYTES ((D / DV) * VCB)
-#define ROWS2 (G > 8)
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 #if FP16
@@ -178,82 +180,90 @@ __device__ __forceinline__ void load_block(BlockCodes& bc, int t0, int hi, const
         }
 }
 
+#define NH ((G + 7) / 8)  // n-tiles of 8 query heads
+
 // Attention over the block at t0 whose codes are in bc (positions >= hi masked unless FULL).
+// Scores as S^T = K Q^T: M = 16 positions per m-tile, N = 8 heads per n-tile, K = channels.
+// Values as O^T = V^T P^T: M = 16 channels per m-tile, N = 8 heads, K = 16 positions.
 template <bool FULL>
 __device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi, unsigned kbase, unsigned vbase,
-                                           int tig, const unsigned (&qa)[KSTEPS][2], const unsigned (&qb)[KSTEPS][2],
-                                           float scale_log2, float& m0, float& m1, float& l0, float& l1,
-                                           float (&acc)[SLICE_V][4]) {
-    // Scores S[head, position] in log2 units; C fragment: heads gid / gid + 8, positions
-    // t0 + 8 nt + 2 tig + {0, 1}.
-    float sc[NT][4];
+                                           int lane, const unsigned (&qf)[NH][KSTEPS][2], float scale_log2,
+                                           float (&m)[NH][2], float (&l)[NH][2], float (&acc)[D / 16][NH][4]) {
+    const int gid = lane >> 2, tig = lane & 3;
+    // Scores. m-tile mt holds positions t0 + 16 mt + gid (rows gid) and + 8 (rows gid + 8), whose
+    // key codes are bc.k[2 mt] and bc.k[2 mt + 1]. C fragment: positions gid / gid + 8, heads
+    // 8 nh + 2 tig + {0, 1}.
+    float sc[4][NH][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        unsigned kv[SLICE_K / 2];
+    for (int mt = 0; mt < 4; ++mt) {
+        unsigned ka[SLICE_K / 2], kb[SLICE_K / 2];
 #pragma unroll
-        for (int j = 0; j < NCODE_K; ++j) lds<DK>(kbase + code_at<KCB>(bc.k[nt], j) * KROW_SMEM, kv + j * (DK / 2));
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int j = 0; j < NCODE_K; ++j) {
+            lds<DK>(kbase + code_at<KCB>(bc.k[2 * mt], j) * KROW_SMEM, ka + j * (DK / 2));
+            lds<DK>(kbase + code_at<KCB>(bc.k[2 * mt + 1], j) * KROW_SMEM, kb + j * (DK / 2));
+        }
+        const int t = t0 + 16 * mt + gid;
+        const bool ok0 = FULL || t < hi, ok1 = FULL || t + 8 < hi;
 #pragma unroll
-        for (int s = 0; s < KSTEPS; ++s) mma16816(c, qa[s][0], qb[s][0], qa[s][1], qb[s][1], kv[2 * s], kv[2 * s + 1]);
-        const int t = t0 + 8 * nt + 2 * tig;
-        sc[nt][0] = (FULL || t < hi) ? c[0] * scale_log2 : NEG_INF;
-        sc[nt][1] = (FULL || t + 1 < hi) ? c[1] * scale_log2 : NEG_INF;
-        sc[nt][2] = (FULL || t < hi) ? c[2] * scale_log2 : NEG_INF;
-        sc[nt][3] = (FULL || t + 1 < hi) ? c[3] * scale_log2 : NEG_INF;
-    }
-
-    // Online softmax; a row's max is shared by the quad of threads holding it.
-    float bm0 = NEG_INF, bm1 = NEG_INF;
+        for (int nh = 0; nh < NH; ++nh) {
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        bm0 = fmaxf(bm0, fmaxf(sc[nt][0], sc[nt][1]));
-        bm1 = fmaxf(bm1, fmaxf(sc[nt][2], sc[nt][3]));
-    }
-    bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, 1));
-    bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, 2));
-    const float mn0 = fmaxf(m0, bm0), ms0 = mn0 == NEG_INF ? 0.f : mn0;
-    const float al0 = exp2f(m0 - ms0);
-    m0 = mn0;
-    float al1 = 1.f, ms1 = 0.f;
-    if (ROWS2) {
-        bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, 1));
-        bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, 2));
-        const float mn1 = fmaxf(m1, bm1);
-        ms1 = mn1 == NEG_INF ? 0.f : mn1;
-        al1 = exp2f(m1 - ms1);
-        m1 = mn1;
-    }
-    float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        sc[nt][0] = exp2f(sc[nt][0] - ms0);
-        sc[nt][1] = exp2f(sc[nt][1] - ms0);
-        rs0 += sc[nt][0] + sc[nt][1];
-        if (ROWS2) {
-            sc[nt][2] = exp2f(sc[nt][2] - ms1);
-            sc[nt][3] = exp2f(sc[nt][3] - ms1);
-            rs1 += sc[nt][2] + sc[nt][3];
-        } else {
-            sc[nt][2] = sc[nt][3] = 0.f;
+            for (int s = 0; s < KSTEPS; ++s) mma16816(c, ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], qf[nh][s][0], qf[nh][s][1]);
+            sc[mt][nh][0] = ok0 ? c[0] * scale_log2 : NEG_INF;
+            sc[mt][nh][1] = ok0 ? c[1] * scale_log2 : NEG_INF;
+            sc[mt][nh][2] = ok1 ? c[2] * scale_log2 : NEG_INF;
+            sc[mt][nh][3] = ok1 ? c[3] * scale_log2 : NEG_INF;
         }
     }
-    l0 = l0 * al0 + rs0;
-    l1 = l1 * al1 + rs1;
-#pragma unroll
-    for (int j = 0; j < SLICE_V; ++j) {
-        acc[j][0] *= al0; acc[j][1] *= al0;
-        acc[j][2] *= al1; acc[j][3] *= al1;
-    }
 
-    // O[head, channel] += P[head, position] V[position, channel]. The P fragment is the score
-    // C fragment of n-tiles 2i and 2i+1; value n-tile j, column gid is channel
-    // gid * SLICE_V + j, so each thread gathers SLICE_V consecutive channels of its 4 positions.
+    // Online softmax per head (heads 8 nh + 2 tig + e); a head's positions are spread over the 8
+    // lanes of one tig (lane bits 2-4).
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float bm = NEG_INF;
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) bm = fmaxf(bm, fmaxf(sc[mt][nh][e], sc[mt][nh][2 + e]));
+            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 4));
+            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 8));
+            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 16));
+            const float mn = fmaxf(m[nh][e], bm), ms = mn == NEG_INF ? 0.f : mn;
+            const float al = exp2f(m[nh][e] - ms);
+            m[nh][e] = mn;
+            float rs = 0.f;
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                sc[mt][nh][e] = exp2f(sc[mt][nh][e] - ms);
+                sc[mt][nh][2 + e] = exp2f(sc[mt][nh][2 + e] - ms);
+                rs += sc[mt][nh][e] + sc[mt][nh][2 + e];
+            }
+            l[nh][e] = l[nh][e] * al + rs;
+#pragma unroll
+            for (int j = 0; j < D / 16; ++j) {
+                acc[j][nh][e] *= al;
+                acc[j][nh][2 + e] *= al;
+            }
+        }
+
+    // Values. k-step i = positions t0 + 16 i + r (r = 0..15). The B fragment (P^T) of thread
+    // (gid, tig) is head 8 nh + gid at r = 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9; the score C
+    // fragment holding them is in lanes (2 tig) * 4 + gid / 2 and (2 tig + 1) * 4 + gid / 2, each
+    // packing its (r, r + 8) pair per head parity. The A fragment (V^T): m-tile j, rows gid and
+    // gid + 8 are channels gid * SLICE_V + 2 j and + 1, at the same four positions (bc.v[i][0..3]).
+    const int src_a = (2 * tig) * 4 + (gid >> 1), src_b = src_a + 4;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const unsigned pa0 = pack2(sc[2 * i][0], sc[2 * i][1]);
-        const unsigned pa1 = pack2(sc[2 * i][2], sc[2 * i][3]);
-        const unsigned pa2 = pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
-        const unsigned pa3 = pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
+        unsigned pb0[NH], pb1[NH];
+#pragma unroll
+        for (int nh = 0; nh < NH; ++nh) {
+            const unsigned pe = pack2(sc[i][nh][0], sc[i][nh][2]), po = pack2(sc[i][nh][1], sc[i][nh][3]);
+            const unsigned ea = __shfl_sync(0xffffffffu, pe, src_a), oa = __shfl_sync(0xffffffffu, po, src_a);
+            const unsigned eb = __shfl_sync(0xffffffffu, pe, src_b), ob = __shfl_sync(0xffffffffu, po, src_b);
+            const unsigned fa = (gid & 1) ? oa : ea, fb = (gid & 1) ? ob : eb;
+            pb0[nh] = __byte_perm(fa, fb, 0x5410);
+            pb1[nh] = __byte_perm(fa, fb, 0x7632);
+        }
         unsigned vv[4][SLICE_V / 2];
 #pragma unroll
         for (int r = 0; r < 4; ++r)
@@ -261,16 +271,16 @@ __device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi,
             for (int j = 0; j < NCODE_V; ++j)
                 lds<DV>(vbase + code_at<VCB>(bc.v[i][r], j) * VROW_SMEM, vv[r] + j * (DV / 2));
 #pragma unroll
-        for (int j = 0; j < SLICE_V; ++j) {
-            const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
-            const unsigned b0 = __byte_perm(vv[0][j >> 1], vv[1][j >> 1], sel);
-            const unsigned b1 = __byte_perm(vv[2][j >> 1], vv[3][j >> 1], sel);
-            mma16816(acc[j], pa0, pa1, pa2, pa3, b0, b1);
+        for (int j = 0; j < D / 16; ++j) {
+            const unsigned a0 = __byte_perm(vv[0][j], vv[1][j], 0x5410), a1 = __byte_perm(vv[0][j], vv[1][j], 0x7632);
+            const unsigned a2 = __byte_perm(vv[2][j], vv[3][j], 0x5410), a3 = __byte_perm(vv[2][j], vv[3][j], 0x7632);
+#pragma unroll
+            for (int nh = 0; nh < NH; ++nh) mma16816(acc[j][nh], a0, a1, a2, a3, pb0[nh], pb1[nh]);
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32, 2)
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB)
 vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
                 const unsigned char* __restrict__ kcodes,  // [B, Hkv, Tmax, D / DK] codes
                 const unsigned char* __restrict__ vcodes,  // [B, Hkv, Tmax, D / DV] codes
@@ -299,22 +309,28 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     chunk = (chunk + BLOCK_T - 1) / BLOCK_T * BLOCK_T;
     const int lo = max(unit * chunk, start), hi = min(unit * chunk + chunk, n_coded);
 
-    // Query fragments (A operand, rows = heads): thread (gid, tig) holds head gid (and gid + 8),
-    // channels tig * SLICE_K + 4 s + {0, 1} and {2, 3} for k-step s.
-    unsigned qa[KSTEPS][2], qb[KSTEPS][2];
+    // Query fragments (B operand of the score product, N = heads): thread (gid, tig) holds head
+    // 8 nh + gid, channels tig * SLICE_K + 4 s + {0, 1} and {2, 3} for k-step s.
+    unsigned qf[NH][KSTEPS][2];
     const unsigned short* qrow = q + ((long long)b * hkv * G + kvh * G) * D + tig * SLICE_K;
 #pragma unroll
-    for (int s = 0; s < KSTEPS; ++s) {
-        qa[s][0] = gid < G ? *(const unsigned*)(qrow + gid * D + 4 * s) : 0u;
-        qa[s][1] = gid < G ? *(const unsigned*)(qrow + gid * D + 4 * s + 2) : 0u;
-        qb[s][0] = (ROWS2 && gid + 8 < G) ? *(const unsigned*)(qrow + (gid + 8) * D + 4 * s) : 0u;
-        qb[s][1] = (ROWS2 && gid + 8 < G) ? *(const unsigned*)(qrow + (gid + 8) * D + 4 * s + 2) : 0u;
+    for (int nh = 0; nh < NH; ++nh) {
+        const int h = 8 * nh + gid;
+#pragma unroll
+        for (int s = 0; s < KSTEPS; ++s) {
+            qf[nh][s][0] = h < G ? *(const unsigned*)(qrow + h * D + 4 * s) : 0u;
+            qf[nh][s][1] = h < G ? *(const unsigned*)(qrow + h * D + 4 * s + 2) : 0u;
+        }
     }
 
-    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
-    float acc[SLICE_V][4];
+    float m[NH][2], l[NH][2], acc[D / 16][NH][4];
 #pragma unroll
-    for (int j = 0; j < SLICE_V; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int nh = 0; nh < NH; ++nh) {
+        m[nh][0] = m[nh][1] = NEG_INF;
+        l[nh][0] = l[nh][1] = 0.f;
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) acc[j][nh][0] = acc[j][nh][1] = acc[j][nh][2] = acc[j][nh][3] = 0.f;
+    }
 
     const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES + tig * KS_BYTES;
     const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES + gid * VS_BYTES;
@@ -328,38 +344,38 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
     for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
         load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
-        block_step<true>(cur, t0, hi, kbase, vbase, tig, qa, qb, scale_log2, m0, m1, l0, l1, acc);
+        block_step<true>(cur, t0, hi, kbase, vbase, lane, qf, scale_log2, m, l, acc);
         cur = nxt;
     }
-    if (t0 < hi) block_step<false>(cur, t0, hi, kbase, vbase, tig, qa, qb, scale_log2, m0, m1, l0, l1, acc);
+    if (t0 < hi) block_step<false>(cur, t0, hi, kbase, vbase, lane, qf, scale_log2, m, l, acc);
 
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    // Output C fragment: head gid (gid + 8), channels (2 tig + e) * SLICE_V + j for e = 0, 1.
+    // Partials: head 8 nh + 2 tig + e; its sum is spread over the lanes of one tig.
     const long long prow = ((long long)bh * units + unit) * G;
 #pragma unroll
-    for (int half = 0; half < (ROWS2 ? 2 : 1); ++half) {
-        const int g = gid + 8 * half;
-        if (g < G) {
-            if (tig == 0) {
-                part_m[prow + g] = half ? m1 : m0;
-                part_l[prow + g] = half ? l1 : l0;
-            }
+    for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float* dst = part_acc + (prow + g) * D + (2 * tig + e) * SLICE_V;
+        for (int e = 0; e < 2; ++e) {
+            float ls = l[nh][e];
+            ls += __shfl_xor_sync(0xffffffffu, ls, 4);
+            ls += __shfl_xor_sync(0xffffffffu, ls, 8);
+            ls += __shfl_xor_sync(0xffffffffu, ls, 16);
+            const int h = 8 * nh + 2 * tig + e;
+            if (h < G) {
+                if (gid == 0) {
+                    part_m[prow + h] = m[nh][e];
+                    part_l[prow + h] = ls;
+                }
+                // Channels gid * SLICE_V + 2 j (C rows gid) and + 1 (rows gid + 8).
+                float* dst = part_acc + (prow + h) * D + gid * SLICE_V;
 #pragma unroll
-                for (int j = 0; j < SLICE_V; j += 4) {
+                for (int j = 0; j < D / 16; j += 2) {
                     vq_f4 v;
-                    v.x = acc[j][2 * half + e]; v.y = acc[j + 1][2 * half + e];
-                    v.z = acc[j + 2][2 * half + e]; v.w = acc[j + 3][2 * half + e];
-                    *(vq_f4*)(dst + j) = v;
+                    v.x = acc[j][nh][e]; v.y = acc[j][nh][2 + e];
+                    v.z = acc[j + 1][nh][e]; v.w = acc[j + 1][nh][2 + e];
+                    *(vq_f4*)(dst + 2 * j) = v;
                 }
             }
         }
-    }
 }
 
 #define WCH 32        // window slots per merge step

@@ -109,18 +109,32 @@ def _source() -> str:
     return SOURCE.read_text()
 
 
+@dataclass(frozen=True)
+class Built:
+    """Loaded kernels of one variant and the split kernel's resident CTAs per SM."""
+
+    split: Kernel
+    merge: Kernel
+    ctas_per_sm: int
+
+
 @functools.cache
-def _build(variant: Variant, device_index: int) -> dict[str, Kernel]:
+def _build(variant: Variant, device_index: int) -> Built:
+    """Compile for as many resident CTAs per SM as shared memory allows (at most 3), stepping
+    down while the register budget that implies makes the compiler spill to local memory."""
     device = torch.device("cuda", device_index)
     major, minor = torch.cuda.get_device_capability(device)
-    image, _ = compile_source(_source(), "vq_decode", major * 10 + minor,
-                              ["--use_fast_math", "--std=c++17", *variant.defines()])
-    kernels = load_kernels(image, ["vq_decode_split", "vq_decode_merge"], device)
+    for ctas in range(max_ctas_per_sm(variant), 0, -1):
+        image, _ = compile_source(_source(), "vq_decode", major * 10 + minor,
+                                  ["--use_fast_math", "--std=c++17", *variant.defines(), f"-DMINB={ctas}"])
+        kernels = load_kernels(image, ["vq_decode_split", "vq_decode_merge"], device)
+        if kernels["vq_decode_split"].local_bytes == 0 or ctas == 1:
+            break
     kernels["vq_decode_split"].set_dynamic_smem(variant.smem_bytes)
-    return kernels
+    return Built(kernels["vq_decode_split"], kernels["vq_decode_merge"], ctas)
 
 
-def kernels_for(variant: Variant, device: torch.device) -> dict[str, Kernel]:
+def kernels_for(variant: Variant, device: torch.device) -> Built:
     """The compiled kernels of ``variant`` on ``device`` (compiled on first use, then cached)."""
     return _build(variant, device.index if device.index is not None else torch.cuda.current_device())
 
@@ -130,19 +144,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def blocks_per_sm(variant: Variant) -> int:
-    """Resident split CTAs per SM, as shared memory allows (at most 2: the kernel is built with
-    ``__launch_bounds__(128, 2)`` and uses up to ~200 registers)."""
-    return max(1, min(2, (228 * 1024) // (variant.smem_bytes + 1024)))
+def max_ctas_per_sm(variant: Variant) -> int:
+    """Split CTAs per SM that shared memory allows, at most 3."""
+    return max(1, min(3, (228 * 1024) // (variant.smem_bytes + 1024)))
 
 
-def num_splits(batch_heads: int, tmax: int, variant: Variant, sms: int) -> int:
+def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int) -> int:
     """CTAs per (batch row, KV head): as many as fill one wave of the SMs without starting a
     second (a partial second wave doubles the time), but no more warps than there are 64-position
     blocks in ``tmax``. Depends on shapes only (never on the cache's fill), so CUDA
     graphs and compile do not specialise on the length; each warp's range is cut from the actual
     ``n_coded`` on the device."""
-    wave = sms * blocks_per_sm(variant)
+    wave = sms * ctas_per_sm
     by_length = math.ceil(max(tmax, 1) / (BLOCK_T * NWARPS))
     return max(1, min(wave // batch_heads, by_length, MAX_SPLITS))
 
@@ -174,14 +187,14 @@ def decode_attention_cuda(
     if reason is not None:
         raise CudaBuildError(f"the CUDA decode kernel cannot run this call: {reason}; use the Triton kernel")
     variant = variant_for(q, k_centroids, v_centroids, group)
-    kernels = kernels_for(variant, q.device)
+    built = kernels_for(variant, q.device)
     b, hq, _, d = q.shape
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
     q = q.contiguous()
     k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
     k_window, v_window = k_window.to(q.dtype).contiguous(), v_window.to(q.dtype).contiguous()
     k_centroids, v_centroids = k_centroids.contiguous(), v_centroids.contiguous()
-    splits = num_splits(b * hkv, tmax, variant, _sm_count(q.device.index or 0))
+    splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0))
     units = splits * NWARPS
     part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -189,12 +202,12 @@ def decode_attention_cuda(
     out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
     scale_log2 = float(scale) * 1.4426950408889634
     start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
-    kernels["vq_decode_split"].launch(
+    built.split.launch(
         (splits, b * hkv, 1), (NWARPS * 32, 1, 1),
         [q, k_codes, v_codes, k_centroids, v_centroids, n_coded, kv_start, part_m, part_l, part_acc,
          hkv, tmax, _index_is64(n_coded), start_kind, scale_log2],
     )
-    kernels["vq_decode_merge"].launch(
+    built.merge.launch(
         (b * hkv, 1, 1), (d, 1, 1),
         [q, k_window, v_window, part_m, part_l, part_acc, out, n_coded, n_window, kv_start,
          hkv, units, k_window.shape[2], tmax, _index_is64(n_coded), _index_is64(n_window), start_kind, scale_log2],
