@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from .codebooks import LayerCodebooks
 from .presets import PRESETS
+from .recording import collect_kv
 from .simulate import LayerSimulator, attention_modules, disable_simulation, enable_simulation
 
 FACT = " {name}'s secret word is {word}."
@@ -120,7 +121,6 @@ def retrieval_scores(model, tokenizer, text: str, *, probes: int = 16, seq_len: 
                      seed: int = 0, progress: bool = True) -> list[float]:
     """Per-layer retrieval score in [0, 1] (module docstring, step 1) from ``probes`` synthetic
     documents of ``seq_len`` tokens built from ``text``."""
-    from .calibrate import collect_kv
 
     names, words = _probe_vocabulary(text)
     filler = tokenizer(text, add_special_tokens=False)["input_ids"]

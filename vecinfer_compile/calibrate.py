@@ -1,14 +1,9 @@
-"""Calibration: collect post-RoPE keys and values from a Hugging Face causal LM, fit the key
-transform and the key/value codebooks of every layer.
-
-Keys and values are recorded inside attention (after RoPE, before any GQA repetition) through a
-temporary attention implementation that records and then runs SDPA, so any model whose attention
-goes through transformers' ``AttentionInterface`` can be calibrated.
-"""
+"""Calibration: collect post-RoPE keys and values from a Hugging Face causal LM
+(:mod:`vecinfer_compile.recording`), fit the key transform and the key/value codebooks of every
+layer."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 
@@ -22,52 +17,9 @@ from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
 from .quant.transform import KeyTransform, smoothing_factors
+from .recording import collect_kv
 
 log = logging.getLogger(__name__)
-
-RECORDER = "vecinfer_calibration_recorder"
-
-
-class _Recorder:
-    """Per-layer lists of ``[B, H, T, D]`` float32 CPU tensors: keys, values and (optionally)
-    queries, as attention receives them (post-RoPE, before any GQA repetition)."""
-
-    def __init__(self, with_queries: bool) -> None:
-        self.keys: dict[int, list[torch.Tensor]] = {}
-        self.values: dict[int, list[torch.Tensor]] = {}
-        self.queries: dict[int, list[torch.Tensor]] | None = {} if with_queries else None
-
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        layer = getattr(module, "layer_idx", None)
-        if layer is None:
-            raise ValueError(
-                f"{type(module).__name__} has no layer_idx: recording attention inputs needs a "
-                "transformers model whose attention modules carry their layer index"
-            )
-        self.keys.setdefault(layer, []).append(key.detach().float().cpu())
-        self.values.setdefault(layer, []).append(value.detach().float().cpu())
-        if self.queries is not None:
-            self.queries.setdefault(layer, []).append(query.detach().float().cpu())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-@contextlib.contextmanager
-def _recording(model, with_queries: bool):
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    recorder = _Recorder(with_queries)
-    AttentionInterface.register(RECORDER, recorder)
-    AttentionMaskInterface.register(RECORDER, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(RECORDER)
-    try:
-        yield recorder
-    finally:
-        model.set_attn_implementation(previous)
-
 
 def calibration_token_ids(tokenizer, texts: list[str] | str, max_tokens: int) -> torch.Tensor:
     """Tokenize and concatenate ``texts`` into one ``[N]`` int64 tensor of at most max_tokens."""
@@ -88,33 +40,6 @@ def text_hash(texts: list[str] | str) -> str:
     for text in [texts] if isinstance(texts, str) else texts:
         h.update(text.encode("utf-8"))
     return h.hexdigest()[:16]
-
-
-@torch.no_grad()
-def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = True, *,
-               with_queries: bool = False):
-    """Run ``model`` over ``token_ids: [N]`` in windows of ``seq_len`` tokens (each starting
-    with BOS when the tokenizer has one) and return per-layer ``(keys, values)``, each
-    ``{layer: [H_kv, N_tokens, D]}`` float32 on the CPU; with ``with_queries`` also
-    ``{layer: [H_q, N_tokens, D]}`` queries as a third element."""
-    device = next(model.parameters()).device
-    bos = model.config.bos_token_id
-    windows = token_ids.split(seq_len)
-    with _recording(model, with_queries) as rec:
-        for window in tqdm(windows, desc="recording attention inputs", disable=not progress):
-            ids = window if bos is None else torch.cat([torch.tensor([bos]), window])
-            model(input_ids=ids[None].to(device), use_cache=False)
-    if not rec.keys:
-        raise ValueError(
-            "recorded no attention calls: the model does not dispatch attention "
-            "through transformers' AttentionInterface"
-        )
-
-    def join(store):
-        return {l: torch.cat([t[0] for t in ts], dim=1) for l, ts in sorted(store.items())}
-
-    out = (join(rec.keys), join(rec.values))
-    return out + (join(rec.queries),) if with_queries else out
 
 
 def _fit_codebook(vectors: torch.Tensor, entries: int, dims: int, *, iters: int, seed: int,

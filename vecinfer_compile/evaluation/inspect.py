@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibrate import collect_kv
+from ..recording import collect_kv
 
 STAGES = ("raw", "smoothed", "smoothed+hadamard", "hadamard")
 STAGE_LABELS = {"raw": "before smoothing", "smoothed": "after smoothing",

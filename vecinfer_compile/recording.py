@@ -1,0 +1,84 @@
+"""Record what attention receives: post-RoPE queries, keys and values of every layer.
+
+A temporary attention implementation (registered with transformers' ``AttentionInterface``)
+records its inputs (after RoPE, before any GQA repetition) and then runs SDPA, so any model whose
+attention goes through that interface can be recorded. Calibration (:mod:`.calibrate`), the
+per-layer allocation (:mod:`.allocate`) and ``vecinfer inspect`` all read from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from tqdm.auto import tqdm
+
+RECORDER = "vecinfer_calibration_recorder"
+
+
+class _Recorder:
+    """Per-layer lists of ``[B, H, T, D]`` float32 CPU tensors: keys, values and (optionally)
+    queries, as attention receives them (post-RoPE, before any GQA repetition)."""
+
+    def __init__(self, with_queries: bool) -> None:
+        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.values: dict[int, list[torch.Tensor]] = {}
+        self.queries: dict[int, list[torch.Tensor]] | None = {} if with_queries else None
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            raise ValueError(
+                f"{type(module).__name__} has no layer_idx: recording attention inputs needs a "
+                "transformers model whose attention modules carry their layer index"
+            )
+        self.keys.setdefault(layer, []).append(key.detach().float().cpu())
+        self.values.setdefault(layer, []).append(value.detach().float().cpu())
+        if self.queries is not None:
+            self.queries.setdefault(layer, []).append(query.detach().float().cpu())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def _recording(model, with_queries: bool):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    recorder = _Recorder(with_queries)
+    AttentionInterface.register(RECORDER, recorder)
+    AttentionMaskInterface.register(RECORDER, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(RECORDER)
+    try:
+        yield recorder
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = True, *,
+               with_queries: bool = False):
+    """Run ``model`` over ``token_ids: [N]`` in windows of ``seq_len`` tokens (each starting
+    with BOS when the tokenizer has one) and return per-layer ``(keys, values)``, each
+    ``{layer: [H_kv, N_tokens, D]}`` float32 on the CPU; with ``with_queries`` also
+    ``{layer: [H_q, N_tokens, D]}`` queries as a third element."""
+    device = next(model.parameters()).device
+    bos = model.config.bos_token_id
+    windows = token_ids.split(seq_len)
+    with _recording(model, with_queries) as rec:
+        for window in tqdm(windows, desc="recording attention inputs", disable=not progress):
+            ids = window if bos is None else torch.cat([torch.tensor([bos]), window])
+            model(input_ids=ids[None].to(device), use_cache=False)
+    if not rec.keys:
+        raise ValueError(
+            "recorded no attention calls: the model does not dispatch attention "
+            "through transformers' AttentionInterface"
+        )
+
+    def join(store):
+        return {l: torch.cat([t[0] for t in ts], dim=1) for l, ts in sorted(store.items())}
+
+    out = (join(rec.keys), join(rec.values))
+    return out + (join(rec.queries),) if with_queries else out
