@@ -296,3 +296,35 @@ def test_cache_kv_matches_keys_inverse():
     torch.testing.assert_close(k[:, :, :c], tr.keys_inverse(dec))
     torch.testing.assert_close(k[:, :, c:c + w], tr.keys_inverse(k_window[:, :, :w]))
     assert not k[:, :, c + w:].any() and math.prod(v.shape) == 2 * 2 * 12 * 16
+
+
+def test_batch_size_from_the_first_update(tiny_model):
+    """Without batch_size the cache allocates at generate()'s prefill, like HF's static layers,
+    and generates exactly what a cache sized up front does."""
+    ids, mask = left_padded()
+    cb = random_codebooks(tiny_model.config)
+    sized = VecInferCache(tiny_model, cb, batch_size=2, max_cache_len=24, residual=3)
+    lazy = VecInferCache(tiny_model, cb, max_cache_len=24, residual=3)
+    assert not lazy.layers[0].is_initialized and lazy.get_seq_length() == 0
+    with pytest.raises(RuntimeError, match="no batch size yet"):
+        lazy.fp_kv_bytes()
+    want = generate(tiny_model, ids, mask, sized, max_new_tokens=6, do_sample=False)
+    got = generate(tiny_model, ids, mask, lazy, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert lazy.layers[0].batch_size == 2 and lazy.kv_bytes() == sized.kv_bytes()
+
+
+def test_cache_refuses_a_simulating_model(tiny_model):
+    from vecinfer_compile import disable_simulation, enable_simulation, simulation
+
+    cb = random_codebooks(tiny_model.config)
+    enable_simulation(tiny_model, "vecinfer", bits=2, codebooks=cb)
+    try:
+        with pytest.raises(ValueError, match="disable_simulation"):
+            VecInferCache(tiny_model, cb, max_cache_len=24)
+    finally:
+        disable_simulation(tiny_model)
+    with simulation(tiny_model, "vecinfer", bits=2, codebooks=cb):
+        assert tiny_model.config._attn_implementation != "sdpa"
+    assert tiny_model.config._attn_implementation == "sdpa"
+    VecInferCache(tiny_model, cb, max_cache_len=24)  # simulation is off again

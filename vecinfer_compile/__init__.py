@@ -3,7 +3,8 @@
 Public API (everything else is internal):
 
 - :func:`calibrate`, :func:`load_codebooks`, :class:`VecInferCodebooks` — fit and store codebooks.
-- :func:`enable_simulation` — eager quantize->dequantize attention (``attn_implementation="vecinfer"``).
+- :func:`enable_simulation` / :func:`disable_simulation`, or the context manager :func:`simulation`
+  — eager quantize->dequantize attention (``attn_implementation="vecinfer"``).
 - :data:`vecinfer_backend` — the torch.compile backend (``backend=vecinfer_backend``).
 - :class:`VecInferCache` — the compressed cache for ``generate()``.
 - :mod:`vecinfer_compile.testing` — fuzz helpers and ``check_model`` for your own models.
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 from .codebooks import VecInferCodebooks, load_codebooks  # noqa: E402
 from .presets import PRESETS, get_preset  # noqa: E402
 from .calibrate import calibrate  # noqa: E402
-from .simulate import disable_simulation, enable_simulation  # noqa: E402
+from .simulate import disable_simulation, enable_simulation, simulation  # noqa: E402
 
 __all__ = [
     "PRESETS",
@@ -29,6 +30,7 @@ __all__ = [
     "enable_simulation",
     "get_preset",
     "load_codebooks",
+    "simulation",
     "testing",
     "vecinfer_backend",
 ]

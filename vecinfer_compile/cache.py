@@ -3,7 +3,7 @@ full-precision window of the most recent tokens.
 
 Use it like HF's ``StaticCache``::
 
-    cache = VecInferCache(model, codebooks, batch_size=2, max_cache_len=4096)
+    cache = VecInferCache(model, codebooks, max_cache_len=4096)   # batch size from the first update
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
 
 See :class:`VecInferCache` for the exact semantics, :func:`cache_window_mask` for the same
@@ -93,7 +93,7 @@ class VecInferLayer(CacheLayerMixin):
     def __init__(
         self,
         *,
-        batch_size: int,
+        batch_size: int | None,
         num_kv_heads: int,
         head_dim: int,
         max_cache_len: int,
@@ -128,28 +128,47 @@ class VecInferLayer(CacheLayerMixin):
         self.value_centroids = value_centroids.to(dev, torch.float32).contiguous()
         self.lam = None if lam is None else lam.to(dev, torch.float32).contiguous()
         self.rotation = None if rotation is None else rotation.to(dev, torch.float32).contiguous()
-        b, h = batch_size, num_kv_heads
-        self.k_codes = torch.zeros(b, h, max_cache_len, head_dim // dk, dtype=code_dtype(key_centroids.shape[0]), device=dev)
-        self.v_codes = torch.zeros(b, h, max_cache_len, head_dim // dv, dtype=code_dtype(value_centroids.shape[0]), device=dev)
-        self.k_window = torch.zeros(b, h, residual, head_dim, dtype=dtype, device=dev)
-        self.v_window = torch.zeros(b, h, residual, head_dim, dtype=dtype, device=dev)
+        self._empty = True  # Python flag: prefill (first update) vs decode; guarded by Dynamo
+        self.is_initialized = False
+        self.k_codes = self.v_codes = self.k_window = self.v_window = self.n_coded = self.n_window = None
+        if batch_size is not None:
+            self._allocate(batch_size)
+
+    def _allocate(self, batch_size: int) -> None:
+        """The static buffers for ``batch_size`` rows (eagerly, never while compiling)."""
+        if _is_compiling():
+            raise RuntimeError(
+                "VecInferCache allocates its buffers at its first update, which ran inside compiled "
+                "code: pass batch_size= when building the cache, or run the prefill eagerly (as generate() does)"
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        b, h, dev = batch_size, self.num_heads, self.device
+        dk, dv = self.key_centroids.shape[1], self.value_centroids.shape[1]
+        self.batch_size = batch_size
+        self.k_codes = torch.zeros(b, h, self.max_cache_len, self.head_dim // dk,
+                                   dtype=code_dtype(self.key_centroids.shape[0]), device=dev)
+        self.v_codes = torch.zeros(b, h, self.max_cache_len, self.head_dim // dv,
+                                   dtype=code_dtype(self.value_centroids.shape[0]), device=dev)
+        self.k_window = torch.zeros(b, h, self.residual, self.head_dim, dtype=self.dtype, device=dev)
+        self.v_window = torch.zeros(b, h, self.residual, self.head_dim, dtype=self.dtype, device=dev)
         self.n_coded = torch.zeros((), dtype=torch.int64, device=dev)
         self.n_window = torch.zeros((), dtype=torch.int64, device=dev)
-        if not _is_compiling():
-            for t in self._static_tensors():
-                torch._dynamo.mark_static_address(t)
-        self._empty = True  # Python flag: prefill (first update) vs decode; guarded by Dynamo
+        for t in self._static_tensors():
+            torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _static_tensors(self) -> list[torch.Tensor]:
         ts = [self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-              self.key_centroids, self.value_centroids]
-        return ts + [t for t in (self.lam, self.rotation) if t is not None]
+              self.key_centroids, self.value_centroids, self.lam, self.rotation]
+        return [t for t in ts if t is not None]
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # Buffers are allocated in __init__; HF's early_initialization only gets a check.
-        self._check_states(key_states, value_states)
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        """Allocate for ``key_states``' batch size if the cache was built without one, then check."""
+        if not self.is_initialized:
+            self._allocate(key_states.shape[0])
+        self._check_states(key_states, key_states if value_states is None else value_states)
 
     def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
         for t, name in ((k, "key_states"), (v, "value_states")):
@@ -195,6 +214,8 @@ class VecInferLayer(CacheLayerMixin):
 
     # -- update --------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self._allocate(key_states.shape[0])
         self._check_states(key_states, value_states)
         if self._empty:
             return self._prefill(key_states, value_states)
@@ -270,6 +291,8 @@ class VecInferLayer(CacheLayerMixin):
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager: the full-length ``[B, H, max_cache_len, D]`` K (original domain) and V the
         cache stands for (zeros beyond the valid length)."""
+        if not self.is_initialized:
+            raise RuntimeError("this VecInferCache layer holds nothing yet (it allocates at its first update)")
         return _ops().cache_kv(
             self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
             self.k_window, self.v_window, self.n_window, self.lam, self.rotation,
@@ -304,8 +327,9 @@ class VecInferLayer(CacheLayerMixin):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def reset(self) -> None:
-        for t in (self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window):
-            t.zero_()
+        if self.is_initialized:
+            for t in (self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window):
+                t.zero_()
         self._empty = True
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -317,6 +341,8 @@ class VecInferLayer(CacheLayerMixin):
         )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
         idx = beam_idx.to(self.device)
         for t in (self.k_codes, self.v_codes, self.k_window, self.v_window):
             t.copy_(t.index_select(0, idx))
@@ -352,9 +378,11 @@ def _dtype_of(model_or_config, config) -> torch.dtype:
 class VecInferCache(Cache):
     """A transformers ``Cache`` holding a VecInfer-compressed KV cache; compileable.
 
-    ``VecInferCache(model_or_config, codebooks, *, batch_size, max_cache_len, residual=128,
+    ``VecInferCache(model_or_config, codebooks, *, max_cache_len, batch_size=None, residual=128,
     dtype=None, device=None)``; ``dtype``/``device`` default to the model's (or the config's
-    dtype, then float32, and CPU).
+    dtype, then float32, and CPU). Without ``batch_size`` the buffers are allocated at the first
+    update, for its batch size, as transformers' static layers do (that update must run eagerly,
+    as ``generate()``'s prefill does; pass ``batch_size`` to allocate up front).
 
     Semantics (positions are cache slots: with left padding, slot = index in the padded row):
 
@@ -388,13 +416,22 @@ class VecInferCache(Cache):
         model_or_config,
         codebooks: VecInferCodebooks,
         *,
-        batch_size: int,
         max_cache_len: int,
+        batch_size: int | None = None,
         residual: int = 128,
         dtype: torch.dtype | None = None,
         device=None,
     ):
         config = _config_of(model_or_config)
+        if isinstance(model_or_config, torch.nn.Module):
+            from .simulate import is_simulating
+
+            if is_simulating(model_or_config):
+                raise ValueError(
+                    "this model has simulation on (enable_simulation): generating with a VecInferCache "
+                    "would quantize K/V twice and run ~8x slower. Call disable_simulation(model) first, "
+                    "or simulate inside `with vecinfer_compile.simulation(model, ...):` only"
+                )
         if not isinstance(codebooks, VecInferCodebooks):
             raise TypeError(
                 f"codebooks must be a VecInferCodebooks (load_codebooks(path) or calibrate(...)), got "
@@ -415,7 +452,7 @@ class VecInferCache(Cache):
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         if device is None:
             device = getattr(model_or_config, "device", None) or "cpu"
-        if batch_size < 1:
+        if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         head_dim = geometry["head_dim"]
         rotation_cache: dict[bool, torch.Tensor | None] = {}
@@ -461,5 +498,8 @@ class VecInferCache(Cache):
     def fp_kv_bytes(self) -> int:
         """Bytes a full-precision static cache of the same shape would hold (for ratios)."""
         l0 = self.layers[0]
+        if not l0.is_initialized:
+            raise RuntimeError("the cache has no batch size yet: it allocates at its first update "
+                               "(or build it with batch_size=)")
         per_layer = 2 * l0.batch_size * l0.num_heads * l0.max_cache_len * l0.head_dim
         return len(self.layers) * per_layer * torch.empty((), dtype=self.dtype).element_size()

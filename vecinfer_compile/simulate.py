@@ -15,6 +15,8 @@ precision; single-token decode calls see quantized keys beyond the window.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -158,6 +160,24 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
         )
     model.set_attn_implementation(ATTN_NAME)
     return model
+
+
+@contextlib.contextmanager
+def simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | None = None,
+               residual: int = 0, full_precision_prefill: bool = False):
+    """``with simulation(model, "vecinfer", bits=2, codebooks=cb): ...``: :func:`enable_simulation`
+    inside the block, plain SDPA again after it (also on an exception)."""
+    enable_simulation(model, method, bits=bits, codebooks=codebooks, residual=residual,
+                      full_precision_prefill=full_precision_prefill)
+    try:
+        yield model
+    finally:
+        disable_simulation(model)
+
+
+def is_simulating(model) -> bool:
+    """Whether :func:`enable_simulation` is in force on ``model``."""
+    return any(hasattr(m, "vecinfer_simulator") for m in model.modules())
 
 
 def disable_simulation(model):
