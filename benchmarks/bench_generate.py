@@ -3,7 +3,7 @@ compiled vs HF dynamic cache eager, side by side, on a random-weight Llama-3.1-8
 
 Methods (greedy, ``min_new_tokens = max_new_tokens = N``, random input ids, no padding):
 
-- ``ours``: ``past_key_values=VecInferCache(model, random 2-bit codebooks, R=128)`` and
+- ``ours``: ``VecInferCache(model, random 2-bit codebooks, R=128)`` as the generate() cache and
   ``compile_config=CompileConfig(backend=vecinfer_backend.configure(codebooks=...), fullgraph=True)``
   (HF's default mode ``reduce-overhead``: CUDA graphs);
 - ``static``: HF ``StaticCache`` (what ``cache_implementation="static"`` builds, passed explicitly
@@ -47,6 +47,7 @@ import torch
 from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
+from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 
 METHODS = ("ours", "static", "dynamic")
 LABELS = {"ours": "ours (VecInferCache, compiled)", "static": "HF static, compiled",
@@ -100,7 +101,7 @@ class Runner:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                 pad_token_id=self.setup.config.pad_token_id, stopping_criteria=StoppingCriteriaList([timer]),
                 **kwargs,

@@ -23,7 +23,8 @@ model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eva
 cb = vc.load_codebooks(codebooks)
 
 ids = tok("It was a bright cold day in April, and", return_tensors="pt").input_ids
-cache = vc.VecInferCache(model, cb, batch_size=1, max_cache_len=ids.shape[1] + 48, residual=16)
-out = model.generate(ids, past_key_values=cache, max_new_tokens=48, do_sample=False)
+cache = vc.VecInferCache(model, cb, max_cache_len=ids.shape[1] + 48, residual=16)
+# cache= on transformers >= 5.24 (past_key_values= before): cache_kwargs picks the keyword
+out = model.generate(ids, **vc.cache_kwargs(cache), max_new_tokens=48, do_sample=False)
 print(tok.decode(out[0]))
 print(f"cache holds {cache.kv_bytes():,} bytes; FP16 would hold {cache.fp_kv_bytes():,}")

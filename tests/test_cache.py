@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_window_mask
+from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_kwargs, cache_window_mask
 from vecinfer_compile.ops import cache_ops  # noqa: F401
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.transform import KeyTransform
@@ -48,7 +48,7 @@ def left_padded(batch=2, length=10, pad=3, vocab=128, seed=0):
 def generate(model, ids, mask, cache=None, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        extra = {} if cache is None else {"past_key_values": cache}
+        extra = {} if cache is None else cache_kwargs(cache)
         return model.generate(ids, attention_mask=mask, pad_token_id=0, **extra, **kw)
 
 
@@ -328,3 +328,14 @@ def test_cache_refuses_a_simulating_model(tiny_model):
         assert tiny_model.config._attn_implementation != "sdpa"
     assert tiny_model.config._attn_implementation == "sdpa"
     VecInferCache(tiny_model, cb, max_cache_len=24)  # simulation is off again
+
+
+def test_generate_keyword_is_not_deprecated(tiny_model):
+    """cache_kwargs uses the keyword the installed transformers wants: no deprecation warning."""
+    ids, mask = left_padded()
+    cache = VecInferCache(tiny_model, random_codebooks(tiny_model.config), max_cache_len=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.filterwarnings("error", message=".*past_key_values.*deprecated.*")
+        tiny_model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=2,
+                            do_sample=False, pad_token_id=0)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaForCausalLM
 
-from vecinfer_compile.cache import VecInferCache
+from vecinfer_compile.cache import VecInferCache, cache_kwargs
 from vecinfer_compile.ops.cache_ops import is_cache_kv
 from vecinfer_compile.passes.cache_decode import (
     CACHE_READ_META,
@@ -57,7 +57,7 @@ class CaptureBackend:
 def _generate(model, ids, mask, cache, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, pad_token_id=0,
+        return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), pad_token_id=0,
                               do_sample=False, **kw)
 
 

@@ -6,7 +6,8 @@ Public API (everything else is internal):
 - :func:`enable_simulation` / :func:`disable_simulation`, or the context manager :func:`simulation`
   — eager quantize->dequantize attention (``attn_implementation="vecinfer"``).
 - :data:`vecinfer_backend` — the torch.compile backend (``backend=vecinfer_backend``).
-- :class:`VecInferCache` — the compressed cache for ``generate()``.
+- :class:`VecInferCache` — the compressed cache for ``generate()``; :func:`cache_kwargs` — its
+  ``generate()`` keyword on the installed transformers (``cache=`` or ``past_key_values=``).
 - :mod:`vecinfer_compile.testing` — fuzz helpers and ``check_model`` for your own models.
 
 The backend, the cache and the testing helpers import Inductor and Triton, so they load on
@@ -25,6 +26,7 @@ __all__ = [
     "VecInferCache",
     "VecInferCodebooks",
     "__version__",
+    "cache_kwargs",
     "calibrate",
     "disable_simulation",
     "enable_simulation",
@@ -38,6 +40,7 @@ __all__ = [
 _LAZY = {
     "vecinfer_backend": ("backend", "vecinfer_backend"),
     "VecInferCache": ("cache", "VecInferCache"),
+    "cache_kwargs": ("cache", "cache_kwargs"),
     "testing": ("testing", None),
 }
 

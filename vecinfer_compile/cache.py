@@ -4,7 +4,10 @@ full-precision window of the most recent tokens.
 Use it like HF's ``StaticCache``::
 
     cache = VecInferCache(model, codebooks, max_cache_len=4096)   # batch size from the first update
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=64)
+
+(:func:`cache_kwargs` is ``{"cache": cache}`` on transformers that take ``cache=``, 5.24 on, and
+``{"past_key_values": cache}`` before.)
 
 See :class:`VecInferCache` for the exact semantics, :func:`cache_window_mask` for the same
 semantics as a mask (used by the eager simulate path), and
@@ -13,13 +16,30 @@ semantics as a mask (used by the eager simulate path), and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .codebooks import VecInferCodebooks, model_geometry
 from .quant.codebook import code_dtype
 
-__all__ = ["VecInferCache", "VecInferLayer", "cache_window_mask"]
+__all__ = ["VecInferCache", "VecInferLayer", "cache_kwargs", "cache_window_mask"]
+
+
+@functools.cache
+def _generate_cache_keyword() -> str:
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+    except ImportError:
+        return "past_key_values"
+    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
+
+
+def cache_kwargs(cache) -> dict:
+    """The ``generate()`` keyword for a cache on the installed transformers: ``cache=`` where it
+    exists (5.24 deprecates ``past_key_values=``), ``past_key_values=`` before."""
+    return {_generate_cache_keyword(): cache}
 
 
 def _ops():

@@ -61,8 +61,10 @@ class GenerationMethod:
         or one CompileConfig with vecinfer_backend reused across calls (no recompiles)."""
         if cache is None:
             return {}
+        from ..cache import cache_kwargs
+
         if self.backend == "eager":
-            return {"past_key_values": cache, "disable_compile": True}
+            return {**cache_kwargs(cache), "disable_compile": True}
         if self._compile_config is None:
             from transformers import CompileConfig
 
@@ -73,7 +75,7 @@ class GenerationMethod:
                                    fullgraph=True)
             config._compile_all_devices = device.type != "cuda"  # generate() compiles on CUDA only otherwise
             self._compile_config = config
-        return {"past_key_values": cache, "compile_config": self._compile_config}
+        return {**cache_kwargs(cache), "compile_config": self._compile_config}
 
     @property
     def label(self) -> str:
