@@ -45,6 +45,11 @@ _LAZY = {
 }
 
 
+def __dir__():
+    """Lists the lazily imported names too, so ``help(vecinfer_compile)`` documents them."""
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name):
     if name not in _LAZY:
         raise AttributeError(f"module 'vecinfer_compile' has no attribute {name!r}")

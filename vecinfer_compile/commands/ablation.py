@@ -1,4 +1,4 @@
-"""``vecinfer ablation``: the full table (FP16; VecInfer 4/3/2/1.5/1; KIVI 4/2; plain VQ,
+"""``vecinfer ablation``: the full table (full precision; VecInfer 4/3/2/1.5/1; KIVI 4/2; plain VQ,
 smoothing only, Hadamard only at 2 and 1.5 bits) and an optional plot."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``vecinfer demo``: FP16 vs VecInfer 4 / 2 / 1.5 bits vs KIVI-2 on the embedded tiny model,
+"""``vecinfer demo``: full precision vs VecInfer 4 / 2 / 1.5 bits vs KIVI-2 on the embedded tiny model,
 offline, in about a minute on a laptop CPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 from . import add_progress_arg, add_window_args, print_json
 
-HELP = "FP16 vs VecInfer vs KIVI perplexity on the embedded tiny model (offline, ~1 min)"
+HELP = "full precision vs VecInfer vs KIVI perplexity on the embedded tiny model (offline, ~1 min)"
 
 
 def register(subparsers) -> None:

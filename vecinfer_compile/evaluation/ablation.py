@@ -19,7 +19,9 @@ from .kv_bytes import kv_bytes
 from .perplexity import perplexity
 
 LABELS = {
-    "fp16": "FP16",
+    # method "fp16" is the model unquantized, in the dtype it runs in (float32 on the CPU by
+    # default); its KV bytes are counted at 16 bits, what a serving cache would hold
+    "fp16": "full precision",
     "vecinfer": "VecInfer",
     "kivi": "KIVI",
     "vq": "VQ (plain)",
