@@ -239,3 +239,21 @@ def test_eval_ppl_saves_and_reuses_codebooks(capsys, tmp_path, tiny_dir, sample_
     assert run_json(capsys, argv)["ppl"] == first["ppl"]  # the saved file, not a new calibration
     assert saved.stat().st_mtime_ns == stamp
     assert any("exceed the model's max_position_embeddings (4096)" in r.getMessage() for r in caplog.records)
+
+
+def test_readme_command_table_parses():
+    """Every example in the README's command table is a command line the CLI accepts."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from vecinfer_compile.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Command line"):readme.index("## Results in brief")]
+    examples = re.findall(r"\| `(vecinfer [^`]*)` \|", table)
+    assert len(examples) == len(COMMANDS)
+    parser = build_parser()
+    for example in examples:
+        args = parser.parse_args(shlex.split(example)[1:])
+        assert callable(args.func), example
