@@ -41,7 +41,7 @@ def test_allocate_bits_too_many_pins_is_a_clear_error():
 
 def test_allocation_choices():
     assert allocation_choices(2.0) == (1.0, 2.0, 4.0)
-    with pytest.raises(ValueError, match="at 1.5 bits needs 8-bit-code presets.*--bits 2"):
+    with pytest.raises(ValueError, match="at 1.5 bits needs 8-bit-code presets.*bits=2"):
         allocation_choices(1.5)
 
 

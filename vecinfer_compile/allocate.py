@@ -76,7 +76,7 @@ def allocation_choices(bits: float) -> tuple[float, float, float]:
         usable = [b for b in PRESETS if all(map(_byte_coded, (b / 2, b, 2 * b)))]
         raise ValueError(
             f"a per-layer allocation at {bits:g} bits needs 8-bit-code presets at {bits / 2:g}, "
-            f"{bits:g} and {2 * bits:g} bits; available for --bits {', '.join(f'{b:g}' for b in usable)}"
+            f"{bits:g} and {2 * bits:g} bits; available for bits={', '.join(f'{b:g}' for b in usable)}"
         )
     return choices
 

@@ -88,7 +88,7 @@ def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize
     if method != codebooks.method:
         raise ValueError(
             f"the codebooks are for method {codebooks.method!r}, not {method!r}: calibrate with "
-            f"--method {method} or pass method={codebooks.method!r}"
+            f"method={method!r} (--method {method} on the command line) or pass method={codebooks.method!r}"
         )
     return BackendConfig(codebooks, float(codebooks.bits), method, residual, quantize, decode_kernel)
 

@@ -75,7 +75,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
         raise ValueError(f"device {device!r} asked for, but this torch ({torch.__version__}) is {build}: "
-                         "use --device cpu, or install a CUDA build of torch on a GPU machine")
+                         "use device 'cpu' (--device cpu), or install a CUDA build of torch on a GPU machine")
     return dev
 
 

@@ -27,7 +27,7 @@ def hadamard_block_size(head_dim: int) -> int:
     raise ValueError(
         f"head_dim {head_dim} has no Hadamard rotation: it must be a multiple of 16 "
         f"(a power of two from 16 to 256, or a block-diagonal of such blocks, e.g. 80, 96, 192); "
-        f"use --method smooth or vq for this model"
+        f"use method 'smooth' or 'vq' for this model (--method on the command line)"
     )
 
 
