@@ -129,9 +129,9 @@ def run_case(b: int, t: int, bits: float) -> dict:
                           torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g),
                           torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g)))
     best_name, best = None, float("inf")
-    names = [name for name, _ in sdpa_variants(*fp16_sets[0])]
-    for i, name in enumerate(names):
-        calls = [list(sdpa_variants(*s))[i][1] for s in fp16_sets]
+    variants = [dict(sdpa_variants(*s)) for s in fp16_sets]  # {name: call} per input copy
+    for name in variants[0]:
+        calls = [v[name] for v in variants]
         try:
             ms = graph_time_ms(calls)
         except RuntimeError as exc:  # a backend that does not take this shape

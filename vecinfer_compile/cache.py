@@ -212,7 +212,8 @@ class VecInferLayer(CacheLayerMixin):
             if t.shape[0] != self.batch_size:
                 raise ValueError(
                     f"{name} have batch size {t.shape[0]} but the cache was built for batch_size="
-                    f"{self.batch_size}: build a VecInferCache with batch_size={t.shape[0]}"
+                    f"{self.batch_size}: build a VecInferCache with batch_size={t.shape[0]} (or none: it "
+                    "then takes the first update's)"
                 )
             if t.device != self.device:
                 raise ValueError(f"{name} are on {t.device} but the cache is on {self.device}: pass device=")
@@ -472,8 +473,6 @@ class VecInferCache(Cache):
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         if device is None:
             device = getattr(model_or_config, "device", None) or "cpu"
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         head_dim = geometry["head_dim"]
         rotation_cache: dict[bool, torch.Tensor | None] = {}
         layers = []

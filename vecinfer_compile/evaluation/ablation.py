@@ -257,7 +257,7 @@ def _fmt_bytes(n: float) -> str:
 def format_table(rows: list[Row]) -> str:
     """A markdown table of the rows."""
     head = (
-        "| method | nominal bits | physical bits/elem | KV bytes/token | codebook bytes | ppl | ppl / fp16 |\n"
+        "| method | nominal bits | physical bits/elem | KV bytes/token | codebook bytes | ppl | ppl / full precision |\n"
         "|---|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]

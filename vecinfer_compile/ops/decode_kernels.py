@@ -59,15 +59,14 @@ def choose(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor, v_
     want = requested()
     if want == "triton":
         return "triton"
-    reason = cuda_decode.unsupported_reason(q, k_codes, k_centroids, v_centroids)
-    if reason is None:
-        reason = cuda_decode.build_error(q, k_codes, k_centroids, v_centroids)
+    reason, level = cuda_decode.unsupported_reason(q, k_codes, k_centroids, v_centroids), logging.INFO
+    if reason is None:  # the inputs fit: a failure to build is the machine's, worth a warning
+        reason, level = cuda_decode.build_error(q, k_codes, k_centroids, v_centroids), logging.WARNING
     if reason is None:
         return "cuda"
     if want == "cuda":
         raise RuntimeError(f"decode_kernel='cuda' was requested but {reason}; request 'auto' or 'triton'")
     if reason not in _logged:
         _logged.add(reason)
-        level = logging.WARNING if "NVRTC" in reason or "driver" in reason else logging.INFO
         log.log(level, "vecinfer: decode attention runs the Triton kernel: %s", reason)
     return "triton"

@@ -36,6 +36,7 @@ be detected without a device sync in a compiled graph, so it is documented, not 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
@@ -128,11 +129,9 @@ def _decode_op(q, cache_args, decode_kernel: str):
     k_codes, k_cent, v_cent = (_example(cache_args[i]) for i in (K_CODES, K_CENT, V_CENT))
     if k_codes is None or k_cent is None or v_cent is None:  # no shapes here: the op decides when traced
         return torch.ops.vecinfer.decode_attention.default
-    if decode_kernel is None:
+    request = contextlib.nullcontext() if decode_kernel is None else decode_kernels.use_decode_kernel(decode_kernel)
+    with request:
         kernel = decode_kernels.choose(q, k_codes, k_cent, v_cent)
-    else:
-        with decode_kernels.use_decode_kernel(decode_kernel):
-            kernel = decode_kernels.choose(q, k_codes, k_cent, v_cent)
     counters["vecinfer"][f"cache_decode_{kernel}"] += 1
     return getattr(torch.ops.vecinfer, f"decode_attention_{kernel}").default
 
