@@ -1,11 +1,16 @@
-"""End-to-end decode tokens/s with ``model.generate()``: VecInferCache compiled vs HF static cache
-compiled vs HF dynamic cache eager, side by side, on a random-weight Llama-3.1-8B-geometry model.
+"""End-to-end decode tokens/s with ``model.generate()``: VecInferCache compiled vs a strong
+full-precision baseline vs HF static cache compiled vs HF dynamic cache eager, side by side, on a
+random-weight Llama-3.1-8B-geometry model.
 
 Methods (greedy, ``min_new_tokens = max_new_tokens = N``, random input ids, no padding):
 
 - ``ours``: ``VecInferCache(model, random 2-bit codebooks, R=128)`` as the generate() cache and
   ``compile_config=CompileConfig(backend=vecinfer_backend.configure(codebooks=...), fullgraph=True)``
   (HF's default mode ``reduce-overhead``: CUDA graphs);
+- ``fp16``: the strong full-precision baseline (``fp16_valid_cache.py``): a static cache stored
+  position-major whose decode attention reads only the valid length with torch's varlen
+  flash-attention kernel (``seqused_k``, split over the SMs at ``Tq = 1``), compiled with HF's
+  default compile config (CUDA graphs); what a serving engine's decode step does;
 - ``static``: HF ``StaticCache`` (what ``cache_implementation="static"`` builds, passed explicitly
   so it is reused across runs) with HF's default compile config (Inductor, reduce-overhead);
 - ``dynamic``: HF ``DynamicCache``, eager (the paper's baseline).
@@ -27,6 +32,10 @@ method that fails (e.g. out of memory) gets its error in its row and the run goe
         [--methods ours,static,dynamic]
     python benchmarks/bench_generate.py --smoke   # tiny config on the CPU, compiled too
 
+``--profile K`` adds, per (case, method), one more ``generate`` of K new tokens under
+``torch.profiler`` (the prefill and first step excluded): the kernels by device time per decode
+step, their sum ("GPU busy") next to the wall time per step, so host overhead shows as the gap.
+
 ``--isolate`` measures every (case, method) in a fresh child process: otherwise a method runs
 after another in one process and can inherit its memory (CUDA-graph pools, cached blocks); at
 B=16, T=32k on an H200 both baselines ran out of memory that way, right after ours.
@@ -47,11 +56,12 @@ import torch
 from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
+from fp16_valid_cache import ValidLengthCache, restore_attention, use_valid_length_attention
 from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 
-METHODS = ("ours", "static", "dynamic")
-LABELS = {"ours": "ours (VecInferCache, compiled)", "static": "HF static, compiled",
-          "dynamic": "HF dynamic, eager"}
+METHODS = ("ours", "fp16", "static", "dynamic")
+LABELS = {"ours": "ours (VecInferCache, compiled)", "fp16": "full precision, valid-length flash, compiled",
+          "static": "HF static, compiled", "dynamic": "HF dynamic, eager"}
 
 
 class StepTimer(StoppingCriteria):
@@ -71,7 +81,7 @@ class Runner:
 
     def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual):
         self.method, self.model, self.setup = method, model, setup
-        self.cache, self.compile_config = None, None
+        self.cache, self.compile_config, self.previous_attention = None, None, None
         if method == "ours":
             from vecinfer_compile.backend import vecinfer_backend
             from vecinfer_compile.cache import VecInferCache
@@ -80,6 +90,10 @@ class Runner:
                                        residual=residual)
             self.compile_config = CompileConfig(backend=vecinfer_backend.configure(codebooks=codebooks),
                                                 fullgraph=True)
+        elif method == "fp16":
+            self.cache = ValidLengthCache(model.config, max_cache_len)
+            self.compile_config = CompileConfig(fullgraph=True)
+            self.previous_attention = use_valid_length_attention(model)
         elif method == "static":
             self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
             self.compile_config = CompileConfig()  # HF's default: inductor, reduce-overhead
@@ -88,7 +102,13 @@ class Runner:
         if self.compile_config is not None and not setup.cuda:
             self.compile_config._compile_all_devices = True  # let generate() compile decode on CPU
 
-    def generate(self, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float], torch.Tensor]:
+    def close(self) -> None:
+        """Give the model back its own attention implementation."""
+        if self.previous_attention is not None:
+            restore_attention(self.model, self.previous_attention)
+            self.previous_attention = None
+
+    def generate(self, ids: torch.Tensor, new_tokens: int, extra_criteria=()) -> tuple[float, list[float], torch.Tensor]:
         if self.cache is None:
             cache = DynamicCache(config=self.model.config)
         else:
@@ -103,7 +123,7 @@ class Runner:
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                pad_token_id=self.setup.config.pad_token_id, stopping_criteria=StoppingCriteriaList([timer]),
+                pad_token_id=self.setup.config.pad_token_id, stopping_criteria=StoppingCriteriaList([timer, *extra_criteria]),
                 **kwargs,
             )
         C.sync(self.setup.device)
@@ -129,32 +149,92 @@ def reset_compiled(model) -> None:
     C.free_memory(next(model.parameters()).device)
 
 
-def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len) -> dict:
+class ProfileWindow(StoppingCriteria):
+    """Never stops; starts ``prof`` once ``skip`` tokens exist and stops it ``steps`` tokens later,
+    so only whole decode steps are recorded (not the prefill)."""
+
+    def __init__(self, prof, skip: int, steps: int):
+        self.prof, self.skip, self.steps, self.seen = prof, skip, steps, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen += 1
+        if self.seen == self.skip:
+            self.prof.start()
+        elif self.seen == self.skip + self.steps:
+            self.prof.stop()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def profile_decode(runner, ids, steps: int, top: int = 15) -> dict:
+    """Kernels of ``steps`` decode steps of one ``generate`` (after the prefill and one more
+    step): device time per step by kernel, their sum, and the wall time per step of the same
+    run (with the profiler on)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.setup.cuda else [])
+    prof = profile(activities=acts)
+    skip = 2
+    _, stamps, _ = runner.generate(ids, skip + steps + 1, extra_criteria=[ProfileWindow(prof, skip, steps)])
+    per_kernel = []
+    for ev in prof.key_averages():
+        if ev.device_type != DeviceType.CUDA:
+            continue
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0)
+        per_kernel.append((t / steps, ev.count / steps, ev.key))
+    per_kernel.sort(reverse=True)
+    wall = [b - a for a, b in zip(stamps[skip - 1:skip - 1 + steps], stamps[skip:skip + steps])]
+    return {
+        "busy_us": sum(t for t, _, _ in per_kernel),
+        "wall_us": 1e6 * sum(wall) / max(len(wall), 1),
+        "kernels": [{"us": round(t, 2), "calls": round(n, 2), "name": k[:110]} for t, n, k in per_kernel[:top]],
+        "n_kernels": round(sum(n for _, n, _ in per_kernel), 1),
+    }
+
+
+def print_profile(row: dict) -> None:
+    p = row["profile"]
+    print(f"# profile {row['B']}x{row['T']} {LABELS[row['method']]}: GPU busy {p['busy_us'] / 1e3:.2f} ms/step over "
+          f"{p['n_kernels']:.0f} kernel launches; wall {p['wall_us'] / 1e3:.2f} ms/step (profiler on)")
+    for k in p["kernels"]:
+        print(f"#   {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['name']}")
+
+
+def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
+               profile_steps: int = 0) -> dict:
     dev = setup.device
     row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens}
     reset_compiled(model)
     vocab = setup.config.vocab_size
     gen = torch.Generator(device=dev).manual_seed(length * 131 + batch)
     ids = torch.randint(3, vocab, (batch, length), device=dev, generator=gen)
-    runner = Runner(method, model, setup, codebooks, batch, length + new_tokens, residual)
-    graphs_before = _compiled_graphs()
-    t0 = time.perf_counter()
-    runner.generate(ids[:, :min(warmup_len, length)], new_tokens)  # compile + CUDA graphs
-    row["warmup_s"] = time.perf_counter() - t0
-    row["warmup_compiles"] = _compiled_graphs() - graphs_before
-    graphs_before = _compiled_graphs()
-    C.reset_peak(dev)
-    t_n, stamps, _ = runner.generate(ids, new_tokens)
-    row["peak_bytes"] = C.peak(dev)
-    t_1, _, _ = runner.generate(ids, 1)
-    # Dynamo graphs compiled during the timed runs (should be 0: the warm-up compiled them)
-    row["timed_compiles"] = _compiled_graphs() - graphs_before
-    steps = new_tokens - 1
-    row["time_n_s"], row["time_1_s"] = t_n, t_1
-    row["tok_s"] = batch * steps / (t_n - t_1) if t_n > t_1 else float("nan")
-    if len(stamps) >= 2:
-        row["in_run_tok_s"] = batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])
-        row["step_ms"] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+    cache_len = length + max(new_tokens, profile_steps + 3)  # the profiled run makes steps + 3 tokens
+    runner = Runner(method, model, setup, codebooks, batch, cache_len, residual)
+    try:
+        graphs_before = _compiled_graphs()
+        t0 = time.perf_counter()
+        runner.generate(ids[:, :min(warmup_len, length)], new_tokens)  # compile + CUDA graphs
+        row["warmup_s"] = time.perf_counter() - t0
+        row["warmup_compiles"] = _compiled_graphs() - graphs_before
+        graphs_before = _compiled_graphs()
+        C.reset_peak(dev)
+        t_n, stamps, _ = runner.generate(ids, new_tokens)
+        row["peak_bytes"] = C.peak(dev)
+        t_1, _, _ = runner.generate(ids, 1)
+        # Dynamo graphs compiled during the timed runs (should be 0: the warm-up compiled them)
+        row["timed_compiles"] = _compiled_graphs() - graphs_before
+        steps = new_tokens - 1
+        row["time_n_s"], row["time_1_s"] = t_n, t_1
+        row["tok_s"] = batch * steps / (t_n - t_1) if t_n > t_1 else float("nan")
+        if len(stamps) >= 2:
+            row["in_run_tok_s"] = batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+            row["step_ms"] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+        if profile_steps:
+            row["profile"] = profile_decode(runner, ids, profile_steps)
+    finally:
+        runner.close()
     del runner, ids
     return row
 
@@ -183,28 +263,27 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> str:
 
 
 def summary(rows: list[dict]) -> list[str]:
+    """tok/s per method and ours against each baseline (decode tok/s, then in-run tok/s)."""
+    others = [m for m in METHODS if m != "ours"]
     lines = [
-        "| B | T | ours tok/s | static tok/s | dynamic tok/s | ours/static | ours/dynamic | "
-        "in-run ours/static | in-run ours/dynamic |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| B | T | " + " | ".join(f"{m} tok/s" for m in METHODS) + " | "
+        + " | ".join(f"ours/{m}" for m in others) + " | " + " | ".join(f"in-run ours/{m}" for m in others) + " |",
+        "|---|---|" + "---|" * (len(METHODS) + 2 * len(others)),
     ]
     cases = list(dict.fromkeys((r["B"], r["T"]) for r in rows))
     for b, t in cases:
         by = {r["method"]: r for r in rows if (r["B"], r["T"]) == (b, t) and "error" not in r}
         cells = [_num(by[m]["tok_s"]) if m in by else "error/skipped" for m in METHODS]
-        lines.append(
-            f"| {b} | {t} | {' | '.join(cells)} | {_ratio(by.get('ours'), by.get('static'), 'tok_s')} | "
-            f"{_ratio(by.get('ours'), by.get('dynamic'), 'tok_s')} | "
-            f"{_ratio(by.get('ours'), by.get('static'), 'in_run_tok_s')} | "
-            f"{_ratio(by.get('ours'), by.get('dynamic'), 'in_run_tok_s')} |"
-        )
+        cells += [_ratio(by.get("ours"), by.get(m), "tok_s") for m in others]
+        cells += [_ratio(by.get("ours"), by.get(m), "in_run_tok_s") for m in others]
+        lines.append(f"| {b} | {t} | {' | '.join(cells)} |")
     return lines
 
 
 def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:
     """The options a child process of ``--isolate`` needs to measure the same thing."""
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
-           "--warmup-len", str(warmup_len)]
+           "--warmup-len", str(warmup_len), "--profile", str(args.profile)]
     if args.smoke:
         out.append("--smoke")
     if args.device:
@@ -236,6 +315,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--residual", type=int, default=None, help="VecInferCache window R (default 128; smoke 8)")
     ap.add_argument("--warmup-len", type=int, default=None,
                     help="prompt length of the untimed warm-up run (default 256; smoke 8)")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="also profile K decode steps per (case, method) and print the kernels by device time")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
@@ -273,13 +354,16 @@ def main(argv=None) -> list[dict]:
                 row = run_isolated(passthrough_args(args, new_tokens, residual, warmup_len), batch, length, method)
             else:
                 try:
-                    row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len)
+                    row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
+                                     warmup_len, args.profile)
                 except Exception as exc:  # OOM, compile failure...: report and go on
                     row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
                     del exc
                 reset_compiled(model)
             rows.append(row)
             print(format_row(row), flush=True)
+            if "profile" in row:
+                print_profile(row)
             if args.json:  # rewritten after every row: partial results survive a kill
                 C.write_json(args.json, rows)
     print()

@@ -56,15 +56,74 @@ def test_vecinfer_bench_errors(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_bench_generate_smoke(capsys):
-    """All three methods at one tiny case; ours and static compile the decode step (Inductor on
-    the CPU: the slow part, ~15-45 s depending on the machine and the compile cache)."""
-    rows = load_script("generate", benchmarks_dir()).main(["--smoke", "--cases", "2x24", "--new-tokens", "3"])
+    """Every method at one tiny case, with the profile; ours, fp16 and static compile the decode
+    step (Inductor on the CPU: the slow part, ~20-60 s depending on the machine and the compile
+    cache)."""
+    rows = load_script("generate", benchmarks_dir()).main(
+        ["--smoke", "--cases", "2x24", "--new-tokens", "3", "--profile", "2"])
     out = capsys.readouterr().out
-    assert [r["method"] for r in rows] == ["ours", "static", "dynamic"]
+    assert [r["method"] for r in rows] == ["ours", "fp16", "static", "dynamic"]
     for r in rows:
         assert "error" not in r, r
         assert r["in_run_tok_s"] > 0 and r["time_n_s"] > 0 and r["time_1_s"] > 0
-    assert "| B | T | ours tok/s |" in out and "HF dynamic, eager" in out
+        assert r["profile"]["wall_us"] > 0
+    assert "| B | T | ours tok/s | fp16 tok/s |" in out and "HF dynamic, eager" in out
+    assert "# profile 2x24 full precision, valid-length flash, compiled" in out
+
+
+def _valid_length_inputs(device, dtype, b=3, hq=8, hkv=2, tq=1, tmax=40, d=16):
+    g = torch.Generator(device="cpu").manual_seed(b * 100 + tq)
+    q = torch.randn(b, hq, tq, d, generator=g).to(device, dtype)
+    k = torch.randn(b, tmax, hkv, d, generator=g).to(device, dtype)
+    v = torch.randn(b, tmax, hkv, d, generator=g).to(device, dtype)
+    used = torch.tensor([tmax, tq + 5, tmax - 7][:b], dtype=torch.int32, device=device)
+    return q, k, v, used
+
+
+def _valid_length_expected(q, k, v, used, causal):
+    """Plain float32 SDPA over each row's first used[b] keys, GQA by repeating K/V."""
+    b, hq, tq, d = q.shape
+    rows = []
+    for i in range(b):
+        n = int(used[i])
+        kk = k[i, :n].float().transpose(0, 1).repeat_interleave(hq // k.shape[2], 0)
+        vv = v[i, :n].float().transpose(0, 1).repeat_interleave(hq // k.shape[2], 0)
+        mask = torch.ones(tq, n, dtype=torch.bool, device=q.device).tril(n - tq) if causal else None
+        rows.append(torch.nn.functional.scaled_dot_product_attention(q[i].float(), kk, vv, attn_mask=mask)
+                    .transpose(0, 1))
+    return torch.stack(rows)
+
+
+def _check_valid_length_op(device, dtype, atol):
+    import fp16_valid_cache as fv
+
+    for tq, causal in ((1, False), (6, True)):
+        q, k, v, used = _valid_length_inputs(device, dtype, tq=tq)
+        k[0, used[0]:] = float("nan")  # slots past the used length must never be read
+        k[1, used[1]:] = float("nan")
+        k[2, used[2]:] = float("nan")
+        got = fv.flash_valid_length(q, k, v, used, q.shape[-1] ** -0.5, causal)
+        want = _valid_length_expected(q, k, v, used, causal)
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+
+
+def test_valid_length_baseline_reads_only_used_keys():
+    """The strong full-precision baseline's attention op (CPU path) equals SDPA over each row's
+    used keys, GQA, decode and a causal chunk; NaN beyond the used length would show if read."""
+    import sys
+
+    sys.path.insert(0, str(benchmarks_dir()))
+    _check_valid_length_op("cpu", torch.float32, 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_valid_length_baseline_flash_varlen_cuda():
+    """The same check on the GPU, where the op is torch's varlen flash kernel with seqused_k."""
+    import sys
+
+    sys.path.insert(0, str(benchmarks_dir()))
+    _check_valid_length_op("cuda", torch.bfloat16, 2e-2)
 
 
 def test_bench_generate_isolate_runs_each_method_in_a_child(capsys):
