@@ -159,3 +159,15 @@ def test_kivi_keys_group_over_tokens_values_over_channels():
     k_err = (kivi_keys(x, 2) - x).abs()
     # Per-channel key quantization confines the outlier's coarse step to channel 5.
     assert k_err[..., :32, 6].max() < k_err[..., :32, 5].max() / 10
+
+
+@given(t=st.integers(1, 20), d=st.sampled_from([8, 16, 64]), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+def test_rows_matmul_equals_matmul(t, d, seed):
+    """The decode step's product-and-sum form (T <= FEW_ROWS) and the matmul it replaces agree."""
+    from vecinfer_compile.quant.rows import FEW_ROWS, rows_matmul
+
+    g = torch.Generator().manual_seed(seed)
+    x, m = torch.randn(2, 3, t, d, generator=g), torch.randn(d, d, generator=g)
+    torch.testing.assert_close(rows_matmul(x, m), x @ m, rtol=1e-5, atol=1e-5)
+    assert (t <= FEW_ROWS) or rows_matmul(x, m).equal(x @ m)

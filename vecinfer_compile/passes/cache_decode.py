@@ -49,6 +49,7 @@ from torch._dynamo.utils import counters
 from ..ops import cache_ops  # noqa: F401  registers vecinfer::cache_kv
 from ..ops import decode_kernels
 from ..ops.cache_ops import is_cache_kv
+from ..quant.rows import rows_matmul
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 
 log = logging.getLogger(__name__)
@@ -70,16 +71,23 @@ def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch
         work = work.reshape(b, hkv, hq // hkv, t, d) * lam.float()[None, :, None, None, :]
         work = work.reshape(b, hq, t, d)
     if rotation is not None:
-        work = work @ rotation.float()
+        work = rows_matmul(work, rotation.float())
     return work.to(q.dtype)
 
 
 def kv_start_from_mask(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``[B] int32``: the first attended slot of the last query row of ``mask`` ``[B|1, H|1, Tq, L]``
-    (bool True = attend, or additive float with 0 = attend): the left-padding length."""
+    (bool True = attend, or additive float with 0 = attend): the left-padding length; ``L`` for a
+    row that attends nothing (the kernels then return zeros, as the reference does).
+
+    A min over ``where(attend, slot, L)`` rather than an argmax: Inductor splits a min
+    reduction over many CTAs, while its argmax over a 128k-slot row ran in one (33 us per call
+    on the H200)."""
     attend = mask if mask.dtype == torch.bool else mask == 0
     row = attend[:, 0, -1, :]
-    start = row.to(torch.int32).argmax(-1).to(torch.int32)
+    length = row.shape[-1]
+    slots = torch.arange(length, device=row.device, dtype=torch.int32)
+    start = torch.where(row, slots, length).amin(-1).to(torch.int32)
     return start.expand(q.shape[0]).contiguous()
 
 
@@ -142,6 +150,7 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
     or auto) picks the CUDA implementation.
     Returns the number of rewrites; recompiles ``gm`` if any."""
     rewrites = 0
+    starts: dict[fx.Node, fx.Node] = {}  # kv_start per mask node
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
@@ -189,8 +198,10 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
             q_t = graph.call_function(transform_queries, (query, a[LAM], a[ROT]))
             q_t.meta["example_value"] = q
             kv_start = None
-            if mask is not None:
-                kv_start = graph.call_function(kv_start_from_mask, (mask, query))
+            if mask is not None:  # one per mask: every layer usually shares HF's
+                kv_start = starts.get(mask)
+                if kv_start is None:
+                    kv_start = starts[mask] = graph.call_function(kv_start_from_mask, (mask, query))
             out = graph.call_function(
                 _decode_op(q, a, decode_kernel),
                 (q_t, a[K_CODES], a[V_CODES], a[K_CENT], a[V_CENT], a[N_CODED],
