@@ -40,8 +40,8 @@ def _nvrtc_or_skip():
 def test_cuda_source_compiles_for_sm90(kspec, vspec):
     """Each preset's kernels compile to an sm_90 cubin; both entry points are in it."""
     _nvrtc_or_skip()
-    for head_dim, group, fp16 in ((128, 4, False), (64, 16, True)):
-        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16)
+    for head_dim, group, fp16, packed in ((128, 4, False, True), (64, 16, True, True), (64, 2, False, False)):
+        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, packed)
         image, is_cubin = compile_source(cuda_decode._source(), "vq_decode", 90,
                                          ["--use_fast_math", "--std=c++17", *variant.defines(), "-DMINB=2"])
         assert is_cubin and image[:4] == b"\x7fELF"
@@ -55,6 +55,9 @@ def test_variant_shared_memory_and_copies():
     assert two_bit.smem_bytes == 64 * 1024 and cuda_decode.max_ctas_per_sm(two_bit) == 3
     one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False)
     assert one_and_half.smem_bytes == 128 * 1024 and cuda_decode.max_ctas_per_sm(one_and_half) == 1
+    # the warps' partials reuse the codebook memory; it is grown when they need more
+    assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False).smem_bytes == 32 * 1024 + 32 * 1024
+    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes == 4 * 16 * 130 * 4
 
 
 def test_splits_depend_on_shapes_only():

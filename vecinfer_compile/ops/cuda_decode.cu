@@ -4,7 +4,8 @@
 // parameters arrive as -D defines:
 //   D            head_dim (64 or 128)             G        query heads per KV head (1..16)
 //   DK, DV       channels per key / value centroid (2, 4 or 8)
-//   EK, EV       key / value codebook entries     KCB, VCB bytes per key / value code (1 or 2)
+//   EK, EV       key / value codebook entries     KFMT, VFMT  code format: 0 uint8 (EK/EV <= 256),
+//                                                 1 int16, 2 packed 12-bit (see load_codes)
 //   KCOPIES, VCOPIES  codebook copies in shared memory (lane l reads copy l % COPIES)
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
@@ -13,7 +14,8 @@
 // vq_decode_split: grid (splits, B * Hkv), NWARPS warps. Each warp is one "unit" of the
 // flash-decoding split: it takes a contiguous range of the n_coded coded positions (the range is
 // computed on the device from n_coded, so the launch does not depend on the cache length) and
-// writes its partial (max, sum, unnormalised accumulator) for the G query heads of its KV head.
+// computes its partial (max, sum, unnormalised accumulator) for the G query heads of its KV head;
+// the CTA merges its warps' partials in shared memory and writes one partial per CTA.
 // Scores and the value accumulation run on the tensor cores (mma.sync m16n8k16, fp32
 // accumulators) in transposed form, so that the few query heads of a GQA group (G <= 8 per
 // n-tile of 8, G <= 16 in all) are the narrow N dimension: S^T = K Q^T (M = 16 positions) and
@@ -23,7 +25,7 @@
 // query fragment uses the same permutation, so the products are unchanged). P^T reaches the
 // value product's B fragment through four warp shuffles per 16 positions.
 //
-// vq_decode_merge: grid (B * Hkv), D threads. Log-sum-exp merge of the partials, then the
+// vq_decode_merge: grid (B * Hkv, G), D threads. Log-sum-exp merge of the partials, then the
 // full-precision window (positions n_coded + s, s < n_window) by the same online softmax, then
 // normalisation. Fully masked rows give zeros.
 
@@ -32,14 +34,14 @@
 #define KSTEPS (D / 16)         // k-steps of the score product
 #define SLICE_K (D / 4)         // key channels a thread gathers per position
 #define NCODE_K (SLICE_K / DK)  // key codes a thread reads per position
-#define KS_BYTES (NCODE_K * KCB)
-#define KWORDS ((KS_BYTES + 3) / 4)
+#define SK (D / DK)              // key codes per position (sub-vectors)
 #define SLICE_V (D / 8)         // value channels a thread gathers per position (= value n-tiles)
 #define NCODE_V (SLICE_V / DV)
-#define VS_BYTES (NCODE_V * VCB)
-#define VWORDS ((VS_BYTES + 3) / 4)
-#define KROW_BYTES ((D / DK) * KCB)
-#define VROW_BYTES ((D / DV) * VCB)
+#define SV (D / DV)
+#define KWORDS (code_words(NCODE_K, KFMT))
+#define VWORDS (code_words(NCODE_V, VFMT))
+#define KROW_BYTES (row_bytes(SK, KFMT))
+#define VROW_BYTES (row_bytes(SV, VFMT))
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 #if FP16
@@ -85,6 +87,16 @@ __device__ __forceinline__ int read_index(const void* p, int i, int is64) {
     return is64 ? (int)((const long long*)p)[i] : ((const int*)p)[i];
 }
 
+// Bytes of one position's codes: S codes as uint8 (FMT 0), int16 (1), or packed 12-bit (2): the
+// S low bytes, then ceil(S / 2) bytes of high nibbles (code 2i low nibble, 2i + 1 high nibble).
+__host__ __device__ constexpr int row_bytes(int s, int fmt) { return fmt == 0 ? s : fmt == 1 ? 2 * s : s + (s + 1) / 2; }
+// Registers holding a thread's n codes of one position: packed keeps the low bytes in the first
+// (n + 3) / 4 words and the nibbles after them.
+__host__ __device__ constexpr int low_words(int n, int fmt) { return fmt == 1 ? (2 * n + 3) / 4 : (n + 3) / 4; }
+__host__ __device__ constexpr int code_words(int n, int fmt) {
+    return low_words(n, fmt) + (fmt == 2 ? (n / 2 + 3) / 4 + (n == 1) : 0);
+}
+
 // NB bytes of codes at p (NB in 1, 2, 4, 8, 16; p aligned to NB) into words w[].
 template <int NB>
 __device__ __forceinline__ void load_code_bytes(const unsigned char* p, unsigned* w) {
@@ -103,9 +115,36 @@ __device__ __forceinline__ void load_code_bytes(const unsigned char* p, unsigned
     }
 }
 
-template <int CB>
+// Codes s0 .. s0 + N of the position whose codes start at `row` (S codes per position; s0 a
+// multiple of N) into words w[]. Packed: the N low bytes, then the N / 2 nibble bytes (for N = 1
+// the one nibble, shifted down so that code_at reads it at bit 0).
+template <int N, int FMT, int S>
+__device__ __forceinline__ void load_codes(const unsigned char* row, int s0, unsigned* w) {
+    if (FMT == 1) {
+        load_code_bytes<2 * N>(row + 2 * s0, w);
+    } else {
+        load_code_bytes<N>(row + s0, w);
+        if (FMT == 2) {
+            unsigned* wn = w + low_words(N, FMT);
+            if (N == 1) wn[0] = (unsigned)row[S + (s0 >> 1)] >> ((s0 & 1) * 4);
+            else load_code_bytes<N / 2>(row + S + (s0 >> 1), wn);
+        }
+    }
+}
+
+template <int N, int FMT>
+__device__ __forceinline__ void zero_codes(unsigned* w) {
+#pragma unroll
+    for (int i = 0; i < code_words(N, FMT); ++i) w[i] = 0u;
+}
+
+// Code j of the N loaded by load_codes.
+template <int N, int FMT>
 __device__ __forceinline__ unsigned code_at(const unsigned* w, int j) {
-    return CB == 1 ? (w[j >> 2] >> ((j & 3) * 8)) & 0xffu : (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
+    if (FMT == 1) return (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
+    unsigned c = (w[j >> 2] >> ((j & 3) * 8)) & 0xffu;
+    if (FMT == 2) c |= ((w[low_words(N, FMT) + (j >> 3)] >> ((j & 7) * 4)) & 0xfu) << 8;
+    return c;
 }
 
 // The DIM/2 words (DIM 16-bit channels) at shared-memory address `addr`.
@@ -167,16 +206,16 @@ __device__ __forceinline__ void load_block(BlockCodes& bc, int t0, int hi, const
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int t = t0 + 8 * nt + gid;
-        if (FULL || t < hi) load_code_bytes<KS_BYTES>(kc + (long long)t * KROW_BYTES, bc.k[nt]);
-        else for (int w = 0; w < KWORDS; ++w) bc.k[nt][w] = 0u;
+        if (FULL || t < hi) load_codes<NCODE_K, KFMT, SK>(kc + (long long)t * KROW_BYTES, tig * NCODE_K, bc.k[nt]);
+        else zero_codes<NCODE_K, KFMT>(bc.k[nt]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int t = t0 + 16 * i + 2 * tig + (r & 1) + 8 * (r >> 1);
-            if (FULL || t < hi) load_code_bytes<VS_BYTES>(vc + (long long)t * VROW_BYTES, bc.v[i][r]);
-            else for (int w = 0; w < VWORDS; ++w) bc.v[i][r][w] = 0u;
+            if (FULL || t < hi) load_codes<NCODE_V, VFMT, SV>(vc + (long long)t * VROW_BYTES, gid * NCODE_V, bc.v[i][r]);
+            else zero_codes<NCODE_V, VFMT>(bc.v[i][r]);
         }
 }
 
@@ -199,8 +238,8 @@ __device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi,
         unsigned ka[SLICE_K / 2], kb[SLICE_K / 2];
 #pragma unroll
         for (int j = 0; j < NCODE_K; ++j) {
-            lds<DK>(kbase + code_at<KCB>(bc.k[2 * mt], j) * KROW_SMEM, ka + j * (DK / 2));
-            lds<DK>(kbase + code_at<KCB>(bc.k[2 * mt + 1], j) * KROW_SMEM, kb + j * (DK / 2));
+            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt], j) * KROW_SMEM, ka + j * (DK / 2));
+            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt + 1], j) * KROW_SMEM, kb + j * (DK / 2));
         }
         const int t = t0 + 16 * mt + gid;
         const bool ok0 = FULL || t < hi, ok1 = FULL || t + 8 < hi;
@@ -269,7 +308,7 @@ __device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi,
         for (int r = 0; r < 4; ++r)
 #pragma unroll
             for (int j = 0; j < NCODE_V; ++j)
-                lds<DV>(vbase + code_at<VCB>(bc.v[i][r], j) * VROW_SMEM, vv[r] + j * (DV / 2));
+                lds<DV>(vbase + code_at<NCODE_V, VFMT>(bc.v[i][r], j) * VROW_SMEM, vv[r] + j * (DV / 2));
 #pragma unroll
         for (int j = 0; j < D / 16; ++j) {
             const unsigned a0 = __byte_perm(vv[0][j], vv[1][j], 0x5410), a1 = __byte_perm(vv[0][j], vv[1][j], 0x7632);
@@ -332,8 +371,8 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         for (int j = 0; j < D / 16; ++j) acc[j][nh][0] = acc[j][nh][1] = acc[j][nh][2] = acc[j][nh][3] = 0.f;
     }
 
-    const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES + tig * KS_BYTES;
-    const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES + gid * VS_BYTES;
+    const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES;
+    const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES;
     // Lane l reads copy l % COPIES of each codebook.
     const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
     const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
@@ -349,8 +388,13 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     }
     if (t0 < hi) block_step<false>(cur, t0, hi, kbase, vbase, lane, qf, scale_log2, m, l, acc);
 
-    // Partials: head 8 nh + 2 tig + e; its sum is spread over the lanes of one tig.
-    const long long prow = ((long long)bh * units + unit) * G;
+    // Each warp's partial (head 8 nh + 2 tig + e; its sum spread over the lanes of one tig) goes
+    // to shared memory (the codebooks are no longer needed), then the CTA merges its NWARPS
+    // partials into one: the merge kernel reads one partial per CTA, not one per warp.
+    __syncthreads();
+    float* wm = (float*)smem;       // [NWARPS][G]
+    float* wl = wm + NWARPS * G;    // [NWARPS][G]
+    float* wacc = wl + NWARPS * G;  // [NWARPS][G][D]
 #pragma unroll
     for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
@@ -362,11 +406,11 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
             const int h = 8 * nh + 2 * tig + e;
             if (h < G) {
                 if (gid == 0) {
-                    part_m[prow + h] = m[nh][e];
-                    part_l[prow + h] = ls;
+                    wm[warp * G + h] = m[nh][e];
+                    wl[warp * G + h] = ls;
                 }
                 // Channels gid * SLICE_V + 2 j (C rows gid) and + 1 (rows gid + 8).
-                float* dst = part_acc + (prow + h) * D + gid * SLICE_V;
+                float* dst = wacc + (warp * G + h) * D + gid * SLICE_V;
 #pragma unroll
                 for (int j = 0; j < D / 16; j += 2) {
                     vq_f4 v;
@@ -376,11 +420,37 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
                 }
             }
         }
+    __syncthreads();
+    const long long prow = ((long long)bh * gridDim.x + blockIdx.x) * G;
+    for (int i = threadIdx.x; i < G * D; i += NWARPS * 32) {
+        const int h = i / D, c = i - h * D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, wm[w * G + h]);
+        const float ms = mx == NEG_INF ? 0.f : mx;
+        float a = 0.f, ls = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float wt = exp2f(wm[w * G + h] - ms);
+            a += wt * wacc[(w * G + h) * D + c];
+            ls += wt * wl[w * G + h];
+        }
+        part_acc[(prow + h) * D + c] = a;
+        if (c == 0) {
+            part_m[prow + h] = mx;
+            part_l[prow + h] = ls;
+        }
+    }
 }
 
-#define WCH 32        // window slots per merge step
-#define MAX_UNITS 256  // partials per (batch row, KV head); the launcher caps the split count
+#define WCH 128       // window slots per merge pass (one pass for the default R = 128)
+#define RG 4          // row groups of the window pass: D threads = RG x (D / 4) channel groups
+#define MAX_UNITS 64  // partials per (batch row, KV head): one per split CTA; the launcher caps splits
 
+// grid (B * Hkv, G), D threads: one query head per CTA. A window pass loads all its K~ and V
+// rows into registers first (thread (rg, cg): rows rg * WCH / RG + i, channels 4 cg .. 4 cg + 3),
+// so the loads are in flight together instead of one latency per row; the row groups' value
+// sums meet in shared memory.
 extern "C" __global__ void __launch_bounds__(D)
 vq_decode_merge(const unsigned short* __restrict__ q,   // [B, Hkv * G, D]
                 const unsigned short* __restrict__ kw,  // [B, Hkv, R, D] (K~)
@@ -392,45 +462,40 @@ vq_decode_merge(const unsigned short* __restrict__ q,   // [B, Hkv * G, D]
                 const void* __restrict__ start_p,
                 int hkv, int units, int r_slots, int tmax, int n_coded_is64, int n_window_is64,
                 int start_kind, float scale_log2) {
-    __shared__ float qs[G][D];
-    __shared__ float sw[G][WCH];
-    __shared__ float wu[MAX_UNITS * G];  // exp2(m_u - M) per (unit, head), then times l_u
-    __shared__ float mh[G], lh[G];
-    __shared__ __align__(16) unsigned short ks[WCH * D], vs[WCH * D];  // a chunk of the window
+    __shared__ __align__(16) float qs[D];
+    __shared__ float pw[WCH];        // window scores, then their weights exp2(s - M)
+    __shared__ float wu[MAX_UNITS];  // exp2(m_u - M) per unit
+    __shared__ __align__(16) float red[RG * D];  // value sums per row group
+    __shared__ float mh, lh, pm, ps;
     const int c = threadIdx.x, lane = c & 31, warp = c >> 5;
-    const int bh = blockIdx.x, b = bh / hkv, kvh = bh - b * hkv;
-    const long long qbase = ((long long)b * hkv * G + kvh * G) * D;
-#pragma unroll
-    for (int g = 0; g < G; ++g) qs[g][c] = half_to_float(q[qbase + g * D + c]);
+    const int cg = c % (D / 4), rg = c / (D / 4);
+    const int bh = blockIdx.x, g = blockIdx.y, b = bh / hkv, kvh = bh - b * hkv;
+    const long long qoff = (((long long)b * hkv + kvh) * G + g) * D;
+    qs[c] = half_to_float(q[qoff + c]);
 
-    // Per head: the max over units (one warp per head, lanes over units), then the weights.
-    const long long prow = (long long)bh * units * G;
-    for (int g = warp; g < G; g += D / 32) {
+    // The max over units (lanes of warp 0), then each unit's weight and the total sum.
+    const long long prow = (long long)bh * units * G + g;
+    if (warp == 0) {
         float m = NEG_INF;
-        for (int u = lane; u < units; u += 32) m = fmaxf(m, part_m[prow + u * G + g]);
+        for (int u = lane; u < units; u += 32) m = fmaxf(m, part_m[prow + u * G]);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         const float ms = m == NEG_INF ? 0.f : m;
         float l = 0.f;
         for (int u = lane; u < units; u += 32) {
-            const float w = exp2f(part_m[prow + u * G + g] - ms);
-            wu[u * G + g] = w;
-            l += w * part_l[prow + u * G + g];
+            const float w = exp2f(part_m[prow + u * G] - ms);
+            wu[u] = w;
+            l += w * part_l[prow + u * G];
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-        if (lane == 0) { mh[g] = m; lh[g] = l; }
+        if (lane == 0) { mh = m; lh = l; }
     }
     __syncthreads();
-    float acc[G], lsum[G], mx[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) { acc[g] = 0.f; lsum[g] = lh[g]; mx[g] = mh[g]; }
+    float acc = 0.f, lsum = lh, mx = mh;
     const float* pa = part_acc + prow * D + c;
-#pragma unroll 8
-    for (int u = 0; u < units; ++u) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) acc[g] += wu[u * G + g] * pa[(u * G + g) * D];
-    }
+#pragma unroll 16
+    for (int u = 0; u < units; ++u) acc += wu[u] * pa[(long long)u * G * D];
 
     const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
     const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
@@ -438,65 +503,75 @@ vq_decode_merge(const unsigned short* __restrict__ q,   // [B, Hkv * G, D]
     const long long wbase = (long long)bh * r_slots * D;
     const vq_w2* kw2 = (const vq_w2*)(kw + wbase);  // 4 channels per 8-byte word
     const vq_w2* vw2 = (const vq_w2*)(vw + wbase);
+    const float4 q4 = ((const float4*)qs)[cg];
     for (int r0 = 0; r0 < n_window; r0 += WCH) {
-        __syncthreads();  // the previous chunk is consumed
-        // Stage WCH slots of K~ and V (4 channels per thread and load; D / 4 threads a row).
+        const int rows = min(WCH, n_window - r0);
+        vq_w2 kr[WCH / RG], vr[WCH / RG];
 #pragma unroll
-        for (int i = 0; i < WCH * D / 4 / D; ++i) {
-            const int idx = i * D + c, r = idx / (D / 4), c4 = idx % (D / 4);
-            vq_w2 kv = {0u, 0u}, vv = {0u, 0u};
-            if (r0 + r < n_window) { kv = kw2[(long long)(r0 + r) * (D / 4) + c4]; vv = vw2[(long long)(r0 + r) * (D / 4) + c4]; }
-            ((vq_w2*)ks)[idx] = kv;
-            ((vq_w2*)vs)[idx] = vv;
-        }
-        __syncthreads();
-        for (int rr = warp; rr < WCH; rr += D / 32) {
-            const int r = r0 + rr;
-            const bool ok = r < n_window && n_coded + r >= start;
-            float kr[D / 32];
-#pragma unroll
-            for (int i = 0; i < D / 32; ++i) kr[i] = half_to_float(ks[rr * D + lane + 32 * i]);
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < D / 32; ++i) d += qs[g][lane + 32 * i] * kr[i];
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                if (lane == 0) sw[g][rr] = ok ? d * scale_log2 : NEG_INF;
+        for (int i = 0; i < WCH / RG; ++i) {
+            const int r = rg * (WCH / RG) + i;
+            kr[i] = vr[i] = vq_w2{0u, 0u};
+            if (r < rows) {
+                kr[i] = kw2[(long long)(r0 + r) * (D / 4) + cg];
+                vr[i] = vw2[(long long)(r0 + r) * (D / 4) + cg];
             }
         }
+        // Scores: each row's dot product summed over the D / 4 lanes of its row group.
+#pragma unroll
+        for (int i = 0; i < WCH / RG; ++i) {
+            float d = q4.x * half_to_float(kr[i].x & 0xffffu) + q4.y * half_to_float(kr[i].x >> 16)
+                    + q4.z * half_to_float(kr[i].y & 0xffffu) + q4.w * half_to_float(kr[i].y >> 16);
+#pragma unroll
+            for (int o = D / 8; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            const int r = rg * (WCH / RG) + i;
+            if (cg == 0 && r < rows) pw[r] = n_coded + r0 + r >= start ? d * scale_log2 : NEG_INF;
+        }
         __syncthreads();
-        float ms[G];
+        if (warp == 0) {  // the pass's max and, after rescaling, its weights and their sum
+            float m = mx;
+            for (int rr = lane; rr < rows; rr += 32) m = fmaxf(m, pw[rr]);
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float m = mx[g];
-#pragma unroll
-            for (int rr = 0; rr < WCH; ++rr) m = fmaxf(m, sw[g][rr]);
-            ms[g] = m == NEG_INF ? 0.f : m;
-            const float al = exp2f(mx[g] - ms[g]);
-            acc[g] *= al; lsum[g] *= al; mx[g] = m;
-        }
-#pragma unroll 8
-        for (int rr = 0; rr < WCH; ++rr) {
-            const float v = half_to_float(vs[rr * D + c]);
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float p = exp2f(sw[g][rr] - ms[g]);
-                lsum[g] += p;
-                acc[g] += p * v;
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            const float ms = m == NEG_INF ? 0.f : m;
+            float l = 0.f;
+            for (int rr = lane; rr < rows; rr += 32) {
+                const float p = exp2f(pw[rr] - ms);
+                pw[rr] = p;
+                l += p;
             }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+            if (lane == 0) { pm = m; ps = l; }
         }
+        __syncthreads();
+        float4 a = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < WCH / RG; ++i) {
+            const int r = rg * (WCH / RG) + i;
+            const float p = r < rows ? pw[r] : 0.f;
+            a.x += p * half_to_float(vr[i].x & 0xffffu);
+            a.y += p * half_to_float(vr[i].x >> 16);
+            a.z += p * half_to_float(vr[i].y & 0xffffu);
+            a.w += p * half_to_float(vr[i].y >> 16);
+        }
+        ((float4*)red)[rg * (D / 4) + cg] = a;
+        __syncthreads();
+        float add = 0.f;
+#pragma unroll
+        for (int k = 0; k < RG; ++k) add += red[k * D + c];
+        const float m = pm;
+        const float al = exp2f(mx - (m == NEG_INF ? 0.f : m));
+        acc = acc * al + add;
+        lsum = lsum * al + ps;
+        mx = m;
+        __syncthreads();  // pw and red are rewritten by the next pass
     }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const float o = lsum[g] > 0.f ? acc[g] / lsum[g] : 0.f;
-        unsigned short h;
+    const float o = lsum > 0.f ? acc / lsum : 0.f;
+    unsigned short h;
 #if FP16
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(o));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(o));
 #else
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(o));
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(o));
 #endif
-        out[qbase + g * D + c] = h;
-    }
+    out[qoff + c] = h;
 }

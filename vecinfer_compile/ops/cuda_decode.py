@@ -28,7 +28,7 @@ from .nvrtc import CudaBuildError, Kernel, compile_source, load_kernels
 SOURCE = Path(__file__).with_name("cuda_decode.cu")
 NWARPS = 4  # warps per CTA of the split kernel
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
-MAX_SPLITS = 64  # MAX_UNITS / NWARPS in the source: the merge keeps one weight per partial in shared memory
+MAX_SPLITS = 64  # MAX_UNITS in the source: the merge keeps one weight per partial (split CTA) in shared memory
 HEAD_DIMS = (64, 128)
 CENTROID_DIMS = (2, 4, 8)
 MAX_GROUP = 16
@@ -49,6 +49,7 @@ class Variant:
     v_entries: int
     v_dims: int
     fp16: bool
+    packed: bool = False
 
     @staticmethod
     def copies(entries: int, dims: int) -> int:
@@ -58,23 +59,33 @@ class Variant:
 
     @property
     def smem_bytes(self) -> int:
+        """The split kernel's dynamic shared memory: the codebooks, reused at the end for the
+        warps' partials (``NWARPS x G x (D + 2)`` floats) when those are larger."""
         k = self.k_entries * self.copies(self.k_entries, self.k_dims) * self.k_dims * 2
         v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
-        return k + v
+        return max(k + v, NWARPS * self.group * (self.head_dim + 2) * 4)
+
+    @staticmethod
+    def code_format(entries: int, packed: bool) -> int:
+        """The source's KFMT/VFMT: 0 uint8 codes, 1 int16, 2 packed 12-bit."""
+        return 0 if entries <= 256 else (2 if packed else 1)
 
     def defines(self) -> list[str]:
         values = dict(
             D=self.head_dim, G=self.group, DK=self.k_dims, DV=self.v_dims, EK=self.k_entries,
-            EV=self.v_entries, KCB=1 if self.k_entries <= 256 else 2, VCB=1 if self.v_entries <= 256 else 2,
+            EV=self.v_entries, KFMT=self.code_format(self.k_entries, self.packed),
+            VFMT=self.code_format(self.v_entries, self.packed),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
             FP16=int(self.fp16), NWARPS=NWARPS,
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
 
-def variant_for(q: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor, group: int) -> Variant:
+def variant_for(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor,
+                group: int) -> Variant:
     (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
-    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16)
+    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16,
+                   packed=k_codes.dtype == torch.uint8)
 
 
 def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
@@ -98,7 +109,7 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
         entries, dims = (int(x) for x in c.shape)
         if dims not in CENTROID_DIMS or entries > MAX_ENTRIES:
             return f"a {entries}x{dims} {name} codebook (the CUDA kernel takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
-    smem = variant_for(q, k_centroids, v_centroids, group).smem_bytes
+    smem = variant_for(q, k_codes, k_centroids, v_centroids, group).smem_bytes
     if smem > SMEM_LIMIT:
         return f"the codebooks need {smem} bytes of shared memory, more than {SMEM_LIMIT}"
     return None
@@ -186,7 +197,7 @@ def decode_attention_cuda(
     reason = unsupported_reason(q, k_codes, k_centroids, v_centroids)
     if reason is not None:
         raise CudaBuildError(f"the CUDA decode kernel cannot run this call: {reason}; use the Triton kernel")
-    variant = variant_for(q, k_centroids, v_centroids, group)
+    variant = variant_for(q, k_codes, k_centroids, v_centroids, group)
     built = kernels_for(variant, q.device)
     b, hq, _, d = q.shape
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
@@ -195,7 +206,7 @@ def decode_attention_cuda(
     k_window, v_window = k_window.to(q.dtype).contiguous(), v_window.to(q.dtype).contiguous()
     k_centroids, v_centroids = k_centroids.contiguous(), v_centroids.contiguous()
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0))
-    units = splits * NWARPS
+    units = splits  # one partial per split CTA
     part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((b * hkv, units, group, d), dtype=torch.float32, device=q.device)
@@ -208,7 +219,7 @@ def decode_attention_cuda(
          hkv, tmax, _index_is64(n_coded), start_kind, scale_log2],
     )
     built.merge.launch(
-        (b * hkv, 1, 1), (d, 1, 1),
+        (b * hkv, group, 1), (d, 1, 1),
         [q, k_window, v_window, part_m, part_l, part_acc, out, n_coded, n_window, kv_start,
          hkv, units, k_window.shape[2], tmax, _index_is64(n_coded), _index_is64(n_window), start_kind, scale_log2],
     )
@@ -227,7 +238,7 @@ def build_error(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tenso
     (compiles it as a side effect: call it before tracing, never inside a CUDA-graph capture)."""
     group = int(q.shape[1]) // int(k_codes.shape[1])
     try:
-        kernels_for(variant_for(q, k_centroids, v_centroids, group), q.device)
+        kernels_for(variant_for(q, k_codes, k_centroids, v_centroids, group), q.device)
     except (CudaBuildError, OSError) as exc:
         return str(exc)
     return None
