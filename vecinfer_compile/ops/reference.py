@@ -1,9 +1,10 @@
 """Pure-torch reference of the ``vecinfer`` ops: the oracle for the kernels and the CPU path.
 
 Everything is computed in float32 and returned in ``q.dtype`` (codes for :func:`encode`).
-Codes are uint8 in the stored layout of :mod:`..quant.packing` (12-bit codes of codebooks over 256
-entries packed two in three bytes); dequantization is ``centroids[unpack_codes(codes)]``. GQA never repeats K/V: queries are viewed as
-``[B, Hkv, G * Tq, D]`` (query head ``h`` uses KV head ``h // G``). No ``.item()`` and no
+Codes are uint8 in the stored layout of :mod:`..quant.packing` (12-bit codes of codebooks over
+256 entries packed two in three bytes); dequantization is ``centroids[unpack_codes(codes)]``.
+GQA never repeats K/V: queries are viewed as ``[B, Hkv, G * Tq, D]`` (query head ``h`` uses KV
+head ``h // G``). No ``.item()`` and no
 data-dependent Python, so the functions trace with symbolic shapes.
 """
 

@@ -4,7 +4,8 @@ One program handles one (batch, KV head, block of ``BLOCK_M`` rows). The rows pa
 group of query heads into the M dimension, interleaved (``row = i * G + g`` for query position i
 and group member g), so every K/V tile is dequantized once for the whole group and causal loop
 bounds stay tight. K/V tiles are dequantized in registers by gathering centroid rows with
-code-derived offsets, each code loaded once from its stored (for 12-bit codes, packed) layout (the codebook, a few KiB in q's dtype, stays in L1).
+code-derived offsets, each code loaded once from its stored layout (12-bit codes packed, see
+:mod:`vecinfer_compile.quant.packing`; the codebook, a few KiB in q's dtype, stays in L1).
 Online softmax in base 2; keys inside the residual window (``(i + Tk - Tq) - j < residual``)
 use the full-precision tiles instead of codes, which are only loaded for key blocks that can
 contain such keys.

@@ -13,13 +13,13 @@ Three launches per step:
    full-precision residual window folded in by the same online softmax, then normalisation.
 
 Codes are read in their stored layout (:mod:`vecinfer_compile.quant.packing`: 12-bit codes two
-in three bytes, the high nibbles after the low bytes). Centroids are gathered from global memory (a 256 x 4 bf16 codebook is 2 KiB and stays in L1),
-one vectorised centroid row per code. The split kernel runs unpipelined (``num_stages=1``): with
-software pipelining Triton turns the gathers into 8-byte ``cp.async`` copies through shared memory,
-which made the kernel 3x slower on the H200 at B=8..32, T >= 32k (``bench_decode_attention.py
---sweep``). Holding the codebook as a register tensor and gathering
-with ``tl.gather`` fails to compile on Triton 3.6 for these shapes (an assertion that the gather
-be warp-local), so that variant is not offered.
+in three bytes, the high nibbles after the low bytes). Centroids are gathered from global memory
+(a 256 x 4 bf16 codebook is 2 KiB and stays in L1), one vectorised centroid row per code. The
+split kernel runs unpipelined (``num_stages=1``): with software pipelining Triton turns the
+gathers into 8-byte ``cp.async`` copies through shared memory, which made the kernel 3x slower on
+the H200 at B=8..32, T >= 32k (``bench_decode_attention.py --sweep``). Holding the codebook as a
+register tensor and gathering with ``tl.gather`` fails to compile on Triton 3.6 for these shapes
+(an assertion that the gather be warp-local), so that variant is not offered.
 
 The split count depends only on shapes (``B * Hkv`` and ``Tmax``), never on ``n_coded``, so CUDA
 graphs and compile do not specialise on the cache length.
