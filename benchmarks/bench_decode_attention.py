@@ -34,6 +34,7 @@ if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout,
 from vecinfer_compile.ops import cuda_decode, reference
 from vecinfer_compile.ops.triton_decode import decode_attention_triton
 from vecinfer_compile.presets import get_preset
+from vecinfer_compile.quant.packing import pack_codes
 
 HQ, HKV, D, R = 32, 8, 128, 128
 CHECK_MAX_T = 32768  # the fp32 reference materialises K and V: checked on the smaller cases
@@ -74,15 +75,17 @@ def copies_for(bytes_per_copy: int) -> int:
 
 
 def code_inputs(b: int, t: int, bits: float, g: torch.Generator):
+    """Random inputs of one decode call at ``bits``: codes stored as the cache stores them (12-bit
+    codes packed, :mod:`vecinfer_compile.quant.packing`)."""
     preset = get_preset(bits)
     dev = "cuda"
-    code = torch.uint8 if preset.key.entries <= 256 else torch.int16
     q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=g)
     kc = torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g)
     vc = torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g)
-    vcode = torch.uint8 if preset.value.entries <= 256 else torch.int16
-    k_codes = torch.randint(0, preset.key.entries, (b, HKV, t, D // preset.key.dims), device=dev, generator=g).to(code)
-    v_codes = torch.randint(0, preset.value.entries, (b, HKV, t, D // preset.value.dims), device=dev, generator=g).to(vcode)
+    k_codes = pack_codes(torch.randint(0, preset.key.entries, (b, HKV, t, D // preset.key.dims), device=dev,
+                                       generator=g), preset.key.entries)
+    v_codes = pack_codes(torch.randint(0, preset.value.entries, (b, HKV, t, D // preset.value.dims), device=dev,
+                                       generator=g), preset.value.entries)
     kw = torch.randn(b, HKV, R, D, device=dev, dtype=torch.bfloat16, generator=g)
     vw = torch.randn(b, HKV, R, D, device=dev, dtype=torch.bfloat16, generator=g)
     nc = torch.tensor(t - R, device=dev, dtype=torch.int32)

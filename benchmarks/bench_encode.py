@@ -23,6 +23,7 @@ import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.triton_encode import SCAN_MAX_ENTRIES, EncodeConfig, encode_triton
 from vecinfer_compile.presets import get_preset
+from vecinfer_compile.quant.packing import unpack_codes
 
 HKV, D = 2, 128
 SCAN_SWEEP = [EncodeConfig(scan_block_n=n, scan_unroll=u, scan_warps=w) for n, u, w in
@@ -32,9 +33,10 @@ DOT_SWEEP = [EncodeConfig(dot_block_n=n, dot_block_e=e, dot_warps=w) for n, e, w
 
 
 def nearest_excess(x: torch.Tensor, cent: torch.Tensor, ours: torch.Tensor, base: torch.Tensor) -> float:
-    """Largest (distance to our centroid - distance to the baseline's) over all sub-vectors."""
+    """Largest (distance to our centroid - distance to the baseline's) over all sub-vectors;
+    ``ours``/``base`` are stored (packed) codes."""
     sub = x.float().reshape(-1, cent.shape[1])
-    dist = lambda codes: ((sub - cent[codes.long().reshape(-1)]) ** 2).sum(-1)  # noqa: E731
+    dist = lambda codes: ((sub - cent[unpack_codes(codes, cent.shape[0]).reshape(-1)]) ** 2).sum(-1)  # noqa: E731
     return (dist(ours) - dist(base)).max().item()
 
 

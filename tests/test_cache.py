@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_kwargs, cache_window_mask
 from vecinfer_compile.ops import cache_ops  # noqa: F401
 from vecinfer_compile.presets import get_preset
+from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.testing import random_codebooks
@@ -69,7 +70,7 @@ def assert_nearest(codes, x, centroids, what):
     dims = centroids.shape[1]
     sub = x.double().reshape(*x.shape[:-1], x.shape[-1] // dims, dims)
     dist = ((sub[..., None, :] - centroids.double()) ** 2).sum(-1)  # [..., n, E]
-    chosen = dist.gather(-1, codes.long()[..., None]).squeeze(-1)
+    chosen = dist.gather(-1, unpack_codes(codes, centroids.shape[0])[..., None]).squeeze(-1)
     best = dist.min(-1).values
     assert torch.all(chosen <= best + 1e-5 * (1 + best)), f"{what}: codes are not the nearest centroids"
 
@@ -83,12 +84,13 @@ def assert_nearest(codes, x, centroids, what):
     prefill=st.integers(1, 12),
     chunks=st.lists(st.integers(1, 3), min_size=0, max_size=12),
     seed=st.integers(0, 2**16),
+    bits=st.sampled_from([2.0, 1.5, 1.25]),
 )
-def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks, seed):
+def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks, seed, bits):
     d = 16
     sizes = [prefill] + chunks
     tmax = sum(sizes)
-    layer = make_layer(b, h, d, r, tmax, seed=seed % 7)
+    layer = make_layer(b, h, d, r, tmax, bits=bits, seed=seed % 7)
     gen = torch.Generator().manual_seed(seed)
     ks, kts, vs = [], [], []
     for i, t in enumerate(sizes):
@@ -116,7 +118,8 @@ def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks
             if n_window:
                 torch.testing.assert_close(rk[:, :, n_coded:total], k_all[:, :, n_coded:], rtol=1e-5, atol=1e-5)
                 assert torch.equal(rv[:, :, n_coded:total], v_all[:, :, n_coded:])
-            dec_v = layer.value_centroids[layer.v_codes[:, :, :n_coded].long()].reshape(b, h, n_coded, d)
+            v_idx = unpack_codes(layer.v_codes[:, :, :n_coded], layer.value_centroids.shape[0])
+            dec_v = layer.value_centroids[v_idx].reshape(b, h, n_coded, d)
             assert torch.equal(rv[:, :, :n_coded], dec_v)
             assert not rk[:, :, total:].any() and not rv[:, :, total:].any()
 
@@ -193,19 +196,19 @@ def test_generate_tiny_checkpoint(shared_tiny_dir):
 
 
 # -- bytes ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layer_bits", [[2.0, 2.0], [1.25, 1.25], [3.0, 3.0], [4.0, 1.0]])
+@pytest.mark.parametrize("layer_bits", [[2.0, 2.0], [1.25, 1.25], [3.0, 3.0], [4.0, 1.0], [1.5, 2.0]])
 def test_kv_bytes_arithmetic(layer_bits):
     cfg = tiny_config()
     cb = random_codebooks(cfg, layer_bits=layer_bits)
     b, tmax, r, hkv, d = 3, 50, 8, 2, 16
     cache = VecInferCache(cfg, cb, batch_size=b, max_cache_len=tmax, residual=r, dtype=torch.bfloat16)
-    isz = lambda entries: 1 if entries <= 256 else 2  # noqa: E731
+    code_bytes = lambda spec: d * math.log2(spec.entries) / spec.dims / 8  # noqa: E731  nominal = physical
     total = 4 * d * d  # one shared rotation
     for bits in layer_bits:
         p = get_preset(bits)
         total += (
-            b * hkv * tmax * (d // p.key.dims) * isz(p.key.entries)
-            + b * hkv * tmax * (d // p.value.dims) * isz(p.value.entries)
+            b * hkv * tmax * code_bytes(p.key)
+            + b * hkv * tmax * code_bytes(p.value)
             + 2 * b * hkv * r * d * 2  # bf16 windows
             + 2 * 8  # two int64 counters
             + 4 * (p.key.entries * p.key.dims + p.value.entries * p.value.dims)  # f32 codebooks
@@ -286,13 +289,14 @@ def test_cache_kv_opcheck(lam, rot, bits):
     torch.library.opcheck(torch.ops.vecinfer.cache_kv.default, _cache_kv_args(lam, rot, bits))
 
 
-def test_cache_kv_matches_keys_inverse():
-    args = _cache_kv_args()
+@pytest.mark.parametrize("bits", [2.0, 1.5])
+def test_cache_kv_matches_keys_inverse(bits):
+    args = _cache_kv_args(bits=bits)
     k, v = torch.ops.vecinfer.cache_kv(*args)
     k_codes, _, kc, _, n_coded, k_window, _, n_window, lam, rot = args
     c, w = int(n_coded), int(n_window)
     tr = KeyTransform(16, lam, True)
-    dec = kc[k_codes[:, :, :c].long()].reshape(2, 2, c, 16)
+    dec = kc[unpack_codes(k_codes[:, :, :c], kc.shape[0])].reshape(2, 2, c, 16)
     torch.testing.assert_close(k[:, :, :c], tr.keys_inverse(dec))
     torch.testing.assert_close(k[:, :, c:c + w], tr.keys_inverse(k_window[:, :, :w]))
     assert not k[:, :, c + w:].any() and math.prod(v.shape) == 2 * 2 * 12 * 16

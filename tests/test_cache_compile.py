@@ -94,7 +94,7 @@ def _compiled_vs_eager(model, cb, ids, mask, *, tmax, residual, device="cpu", ne
     return eager, compiled, backend, eager_cache, cache
 
 
-@pytest.mark.parametrize("layer_bits", [None, [4.0, 1.0]])
+@pytest.mark.parametrize("layer_bits", [None, [1.5, 4.0]])
 def test_compiled_decode_matches_eager_and_holds_no_dequantized_kv(layer_bits):
     torch.manual_seed(0)
     cfg = tiny_config()
@@ -208,7 +208,7 @@ def test_pass_ignores_sdpa_without_cache():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layer_bits", [None, [4.0, 1.0]])
+@pytest.mark.parametrize("layer_bits", [None, [1.5, 4.0]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_compiled_decode(dtype, layer_bits):
     """On the GPU the compiled decode runs the CUDA decode kernel for bf16 and the Triton one for

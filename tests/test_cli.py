@@ -151,6 +151,11 @@ def test_demo_end_to_end(capsys):
         assert math.isfinite(r["ppl"]) and r["tokens"] == 126
     # 4-bit VQ is close to fp16 on the tiny model
     assert rows[("vecinfer", 4.0)]["ppl_ratio"] < 1.5
+    # physical bits as stored: 12-bit codes packed, KIVI's scales counted
+    physical = {key: r["physical_bits_per_element"] for key, r in rows.items()}
+    assert physical == {("fp16", 16.0): 16.0, ("vecinfer", 4.0): 4.0, ("vecinfer", 2.0): 2.0,
+                        ("vecinfer", 1.5): 1.5, ("kivi", 2.0): 3.0}
+    assert rows[("vecinfer", 1.5)]["kv_bytes_per_token"] == 0.75 * rows[("vecinfer", 2.0)]["kv_bytes_per_token"]
 
 
 def test_demo_table_says_how_it_was_calibrated(capsys):

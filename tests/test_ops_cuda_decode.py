@@ -40,8 +40,8 @@ def _nvrtc_or_skip():
 def test_cuda_source_compiles_for_sm90(kspec, vspec):
     """Each preset's kernels compile to an sm_90 cubin; both entry points are in it."""
     _nvrtc_or_skip()
-    for head_dim, group, fp16, packed in ((128, 4, False, True), (64, 16, True, True), (64, 2, False, False)):
-        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, packed)
+    for head_dim, group, fp16 in ((128, 4, False), (64, 16, True), (64, 2, False)):
+        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16)
         image, is_cubin = compile_source(cuda_decode._source(), "vq_decode", 90,
                                          ["--use_fast_math", "--std=c++17", *variant.defines(), "-DMINB=2"])
         assert is_cubin and image[:4] == b"\x7fELF"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vecinfer_compile.ops as ops
+from vecinfer_compile.quant import unpack_codes
 from test_ops_reference import attention_case, decode_case
 
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -65,13 +66,15 @@ def test_opcheck_quantize(device, entries):
     torch.library.opcheck(torch.ops.vecinfer.quantize.default, to(args, device))
 
 
-def test_quantize_is_dequantized_codes():
+@pytest.mark.parametrize("entries", [256, 4096])
+def test_quantize_is_dequantized_codes(entries):
     x = torch.randn(2, 3, 5, 16)
-    lam, rot, cent = torch.rand(3, 16) + 0.5, torch.eye(16), torch.randn(256, 4)
+    lam, rot, cent = torch.rand(3, 16) + 0.5, torch.eye(16), torch.randn(entries, 4)
     out = torch.ops.vecinfer.quantize(x, lam, rot, cent)
     codes = torch.ops.vecinfer.encode(x, lam, rot, cent)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 3, 5, 4 if entries == 256 else 6)
     assert out.dtype == x.dtype and out.shape == x.shape
-    torch.testing.assert_close(out, cent[codes.long()].reshape(x.shape), rtol=0, atol=0)
+    torch.testing.assert_close(out, cent[unpack_codes(codes, entries)].reshape(x.shape), rtol=0, atol=0)
 
 
 def _attention_args(**overrides):
@@ -87,8 +90,13 @@ def _attention_args(**overrides):
 
 @pytest.mark.parametrize("overrides,error,match", [
     (dict(residual=2), ValueError, "needs k_full and v_full"),
-    (dict(k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.int32)), TypeError, "uint8 or int16"),
-    (dict(k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.int16)), TypeError, "needs torch.uint8"),
+    (dict(k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.int32)), TypeError, "must be uint8 stored codes.*pack_codes"),
+    (dict(k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.int16)), TypeError, "must be uint8 stored codes.*pack_codes"),
+    # 12-bit codes given unpacked (one byte each) or at a wrong width
+    (dict(k_centroids=torch.randn(4096, 4), k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.uint8)), ValueError,
+     r"4 bytes per head vector but 4 12-bit codes .* stored in 6; pack them with .*pack_codes"),
+    (dict(k_codes=torch.zeros(1, 1, 3, 6, dtype=torch.uint8)), ValueError, "6 bytes per head vector but 4 8-bit codes"),
+    (dict(k_centroids=torch.randn(5000, 4)), ValueError, "at most 4096 entries"),
     (dict(k_centroids=torch.randn(256, 3)), ValueError, "not divisible by the sub-vector size 3"),
     (dict(k_centroids=torch.randn(256, 4, dtype=torch.float64)), TypeError, "centroids.float"),
     (dict(q=torch.randn(1, 2, 3, 16, dtype=torch.float64)), TypeError, "float16, bfloat16 or float32"),

@@ -11,20 +11,21 @@ from hypothesis import strategies as st
 
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.presets import PRESETS
-from vecinfer_compile.quant import codebook, hadamard_matrix
+from vecinfer_compile.quant import codebook, hadamard_matrix, pack_codes, packed_width, unpack_codes
 
 SPECS = sorted({(p.key.entries, p.key.dims) for p in PRESETS.values()} | {(p.value.entries, p.value.dims) for p in PRESETS.values()})
 
 
 def make_codes(gen, shape, entries, dims, head_dim):
-    """Random codes ``[*shape, head_dim // dims]`` and a float32 codebook ``[entries, dims]``."""
+    """Random stored codes (``head_dim // dims`` codes per head vector, packed as the ops take
+    them) and a float32 codebook ``[entries, dims]``."""
     cent = torch.randn(entries, dims, generator=gen)
     codes = torch.randint(0, entries, (*shape, head_dim // dims), generator=gen)
-    return codes.to(codebook.code_dtype(entries)), cent
+    return pack_codes(codes, entries), cent
 
 
 def dequant64(codes, cent):
-    return codebook.decode(codes, cent.double())
+    return codebook.decode(unpack_codes(codes, cent.shape[0]), cent.double())
 
 
 def naive_attention(q, kq, vq, kf, vf, mask, causal, scale, residual):
@@ -165,7 +166,7 @@ def test_decode_matches_naive(seed, b, hkv, group, tmax, frac, r, wfrac, d, kspe
 
 
 def _chosen_distance(x, codes, cent):
-    """Squared distance of every sub-vector of ``x`` to its chosen centroid."""
+    """Squared distance of every sub-vector of ``x`` to its chosen centroid (``codes``: indices)."""
     sub = codebook.subvectors(x.float(), cent.shape[1])
     return ((sub - cent[codes.long()]) ** 2).sum(-1)
 
@@ -187,10 +188,12 @@ def test_encode_matches_codebook_encode(seed, h, t, d, spec, smooth, rotate, dty
     lam = torch.rand(h, d, generator=gen) + 0.5 if smooth else None
     rot = hadamard_matrix(d, torch.float32, "cpu") if rotate else None
     cent = torch.randn(*spec, generator=gen)
-    codes = torch.ops.vecinfer.encode(x, lam, rot, cent)
+    stored = torch.ops.vecinfer.encode(x, lam, rot, cent)
+    assert stored.dtype == torch.uint8 and stored.shape == (2, h, t, packed_width(d // spec[1], spec[0]))
+    codes = unpack_codes(stored, spec[0])
     xt = x.float() / lam[None, :, None, :] if smooth else x.float()
     xt = xt @ rot if rotate else xt
     want = codebook.encode(xt, cent)
-    assert codes.dtype == want.dtype and codes.shape == want.shape
+    assert codes.shape == want.shape
     # Equal codes, up to exact ties broken differently by float rounding.
     torch.testing.assert_close(_chosen_distance(xt, codes, cent), _chosen_distance(xt, want, cent), atol=1e-5, rtol=1e-5)

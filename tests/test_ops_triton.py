@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import vecinfer_compile.ops as ops
 from test_ops_reference import SPECS, attention_case, decode_case, expected_attention, expected_decode
-from vecinfer_compile.quant import codebook, hadamard_matrix
+from vecinfer_compile.quant import codebook, hadamard_matrix, unpack_codes
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp_only = pytest.mark.skipif(not INTERPRET, reason="run by test_kernels_under_triton_interpreter")
@@ -101,29 +101,31 @@ ENCODE_CONFIGS = {
 
 
 @interp_only
-@pytest.mark.parametrize("config", ENCODE_CONFIGS.keys())
+@pytest.mark.parametrize("config,d", [("default", 32), ("other", 32), ("default", 24)])
 @pytest.mark.parametrize("spec", SPECS + [(100, 4)])
-def test_interp_encode(spec, config):
-    """Each sub-vector gets a nearest centroid (its distance is the reference's); transformed
-    float32 input, and bfloat16 input read as it is."""
-    gen = torch.Generator().manual_seed(spec[0] + spec[1])
-    x = torch.randn(2, 2, 37, 32, generator=gen)
-    lam = torch.rand(2, 32, generator=gen) + 0.5
-    rot = hadamard_matrix(32, torch.float32, "cpu")
+def test_interp_encode(spec, config, d):
+    """Each sub-vector gets a nearest centroid (its distance is the reference's) and the stored
+    bytes are the reference's layout; transformed float32 input, and bfloat16 input read as it is.
+    head_dim 24 gives an odd number of sub-vectors (3 of 8 channels) and one not a power of two."""
+    gen = torch.Generator().manual_seed(spec[0] + spec[1] + d)
+    x = torch.randn(2, 2, 37, d, generator=gen)
+    lam = torch.rand(2, d, generator=gen) + 0.5
+    rot = hadamard_matrix(d, torch.float32, "cpu") if d == 32 else torch.eye(d)
     cent = torch.randn(*spec, generator=gen)
     for x_in, lam_in, rot_in in ((x, lam, rot), (x.bfloat16(), None, None)):
-        got, values = ops.encode_triton(x_in, lam_in, rot_in, cent, values=True, config=ENCODE_CONFIGS[config])
-        want = ops.reference.encode(x_in, lam_in, rot_in, cent)
+        stored, values = ops.encode_triton(x_in, lam_in, rot_in, cent, values=True, config=ENCODE_CONFIGS[config])
+        want_stored = ops.reference.encode(x_in, lam_in, rot_in, cent)
+        assert stored.dtype == want_stored.dtype == torch.uint8 and stored.shape == want_stored.shape
+        got, want = unpack_codes(stored, spec[0]), unpack_codes(want_stored, spec[0])
         xt = x_in.float() if lam_in is None else (x / lam[None, :, None, :]) @ rot
         xt = codebook.subvectors(xt, spec[1])
         dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
-        assert got.dtype == want.dtype
         torch.testing.assert_close(dist(got), dist(want), atol=1e-5, rtol=1e-5)
         # the interpreter rounds float32 -> bfloat16 toward zero, the GPU to nearest
         exact = x_in.dtype == torch.float32
         torch.testing.assert_close(values.float(), cent[got.long()].reshape(x.shape), atol=0,
                                    rtol=0 if exact else 2**-7)
-        assert (ops.encode_triton(x_in, lam_in, rot_in, cent, config=ENCODE_CONFIGS[config]) == got).all()
+        assert (ops.encode_triton(x_in, lam_in, rot_in, cent, config=ENCODE_CONFIGS[config]) == stored).all()
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -243,12 +245,13 @@ def test_cuda_encode(entries, dims):
     rot = hadamard_matrix(128, torch.float32, "cuda")
     cent = torch.randn(entries, dims, device="cuda")
     for lam_in, rot_in in ((lam, rot), (None, None)):
-        got = torch.ops.vecinfer.encode(x, lam_in, rot_in, cent)
-        want = ops.reference.encode(x, lam_in, rot_in, cent)
+        stored = torch.ops.vecinfer.encode(x, lam_in, rot_in, cent)
+        want_stored = ops.reference.encode(x, lam_in, rot_in, cent)
+        assert stored.dtype == want_stored.dtype and stored.shape == want_stored.shape
+        got, want = unpack_codes(stored, entries), unpack_codes(want_stored, entries)
         xt = x.float() if lam_in is None else (x.float() / lam[None, :, None, :]) @ rot
         xt = codebook.subvectors(xt, dims)
         dist = lambda c: ((xt - cent[c.long()]) ** 2).sum(-1)  # noqa: E731
-        assert got.dtype == want.dtype
         torch.testing.assert_close(dist(got), dist(want), atol=1e-4, rtol=1e-4)
         values = torch.ops.vecinfer.quantize(x, lam_in, rot_in, cent)
         assert values.dtype == x.dtype

@@ -77,27 +77,30 @@ def test_kv_bytes_vq_presets_tiny_geometry():
     assert b2.fixed_bytes == 2 * 4 * 256 * 4 * 2 + 4 * 2 * 64 * 2 == 17408
     # plain VQ: no smoothing factors
     assert kv_bytes("vq", 2, TINY).fixed_bytes == 16384
-    # 3-bit 4096x4: int16 per 4 channels -> 4 physical bits
+    # 3-bit 4096x4: 16 12-bit codes per head vector packed in 24 bytes -> 3 physical bits,
+    # 1.5x the 2-bit preset's bytes
     b3 = kv_bytes("vecinfer", 3, TINY)
-    assert (b3.nominal_bits, b3.physical_bits_per_element, b3.bytes_per_token) == (3.0, 4.0, 512)
-    # 1.5-bit 4096x8: int16 per 8 channels -> 2 physical bits
+    assert (b3.nominal_bits, b3.physical_bits_per_element, b3.bytes_per_token) == (3.0, 3.0, 384)
+    assert b3.bytes_per_token == 1.5 * b2.bytes_per_token
+    # 1.5-bit 4096x8: 8 codes in 12 bytes -> 1.5 physical bits, 0.75x the 2-bit preset's bytes
     b15 = kv_bytes("hadamard", 1.5, TINY)
-    assert (b15.physical_bits_per_element, b15.bytes_per_token) == (2.0, 256)
+    assert (b15.physical_bits_per_element, b15.bytes_per_token) == (1.5, 192)
+    assert b15.bytes_per_token == 0.75 * b2.bytes_per_token
     assert b15.fixed_bytes == 2 * 4 * 4096 * 8 * 2 == 524288
-    # 1.25-bit: int16 keys / 8, uint8 values / 8
+    # 1.25-bit: 12-bit keys / 8 channels (12 bytes per head), 8-bit values / 8 (8 bytes)
     b125 = kv_bytes("vecinfer", 1.25, TINY)
-    assert (b125.physical_bits_per_element, b125.bytes_per_token) == (1.5, 192)
+    assert (b125.physical_bits_per_element, b125.bytes_per_token) == (1.25, 160)
     assert kv_bytes("vecinfer", 4, TINY).bytes_per_token == 512
     assert kv_bytes("vecinfer", 1, TINY).bytes_per_token == 128
 
 
 def test_kv_bytes_residual_window_and_llama():
     acc = kv_bytes("vecinfer", 1.5, LLAMA8B, residual=128)
-    assert acc.bytes_per_token == 2 * 32 * 8 * 128 / 8 * 2 == 16384
+    assert acc.bytes_per_token == 2 * 32 * 8 * 128 * 1.5 / 8 == 12288
     fixed = 2 * 32 * 4096 * 8 * 2 + 32 * 8 * 128 * 2
     assert acc.fixed_bytes == fixed
     assert acc.total(100) == 100 * 131072 + fixed
-    assert acc.total(1128) == 128 * 131072 + 1000 * 16384 + fixed
+    assert acc.total(1128) == 128 * 131072 + 1000 * 12288 + fixed
     assert acc.per_token_at(1128) == acc.total(1128) / 1128
 
 

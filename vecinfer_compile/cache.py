@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .codebooks import VecInferCodebooks, model_geometry
-from .quant.codebook import code_dtype
+from .quant.packing import pack_codes, packed_width
 from .quant.rows import rows_matmul
 
 __all__ = ["VecInferCache", "VecInferLayer", "cache_kwargs", "cache_window_mask"]
@@ -59,7 +59,8 @@ FLUSH_DIRECT_MAX = 16  # tokens per update encoded by the plain-torch form on CU
 
 
 def _encode_flush(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Codes of the tokens an update moves out of the window (``x`` already transformed).
+    """Stored codes (uint8, packed as :mod:`.quant.packing` says, as the op returns them) of the
+    tokens an update moves out of the window (``x`` already transformed).
 
     Nearest centroid by ``((x - c) ** 2).sum()``, which Inductor compiles into one reduction
     kernel parallel over sub-vectors and entries. On CUDA an update of more than
@@ -77,7 +78,7 @@ def _encode_flush(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     b, h, t, d = x.shape
     sub = x.float().reshape(b, h, t, d // dims, 1, dims)
     dist = ((sub - centroids) ** 2).sum(-1)
-    return dist.argmin(-1).to(code_dtype(entries))
+    return pack_codes(dist.argmin(-1), entries)
 
 
 def cache_window_mask(tq: int, tk: int, residual: int, *, prefill: bool = False, device=None) -> torch.Tensor:
@@ -105,8 +106,10 @@ class VecInferLayer(CacheLayerMixin):
 
     Buffers (``B`` batch, ``H`` KV heads, ``D`` head_dim, ``R`` residual):
 
-    - ``k_codes [B, H, max_cache_len, D // dk]``, ``v_codes [B, H, max_cache_len, D // dv]``
-      (uint8, int16 for codebooks over 256 entries): slot ``t < n_coded`` holds position ``t``.
+    - ``k_codes [B, H, max_cache_len, Wk]``, ``v_codes [B, H, max_cache_len, Wv]`` uint8 stored
+      codes, ``W = packed_width(D // d, entries)``: one byte per code for codebooks of <= 256
+      entries, 12-bit codes packed two in three bytes above (:mod:`.quant.packing`), so physical
+      bits equal nominal bits. Slot ``t < n_coded`` holds position ``t``.
     - ``k_window`` (transformed keys ``K~``), ``v_window`` (raw values) ``[B, H, R, D]`` in the
       model dtype: slot ``s < n_window`` holds position ``n_coded + s``.
     - ``n_coded``, ``n_window``: 0-d int64 tensors (never Python ints: no recompiles).
@@ -174,10 +177,10 @@ class VecInferLayer(CacheLayerMixin):
         b, h, dev = batch_size, self.num_heads, self.device
         dk, dv = self.key_centroids.shape[1], self.value_centroids.shape[1]
         self.batch_size = batch_size
-        self.k_codes = torch.zeros(b, h, self.max_cache_len, self.head_dim // dk,
-                                   dtype=code_dtype(self.key_centroids.shape[0]), device=dev)
-        self.v_codes = torch.zeros(b, h, self.max_cache_len, self.head_dim // dv,
-                                   dtype=code_dtype(self.value_centroids.shape[0]), device=dev)
+        wk = packed_width(self.head_dim // dk, self.key_centroids.shape[0])
+        wv = packed_width(self.head_dim // dv, self.value_centroids.shape[0])
+        self.k_codes = torch.zeros(b, h, self.max_cache_len, wk, dtype=torch.uint8, device=dev)
+        self.v_codes = torch.zeros(b, h, self.max_cache_len, wv, dtype=torch.uint8, device=dev)
         self.k_window = torch.zeros(b, h, self.residual, self.head_dim, dtype=self.dtype, device=dev)
         self.v_window = torch.zeros(b, h, self.residual, self.head_dim, dtype=self.dtype, device=dev)
         self.n_coded = torch.zeros((), dtype=torch.int64, device=dev)

@@ -79,7 +79,7 @@ def run(args) -> int:
     if args.plot:
         from ..evaluation.plots import plot_ppl_vs_bits
 
-        plot_ppl_vs_bits(results, args.plot, title=f"{Path(args.model).name}: perplexity vs KV bits")
+        plot_ppl_vs_bits(results, args.plot, title=f"{Path(args.model).name}: perplexity vs physical KV bits")
         result["plot"] = str(args.plot)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -145,7 +145,7 @@ def run(args) -> int:
                       f"residual 0, codebooks from {cb_dir}")
     if ppl_rows is not None:
         files["ppl_vs_bits"] = str(plot_ppl_vs_bits(ppl_rows, out_dir / "ppl_vs_bits.png",
-                                                    title=f"{name}: perplexity vs KV bits"))
+                                                    title=f"{name}: perplexity vs physical KV bits"))
     summary = summary_dict(stats, usage)
     summary.update({
         "model": str(args.model), "text": str(args.text), "tokens": args.tokens, "bits": args.bits,

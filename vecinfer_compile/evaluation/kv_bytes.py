@@ -5,9 +5,10 @@ elements. What one element costs:
 
 - ``fp16``: 2 bytes.
 - VQ methods (``vecinfer``, ``vq``, ``smooth``, ``hadamard``): each sub-vector of ``dims``
-  channels is one code of nominally ``log2(entries)`` bits, physically stored as ``uint8``
-  (<= 256 entries) or ``int16`` (more). So the 3-bit preset (4096x4) is 3 bits nominal but
-  4 bits physical per element, and 1.5-bit (4096x8) is 2 bits physical. Fixed cost, paid once
+  channels is one code of ``log2(entries)`` bits, stored at that width
+  (:mod:`vecinfer_compile.quant.packing`: one byte for <= 256 entries, two 12-bit codes in three
+  bytes for 4096), so physical bits equal nominal bits: 3 for the 3-bit preset (4096x4), 1.5 for
+  1.5-bit (4096x8), 1.25 for 1.25-bit. Fixed cost, paid once
   and not per token: the fp16 codebooks (``entries * dims`` per layer, keys and values) and, for
   smoothing methods, the fp16 smoothing factors (``num_kv_heads * head_dim`` per layer).
 - ``kivi``: ``bits`` per element (packed) plus an fp16 scale and an fp16 zero-point per group of
@@ -78,6 +79,7 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
         return KVBytes("kivi", float(b), phys, 2 * elems * phys / 8, fp16_token, 0, residual)
     from ..codebooks import average_bits
     from ..presets import get_preset
+    from ..quant.packing import packed_width
 
     per_layer = [float(bits)] * layers if layer_bits is None else [float(b) for b in layer_bits]
     if len(per_layer) != layers:
@@ -88,8 +90,7 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
         preset = get_preset(b)
         for spec in (preset.key, preset.value):
             spec.check_head_dim(head_dim)
-            codes = heads * head_dim // spec.dims  # codes per token in this layer
-            code_bytes += codes * (1 if spec.entries <= 256 else 2)
+            code_bytes += heads * packed_width(head_dim // spec.dims, spec.entries)  # per token, this layer
             fixed += spec.entries * spec.dims * FP16_BYTES
     if VQ_METHODS[method].smooth:
         fixed += layers * heads * head_dim * FP16_BYTES

@@ -7,7 +7,8 @@ Schema::
         Tensor n_coded, Tensor k_window, Tensor v_window, Tensor n_window, Tensor? lam,
         Tensor? rotation) -> (Tensor, Tensor)
 
-It is the cache's *eager* read: ``K[b, h, t] = keys_inverse(decode(k_codes))[t]`` for
+Codes are uint8 in the stored layout of :mod:`vecinfer_compile.quant.packing`. It is the
+cache's *eager* read: ``K[b, h, t] = keys_inverse(decode(k_codes))[t]`` for
 ``t < n_coded``, ``keys_inverse(k_window[t - n_coded])`` for ``n_coded <= t < n_coded + n_window``,
 zero beyond; ``V`` likewise without the inverse transform. Both ``[B, Hkv, Tmax, D]`` in the
 window's dtype. The op is pure (no mutation) and opaque, so in a Dynamo graph it is one node whose
@@ -19,6 +20,8 @@ arguments are exactly the cache state: :mod:`vecinfer_compile.passes.cache_decod
 from __future__ import annotations
 
 import torch
+
+from ..quant.packing import packed_width, unpack_codes
 
 NAMESPACE = "vecinfer"
 QUALNAME = f"{NAMESPACE}::cache_kv"
@@ -35,11 +38,16 @@ def _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_wind
         if t.dim() != 0 or t.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be a 0-d int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
     d = k_window.shape[-1]
-    if k_codes.shape[-1] * k_centroids.shape[-1] != d or v_codes.shape[-1] * v_centroids.shape[-1] != d:
-        raise ValueError(
-            f"codes {tuple(k_codes.shape)}/{tuple(v_codes.shape)} with sub-vectors of "
-            f"{k_centroids.shape[-1]}/{v_centroids.shape[-1]} do not make head_dim {d}"
-        )
+    for codes, cent, name in ((k_codes, k_centroids, "k_codes"), (v_codes, v_centroids, "v_codes")):
+        entries, dims = cent.shape
+        if d % dims:
+            raise ValueError(f"head_dim {d} is not divisible by the {entries}x{dims} codebook of {name}")
+        width = packed_width(d // dims, entries)
+        if codes.dtype != torch.uint8 or codes.shape[-1] != width:
+            raise ValueError(
+                f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not stored codes of a {entries}x{dims} codebook "
+                f"for head_dim {d} (uint8, {width} bytes per head vector): build them with vecinfer::encode"
+            )
     if lam is not None and tuple(lam.shape) != (k_window.shape[1], d):
         raise ValueError(f"lam must be [Hkv, D] = {(k_window.shape[1], d)}, got {tuple(lam.shape)}")
     if rotation is not None and tuple(rotation.shape) != (d, d):
@@ -48,9 +56,10 @@ def _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_wind
 
 def _assemble(codes, centroids, n_coded, window, n_window) -> torch.Tensor:
     """float32 ``[B, H, Tmax, D]``: decoded codes below n_coded, window slots after, zeros beyond."""
-    b, h, tmax, n = codes.shape
+    idx = unpack_codes(codes, centroids.shape[0])
+    b, h, tmax, n = idx.shape
     r = window.shape[2]
-    dec = centroids.float()[codes.long()].reshape(b, h, tmax, n * centroids.shape[1])
+    dec = centroids.float()[idx].reshape(b, h, tmax, n * centroids.shape[1])
     t = torch.arange(tmax, device=codes.device)
     slot = t - n_coded
     in_window = (slot >= 0) & (slot < n_window)

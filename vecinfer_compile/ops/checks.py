@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..quant.packing import code_bits, packed_width
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -38,18 +40,25 @@ def check_head_dim(head_dim: int, centroids: torch.Tensor, name: str) -> None:
 
 
 def check_codes(codes: torch.Tensor, centroids: torch.Tensor, head_dim: int, name: str) -> None:
-    """``codes: [B, H, T, head_dim // d]``, uint8 for <= 256 entries else int16."""
-    check_rank(codes, 4, name, "[B, H, T, head_dim // dims]")
+    """``codes: [B, H, T, packed_width(head_dim // d, entries)]`` uint8: one byte per code for
+    <= 256 entries, two 12-bit codes in three bytes above (see :mod:`..quant.packing`)."""
+    check_rank(codes, 4, name, "[B, H, T, packed_width(head_dim // dims, entries)]")
     entries, dims = centroids.shape
     check_head_dim(head_dim, centroids, f"the centroids of {name}")
-    if codes.dtype not in (torch.uint8, torch.int16):
-        raise TypeError(f"{name} must be uint8 or int16 (as quant.codebook.encode returns), got {codes.dtype}")
-    want = torch.uint8 if entries <= 256 else torch.int16
-    if codes.dtype != want:
-        raise TypeError(f"{name} are {codes.dtype} but a codebook of {entries} entries needs {want}")
-    if codes.shape[-1] * dims != head_dim:
+    bits = code_bits(entries)
+    if codes.dtype != torch.uint8:
+        raise TypeError(
+            f"{name} must be uint8 stored codes (as vecinfer::encode returns), got {codes.dtype}; "
+            "pack centroid indices with vecinfer_compile.quant.packing.pack_codes(codes, entries)"
+        )
+    subvectors = head_dim // dims
+    width = packed_width(subvectors, entries)
+    if codes.shape[-1] != width:
         raise ValueError(
-            f"{name} have {codes.shape[-1]} sub-vectors of {dims} channels but head_dim is {head_dim}"
+            f"{name} have {codes.shape[-1]} bytes per head vector but {subvectors} {bits}-bit codes of a "
+            f"{entries}x{dims} codebook (head_dim {head_dim}) are stored in {width}; "
+            + ("pack them with vecinfer_compile.quant.packing.pack_codes(codes, entries)"
+               if bits == 12 and codes.shape[-1] == subvectors else "encode with this codebook")
         )
 
 

@@ -4,8 +4,8 @@
 // parameters arrive as -D defines:
 //   D            head_dim (64 or 128)             G        query heads per KV head (1..16)
 //   DK, DV       channels per key / value centroid (2, 4 or 8)
-//   EK, EV       key / value codebook entries     KFMT, VFMT  code format: 0 uint8 (EK/EV <= 256),
-//                                                 1 int16, 2 packed 12-bit (see load_codes)
+//   EK, EV       key / value codebook entries     KFMT, VFMT  code format: 0 one byte per code
+//                                                 (EK/EV <= 256), 2 packed 12-bit (see row_bytes)
 //   KCOPIES, VCOPIES  codebook copies in shared memory (lane l reads copy l % COPIES)
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
@@ -87,14 +87,14 @@ __device__ __forceinline__ int read_index(const void* p, int i, int is64) {
     return is64 ? (int)((const long long*)p)[i] : ((const int*)p)[i];
 }
 
-// Bytes of one position's codes: S codes as uint8 (FMT 0), int16 (1), or packed 12-bit (2): the
-// S low bytes, then ceil(S / 2) bytes of high nibbles (code 2i low nibble, 2i + 1 high nibble).
-__host__ __device__ constexpr int row_bytes(int s, int fmt) { return fmt == 0 ? s : fmt == 1 ? 2 * s : s + (s + 1) / 2; }
-// Registers holding a thread's n codes of one position: packed keeps the low bytes in the first
-// (n + 3) / 4 words and the nibbles after them.
-__host__ __device__ constexpr int low_words(int n, int fmt) { return fmt == 1 ? (2 * n + 3) / 4 : (n + 3) / 4; }
+// Bytes of one position's codes: S codes as one byte each (FMT 0) or packed 12-bit (FMT 2): the S
+// low bytes, then ceil(S / 2) bytes of high nibbles (code 2i low nibble, 2i + 1 high nibble).
+__host__ __device__ constexpr int row_bytes(int s, int fmt) { return fmt == 0 ? s : s + (s + 1) / 2; }
+// Registers holding a thread's n codes of one position: the low bytes in the first (n + 3) / 4
+// words, packed nibbles after them.
+__host__ __device__ constexpr int low_words(int n) { return (n + 3) / 4; }
 __host__ __device__ constexpr int code_words(int n, int fmt) {
-    return low_words(n, fmt) + (fmt == 2 ? (n / 2 + 3) / 4 + (n == 1) : 0);
+    return low_words(n) + (fmt == 2 ? (n / 2 + 3) / 4 + (n == 1) : 0);
 }
 
 // NB bytes of codes at p (NB in 1, 2, 4, 8, 16; p aligned to NB) into words w[].
@@ -120,15 +120,11 @@ __device__ __forceinline__ void load_code_bytes(const unsigned char* p, unsigned
 // the one nibble, shifted down so that code_at reads it at bit 0).
 template <int N, int FMT, int S>
 __device__ __forceinline__ void load_codes(const unsigned char* row, int s0, unsigned* w) {
-    if (FMT == 1) {
-        load_code_bytes<2 * N>(row + 2 * s0, w);
-    } else {
-        load_code_bytes<N>(row + s0, w);
-        if (FMT == 2) {
-            unsigned* wn = w + low_words(N, FMT);
-            if (N == 1) wn[0] = (unsigned)row[S + (s0 >> 1)] >> ((s0 & 1) * 4);
-            else load_code_bytes<N / 2>(row + S + (s0 >> 1), wn);
-        }
+    load_code_bytes<N>(row + s0, w);
+    if (FMT == 2) {
+        unsigned* wn = w + low_words(N);
+        if (N == 1) wn[0] = (unsigned)row[S + (s0 >> 1)] >> ((s0 & 1) * 4);
+        else load_code_bytes<N / 2>(row + S + (s0 >> 1), wn);
     }
 }
 
@@ -141,9 +137,8 @@ __device__ __forceinline__ void zero_codes(unsigned* w) {
 // Code j of the N loaded by load_codes.
 template <int N, int FMT>
 __device__ __forceinline__ unsigned code_at(const unsigned* w, int j) {
-    if (FMT == 1) return (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
     unsigned c = (w[j >> 2] >> ((j & 3) * 8)) & 0xffu;
-    if (FMT == 2) c |= ((w[low_words(N, FMT) + (j >> 3)] >> ((j & 7) * 4)) & 0xfu) << 8;
+    if (FMT == 2) c |= ((w[low_words(N) + (j >> 3)] >> ((j & 7) * 4)) & 0xfu) << 8;
     return c;
 }
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..quant.packing import is_packed
 from .checks import check_decode_args
 from .nvrtc import CudaBuildError, Kernel, compile_source, load_kernels
 
@@ -49,7 +50,6 @@ class Variant:
     v_entries: int
     v_dims: int
     fp16: bool
-    packed: bool = False
 
     @staticmethod
     def copies(entries: int, dims: int) -> int:
@@ -66,26 +66,25 @@ class Variant:
         return max(k + v, NWARPS * self.group * (self.head_dim + 2) * 4)
 
     @staticmethod
-    def code_format(entries: int, packed: bool) -> int:
-        """The source's KFMT/VFMT: 0 uint8 codes, 1 int16, 2 packed 12-bit."""
-        return 0 if entries <= 256 else (2 if packed else 1)
+    def code_format(entries: int) -> int:
+        """The source's KFMT/VFMT: 0 for one byte per code, 2 for packed 12-bit codes
+        (:mod:`vecinfer_compile.quant.packing`)."""
+        return 2 if is_packed(entries) else 0
 
     def defines(self) -> list[str]:
         values = dict(
             D=self.head_dim, G=self.group, DK=self.k_dims, DV=self.v_dims, EK=self.k_entries,
-            EV=self.v_entries, KFMT=self.code_format(self.k_entries, self.packed),
-            VFMT=self.code_format(self.v_entries, self.packed),
+            EV=self.v_entries, KFMT=self.code_format(self.k_entries),
+            VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
             FP16=int(self.fp16), NWARPS=NWARPS,
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
 
-def variant_for(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor,
-                group: int) -> Variant:
+def variant_for(q: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor, group: int) -> Variant:
     (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
-    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16,
-                   packed=k_codes.dtype == torch.uint8)
+    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16)
 
 
 def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
@@ -109,7 +108,7 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
         entries, dims = (int(x) for x in c.shape)
         if dims not in CENTROID_DIMS or entries > MAX_ENTRIES:
             return f"a {entries}x{dims} {name} codebook (the CUDA kernel takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
-    smem = variant_for(q, k_codes, k_centroids, v_centroids, group).smem_bytes
+    smem = variant_for(q, k_centroids, v_centroids, group).smem_bytes
     if smem > SMEM_LIMIT:
         return f"the codebooks need {smem} bytes of shared memory, more than {SMEM_LIMIT}"
     return None
@@ -189,7 +188,8 @@ def decode_attention_cuda(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as :func:`vecinfer_compile.ops.reference.decode_attention`: q ``[B, Hq, 1, D]``
-    bf16/fp16 (q~), codes ``[B, Hkv, Tmax, D // d]`` uint8/int16, centroids float32 ``[E, d]``,
+    bf16/fp16 (q~), stored codes ``[B, Hkv, Tmax, W]`` uint8 (``W = D // d``, packed when 12-bit),
+    centroids float32 ``[E, d]``,
     windows ``[B, Hkv, R, D]``, ``n_coded``/``n_window`` 0-d int tensors, ``kv_start`` ``[B]`` or
     None -> ``[B, Hq, 1, D]`` in q.dtype. Raises :class:`CudaBuildError` if the inputs or the
     machine do not fit the kernel (see :func:`unsupported_reason`)."""
@@ -197,7 +197,7 @@ def decode_attention_cuda(
     reason = unsupported_reason(q, k_codes, k_centroids, v_centroids)
     if reason is not None:
         raise CudaBuildError(f"the CUDA decode kernel cannot run this call: {reason}; use the Triton kernel")
-    variant = variant_for(q, k_codes, k_centroids, v_centroids, group)
+    variant = variant_for(q, k_centroids, v_centroids, group)
     built = kernels_for(variant, q.device)
     b, hq, _, d = q.shape
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
@@ -238,7 +238,7 @@ def build_error(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tenso
     (compiles it as a side effect: call it before tracing, never inside a CUDA-graph capture)."""
     group = int(q.shape[1]) // int(k_codes.shape[1])
     try:
-        kernels_for(variant_for(q, k_codes, k_centroids, v_centroids, group), q.device)
+        kernels_for(variant_for(q, k_centroids, v_centroids, group), q.device)
     except (CudaBuildError, OSError) as exc:
         return str(exc)
     return None

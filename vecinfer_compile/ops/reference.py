@@ -1,8 +1,10 @@
 """Pure-torch reference of the ``vecinfer`` ops: the oracle for the kernels and the CPU path.
 
 Everything is computed in float32 and returned in ``q.dtype`` (codes for :func:`encode`).
-Dequantization is ``centroids[codes.long()]``. GQA never repeats K/V: queries are viewed as
-``[B, Hkv, G * Tq, D]`` (query head ``h`` uses KV head ``h // G``). No ``.item()`` and no
+Codes are uint8 in the stored layout of :mod:`..quant.packing` (12-bit codes of codebooks over
+256 entries packed two in three bytes); dequantization is ``centroids[unpack_codes(codes)]``.
+GQA never repeats K/V: queries are viewed as ``[B, Hkv, G * Tq, D]`` (query head ``h`` uses KV
+head ``h // G``). No ``.item()`` and no
 data-dependent Python, so the functions trace with symbolic shapes.
 """
 
@@ -10,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.codebook import code_dtype
+from ..quant.packing import pack_codes, unpack_codes
 from .checks import check_attention_args, check_decode_args, check_encode_args
 
 
 def dequantize(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """``codes: [B, H, T, D // d]`` uint8/int16 -> ``[B, H, T, D]`` float32."""
-    b, h, t, n = codes.shape
-    return centroids.float()[codes.long()].reshape(b, h, t, n * centroids.shape[1])
+    """Stored codes ``[B, H, T, packed_width(D // d, E)]`` uint8, centroids ``[E, d]`` ->
+    ``[B, H, T, D]`` float32."""
+    idx = unpack_codes(codes, centroids.shape[0])
+    b, h, t, n = idx.shape
+    return centroids.float()[idx].reshape(b, h, t, n * centroids.shape[1])
 
 
 def encode(
@@ -26,8 +30,9 @@ def encode(
     """Codes of ``((x / lam) @ rotation)``.
 
     x ``[B, H, T, D]`` float; lam ``[H, D]`` float32 or None; rotation ``[D, D]`` or None;
-    centroids ``[E, d]`` float32 -> codes ``[B, H, T, D // d]`` (uint8 if E <= 256 else int16),
-    the nearest centroid by squared distance in float32 (as ``quant.codebook.encode``).
+    centroids ``[E, d]`` float32 -> stored codes ``[B, H, T, packed_width(D // d, E)]`` uint8 (one
+    byte per code for E <= 256, 12-bit codes packed two in three bytes above): the nearest
+    centroid by squared distance in float32 (as ``quant.codebook.encode``).
     """
     check_encode_args(x, lam, rotation, centroids)
     work = x.float()
@@ -40,7 +45,7 @@ def encode(
     sub = work.reshape(b, h, t, d // dims, dims)
     c = centroids.float()
     dist = (sub * sub).sum(-1, keepdim=True) - 2.0 * (sub @ c.T) + (c * c).sum(-1)
-    return dist.argmin(-1).to(code_dtype(entries))
+    return pack_codes(dist.argmin(-1), entries)
 
 
 def quantize(
@@ -90,8 +95,8 @@ def attention(
 ) -> torch.Tensor:
     """Attention of transformed queries over quantized keys/values (prefill / simulate).
 
-    q ``[B, Hq, Tq, D]`` (q~) fp16/bf16/fp32; k_codes ``[B, Hkv, Tk, D // dk]``, v_codes
-    ``[B, Hkv, Tk, D // dv]``; centroids float32 ``[E, d]``; k_full/v_full ``[B, Hkv, Tk, D]``
+    q ``[B, Hq, Tq, D]`` (q~) fp16/bf16/fp32; k_codes ``[B, Hkv, Tk, Wk]``, v_codes
+    ``[B, Hkv, Tk, Wv]`` uint8 stored codes (``W = packed_width(D // d, E)``); centroids float32 ``[E, d]``; k_full/v_full ``[B, Hkv, Tk, D]``
     replace the codes of key j for query i when ``(i + Tk - Tq) - j < residual``; attn_mask bool
     (True = attend) or additive float, broadcastable to ``[B, Hq, Tq, Tk]``; is_causal: key
     ``j <= i`` (top-left, as SDPA). Fully masked rows give zeros. Returns ``[B, Hq, Tq, D]``
@@ -140,7 +145,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """One decode step over a compressed cache.
 
-    q ``[B, Hq, 1, D]`` (q~); k_codes/v_codes ``[B, Hkv, Tmax, D // d]`` of which the first
+    q ``[B, Hq, 1, D]`` (q~); k_codes/v_codes ``[B, Hkv, Tmax, W]`` uint8 stored codes
+    (``W = packed_width(D // d, E)``) of which the first
     ``n_coded`` (0-d int tensor) positions are valid; k_window (K~) / v_window ``[B, Hkv, R, D]``
     full precision, first ``n_window`` valid, slot s is position ``n_coded + s``; kv_start ``[B]``
     int or None masks positions ``< kv_start[b]``. Returns ``[B, Hq, 1, D]`` in q.dtype.

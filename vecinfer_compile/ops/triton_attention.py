@@ -4,7 +4,8 @@ One program handles one (batch, KV head, block of ``BLOCK_M`` rows). The rows pa
 group of query heads into the M dimension, interleaved (``row = i * G + g`` for query position i
 and group member g), so every K/V tile is dequantized once for the whole group and causal loop
 bounds stay tight. K/V tiles are dequantized in registers by gathering centroid rows with
-code-derived offsets, each code loaded once (the codebook, a few KiB in q's dtype, stays in L1).
+code-derived offsets, each code loaded once from its stored layout (12-bit codes packed, see
+:mod:`vecinfer_compile.quant.packing`; the codebook, a few KiB in q's dtype, stays in L1).
 Online softmax in base 2; keys inside the residual window (``(i + Tk - Tq) - j < residual``)
 use the full-precision tiles instead of codes, which are only loaded for key blocks that can
 contain such keys.
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.packing import is_packed
 from .checks import check_attention_args
 from .triton_common import LOG2E, check_head_dim_pow2, dequant_tile_2d, launch, softmax_step, unit_last_stride
 
@@ -52,6 +54,7 @@ def _attention_kernel(
     so_b, so_h, so_t,
     H_KV, TQ, TK, residual, qk_scale,
     G: tl.constexpr, D: tl.constexpr, DSUB_K: tl.constexpr, DSUB_V: tl.constexpr,
+    PACKED_K: tl.constexpr, PACKED_V: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -81,7 +84,7 @@ def _attention_kernel(
     for j0 in range(0, k_end, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         j_ok = offs_j < TK
-        k = dequant_tile_2d(kc_base, skc_t, offs_j, j_ok, kcent_ptr, BLOCK_N, D, DSUB_K)
+        k = dequant_tile_2d(kc_base, skc_t, offs_j, j_ok, kcent_ptr, BLOCK_N, D, DSUB_K, PACKED_K)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -112,7 +115,7 @@ def _attention_kernel(
         s = tl.where(keep, s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None]
-        v = dequant_tile_2d(vc_base, svc_t, offs_j, j_ok, vcent_ptr, BLOCK_N, D, DSUB_V)
+        v = dequant_tile_2d(vc_base, svc_t, offs_j, j_ok, vcent_ptr, BLOCK_N, D, DSUB_V, PACKED_V)
         if HAS_RESIDUAL:
             if near:
                 vf = tl.load(vf_ptr + b * svf_b + kvh * svf_h + offs_j[:, None] * svf_t + d[None, :],
@@ -194,6 +197,7 @@ def attention_triton(
         out.stride(0), out.stride(1), out.stride(2),
         hkv, tq, tk, residual, scale * LOG2E,
         G=group, D=d, DSUB_K=k_centroids.shape[1], DSUB_V=v_centroids.shape[1],
+        PACKED_K=is_packed(k_centroids.shape[0]), PACKED_V=is_packed(v_centroids.shape[0]),
         MASK_KIND=kind, IS_CAUSAL=is_causal, HAS_RESIDUAL=has_residual, IEEE=q.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
     )

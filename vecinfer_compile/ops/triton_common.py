@@ -41,35 +41,44 @@ def block_rows(n: int) -> int:
 
 
 @triton.jit
-def load_codes(codes_ptr, stride_t, offs_t, t_mask, NSUB: tl.constexpr):
-    """``[len(offs_t), NSUB]`` int32 codes of rows ``offs_t`` (0 where ``t_mask`` is False)."""
+def load_codes(codes_ptr, stride_t, offs_t, t_mask, NSUB: tl.constexpr, PACKED: tl.constexpr):
+    """``[len(offs_t), NSUB]`` int32 codes of rows ``offs_t`` (0 where ``t_mask`` is False).
+
+    A row is the stored layout of :mod:`vecinfer_compile.quant.packing`: ``NSUB`` bytes (8-bit
+    codes), or with ``PACKED`` (12-bit codes) ``NSUB`` low bytes then ``NSUB // 2`` bytes of high
+    nibbles, code ``2i`` in the low nibble of byte ``NSUB + i`` and ``2i + 1`` in its high nibble."""
     sub = tl.arange(0, NSUB)
-    return tl.load(codes_ptr + offs_t[:, None] * stride_t + sub[None, :], mask=t_mask[:, None], other=0).to(tl.int32)
+    row = codes_ptr + offs_t[:, None] * stride_t
+    code = tl.load(row + sub[None, :], mask=t_mask[:, None], other=0).to(tl.int32)
+    if PACKED:
+        nib = tl.load(row + NSUB + (sub // 2)[None, :], mask=t_mask[:, None], other=0).to(tl.int32)
+        code = code | (((nib >> ((sub % 2) * 4)[None, :]) & 0xF) << 8)
+    return code
 
 
 @triton.jit
 def dequant_tile(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
-                 N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr):
-    """Rows ``offs_t`` (``N`` of them) of a code matrix (``stride_t`` between rows, the
-    ``D // DSUB`` sub-vector codes of a row contiguous) -> ``[N, D]`` centroid values in the
-    dtype of ``cent_ptr``. Rows outside ``t_mask`` hold centroid 0.
+                 N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr, PACKED: tl.constexpr):
+    """Rows ``offs_t`` (``N`` of them) of a stored code matrix (``stride_t`` bytes between rows,
+    each row as :func:`load_codes` reads it) -> ``[N, D]`` centroid values in the dtype of
+    ``cent_ptr``. Rows outside ``t_mask`` hold centroid 0.
 
     Each code is loaded once and its centroid row is fetched as one contiguous ``DSUB``-wide
     vector (one 8-byte load for a 4-channel bf16 centroid), not channel by channel."""
-    row = load_codes(codes_ptr, stride_t, offs_t, t_mask, D // DSUB) * DSUB
+    row = load_codes(codes_ptr, stride_t, offs_t, t_mask, D // DSUB, PACKED) * DSUB
     rows = tl.load(cent_ptr + row[:, :, None] + tl.arange(0, DSUB)[None, None, :])
     return tl.reshape(rows, [N, D])
 
 
 @triton.jit
 def dequant_tile_2d(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
-                    N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr):
+                    N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr, PACKED: tl.constexpr):
     """:func:`dequant_tile` through a 2-D ``[N, D]`` gather: each code is loaded once and
     broadcast to its ``DSUB`` channels before the gather, so no 3-D tile is reshaped into a
     ``tl.dot`` operand (Triton 3.6 rejects that shared layout for 16-bit wgmma operands on
     sm_90: "Illegal shared layout"). Rows outside ``t_mask`` hold centroid 0."""
     NSUB: tl.constexpr = D // DSUB
-    code = load_codes(codes_ptr, stride_t, offs_t, t_mask, NSUB)
+    code = load_codes(codes_ptr, stride_t, offs_t, t_mask, NSUB, PACKED)
     row = tl.reshape(tl.broadcast_to((code * DSUB)[:, :, None], [N, NSUB, DSUB]), [N, D])
     return tl.load(cent_ptr + row + (tl.arange(0, D) % DSUB)[None, :])
 

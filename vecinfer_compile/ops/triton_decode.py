@@ -12,13 +12,14 @@ Three launches per step:
 3. ``_merge_kernel``: grid ``(B * Hkv,)``; log-sum-exp merge of the partials, then the
    full-precision residual window folded in by the same online softmax, then normalisation.
 
-Centroids are gathered from global memory (a 256 x 4 bf16 codebook is 2 KiB and stays in L1),
-one vectorised centroid row per code. The split kernel runs unpipelined (``num_stages=1``): with
-software pipelining Triton turns the gathers into 8-byte ``cp.async`` copies through shared memory,
-which made the kernel 3x slower on the H200 at B=8..32, T >= 32k (``bench_decode_attention.py
---sweep``). Holding the codebook as a register tensor and gathering
-with ``tl.gather`` fails to compile on Triton 3.6 for these shapes (an assertion that the gather
-be warp-local), so that variant is not offered.
+Codes are read in their stored layout (:mod:`vecinfer_compile.quant.packing`: 12-bit codes two
+in three bytes, the high nibbles after the low bytes). Centroids are gathered from global memory
+(a 256 x 4 bf16 codebook is 2 KiB and stays in L1), one vectorised centroid row per code. The
+split kernel runs unpipelined (``num_stages=1``): with software pipelining Triton turns the
+gathers into 8-byte ``cp.async`` copies through shared memory, which made the kernel 3x slower on
+the H200 at B=8..32, T >= 32k (``bench_decode_attention.py --sweep``). Holding the codebook as a
+register tensor and gathering with ``tl.gather`` fails to compile on Triton 3.6 for these shapes
+(an assertion that the gather be warp-local), so that variant is not offered.
 
 The split count depends only on shapes (``B * Hkv`` and ``Tmax``), never on ``n_coded``, so CUDA
 graphs and compile do not specialise on the cache length.
@@ -32,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.packing import is_packed
 from .checks import check_decode_args
 from .triton_common import (
     LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, softmax_step,
@@ -84,7 +86,7 @@ def _split_kernel(
     pm_ptr, pl_ptr, pacc_ptr,
     sq_b, sq_h, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
     H_KV, NUM_SPLITS, CHUNK, qk_scale,
-    E_K: tl.constexpr,
+    E_K: tl.constexpr, PACKED_K: tl.constexpr, PACKED_V: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DSUB_K: tl.constexpr, DSUB_V: tl.constexpr,
     SCORE_LUT: tl.constexpr, HAS_START: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -116,20 +118,20 @@ def _split_kernel(
         offs = j0 + tl.arange(0, BLOCK_N)
         in_chunk = offs < hi
         if SCORE_LUT:
-            codes = load_codes(kc_base, skc_t, offs, in_chunk, NSUB_K)
+            codes = load_codes(kc_base, skc_t, offs, in_chunk, NSUB_K, PACKED_K)
             s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             for gi in tl.static_range(G):
                 part = tl.load(lut_base + (gi * NSUB_K + sub[None, :]) * E_K + codes, mask=in_chunk[:, None], other=0.0)
                 s = tl.where(g[:, None] == gi, tl.sum(part, 1)[None, :], s)
         else:
-            k = dequant_tile(kc_base, skc_t, offs, in_chunk, kcent_ptr, BLOCK_N, D, DSUB_K)
+            k = dequant_tile(kc_base, skc_t, offs, in_chunk, kcent_ptr, BLOCK_N, D, DSUB_K, PACKED_K)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             else:
                 s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where((in_chunk & (offs >= start))[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        v = dequant_tile(vc_base, svc_t, offs, in_chunk, vcent_ptr, BLOCK_N, D, DSUB_V)
+        v = dequant_tile(vc_base, svc_t, offs, in_chunk, vcent_ptr, BLOCK_N, D, DSUB_V, PACKED_V)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
         else:
@@ -263,7 +265,7 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
         v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
         hkv, splits, chunk, qk_scale,
-        E_K=e_k,
+        E_K=e_k, PACKED_K=is_packed(e_k), PACKED_V=is_packed(v_centroids.shape[0]),
         G=group, BLOCK_G=block_g, D=d, DSUB_K=dsub_k, DSUB_V=dsub_v,
         SCORE_LUT=use_lut, HAS_START=kv_start is not None, IEEE=ieee, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages,

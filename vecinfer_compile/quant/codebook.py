@@ -1,7 +1,10 @@
 """Vector-quantization codes: cut head vectors into sub-vectors and map each to a centroid.
 
 One codebook ``[entries, dims]`` is shared by every sub-vector position of a head vector.
-Codes are ``uint8`` for codebooks of up to 256 entries and ``int16`` above.
+The codes here are centroid indices, ``uint8`` for codebooks of up to 256 entries and ``int16``
+above (calibration, simulation, inspection). Where codes are stored (``vecinfer::encode``, the
+attention kernels, ``VecInferCache``) they are packed at their nominal width: see
+:mod:`.packing`.
 """
 
 from __future__ import annotations
