@@ -27,10 +27,12 @@ def test_smoothing_reduces_outlier_ratio_synthetic():
 
 def test_inspect_cli_writes_pngs_and_summary(tiny_dir, sample_text_path, tmp_path, capsys):
     abl = tmp_path / "abl.json"
-    abl.write_text(json.dumps({"rows": [
-        {"method": "fp16", "label": "full precision", "nominal_bits": 16, "bits": 16, "ppl": 30.0},
-        {"method": "vecinfer", "label": "VecInfer", "nominal_bits": 2, "bits": 2, "ppl": 33.0},
-        {"method": "vecinfer", "label": "VecInfer", "nominal_bits": 4, "bits": 4, "ppl": 30.5},
+    abl.write_text(json.dumps({"rows": [  # the fields `vecinfer ablation --out` writes that the plot reads
+        {"method": "fp16", "label": "full precision", "nominal_bits": 16, "bits": 16, "physical_bits_per_element": 16,
+         "ppl": 30.0},
+        {"method": "vecinfer", "label": "VecInfer", "nominal_bits": 2, "bits": 2, "physical_bits_per_element": 2,
+         "ppl": 33.0},
+        {"method": "kivi", "label": "KIVI", "nominal_bits": 2, "bits": 2, "physical_bits_per_element": 3, "ppl": 31.0},
     ]}))
     out = tmp_path / "inspect"
     rc = main(["inspect", "--model", str(tiny_dir), "--text", str(sample_text_path), "--calib-text",
