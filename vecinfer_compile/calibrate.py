@@ -16,7 +16,7 @@ from .methods import VQ_METHODS, check_method
 from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
-from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, query_second_moment
+from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
 from .quant.transform import KeyTransform, smoothing_factors
 from .recording import collect_kv
 
@@ -76,9 +76,10 @@ def calibrate(
     key/value K-Means codebooks for ``bits`` (a preset of :mod:`vecinfer_compile.presets`).
 
     ``method`` is ``vecinfer`` (smoothing + Hadamard), or an ablation: ``vq`` (neither),
-    ``smooth`` or ``hadamard``; ``qaware`` (``qaware-nohadamard``) replaces smoothing by the
-    query-aware matrix ``S^(1/2)`` of each KV head's post-RoPE calibration queries, with ``ridge``
-    (relative to ``S``'s mean eigenvalue, :mod:`vecinfer_compile.quant.query_aware`). By default every layer uses the preset of ``bits``;
+    ``smooth`` or ``hadamard``; ``qaware`` (ablations ``qaware-nohadamard``, ``qaware-sqrt``)
+    replaces smoothing by a per-KV-head matrix fitted to the post-RoPE calibration queries (and
+    keys), with ``ridge`` relative to their mean eigenvalue
+    (:mod:`vecinfer_compile.quant.query_aware`). By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
     ``bits`` (:mod:`vecinfer_compile.allocate`; ``residual`` is the cache window it assumes).
@@ -116,7 +117,7 @@ def calibrate(
     token_ids = calibration_token_ids(tokenizer, texts, max_tokens)
     if spec.query_aware and not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it keeps the query moment invertible), got {ridge}")
-    recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=spec.query_aware)
+    recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=bool(spec.query_aware))
     keys, values = recorded[:2]
     if len(keys) != num_layers:
         raise ValueError(f"recorded {len(keys)} attention layers but the config has {num_layers}")
@@ -126,7 +127,8 @@ def calibrate(
         lam = smoothing_factors(k.abs().amax(dim=(0, 2))) if spec.smooth else None
         matrices = (None, None)
         if spec.query_aware:
-            matrices = query_aware_matrices(query_second_moment(recorded[2][layer], k.shape[1]), ridge)
+            key_moment = second_moment(k[0], k.shape[1]) if spec.query_aware == "geomean" else None
+            matrices = query_aware_matrices(second_moment(recorded[2][layer], k.shape[1]), key_moment, ridge)
         transform = KeyTransform(head_dim, lam, spec.rotate, *matrices)
         k_t = transform.keys(k)
         layer_seed = seed + 1000 * layer

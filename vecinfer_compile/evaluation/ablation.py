@@ -27,6 +27,9 @@ LABELS = {
     "vq": "VQ (plain)",
     "smooth": "VQ + smoothing",
     "hadamard": "VQ + Hadamard",
+    "qaware": "query-aware + Hadamard",
+    "qaware-nohadamard": "query-aware",
+    "qaware-sqrt": "query-aware S^1/2 + Hadamard",
 }
 
 DEMO_ROWS: list[tuple[str, float]] = [
