@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import sympy
@@ -356,3 +357,49 @@ def test_compiled_decode_matches_eager_and_moves_the_read_to_queries():
     _check_rewritten_graph(backend.graphs[0], cfg.num_hidden_layers, 20, cfg.head_dim)
     code = backend.graphs[0].code
     assert "key_read" in code and "transform_queries" in code
+
+
+# -- the command line ------------------------------------------------------------------------------
+def test_cli_calibrate_then_eval_ppl_and_ridge_errors(capsys, tmp_path, tiny_dir, sample_text_path):
+    from vecinfer_compile.cli import main
+
+    out = tmp_path / "qa.safetensors"
+    base = ["--model", str(tiny_dir), "--text", str(sample_text_path)]
+    assert main(["calibrate", *base, "--bits", "2", "--method", "qaware", "--ridge", "0.5", "--out", str(out),
+                 "--max-tokens", "512", "--seq-len", "256", "--iters", "2", "--no-progress"]) == 0
+    assert load_codebooks(out).metadata["qaware_ridge"] == 0.5
+    capsys.readouterr()
+    assert main(["eval-ppl", *base, "--method", "qaware", "--codebooks", str(out), "--windows", "1",
+                 "--window-len", "64", "--json", "--no-progress"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["method"] == "qaware" and math.isfinite(result["ppl"])
+    assert main(["calibrate", *base, "--bits", "2", "--method", "vecinfer", "--ridge", "0.5", "--out", "x"]) == 2
+    assert "--ridge is for the query-aware methods" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_compiled_decode(dtype):
+    """On the GPU the query-aware cache decodes with the same kernels (they see q~ and codes):
+    fp32 matches eager token for token; bf16 mostly agrees (kernel vs eager rounding)."""
+    import sys
+    from pathlib import Path
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cache import left_padded, tiny_config
+    from test_cache_compile import _check_rewritten_graph, _compiled_vs_eager
+
+    torch.manual_seed(0)
+    cfg = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512)
+    model = LlamaForCausalLM(cfg).eval().to("cuda", dtype)
+    cb = random_codebooks(cfg, 2.0, "qaware")
+    ids, mask = left_padded(length=40, pad=7)
+    eager, compiled, backend, _, _ = _compiled_vs_eager(model, cb, ids.cuda(), mask.cuda(), tmax=80, residual=8,
+                                                        new_tokens=8)
+    _check_rewritten_graph(backend.graphs[0], cfg.num_hidden_layers, 80, cfg.head_dim)
+    if dtype == torch.float32:
+        assert torch.equal(compiled, eager)
+    else:
+        assert (compiled[:, 40:] == eager[:, 40:]).float().mean().item() >= 0.5

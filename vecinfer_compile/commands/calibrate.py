@@ -28,8 +28,9 @@ def register(subparsers) -> None:
                    help="vecinfer (default), an ablation (vq, smooth, hadamard) or the query-aware "
                         "transform (qaware; qaware-nohadamard)")
     p.add_argument("--ridge", type=float, default=None, metavar="R",
-                   help="qaware methods: ridge added to the normalised query moment (default "
-                        "0.01; examples/choose_qaware_ridge.py picks one on your calibration text)")
+                   help="qaware methods: ridge added to the normalised query/key moments (default "
+                        "0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
+                        "picks one on yours)")
     add_calib_args(p)
     p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
     add_progress_arg(p)
@@ -54,7 +55,7 @@ def run(args) -> int:
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
-        raise ValueError(f"--ridge is for the query-aware methods (qaware, qaware-nohadamard), not {args.method!r}")
+        raise ValueError(f"--ridge is for the query-aware methods (qaware, qaware-nohadamard, qaware-sqrt), not {args.method!r}")
     check_model_dir(args.model)
     check_file(args.text)
     t0 = time.perf_counter()

@@ -55,6 +55,10 @@ ABLATION_ROWS: list[tuple[str, float]] = [
     ("smooth", 1.5),
     ("hadamard", 2),
     ("hadamard", 1.5),
+    ("qaware", 2),
+    ("qaware", 1.5),
+    ("qaware-nohadamard", 2),
+    ("qaware-sqrt", 2),
 ]
 
 
