@@ -403,3 +403,21 @@ def test_cuda_compiled_decode(dtype):
         assert torch.equal(compiled, eager)
     else:
         assert (compiled[:, 40:] == eager[:, 40:]).float().mean().item() >= 0.5
+
+
+def test_needle_runs_through_the_query_aware_cache(tmp_path, tiny_dir, capsys):
+    """``vecinfer needle --method qaware``: generation through VecInferCache with codes read
+    (window 8 < prompt), one JSON object out."""
+    from transformers import AutoConfig
+
+    from vecinfer_compile.cli import main
+
+    haystack = tmp_path / "hay"
+    haystack.mkdir()
+    (haystack / "a.txt").write_text("The sea was calm and the ship sailed on through the night. " * 60)
+    cb = random_codebooks(AutoConfig.from_pretrained(tiny_dir), 2.0, "qaware").save(tmp_path / "qa.safetensors")
+    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "64",
+               "--depths", "50", "--method", "qaware", "--codebooks", str(cb), "--residual", "8",
+               "--trials", "1", "--max-new-tokens", "3", "--json", "--no-progress"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["method"] == "qaware" and "VecInferCache" in out["note"]
