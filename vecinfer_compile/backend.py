@@ -76,6 +76,12 @@ def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize
         raise TypeError(
             f"codebooks must be a path, a VecInferCodebooks or None, got {type(codebooks).__name__}"
         )
+    if codebooks is None and VQ_METHODS[method].query_aware:
+        raise ValueError(
+            f"method {method!r} needs calibrated codebooks (its key transform is fitted to the model's "
+            f"queries, which a compile-time fit does not see): pass codebooks=vecinfer_compile.calibrate("
+            f"model, tokenizer, text, method={method!r}) or a file from `vecinfer calibrate --method {method}`"
+        )
     if codebooks is None:
         bits = DEFAULT_BITS if bits is None else float(bits)
         get_preset(bits)  # a clear error for an unknown bit-width, now rather than at compile

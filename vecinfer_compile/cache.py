@@ -115,6 +115,9 @@ class VecInferLayer(CacheLayerMixin):
     - ``n_coded``, ``n_window``: 0-d int64 tensors (never Python ints: no recompiles).
     - ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``, ``lam [H, D]`` (or None), float32;
       ``rotation [D, D]`` float32 (or None), shared by all layers of a cache.
+    - query-aware methods: ``key_matrix [H, D, D] = A @ H`` (keys into the code domain) and
+      ``key_read [H, D, D] = (B @ H)^T`` (code domain back to keys; its transpose is the query
+      side), float32, with the Hadamard folded in (``rotation`` is then None).
     """
 
     is_compileable = True
@@ -136,6 +139,8 @@ class VecInferLayer(CacheLayerMixin):
         lam: torch.Tensor | None,
         rotation: torch.Tensor | None,
         layer_idx: int = 0,
+        key_matrix: torch.Tensor | None = None,
+        query_matrix: torch.Tensor | None = None,
     ):
         super().__init__()
         _ops()  # register the ops now, never while tracing
@@ -159,6 +164,12 @@ class VecInferLayer(CacheLayerMixin):
         self.value_centroids = value_centroids.to(dev, torch.float32).contiguous()
         self.lam = None if lam is None else lam.to(dev, torch.float32).contiguous()
         self.rotation = None if rotation is None else rotation.to(dev, torch.float32).contiguous()
+        self.key_matrix = self.key_read = None
+        if key_matrix is not None:  # A @ H and (B @ H)^T: one matmul each way, no separate rotation
+            fold = (lambda m: m) if self.rotation is None else (lambda m: m @ self.rotation)
+            self.key_matrix = fold(key_matrix.to(dev, torch.float32)).contiguous()
+            self.key_read = fold(query_matrix.to(dev, torch.float32)).transpose(-1, -2).contiguous()
+            self.rotation = None
         self._empty = True  # Python flag: prefill (first update) vs decode; guarded by Dynamo
         self.is_initialized = False
         self.k_codes = self.v_codes = self.k_window = self.v_window = self.n_coded = self.n_window = None
@@ -192,7 +203,7 @@ class VecInferLayer(CacheLayerMixin):
     # -- bookkeeping -------------------------------------------------------------------------
     def _static_tensors(self) -> list[torch.Tensor]:
         ts = [self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-              self.key_centroids, self.value_centroids, self.lam, self.rotation]
+              self.key_centroids, self.value_centroids, self.lam, self.rotation, self.key_matrix, self.key_read]
         return [t for t in ts if t is not None]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
@@ -236,10 +247,13 @@ class VecInferLayer(CacheLayerMixin):
         )
 
     def transform_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """``K~ = (K / lam) @ H`` computed in float32, returned in the cache dtype."""
+        """``K~ = (K / lam) @ H`` (or ``K @ key_matrix``) computed in float32, returned in the
+        cache dtype."""
         work = k.float()
         if self.lam is not None:
             work = work / self.lam[None, :, None, :]
+        if self.key_matrix is not None:
+            work = work @ self.key_matrix
         if self.rotation is not None:
             work = rows_matmul(work, self.rotation)
         return work.to(self.dtype)
@@ -314,10 +328,19 @@ class VecInferLayer(CacheLayerMixin):
             self.v_window.copy_(cv.index_select(2, keep))
         self.n_coded.add_(f)
         self.n_window.copy_(w_new)
-        return torch.ops.vecinfer.cache_kv(
+        return self._read(torch.ops.vecinfer)
+
+    def _read(self, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """``vecinfer::cache_kv`` (K in the original domain, V), then, for the query-aware
+        methods, ``K = (K~.float() @ key_read).to(dtype)`` (a plain matmul that
+        :mod:`~vecinfer_compile.passes.cache_decode` recognises and moves to the query side)."""
+        k, v = ops.cache_kv(
             self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
             self.k_window, self.v_window, self.n_window, self.lam, self.rotation,
         )
+        if self.key_read is not None:
+            k = (k.float() @ self.key_read).to(self.dtype)
+        return k, v
 
     # -- reads ---------------------------------------------------------------------------------
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,10 +348,7 @@ class VecInferLayer(CacheLayerMixin):
         cache stands for (zeros beyond the valid length)."""
         if not self.is_initialized:
             raise RuntimeError("this VecInferCache layer holds nothing yet (it allocates at its first update)")
-        return _ops().cache_kv(
-            self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
-            self.k_window, self.v_window, self.n_window, self.lam, self.rotation,
-        )
+        return self._read(_ops())
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older signature: cache_position
@@ -439,7 +459,7 @@ class VecInferCache(Cache):
       differ on near-ties).
 
     No full-precision copy of older tokens is kept anywhere. :meth:`kv_bytes` counts every byte
-    held (codes, windows, codebooks, lam, rotation, counters). Not croppable (encoded tokens
+    held (codes, windows, codebooks, lam, rotation or query-aware matrices, counters). Not croppable (encoded tokens
     cannot be un-flushed); fixed batch size; all layers must be full attention.
     """
 
@@ -506,6 +526,8 @@ class VecInferCache(Cache):
                     lam=lc.transform.lam,
                     rotation=rotation_cache[rotate],
                     layer_idx=i,
+                    key_matrix=lc.transform.key_matrix,
+                    query_matrix=lc.transform.query_matrix,
                 )
             )
         super().__init__(layers=layers)

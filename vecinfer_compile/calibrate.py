@@ -16,6 +16,7 @@ from .methods import VQ_METHODS, check_method
 from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
+from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
 from .quant.transform import KeyTransform, smoothing_factors
 from .recording import collect_kv
 
@@ -67,6 +68,7 @@ def calibrate(
     iters: int = 20,
     seed: int = 0,
     max_fit_vectors: int = 262144,
+    ridge: float = DEFAULT_RIDGE,
     device=None,
     progress: bool = True,
 ) -> VecInferCodebooks:
@@ -74,7 +76,10 @@ def calibrate(
     key/value K-Means codebooks for ``bits`` (a preset of :mod:`vecinfer_compile.presets`).
 
     ``method`` is ``vecinfer`` (smoothing + Hadamard), or an ablation: ``vq`` (neither),
-    ``smooth`` or ``hadamard``. By default every layer uses the preset of ``bits``;
+    ``smooth`` or ``hadamard``; ``qaware`` (ablations ``qaware-nohadamard``, ``qaware-sqrt``)
+    replaces smoothing by a per-KV-head matrix fitted to the post-RoPE calibration queries (and
+    keys), with ``ridge`` relative to their mean eigenvalue
+    (:mod:`vecinfer_compile.quant.query_aware`). By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
     ``bits`` (:mod:`vecinfer_compile.allocate`; ``residual`` is the cache window it assumes).
@@ -110,14 +115,21 @@ def calibrate(
     device = device or next(model.parameters()).device
 
     token_ids = calibration_token_ids(tokenizer, texts, max_tokens)
-    keys, values = collect_kv(model, token_ids, seq_len, progress)
+    if spec.query_aware and not ridge > 0:
+        raise ValueError(f"ridge must be > 0 (it keeps the query moment invertible), got {ridge}")
+    recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=bool(spec.query_aware))
+    keys, values = recorded[:2]
     if len(keys) != num_layers:
         raise ValueError(f"recorded {len(keys)} attention layers but the config has {num_layers}")
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
         lam = smoothing_factors(k.abs().amax(dim=(0, 2))) if spec.smooth else None
-        transform = KeyTransform(head_dim, lam, spec.rotate)
+        matrices = (None, None)
+        if spec.query_aware:
+            key_moment = second_moment(k[0], k.shape[1]) if spec.query_aware == "geomean" else None
+            matrices = query_aware_matrices(second_moment(recorded[2][layer], k.shape[1]), key_moment, ridge)
+        transform = KeyTransform(head_dim, lam, spec.rotate, *matrices)
         k_t = transform.keys(k)
         layer_seed = seed + 1000 * layer
         fitted[layer] = {}
@@ -135,6 +147,7 @@ def calibrate(
         "seq_len": seq_len,
         "kmeans_iters": iters,
         "seed": seed,
+        **({"qaware_ridge": ridge} if spec.query_aware else {}),
     }
     if allocate == "retrieval":
         text = texts if isinstance(texts, str) else "\n".join(texts)

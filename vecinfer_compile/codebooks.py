@@ -1,12 +1,15 @@
 """The calibration artifact: per-layer key transform and key/value codebooks, with metadata.
 
-File format 2: one safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
+File format 3: one safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
 ``layers.{i}.value_centroids [E_v, d_v]`` (float32; each layer has its own preset) and, when the
-method smooths, ``lam [L, H_kv, D]``. The safetensors metadata key ``"vecinfer"`` holds a JSON
+method smooths, ``lam [L, H_kv, D]``; for the query-aware methods ``key_matrix [L, H_kv, D, D]``
+and ``query_matrix [L, H_kv, D, D]`` (``A`` and ``A^(-T)``, see
+:mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` they were made with. The safetensors metadata key ``"vecinfer"`` holds a JSON
 object: method, bits (the average over layers), ``layer_bits`` (one preset per layer), the model
 fingerprint (geometry + a hash of it), calibration text hash and token count, and the package
-version. Format 1 (one preset for all layers, stacked ``key_centroids [L, E_k, d_k]`` and
-``value_centroids [L, E_v, d_v]``) still loads. Loading checks the format;
+version. Format 2 (the same without the matrices; no query-aware methods) and format 1 (one
+preset for all layers, stacked ``key_centroids [L, E_k, d_k]`` and ``value_centroids [L, E_v,
+d_v]``) still load. Loading checks the format;
 :meth:`VecInferCodebooks.check_model` checks that the file fits a model.
 """
 
@@ -26,8 +29,11 @@ from .methods import VQ_METHODS
 from .presets import Preset, get_preset
 from .quant.transform import KeyTransform
 
-FORMAT = "vecinfer-codebooks/2"
+FORMAT = "vecinfer-codebooks/3"
+FORMAT_V2 = "vecinfer-codebooks/2"
 FORMAT_V1 = "vecinfer-codebooks/1"
+READS = (FORMAT, FORMAT_V2, FORMAT_V1)
+MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of a ridge-conditioned S)
 
 
 def model_geometry(config) -> dict:
@@ -54,7 +60,8 @@ def geometry_fingerprint(geometry: dict) -> str:
 @dataclass
 class LayerCodebooks:
     """One layer's quantizer. key_centroids: ``[E_k, d_k]``; value_centroids: ``[E_v, d_v]``
-    (float32); transform: smoothing factors ``[H_kv, D]`` and/or rotation."""
+    (float32); transform: smoothing factors ``[H_kv, D]`` or query-aware matrices
+    ``[H_kv, D, D]``, and/or rotation."""
 
     transform: KeyTransform
     key_centroids: torch.Tensor
@@ -125,12 +132,14 @@ class VecInferCodebooks:
         return self.layers[index]
 
     def nbytes(self) -> int:
-        """Bytes of the codebooks and smoothing factors themselves (fp16 on device)."""
+        """Bytes of the codebooks, smoothing factors and query-aware matrices themselves (fp16)."""
         total = 0
         for layer in self.layers:
+            t = layer.transform
             total += 2 * (layer.key_centroids.numel() + layer.value_centroids.numel())
-            if layer.transform.lam is not None:
-                total += 2 * layer.transform.lam.numel()
+            for extra in (t.lam, t.key_matrix, t.query_matrix):
+                if extra is not None:
+                    total += 2 * extra.numel()
         return total
 
     # -- checks -----------------------------------------------------------------------------
@@ -174,6 +183,9 @@ class VecInferCodebooks:
             tensors[f"layers.{i}.value_centroids"] = layer.value_centroids.float().cpu()
         if self.layers[0].transform.lam is not None:
             tensors["lam"] = torch.stack([l.transform.lam.float().cpu() for l in self.layers])
+        if self.layers[0].transform.key_matrix is not None:
+            tensors["key_matrix"] = torch.stack([l.transform.key_matrix.float().cpu() for l in self.layers])
+            tensors["query_matrix"] = torch.stack([l.transform.query_matrix.float().cpu() for l in self.layers])
         meta = {
             **{k: v for k, v in self.metadata.items() if k not in ("key_preset", "value_preset")},
             "format": FORMAT,
@@ -214,14 +226,18 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     if raw is None:
         raise ValueError(f"{path} has no vecinfer metadata: it was not written by vecinfer calibrate")
     meta = json.loads(raw)
-    if meta.get("format") not in (FORMAT, FORMAT_V1):
+    if meta.get("format") not in READS:
         raise ValueError(
-            f"{path} has format {meta.get('format')!r}; this version reads {FORMAT} and {FORMAT_V1}"
+            f"{path} has format {meta.get('format')!r}; this version reads {', '.join(READS)}: "
+            "recalibrate with this version (`vecinfer calibrate`) or install the version that wrote it"
         )
     geometry = meta["geometry"]
     if meta["fingerprint"] != geometry_fingerprint(geometry):
         raise ValueError(f"{path}: metadata fingerprint does not match its geometry (corrupt file)")
     method, bits = meta["method"], float(meta["bits"])
+    if method not in VQ_METHODS:
+        raise ValueError(f"{path} is for method {method!r}, which this version does not know "
+                         f"({', '.join(VQ_METHODS)}): install the version that wrote it")
     spec = VQ_METHODS[method]
     num_layers = geometry["num_layers"]
 
@@ -251,9 +267,11 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     lam = tensors.get("lam")
     if spec.smooth and lam is None:
         raise ValueError(f"{path}: method {method!r} needs smoothing factors but the file has none")
+    key_m, query_m = _query_aware_matrices(path, tensors, method, spec.query_aware, geometry)
     layers = [
         LayerCodebooks(
-            KeyTransform(geometry["head_dim"], lam[i] if lam is not None else None, spec.rotate),
+            KeyTransform(geometry["head_dim"], lam[i] if lam is not None else None, spec.rotate,
+                         None if key_m is None else key_m[i], None if query_m is None else query_m[i]),
             key_c[i],
             value_c[i],
         )
@@ -261,4 +279,32 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     ]
     keep = {k: v for k, v in meta.items() if k not in ("method", "bits", "geometry", "layer_bits")}
     return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
+
+
+def _query_aware_matrices(path: Path, tensors: dict, method: str, needed: bool, geometry: dict):
+    """``(key_matrix, query_matrix)`` ``[L, H_kv, D, D]`` of a query-aware file (None, None
+    otherwise), checked: present, shaped for the geometry, and inverse transposes of each other."""
+    present = [name for name in ("key_matrix", "query_matrix") if name in tensors]
+    if not needed:
+        if present:
+            raise ValueError(f"{path}: method {method!r} takes no query-aware matrices but the file has "
+                             f"{present} (corrupt file): recalibrate with `vecinfer calibrate`")
+        return None, None
+    if len(present) != 2:
+        raise ValueError(f"{path}: method {method!r} needs tensors 'key_matrix' and 'query_matrix' but "
+                         f"the file has {present or 'neither'}: recalibrate with `vecinfer calibrate "
+                         f"--method {method}`")
+    a, b = tensors["key_matrix"], tensors["query_matrix"]
+    expect = (geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"], geometry["head_dim"])
+    for name, t in (("key_matrix", a), ("query_matrix", b)):
+        if tuple(t.shape) != expect:
+            raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, its geometry needs {expect} "
+                             f"[layers, kv_heads, head_dim, head_dim]: recalibrate with `vecinfer "
+                             f"calibrate --method {method}`")
+    eye = torch.eye(expect[-1], dtype=torch.float64)
+    err = (a.double().transpose(-1, -2) @ b.double() - eye).abs().amax().item()
+    if not err <= MATRIX_TOLERANCE:
+        raise ValueError(f"{path}: query_matrix is not the inverse transpose of key_matrix (max error "
+                         f"{err:.3g}; scores would change): recalibrate with `vecinfer calibrate --method {method}`")
+    return a.float(), b.float()
 

@@ -3,6 +3,11 @@
 ``fp16``: no quantization. ``vecinfer``: smoothing + Hadamard + VQ (the method).
 ``vq``: plain VQ of raw keys. ``smooth``: smoothing only + VQ. ``hadamard``: Hadamard only + VQ.
 ``kivi``: scalar per-channel keys / per-token values, group 32 (needs no calibration).
+``qaware``: the query-aware key transform (beyond the paper): ``K~ = K A`` then the Hadamard,
+``q~ = q A^(-T)`` then the Hadamard, ``A`` per layer and KV head from the second moments of the
+post-RoPE calibration queries and keys (their matrix geometric mean, see
+:mod:`vecinfer_compile.quant.query_aware`). Ablation rows: ``qaware-nohadamard`` (no Hadamard)
+and ``qaware-sqrt`` (``A = S^(1/2)``, the queries alone: k-means error = expected score error).
 Values are always plain VQ in the VQ methods.
 """
 
@@ -10,14 +15,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard")
+METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nohadamard",
+           "qaware-sqrt")
 KIVI_BITS = (2, 4)
 
 
 @dataclass(frozen=True)
 class KeyTransformSpec:
+    """smooth: channel-wise smoothing; rotate: the Hadamard; query_aware: None, or the kind of
+    query-aware matrix (``geomean`` or ``sqrt``, :mod:`vecinfer_compile.quant.query_aware`)."""
+
     smooth: bool
     rotate: bool
+    query_aware: str | None = None
 
 
 VQ_METHODS: dict[str, KeyTransformSpec] = {
@@ -25,6 +35,9 @@ VQ_METHODS: dict[str, KeyTransformSpec] = {
     "vq": KeyTransformSpec(smooth=False, rotate=False),
     "smooth": KeyTransformSpec(smooth=True, rotate=False),
     "hadamard": KeyTransformSpec(smooth=False, rotate=True),
+    "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean"),
+    "qaware-nohadamard": KeyTransformSpec(smooth=False, rotate=False, query_aware="geomean"),
+    "qaware-sqrt": KeyTransformSpec(smooth=False, rotate=True, query_aware="sqrt"),
 }
 
 

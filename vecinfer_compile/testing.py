@@ -19,6 +19,7 @@ from .backend import vecinfer_backend
 from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
 from .methods import VQ_METHODS
 from .presets import get_preset
+from .quant.query_aware import query_aware_matrices, second_moment
 from .quant.transform import KeyTransform
 
 MASK_KINDS = ("none", "causal", "bool", "float")
@@ -117,13 +118,21 @@ def tiny_model(family: str = "llama", *, layers: int = 2, attn_implementation: s
 
 
 def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, seed: int = 0,
-                           smooth: bool = True, rotate: bool = True) -> LayerCodebooks:
-    """Random smoothing factors in [0.5, 2) and Gaussian centroids for one layer."""
+                           smooth: bool = True, rotate: bool = True,
+                           query_aware: bool = False) -> LayerCodebooks:
+    """Random smoothing factors in [0.5, 2) (or, ``query_aware``, the matrices of a random SPD
+    query moment) and Gaussian centroids for one layer."""
     gen = torch.Generator().manual_seed(seed)
     preset = get_preset(bits)
     lam = 0.5 + 1.5 * torch.rand(kv_heads, head_dim, generator=gen) if smooth else None
+    matrices = (None, None)
+    if query_aware:
+        queries = torch.randn(kv_heads, 4 * head_dim, head_dim, generator=gen)
+        queries = queries * (0.2 + 3 * torch.rand(head_dim, generator=gen))  # anisotropic
+        keys = torch.randn(kv_heads, 4 * head_dim, head_dim, generator=gen) @ torch.randn(head_dim, head_dim, generator=gen)
+        matrices = query_aware_matrices(second_moment(queries, kv_heads), second_moment(keys, kv_heads))
     return LayerCodebooks(
-        KeyTransform(head_dim, lam, rotate),
+        KeyTransform(head_dim, lam, rotate, *matrices),
         torch.randn(preset.key.entries, preset.key.dims, generator=gen),
         torch.randn(preset.value.entries, preset.value.dims, generator=gen),
     )
@@ -140,7 +149,7 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
     per_layer = [float(bits)] * geo["num_layers"] if layer_bits is None else list(layer_bits)
     layers = [
         random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], bits=b, seed=seed + i,
-                               smooth=spec.smooth, rotate=spec.rotate)
+                               smooth=spec.smooth, rotate=spec.rotate, query_aware=bool(spec.query_aware))
         for i, b in enumerate(per_layer)
     ]
     return VecInferCodebooks(method, average_bits(per_layer), layers, geo, layer_bits=per_layer)

@@ -25,7 +25,12 @@ def register(subparsers) -> None:
     p.add_argument("--layer-bits", type=layer_bits_arg, metavar="B0,B1,...",
                    help="one preset per layer instead of --bits, e.g. 2,2,1,2,1,4")
     p.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
-                   help="vecinfer (default) or an ablation: vq, smooth, hadamard")
+                   help="vecinfer (default), an ablation (vq, smooth, hadamard) or the query-aware "
+                        "transform (qaware; qaware-nohadamard)")
+    p.add_argument("--ridge", type=float, default=None, metavar="R",
+                   help="qaware methods: ridge added to the normalised query/key moments (default "
+                        "0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
+                        "picks one on yours)")
     add_calib_args(p)
     p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
     add_progress_arg(p)
@@ -34,6 +39,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from ..evaluation.ablation import normalize_bits
+    from ..methods import VQ_METHODS
     from ..models import check_file, check_model_dir, load_model, load_text
 
     if (args.bits is None) == (args.layer_bits is None):
@@ -48,6 +54,8 @@ def run(args) -> int:
         allocation_choices(bits)  # a clear error now rather than after calibration
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
+    if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
+        raise ValueError(f"--ridge is for the query-aware methods (qaware, qaware-nohadamard, qaware-sqrt), not {args.method!r}")
     check_model_dir(args.model)
     check_file(args.text)
     t0 = time.perf_counter()
@@ -58,7 +66,8 @@ def run(args) -> int:
                    layer_bits=args.layer_bits,
                    allocate=None if args.allocate == "uniform" else args.allocate,
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,
-                   seed=args.seed, progress=args.progress)
+                   seed=args.seed, progress=args.progress,
+                   **({} if args.ridge is None else {"ridge": args.ridge}))
     path = cb.save(args.out)
     per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"
     print(f"wrote {path}: {args.method} {cb.bits:g}-bit codebooks for {cb.geometry['num_layers']} layers"

@@ -6,7 +6,7 @@ import time
 
 from . import add_calib_args, add_model_args, add_progress_arg, add_window_args, bits_arg, print_json
 
-HELP = "perplexity of one method (fp16, vecinfer, kivi, vq, smooth, hadamard) on a text"
+HELP = "perplexity of one method (fp16, vecinfer, kivi, vq, smooth, hadamard, qaware) on a text"
 
 
 def register(subparsers) -> None:

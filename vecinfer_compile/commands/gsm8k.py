@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     add_model_args(p)
     p.add_argument("--data", required=True, metavar="FILE", help="GSM8K JSONL (question, answer)")
     p.add_argument("--methods", default="fp16,vecinfer,kivi",
-                   help="comma-separated: fp16, vecinfer, kivi, vq, smooth, hadamard (default fp16,vecinfer,kivi)")
+                   help="comma-separated: fp16, vecinfer, kivi, vq, smooth, hadamard, qaware (default fp16,vecinfer,kivi)")
     p.add_argument("--bits", type=bits_arg, default=2.0, help="bits of the quantized methods (default 2)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--codebooks", metavar="FILE", help="codebooks from `vecinfer calibrate` (one VQ method)")

@@ -27,6 +27,9 @@ LABELS = {
     "vq": "VQ (plain)",
     "smooth": "VQ + smoothing",
     "hadamard": "VQ + Hadamard",
+    "qaware": "query-aware + Hadamard",
+    "qaware-nohadamard": "query-aware",
+    "qaware-sqrt": "query-aware S^1/2 + Hadamard",
 }
 
 DEMO_ROWS: list[tuple[str, float]] = [
@@ -52,6 +55,10 @@ ABLATION_ROWS: list[tuple[str, float]] = [
     ("smooth", 1.5),
     ("hadamard", 2),
     ("hadamard", 1.5),
+    ("qaware", 2),
+    ("qaware", 1.5),
+    ("qaware-nohadamard", 2),
+    ("qaware-sqrt", 2),
 ]
 
 

@@ -10,7 +10,8 @@ elements. What one element costs:
   bytes for 4096), so physical bits equal nominal bits: 3 for the 3-bit preset (4096x4), 1.5 for
   1.5-bit (4096x8), 1.25 for 1.25-bit. Fixed cost, paid once
   and not per token: the fp16 codebooks (``entries * dims`` per layer, keys and values) and, for
-  smoothing methods, the fp16 smoothing factors (``num_kv_heads * head_dim`` per layer).
+  smoothing methods, the fp16 smoothing factors (``num_kv_heads * head_dim`` per layer); for the
+  query-aware methods, two fp16 matrices per KV head (``2 * num_kv_heads * head_dim**2`` per layer).
 - ``kivi``: ``bits`` per element (packed) plus an fp16 scale and an fp16 zero-point per group of
   32 elements (keys: per channel over 32 tokens; values: per token over 32 channels), i.e.
   ``bits + 1`` physical bits per element.
@@ -94,6 +95,8 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
             fixed += spec.entries * spec.dims * FP16_BYTES
     if VQ_METHODS[method].smooth:
         fixed += layers * heads * head_dim * FP16_BYTES
+    if VQ_METHODS[method].query_aware:
+        fixed += 2 * layers * heads * head_dim * head_dim * FP16_BYTES
     return KVBytes(
         method,
         average_bits(per_layer),

@@ -17,6 +17,11 @@ On CUDA the op emitted is the kernel-specific one the request resolves to
 (:func:`vecinfer_compile.ops.decode_kernels.choose`): ``decode_attention_cuda`` (the NVRTC kernel)
 or ``decode_attention_triton``, so the choice is in the graph; elsewhere ``decode_attention``.
 
+For the query-aware methods the cache returns ``K = (cache_kv(...)[0].float() @ key_read).to(dtype)``
+(``key_read: [Hkv, D, D]``, the code domain back to keys, see :class:`~vecinfer_compile.cache.VecInferLayer`);
+the rewrite recognises that chain and moves the matrix to the query side:
+``q~ = (q.float() @ key_read^T).to(q.dtype)`` per query head's KV head.
+
 after which ``cache_kv`` and the repetition are dead and erased, so the compiled graph holds no
 dequantized full-length K/V. The cache state nodes are the ``cache_kv`` arguments themselves, so
 no layer lookup is needed. Each rewrite bumps ``counters["vecinfer"]["cache_decode_rewrites"]``.
@@ -61,10 +66,17 @@ CACHE_READ_META = "vecinfer_cache_read"
 K_CODES, V_CODES, K_CENT, V_CENT, N_CODED, K_WIN, V_WIN, N_WIN, LAM, ROT = range(10)
 
 
-def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None) -> torch.Tensor:
-    """``q~ = ((q * lam_q) @ H)`` in float32, returned in q's dtype. ``q: [B, Hq, T, D]``,
-    ``lam: [Hkv, D]`` (query head h uses KV head ``h // (Hq // Hkv)``), ``rotation: [D, D]``."""
+def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None,
+                      key_read: torch.Tensor | None = None) -> torch.Tensor:
+    """``q~ = ((q * lam_q) @ H)`` (or ``q @ key_read_q^T``) in float32, returned in q's dtype.
+    ``q: [B, Hq, T, D]``, ``lam: [Hkv, D]`` (query head h uses KV head ``h // (Hq // Hkv)``),
+    ``rotation: [D, D]``, ``key_read: [Hkv, D, D]``."""
     work = q.float()
+    if key_read is not None:
+        b, hq, t, d = q.shape
+        hkv = key_read.shape[0]
+        work = work.reshape(b, hkv, hq // hkv, t, d) @ key_read.float().transpose(-1, -2)[None, :, None]
+        work = work.reshape(b, hq, t, d)
     if lam is not None:
         b, hq, t, d = q.shape
         hkv = lam.shape[0]
@@ -111,6 +123,25 @@ def _cache_output(node: fx.Node, index: int) -> fx.Node | None:
     ):
         return node.args[0]
     return None
+
+
+def _is_method(node, name: str) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name
+
+
+def _key_read(key: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
+    """``(inner, key_read, chain)``: for ``key = (inner.float() @ key_read).to(dtype)`` (a
+    query-aware cache read) the inner node, the matrix node and the chain's nodes outermost
+    first; otherwise ``(key, None, [])``."""
+    if not _is_method(key, "to"):
+        return key, None, []
+    mm = key.args[0]
+    if not (isinstance(mm, fx.Node) and mm.op == "call_function" and mm.target in (operator.matmul, torch.matmul)):
+        return key, None, []
+    to_float = mm.args[0]
+    if not _is_method(to_float, "float") or _cache_output(to_float.args[0], 0) is None:
+        return key, None, []
+    return to_float.args[0], mm.args[1], [key, mm, to_float]
 
 
 def _static_int(x) -> int | None:
@@ -160,7 +191,8 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
             continue
         kw = dict(normalized.kwargs)
         key_arg, value_arg = kw["key"], kw["value"]
-        key, value = unwrap_repeat_kv(key_arg), unwrap_repeat_kv(value_arg)
+        key_outer, value = unwrap_repeat_kv(key_arg), unwrap_repeat_kv(value_arg)
+        key, key_read, read_chain = _key_read(key_outer)
         cache = _cache_output(key, 0)
         if cache is None:
             continue
@@ -195,7 +227,7 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
             continue
         a = cache.args
         with graph.inserting_before(node):
-            q_t = graph.call_function(transform_queries, (query, a[LAM], a[ROT]))
+            q_t = graph.call_function(transform_queries, (query, a[LAM], a[ROT], key_read))
             q_t.meta["example_value"] = q
             kv_start = None
             if mask is not None:  # one per mask: every layer usually shares HF's
@@ -210,8 +242,11 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
         out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "example_value")})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        erase_dead_repetition(key_arg, key)
+        erase_dead_repetition(key_arg, key_outer)
         erase_dead_repetition(value_arg, value)
+        for item in read_chain:
+            if not item.users:
+                graph.erase_node(item)
         for item in (key, value):
             if not item.users:
                 graph.erase_node(item)

@@ -5,6 +5,8 @@ For each SDPA node (any argument form: positional or keyword, bool or float ``at
 
     q~ = ((q.float() * lam_q) @ H).to(q.dtype)          q: [B, Hq, Tq, D], lam_q: [Hq, 1, D]
     K~ = ((k.float() / lam) @ H).to(k.dtype)            k: [B, Hkv, Tk, D], lam: [Hkv, 1, D]
+    (query-aware methods: ``q.float() @ (B_q @ H)`` and ``k.float() @ (A @ H)`` instead, with
+    A: [Hkv, D, D] and B_q: [Hq, D, D] its inverse transpose for each query head's KV head)
     quantize, residual == 0:
                      K^ = vecinfer.quantize(K~, None, None, key_centroids)
                      V^ = vecinfer.quantize(v, None, None, value_centroids)
@@ -229,13 +231,16 @@ class _Emitter:
         return self.graph.call_function(target, args, kwargs)
 
     def transform(self, x: fx.Node, lam: torch.Tensor | None, rotation: torch.Tensor | None,
-                  op, name: str) -> fx.Node:
-        """``((x.float() op lam) @ H).to(x.dtype)``; x itself when there is no transform."""
-        if lam is None and rotation is None:
+                  op, name: str, matrix: tuple[str, torch.Tensor] | None = None) -> fx.Node:
+        """``((x.float() op lam) @ M @ H).to(x.dtype)``, ``matrix = (name, M)`` with ``M: [H, D,
+        D]`` per head; x itself when there is no transform."""
+        if lam is None and rotation is None and matrix is None:
             return x
         out = self.graph.call_method("float", (x,))
         if lam is not None:
             out = self.call(op, out, self.constant(name, lam[:, None, :].float()))
+        if matrix is not None:
+            out = self.call(torch.matmul, out, self.constant(matrix[0], matrix[1].float()))
         if rotation is not None:
             out = self.call(torch.matmul, out, self.constant("rotation", rotation.float()))
         return self.graph.call_method("to", (out, self.site.dtype))
@@ -251,13 +256,26 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
             f"attention has {site.kv_heads} KV heads of dim {site.head_dim}: these codebooks were "
             "calibrated for another model; run `vecinfer calibrate` on this model"
         )
+    key_m = transform.key_matrix
+    if key_m is not None and tuple(key_m.shape) != (site.kv_heads, site.head_dim, site.head_dim):
+        raise ValueError(
+            f"vecinfer: layer {site.layer} has query-aware matrices of shape {tuple(key_m.shape)} but its "
+            f"attention has {site.kv_heads} KV heads of dim {site.head_dim}: these codebooks were "
+            "calibrated for another model; run `vecinfer calibrate` on this model"
+        )
     rotation = transform.rotation(torch.float32, "cpu")
-    lam_q = None if lam is None else lam.repeat_interleave(site.q_heads // site.kv_heads, dim=0)
+    group = site.q_heads // site.kv_heads
+    lam_q = None if lam is None else lam.repeat_interleave(group, dim=0)
+    query_m = None
+    if key_m is not None:  # one matmul per side: the Hadamard folded into the matrices
+        fold = (lambda m: m.float()) if rotation is None else (lambda m: m.float() @ rotation)
+        query_m = ("query_matrix", fold(transform.query_matrix.repeat_interleave(group, dim=0)))
+        key_m, rotation = ("key_matrix", fold(key_m)), None
     node = site.node
     with gm.graph.inserting_before(node):
         emit = _Emitter(gm, site)
-        q_t = emit.transform(site.query, lam_q, rotation, torch.mul, "lam_q")
-        k_t = emit.transform(site.key, lam, rotation, torch.div, "lam")
+        q_t = emit.transform(site.query, lam_q, rotation, torch.mul, "lam_q", query_m)
+        k_t = emit.transform(site.key, lam, rotation, torch.div, "lam", key_m)
         if quantize:
             kc = emit.constant("key_centroids", layer.key_centroids.float())
             vc = emit.constant("value_centroids", layer.value_centroids.float())

@@ -3,6 +3,11 @@
 Keys:    ``K~ = (K / lam) @ H``          (channel-wise smoothing, then Hadamard rotation)
 Queries: ``q~ = (q * lam) @ H``          so that ``q~ @ K~^T == q @ K^T`` exactly (H orthonormal).
 
+The query-aware method (:mod:`.query_aware`) replaces ``lam`` by a per-KV-head matrix ``A``
+(``key_matrix``) and its inverse transpose ``B = A^(-T)`` (``query_matrix``)::
+
+    K~ = (K @ A) @ H,    q~ = (q @ B) @ H,    K = (K~ @ H^T) @ B^T.
+
 ``lam: [H_kv, D]`` holds one factor per KV head and channel; with GQA each query head uses its
 KV head's factors (query head ``h`` belongs to KV head ``h // (H_q // H_kv)``, as in Hugging
 Face's ``repeat_kv``). Either part can be switched off (``lam=None`` or ``rotate=False``) for the
@@ -42,12 +47,22 @@ def expand_to_query_heads(per_kv_head: torch.Tensor, num_query_heads: int) -> to
 class KeyTransform:
     """Smoothing factors and rotation of one layer.
 
-    lam: ``[H_kv, D]`` float32 or None (no smoothing); rotate: apply the Hadamard matrix.
+    lam: ``[H_kv, D]`` float32 or None (no smoothing); rotate: apply the Hadamard matrix;
+    key_matrix / query_matrix: ``[H_kv, D, D]`` float32 ``A`` and ``B = A^(-T)`` of the
+    query-aware method, or both None. Smoothing and the matrices exclude each other.
     """
 
     head_dim: int
     lam: torch.Tensor | None = None
     rotate: bool = True
+    key_matrix: torch.Tensor | None = None
+    query_matrix: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.key_matrix is None) != (self.query_matrix is None):
+            raise ValueError("key_matrix and query_matrix go together (one is the other's inverse transpose)")
+        if self.key_matrix is not None and self.lam is not None:
+            raise ValueError("a key transform has smoothing factors or query-aware matrices, not both")
 
     def rotation(self, dtype: torch.dtype, device) -> torch.Tensor | None:
         return hadamard_matrix(self.head_dim, dtype, device) if self.rotate else None
@@ -58,22 +73,28 @@ class KeyTransform:
         work = k.double() if k.dtype == torch.float64 else k.float()
         if self.lam is not None:
             work = work / self.lam.to(work)[None, :, None, :]
+        if self.key_matrix is not None:
+            work = work @ self.key_matrix.to(work)
         h = self.rotation(work.dtype, work.device)
         return work @ h if h is not None else work
 
     def keys_inverse(self, kt: torch.Tensor) -> torch.Tensor:
-        """``K~ -> K``: ``(K~ @ H^T) * lam``; ``kt: [B, H_kv, T, D]``."""
+        """``K~ -> K``: ``(K~ @ H^T) * lam`` or ``(K~ @ H^T) @ B^T``; ``kt: [B, H_kv, T, D]``."""
         h = self.rotation(kt.dtype, kt.device)
         out = kt @ h.T if h is not None else kt
+        if self.query_matrix is not None:
+            out = out @ self.query_matrix.to(out).transpose(-1, -2)
         if self.lam is not None:
             out = out * self.lam.to(out)[None, :, None, :]
         return out
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """``q: [B, H_q, T, D] -> q~`` in q's dtype: ``(q * lam_q) @ H``."""
+        """``q: [B, H_q, T, D] -> q~`` in q's dtype: ``(q * lam_q) @ H`` or ``(q @ B_q) @ H``."""
         out = q
         if self.lam is not None:
             lam_q = expand_to_query_heads(self.lam, q.shape[1]).to(q)
             out = out * lam_q[None, :, None, :]
+        if self.query_matrix is not None:
+            out = out @ expand_to_query_heads(self.query_matrix, q.shape[1]).to(q)
         h = self.rotation(q.dtype, q.device)
         return out @ h if h is not None else out
