@@ -21,29 +21,38 @@ The mask composes, for key ``j`` of half ``n``:
 the SDPA pass emits it once per graph for all layers that share it. Without a tensor mask the
 block structure is computed from the per-row key intervals (``O(Tq * 2 Tk / 128)`` work, never the
 ``Tq x 2 Tk`` mask); with one, FlexAttention's ``create_block_mask`` evaluates the composed rule.
+
+On CPU the same attention runs as one SDPA call with the composed mask materialised
+(:func:`dense_windowed`): Inductor's C++ FlexAttention template (torch 2.13) fails on the graphs the
+backend makes — a mask tensor computed inside the graph, symbolic lengths under
+``dynamic=True``, a query that is a view of a 3-d matmul — and has no float16 kernel. FlexAttention
+itself still runs on CPU eagerly (the tests check it there against the reference).
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 BLOCK = 128  # FlexAttention's default sparse block size (query rows x keys)
-# Inductor's C++ FlexAttention template runs float32 and bfloat16 only.
-_CPU_FLEX_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
 class WindowMask:
-    """The mask of one windowed attention shape. block_mask: over ``[Tq, 2 Tk]``; bias: the
-    model's additive float mask expanded to ``[B, Hq, Tq, Tk]`` (added to the scores) or None."""
+    """The mask of one windowed attention shape ``[B, Hq, Tq, Tk]``. rule: ``mask_mod`` of the
+    window rule and causality on the concatenated key index; allowed / bias: the model's mask
+    as bool (True = attend) and additive float (or None), 4-d ``[B|1, Hq|1, Tq, Tk]``;
+    block_mask: FlexAttention's mask over ``[Tq, 2 Tk]``, or None where attention runs dense."""
 
-    block_mask: BlockMask
+    shape: tuple
+    rule: Callable
+    allowed: torch.Tensor | None
     bias: torch.Tensor | None
-    has_tensor: bool = False  # the mask reads the model's attn_mask
+    block_mask: BlockMask | None
 
 
 def _as_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -105,31 +114,55 @@ def _index_block_mask(tq, tk, residual: int, is_causal: bool, device) -> BlockMa
 
 
 def window_mask(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-                residual: int) -> WindowMask:
+                residual: int, *, flex: bool | None = None) -> WindowMask:
     """The :class:`WindowMask` for queries ``q: [B, Hq, Tq, D]`` over keys ``k: [B, Hkv, Tk, D]``
     (only their sizes and device are read) with SDPA's ``attn_mask`` (None, bool or additive
     float, broadcastable to ``[B, Hq, Tq, Tk]``) and ``is_causal``, and a window of ``residual``
-    keys (> 0)."""
+    keys (> 0). flex: build FlexAttention's block mask (default: off the CPU)."""
     if residual <= 0:
         raise ValueError(f"window_mask needs residual > 0, got {residual}: without a window use plain SDPA")
     b, hq, tq, _ = q.shape
     tk = k.shape[2]
-    if attn_mask is None:
-        return WindowMask(_index_block_mask(tq, tk, residual, is_causal, q.device), None)
-    mask = _as_4d(attn_mask)
-    bias = None
-    if mask.dtype == torch.bool:
-        allowed = mask
-    elif mask.is_floating_point():
-        allowed, bias = mask > float("-inf"), mask
-    else:
-        raise ValueError(f"attn_mask must be bool (True = attend) or an additive float mask, got {mask.dtype}")
-    mb, mh = mask.shape[0], mask.shape[1]
-    allowed = allowed.expand(b, hq, tq, tk)  # FlexAttention calls mask_mod with every (b, h)
-    mask_mod = _mask_mod(tq, tk, residual, is_causal, allowed)
-    block_mask = create_block_mask(mask_mod, None if mb == 1 else mb, None if mh == 1 else hq, tq, 2 * tk,
-                                   device=q.device, BLOCK_SIZE=BLOCK)
-    return WindowMask(block_mask, None if bias is None else bias.expand(b, hq, tq, tk), has_tensor=True)
+    flex = q.device.type != "cpu" if flex is None else flex
+    allowed = bias = None
+    if attn_mask is not None:
+        mask = _as_4d(attn_mask)
+        if mask.dtype == torch.bool:
+            allowed = mask
+        elif mask.is_floating_point():
+            allowed, bias = mask > float("-inf"), mask
+        else:
+            raise ValueError(f"attn_mask must be bool (True = attend) or an additive float mask, got {mask.dtype}")
+    rule = _mask_mod(tq, tk, residual, is_causal, None)
+    block_mask = None
+    if flex and allowed is None:
+        block_mask = _index_block_mask(tq, tk, residual, is_causal, q.device)
+    elif flex:
+        mb, mh = allowed.shape[0], allowed.shape[1]
+        # FlexAttention calls mask_mod with every (b, h) of the query: index an expanded view
+        mask_mod = _mask_mod(tq, tk, residual, is_causal, allowed.expand(b, hq, tq, tk))
+        block_mask = create_block_mask(mask_mod, None if mb == 1 else b, None if mh == 1 else hq, tq, 2 * tk,
+                                       device=q.device, BLOCK_SIZE=BLOCK)
+    return WindowMask((b, hq, tq, tk), rule, allowed, bias, block_mask)
+
+
+def dense_windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: WindowMask,
+                   scale) -> torch.Tensor:
+    """The attention of :func:`flex_windowed` as one SDPA call with the composed mask
+    materialised (``[B|1, Hq|1, Tq, 2 Tk]`` float32); rows with no visible key are zeros."""
+    _, hq, tq, tk = mask.shape
+    zero = torch.zeros((), dtype=torch.long, device=q.device)
+    i = torch.arange(tq, device=q.device)[:, None]
+    n = torch.arange(2 * tk, device=q.device)[None, :]
+    visible = mask.rule(zero, zero, i, n)[None, None]
+    if mask.allowed is not None:
+        visible = visible & torch.cat([mask.allowed, mask.allowed], dim=-1)
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
+    if mask.bias is not None:
+        bias = bias + torch.cat([mask.bias, mask.bias], dim=-1).float()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=bias.to(q.dtype), scale=scale, enable_gqa=bool(hq != keys.shape[1]))
+    return torch.where(visible.any(-1, keepdim=True), out, torch.zeros_like(out))
 
 
 def _bias_score_mod(bias: torch.Tensor, tk):
@@ -140,54 +173,32 @@ def _bias_score_mod(bias: torch.Tensor, tk):
     return score_mod
 
 
-def _dense_windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: WindowMask,
-                    scale) -> torch.Tensor:
-    """The same attention over ``[K^ ; K~]`` as one SDPA with the composed mask materialised
-    (``[B, Hq, Tq, 2 Tk]``): the CPU path when the model passes a mask tensor."""
-    b, hq, tq, _ = q.shape
-    tk = keys.shape[2] // 2
-
-    def index(n: int, dim: int) -> torch.Tensor:
-        return torch.arange(n, device=q.device).view([-1 if d == dim else 1 for d in range(4)])
-
-    visible = mask.block_mask.mask_mod(index(b, 0), index(hq, 1), index(tq, 2), index(2 * tk, 3))
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
-    if mask.bias is not None:
-        bias = bias + torch.cat([mask.bias, mask.bias], dim=-1).float()
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, keys, values, attn_mask=bias.to(q.dtype), scale=scale, enable_gqa=hq != keys.shape[1])
-    return torch.where(visible.any(-1, keepdim=True), out, torch.zeros_like(out))
+def flex_windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: WindowMask,
+                  scale) -> torch.Tensor:
+    """FlexAttention of ``q: [B, Hq, Tq, D]`` over ``keys``/``values: [B, Hkv, 2 Tk, D]``
+    (``[K^ ; K~]``) with ``mask.block_mask``; the model's float mask is added by a score_mod."""
+    b, hq, tq, tk = mask.shape
+    score_mod = None if mask.bias is None else _bias_score_mod(mask.bias.expand(b, hq, tq, tk), tk)
+    call = dict(score_mod=score_mod, block_mask=mask.block_mask, scale=scale, enable_gqa=bool(hq != keys.shape[1]))
+    if torch.compiler.is_dynamo_compiling():
+        return flex_attention(q, keys, values, **call)
+    with warnings.catch_warnings():
+        # Outside Dynamo this call is either traced by the backend into the graph Inductor
+        # compiles, or runs eagerly on small inputs (tests); the advice to compile
+        # flex_attention is for neither.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, keys, values, **call)
 
 
 def windowed_attention(q: torch.Tensor, k_hat: torch.Tensor, k: torch.Tensor, v_hat: torch.Tensor,
-                       v: torch.Tensor, mask: WindowMask, scale: float) -> torch.Tensor:
+                       v: torch.Tensor, mask: WindowMask, scale) -> torch.Tensor:
     """Attention of ``q: [B, Hq, Tq, D]`` over dequantized ``k_hat``/``v_hat`` outside the window
-    and full-precision ``k``/``v`` inside it (all ``[B, Hkv, Tk, D]``, q's dtype; GQA through
-    ``enable_gqa``, K/V never repeated). ``mask`` from :func:`window_mask` for these sizes.
-    Returns ``[B, Hq, Tq, D]`` in q.dtype; rows with no visible key are zeros.
-
-    On CPU (torch 2.13), Inductor's C++ FlexAttention template has no float16 kernel (float16
-    runs in float32 there), and cannot read a mask tensor computed inside the compiled graph
-    (the model's mask is): with a model mask the CPU runs :func:`_dense_windowed`, the same math.
-    """
+    and full-precision ``k``/``v`` inside it (all ``[B, Hkv, Tk, D]``, q's dtype; GQA without
+    repeating K/V). ``mask`` from :func:`window_mask` for these sizes: FlexAttention when it has a
+    block mask, else :func:`dense_windowed`. Returns ``[B, Hq, Tq, D]`` in q.dtype; rows with no
+    visible key are zeros."""
     keys = torch.cat([k_hat, k], dim=2)
     values = torch.cat([v_hat, v], dim=2)
-    dtype = q.dtype
-    if q.device.type == "cpu":
-        if dtype not in _CPU_FLEX_DTYPES:
-            q, keys, values = q.float(), keys.float(), values.float()
-        if mask.has_tensor:
-            return _dense_windowed(q, keys, values, mask, scale).to(dtype)
-        # The C++ template reads q's sizes from q's buffer, and fails when q is a view of a
-        # buffer of another rank (the [B*Hq, Tq, D] matmul of the query transform). A clone is
-        # removed as a no-op; q * 2 with scale / 2 is not, and is exact (a power of two).
-        q, scale = q * 2, scale / 2
-    score_mod = None if mask.bias is None else _bias_score_mod(mask.bias, k.shape[2])
-    with warnings.catch_warnings():
-        # Inside the backend the call is traced into the graph that Inductor compiles; the
-        # warning that it "will use an unfused implementation" only holds for eager calls.
-        if torch.compiler.is_compiling():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = flex_attention(q, keys, values, score_mod=score_mod, block_mask=mask.block_mask, scale=scale,
-                             enable_gqa=q.shape[1] != keys.shape[1])
-    return out.to(dtype)
+    if mask.block_mask is None:
+        return dense_windowed(q, keys, values, mask, scale)
+    return flex_windowed(q, keys, values, mask, scale)
