@@ -57,7 +57,6 @@ def _device_of(model) -> torch.device:
         return torch.device("cpu")
 
 
-@torch.no_grad()
 def warn_beyond_trained_length(model, window_len: int) -> None:
     """One warning when windows are longer than the model's ``max_position_embeddings``:
     positions past it are out of range for quality, so the perplexity says little."""
@@ -68,6 +67,7 @@ def warn_beyond_trained_length(model, window_len: int) -> None:
                     "positions beyond it are out of range; use --window-len %d or less", window_len, limit, limit)
 
 
+@torch.no_grad()
 def perplexity(
     model,
     token_ids: torch.Tensor,

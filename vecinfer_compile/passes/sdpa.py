@@ -13,20 +13,19 @@ For each SDPA node (any argument form: positional or keyword, bool or float ``at
                      out = F.scaled_dot_product_attention(q~, K^, V^, mask, is_causal=...,
                                                           scale=scale, enable_gqa=Hq != Hkv)
     quantize, residual > 0:
-                     k_codes = vecinfer.encode(K~, None, None, key_centroids)
-                     v_codes = vecinfer.encode(v, None, None, value_centroids)
-                     out = vecinfer.attention(q~, k_codes, v_codes, kc, vc,
-                                              K~, v, mask, is_causal, scale, residual)
+                     K^, V^ as above
+                     window = windowed.window_mask(q, k, mask, is_causal, residual)  (once per graph
+                                                   for each distinct mask and sizes, shared by layers)
+                     out = windowed.windowed_attention(q~, K^, K~, V^, v, window, scale)
     quantize=False:  out = F.scaled_dot_product_attention(q~, K~, v, mask, is_causal=...,
                                                           scale=scale, enable_gqa=Hq != Hkv)
 
-Without a residual window every key of the call is read quantized, so the simulate graph
-quantize-dequantizes K and V once (``K^``, ``V^``: centroid values, the size of the K and V they
-replace) and hands them to the SDPA Inductor would have run: prefill attention is compute-bound,
-and re-gathering each K/V tile from the codebook for every query block (what
-``vecinfer.attention`` does) costs more than reading it once dequantized. With a window, keys
-near each query stay full precision, which one SDPA call cannot express: ``vecinfer.attention``
-mixes both per (query, key) pair.
+The simulate graph quantize-dequantizes K and V once (``K^``, ``V^``: centroid values, the size
+of the K and V they replace): prefill attention is compute-bound, and re-gathering each K/V tile
+from the codebook for every query block (what ``vecinfer.attention`` does) costs more than reading
+it once dequantized. Without a residual window they go to the SDPA Inductor would have run. With a
+window, keys near each query stay full precision, which one SDPA call cannot express: FlexAttention
+over ``[K^ ; K~]`` with a block-sparse mask does (:mod:`.windowed`).
 
 The transform is applied once, as plain torch ops in front of the ops (Inductor fuses them);
 ``encode`` gets ``lam=None, rotation=None``. K/V stay at ``Hkv`` heads: HF's ``repeat_kv`` is
@@ -52,6 +51,7 @@ from torch._dynamo.utils import counters
 from ..codebooks import LayerCodebooks
 from .cache_decode import CACHE_READ_META
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
+from .windowed import window_mask, windowed_attention
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +246,23 @@ class _Emitter:
         return self.graph.call_method("to", (out, self.site.dtype))
 
 
+def _window_key(site: SdpaSite) -> tuple:
+    """Sites with equal keys share one window mask: same mask node, causality and sizes."""
+    q, k = _example(site.query), _example(site.key)
+    return site.attn_mask, site.is_causal, str(q.shape[0]), str(q.shape[2]), str(k.shape[2]), str(q.device)
+
+
+def _shared_window_mask(emit: _Emitter, site: SdpaSite, residual: int, masks: dict) -> fx.Node:
+    """The window-mask node for ``site``: emitted before the first site of its key, reused after."""
+    key = _window_key(site)
+    if key not in masks:
+        masks[key] = emit.call(window_mask, site.query, site.key, site.attn_mask, site.is_causal, residual)
+        counters["vecinfer"]["window_masks"] += 1
+    return masks[key]
+
+
 def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,
-                  residual: int) -> None:
+                  residual: int, masks: dict) -> None:
     transform = layer.transform
     lam = transform.lam
     if lam is not None and tuple(lam.shape) != (site.kv_heads, site.head_dim):
@@ -276,22 +291,16 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
         emit = _Emitter(gm, site)
         q_t = emit.transform(site.query, lam_q, rotation, torch.mul, "lam_q", query_m)
         k_t = emit.transform(site.key, lam, rotation, torch.div, "lam", key_m)
+        k_in, v_in = k_t, site.value
         if quantize:
             kc = emit.constant("key_centroids", layer.key_centroids.float())
             vc = emit.constant("value_centroids", layer.value_centroids.float())
+            k_in = emit.call(torch.ops.vecinfer.quantize.default, k_t, None, None, kc)
+            v_in = emit.call(torch.ops.vecinfer.quantize.default, site.value, None, None, vc)
         if quantize and residual:
-            k_codes = emit.call(torch.ops.vecinfer.encode.default, k_t, None, None, kc)
-            v_codes = emit.call(torch.ops.vecinfer.encode.default, site.value, None, None, vc)
-            out = emit.call(
-                torch.ops.vecinfer.attention.default,
-                q_t, k_codes, v_codes, kc, vc,
-                k_t, site.value, site.attn_mask, site.is_causal, site.scale, residual,
-            )
+            window = _shared_window_mask(emit, site, residual, masks)
+            out = emit.call(windowed_attention, q_t, k_in, k_t, v_in, site.value, window, site.scale)
         else:
-            k_in, v_in = k_t, site.value
-            if quantize:
-                k_in = emit.call(torch.ops.vecinfer.quantize.default, k_t, None, None, kc)
-                v_in = emit.call(torch.ops.vecinfer.quantize.default, site.value, None, None, vc)
             out = emit.call(
                 SDPA, q_t, k_in, v_in,
                 attn_mask=site.attn_mask, dropout_p=0.0, is_causal=site.is_causal,
@@ -317,8 +326,9 @@ def rewrite_sdpa(
     transform and codebooks. Returns the number of rewrites and recompiles ``gm``."""
     if residual < 0:
         raise ValueError(f"residual must be >= 0, got {residual}")
+    masks: dict = {}
     for site in sites:
-        _rewrite_site(gm, site, layers[site.layer], quantize=quantize, residual=residual)
+        _rewrite_site(gm, site, layers[site.layer], quantize=quantize, residual=residual, masks=masks)
     gm.graph.lint()
     gm.recompile()
     return len(sites)
