@@ -29,7 +29,7 @@ kernels() {
     sec decode attention; timeout 230 python benchmarks/bench_decode_attention.py --bits 2 --json "$OUT/decode.json"
     sec decode attention, other presets; timeout 200 python benchmarks/bench_decode_attention.py --bits 4,3,1.5,1.25,1 \
         --batches 1,8 --lengths 4096,131072
-    sec simulate attention; timeout 90 python benchmarks/bench_simulate_attention.py --sweep --profile
+    sec simulate attention; timeout 180 python benchmarks/bench_simulate_attention.py --sweep --profile
     sec decode ceiling probe; timeout 90 python benchmarks/bench_gather_ceiling.py
     sec encode; timeout 120 python benchmarks/bench_encode.py --sweep
 }

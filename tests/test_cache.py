@@ -20,13 +20,7 @@ from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.testing import random_codebooks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**kw) -> LlamaConfig:

@@ -26,12 +26,7 @@ DECODE = torch.ops.vecinfer.decode_attention.default
 DECODE_OPS = (DECODE, torch.ops.vecinfer.decode_attention_cuda.default, torch.ops.vecinfer.decode_attention_triton.default)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class CaptureBackend:

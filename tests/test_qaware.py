@@ -26,12 +26,7 @@ CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=
                      num_hidden_layers=2, intermediate_size=64, vocab_size=128)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def anisotropic_queries(hq: int, n: int, d: int, seed: int) -> torch.Tensor:
