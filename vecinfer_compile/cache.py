@@ -463,6 +463,13 @@ class VecInferCache(Cache):
     No full-precision copy of older tokens is kept anywhere. :meth:`kv_bytes` counts every byte
     held (codes, windows, codebooks, lam, rotation or query-aware matrices, counters). Not croppable (encoded tokens
     cannot be un-flushed); fixed batch size; all layers must be full attention.
+
+    Tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``): pass the
+    model, not its config; the cache finds the rank's KV heads from the model's device mesh
+    (:mod:`vecinfer_compile.tensor_parallel`) and allocates ``[B, H_kv / N, ...]`` buffers, with
+    the smoothing factors / query-aware matrices cut to those heads and the codebooks whole.
+    ``tp_shard`` is the shard (None without TP); :meth:`kv_bytes` is per rank,
+    :meth:`total_kv_bytes` all ranks.
     """
 
     def __init__(
