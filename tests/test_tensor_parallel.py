@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vecinfer_compile as vc
 from vecinfer_compile.backend import VecInferBackend
+from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.tensor_parallel import TPShard, local_layer, model_shard, total_kv_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def test_local_layer_cuts_per_head_state_and_keeps_codebooks_whole():
     local = local_layer(layer, TPShard(1, 2).kv_heads(2))
     assert torch.equal(local.transform.lam, layer.transform.lam[1:2])
     assert local.key_centroids is layer.key_centroids and local.value_centroids is layer.value_centroids
-    qa = SimpleNamespace(transform=vc.codebooks.KeyTransform(
+    qa = SimpleNamespace(transform=KeyTransform(
         4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)), key_centroids=None, value_centroids=None)
     cut = local_layer(qa, slice(0, 1))
     assert torch.equal(cut.transform.key_matrix, qa.transform.key_matrix[:1])
