@@ -13,6 +13,12 @@ Zero-config: without codebooks, the first graph that reaches a layer fits that l
 factors and codebooks from the keys/values of the call being compiled (the graph is interpreted
 once on the real example inputs), logs one info line, and keeps them on the backend object, so
 recompiles (new shapes, graph breaks) reuse them.
+
+Tensor parallelism (transformers' ``tp_plan="auto"``): the rank and TP size come from the graph's
+DTensor parameters (:func:`vecinfer_compile.tensor_parallel.graph_shard`); given codebooks are
+checked against the whole model's geometry and their per-KV-head state is cut to the rank's
+heads. Zero-config fitting under TP fits each rank from its own heads (so ranks differ from
+one process): pass a calibrated file for results equal to one process.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
 from .quant.transform import KeyTransform, smoothing_factors
+from .tensor_parallel import TPShard, graph_shard, local_layer
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +214,8 @@ class VecInferBackend:
     def _layers(self, gm, example_inputs, sites: list[SdpaSite]) -> dict[int, LayerCodebooks]:
         codebooks = self.config.codebooks
         if codebooks is not None:
-            return {s.layer: self._given_layer(codebooks, s) for s in sites}
+            shard = graph_shard(example_inputs)
+            return {s.layer: self._given_layer(codebooks, s, shard) for s in sites}
         stale = [s for s in sites if s.layer in self.fitted and not _fits(self.fitted[s.layer], s)]
         if stale:
             log.info("vecinfer: layer(s) %s were fitted for attention of another geometry (another "
@@ -220,18 +228,23 @@ class VecInferBackend:
         return {s.layer: self.fitted[s.layer] for s in sites}
 
     @staticmethod
-    def _given_layer(codebooks: VecInferCodebooks, site: SdpaSite) -> LayerCodebooks:
+    def _given_layer(codebooks: VecInferCodebooks, site: SdpaSite, shard: TPShard | None = None) -> LayerCodebooks:
+        """Layer ``site.layer`` of ``codebooks``, cut to the rank's KV heads under ``shard``."""
         geometry = codebooks.geometry
-        if site.layer >= geometry["num_layers"] or site.head_dim != geometry["head_dim"] or (
-            site.kv_heads != geometry["num_kv_heads"]
-        ):
+        total = geometry["num_kv_heads"]
+        heads = slice(None) if shard is None else shard.kv_heads(total)
+        local = len(range(total)[heads])
+        if site.layer >= geometry["num_layers"] or site.head_dim != geometry["head_dim"] or site.kv_heads != local:
+            where = "" if shard is None else (
+                f" (tensor parallel rank {shard.rank} of {shard.size}: {local} of their KV heads per rank)")
             raise ValueError(
                 f"vecinfer: attention layer {site.layer} ({site.kv_heads} KV heads, head_dim "
                 f"{site.head_dim}) does not fit codebooks calibrated for {geometry['num_layers']} "
-                f"layers, {geometry['num_kv_heads']} KV heads, head_dim {geometry['head_dim']}: "
+                f"layers, {total} KV heads, head_dim {geometry['head_dim']}{where}: "
                 "run `vecinfer calibrate` on this model"
             )
-        return codebooks.layer(site.layer)
+        layer = codebooks.layer(site.layer)
+        return layer if shard is None else local_layer(layer, heads)
 
     def _fit(self, gm, example_inputs, sites: list[SdpaSite]) -> None:
         recorded = record_nodes(gm, example_inputs, [n for s in sites for n in (s.key, s.value)])

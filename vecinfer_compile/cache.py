@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .codebooks import VecInferCodebooks, model_geometry
 from .quant.packing import pack_codes, packed_width
 from .quant.rows import rows_matmul
+from .tensor_parallel import local_layer, model_shard, total_kv_bytes
 
 __all__ = ["VecInferCache", "VecInferLayer", "cache_kwargs", "cache_window_mask"]
 
@@ -229,7 +230,8 @@ class VecInferLayer(CacheLayerMixin):
             if t.shape[1] != self.num_heads:
                 raise ValueError(
                     f"{name} have {t.shape[1]} KV heads but the cache was built for {self.num_heads}: "
-                    "build the cache from this model's config"
+                    "build the cache from this model (under tensor parallelism pass the model itself, "
+                    "VecInferCache(model, ...), not its config: each rank holds only its own KV heads)"
                 )
             if t.shape[0] != self.batch_size:
                 raise ValueError(
@@ -461,6 +463,13 @@ class VecInferCache(Cache):
     No full-precision copy of older tokens is kept anywhere. :meth:`kv_bytes` counts every byte
     held (codes, windows, codebooks, lam, rotation or query-aware matrices, counters). Not croppable (encoded tokens
     cannot be un-flushed); fixed batch size; all layers must be full attention.
+
+    Tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``): pass the
+    model, not its config; the cache finds the rank's KV heads from the model's device mesh
+    (:mod:`vecinfer_compile.tensor_parallel`) and allocates ``[B, H_kv / N, ...]`` buffers, with
+    the smoothing factors / query-aware matrices cut to those heads and the codebooks whole.
+    ``tp_shard`` is the shard (None without TP); :meth:`kv_bytes` is per rank,
+    :meth:`total_kv_bytes` all ranks.
     """
 
     def __init__(
@@ -505,17 +514,20 @@ class VecInferCache(Cache):
         if device is None:
             device = getattr(model_or_config, "device", None) or "cpu"
         head_dim = geometry["head_dim"]
+        self.tp_shard = model_shard(model_or_config)  # None unless the model is tensor parallel
+        heads = slice(None) if self.tp_shard is None else self.tp_shard.kv_heads(geometry["num_kv_heads"])
+        num_kv_heads = len(range(geometry["num_kv_heads"])[heads])
         rotation_cache: dict[bool, torch.Tensor | None] = {}
         layers = []
         for i in range(geometry["num_layers"]):
-            lc = codebooks.layer(i)
+            lc = codebooks.layer(i) if self.tp_shard is None else local_layer(codebooks.layer(i), heads)
             rotate = bool(lc.transform.rotate)
             if rotate not in rotation_cache:  # one rotation tensor shared by all layers
                 rotation_cache[rotate] = lc.transform.rotation(torch.float32, device)
             layers.append(
                 VecInferLayer(
                     batch_size=batch_size,
-                    num_kv_heads=geometry["num_kv_heads"],
+                    num_kv_heads=num_kv_heads,
                     head_dim=head_dim,
                     max_cache_len=max_cache_len,
                     residual=residual,
@@ -537,7 +549,9 @@ class VecInferCache(Cache):
         self.residual, self.dtype, self.device = residual, dtype, torch.device(device)
 
     def kv_bytes(self) -> int:
-        """Bytes of everything the cache holds on its device (shared tensors counted once)."""
+        """Bytes of everything the cache holds on its device (shared tensors counted once); under
+        tensor parallelism, this rank's share (its KV heads, and its copy of the codebooks): see
+        :meth:`total_kv_bytes`."""
         seen, total = set(), 0
         for layer in self.layers:
             for t in layer._static_tensors():
@@ -546,6 +560,12 @@ class VecInferCache(Cache):
                     seen.add(key)
                     total += t.numel() * t.element_size()
         return total
+
+    def total_kv_bytes(self, group=None) -> int:
+        """:meth:`kv_bytes` summed over all ranks by an all-reduce (every rank of ``group`` must
+        call it: it is a collective); equal to :meth:`kv_bytes` without torch.distributed. Each
+        rank's codebooks are counted once per rank, as each holds its own copy."""
+        return total_kv_bytes(self, group)
 
     def fp_kv_bytes(self) -> int:
         """Bytes a full-precision static cache of the same shape would hold (for ratios)."""

@@ -1,0 +1,158 @@
+"""Tensor parallelism (transformers' tp_plan="auto"): the shard and its per-head state, the
+errors that name the fix, and two gloo ranks on the tiny model against one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import vecinfer_compile as vc
+from vecinfer_compile.backend import VecInferBackend
+from vecinfer_compile.quant.transform import KeyTransform
+from vecinfer_compile.tensor_parallel import TPShard, local_layer, model_shard, total_kv_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "vecinfer_compile" / "data"
+TINY, CODEBOOKS = DATA / "tiny", DATA / "tiny_codebooks" / "vecinfer-2bit.safetensors"
+
+
+def test_kv_heads_slice_per_rank_and_error_when_ranks_do_not_divide():
+    assert [TPShard(r, 4).kv_heads(8) for r in range(4)] == [slice(2 * r, 2 * r + 2) for r in range(4)]
+    with pytest.raises(ValueError, match="3 does not divide.*--nproc-per-node"):
+        TPShard(0, 3).kv_heads(2)
+
+
+def test_local_layer_cuts_per_head_state_and_keeps_codebooks_whole():
+    layer = vc.load_codebooks(CODEBOOKS).layer(1)
+    local = local_layer(layer, TPShard(1, 2).kv_heads(2))
+    assert torch.equal(local.transform.lam, layer.transform.lam[1:2])
+    assert local.key_centroids is layer.key_centroids and local.value_centroids is layer.value_centroids
+    qa = SimpleNamespace(transform=KeyTransform(
+        4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)), key_centroids=None, value_centroids=None)
+    cut = local_layer(qa, slice(0, 1))
+    assert torch.equal(cut.transform.key_matrix, qa.transform.key_matrix[:1])
+    assert torch.equal(cut.transform.query_matrix, qa.transform.query_matrix[:1])
+
+
+class _Mesh:
+    mesh_dim_names, ndim = ("pp", "fsdp", "tp"), 3
+
+    def get_local_rank(self, dim):
+        return 1
+
+    def size(self, dim=None):
+        return 2
+
+
+def _fake_tp_model(attn="sdpa", plan=None):
+    model = torch.nn.Linear(1, 1)
+    model.config = SimpleNamespace(_attn_implementation=attn)
+    model.tp_size, model._device_mesh = 2, _Mesh()
+    model._tp_plan = plan or {"model.layers.*.self_attn.k_proj": "colwise"}
+    return model
+
+
+def test_model_shard_reads_the_mesh_and_names_the_fix():
+    assert model_shard(_fake_tp_model()) == TPShard(1, 2)
+    assert model_shard(torch.nn.Linear(1, 1)) is None  # not tensor parallel
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        model_shard(_fake_tp_model(attn="eager"))
+    with pytest.raises(ValueError, match="sharded colwise"):
+        model_shard(_fake_tp_model(plan={"model.layers.*.self_attn.k_proj": "rowwise"}))
+
+
+def test_backend_cuts_codebooks_to_the_rank_and_rejects_another_model():
+    cb = vc.load_codebooks(CODEBOOKS)
+    site = SimpleNamespace(layer=2, head_dim=64, kv_heads=1)
+    got = VecInferBackend._given_layer(cb, site, TPShard(1, 2))
+    assert torch.equal(got.transform.lam, cb.layer(2).transform.lam[1:])
+    with pytest.raises(ValueError, match="tensor parallel rank 0 of 2.*vecinfer calibrate"):
+        VecInferBackend._given_layer(cb, SimpleNamespace(layer=0, head_dim=64, kv_heads=2), TPShard(0, 2))
+
+
+def test_total_kv_bytes_without_distributed_is_the_cache_bytes():
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    cache = vc.VecInferCache(model, vc.load_codebooks(CODEBOOKS), batch_size=1, max_cache_len=8, residual=2)
+    assert cache.tp_shard is None
+    assert total_kv_bytes(cache) == cache.total_kv_bytes() == cache.kv_bytes()
+
+
+# -- two gloo ranks against one process ---------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The tiny model in one process (no TP), float32, SDPA."""
+    return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def _greedy(model, ids, new_tokens, residual):
+    cache = vc.VecInferCache(model, vc.load_codebooks(CODEBOOKS), batch_size=1,
+                             max_cache_len=ids.shape[1] + new_tokens, residual=residual)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **vc.cache_kwargs(cache),
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist(), cache
+
+
+def test_example_two_ranks_compiled_decode_equals_one_process(one_process):
+    """examples/tensor_parallel.py, decode compiled by the backend on 2 ranks: the same greedy
+    tokens as one process, every attention call on codes, each rank holding half the KV heads."""
+    out = _torchrun("examples/tensor_parallel.py", "--model", str(TINY), "--codebooks", str(CODEBOOKS),
+                    "--residual", "4", "--max-new-tokens", "8", "--json")
+    report = json.loads(out.strip().splitlines()[-1])
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from tensor_parallel import PROMPT
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    ids = AutoTokenizer.from_pretrained(TINY)(PROMPT, return_tensors="pt").input_ids
+    tokens, cache = _greedy(one_process, ids, 8, 4)
+    assert report["tokens"] == tokens
+    assert report["world_size"] == 2 and report["decode_rewrites"] == 4
+    assert report["kv_bytes_total"] == 2 * report["kv_bytes_rank"]
+    # half the heads per rank; the codebooks (and rotation) are whole on each rank
+    assert report["kv_bytes_rank"] < cache.kv_bytes() < report["kv_bytes_total"]
+
+
+def test_two_ranks_eager_tokens_and_simulate_logits_equal_one_process(one_process, tmp_path):
+    ids = torch.arange(5, 30)[None]
+    _torchrun("tests/tp_worker.py", str(TINY), str(CODEBOOKS), ",".join(map(str, ids[0].tolist())),
+              str(tmp_path / "rank0.pt"))
+    tp = torch.load(tmp_path / "rank0.pt")
+    assert tp["kv_heads"] == 1 and tp["sdpa_rewrites"] == 4
+    cb = vc.load_codebooks(CODEBOOKS)
+    assert torch.equal(tp["lam"], cb.layer(0).transform.lam[:1])
+    tokens, _ = _greedy(one_process, ids, 8, 4)
+    assert tp["tokens"].tolist() == tokens
+    torch._dynamo.reset()
+    compiled = torch.compile(one_process, backend=vc.vecinfer_backend.configure(codebooks=cb), fullgraph=True)
+    with torch.no_grad():
+        logits = compiled(ids).logits
+        fp = one_process(ids).logits
+    assert (logits - fp).abs().amax() > 1e-2  # quantization really happened in both
+    torch.testing.assert_close(tp["logits"], logits, rtol=1e-4, atol=1e-4)
