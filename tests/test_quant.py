@@ -171,3 +171,5 @@ def test_rows_matmul_equals_matmul(t, d, seed):
     x, m = torch.randn(2, 3, t, d, generator=g), torch.randn(d, d, generator=g)
     torch.testing.assert_close(rows_matmul(x, m), x @ m, rtol=1e-5, atol=1e-5)
     assert (t <= FEW_ROWS) or rows_matmul(x, m).equal(x @ m)
+    per_head = torch.randn(3, d, d, generator=g)  # one matrix per head, as the query-aware transform
+    torch.testing.assert_close(rows_matmul(x, per_head), x @ per_head, rtol=1e-5, atol=1e-5)

@@ -42,7 +42,7 @@ from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
 from .quant.transform import KeyTransform, smoothing_factors
-from .tensor_parallel import TPShard, graph_shard, local_layer
+from .tensor_parallel import TPShard, graph_shard, local_kv_heads, local_layer
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +232,7 @@ class VecInferBackend:
         """Layer ``site.layer`` of ``codebooks``, cut to the rank's KV heads under ``shard``."""
         geometry = codebooks.geometry
         total = geometry["num_kv_heads"]
-        heads = slice(None) if shard is None else shard.kv_heads(total)
-        local = len(range(total)[heads])
+        heads, local = local_kv_heads(shard, total)
         if site.layer >= geometry["num_layers"] or site.head_dim != geometry["head_dim"] or site.kv_heads != local:
             where = "" if shard is None else (
                 f" (tensor parallel rank {shard.rank} of {shard.size}: {local} of their KV heads per rank)")

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .codebooks import VecInferCodebooks, model_geometry
 from .quant.packing import pack_codes, packed_width
 from .quant.rows import rows_matmul
-from .tensor_parallel import local_layer, model_shard, total_kv_bytes
+from .tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 
 __all__ = ["VecInferCache", "VecInferLayer", "cache_kwargs", "cache_window_mask"]
 
@@ -255,7 +255,7 @@ class VecInferLayer(CacheLayerMixin):
         if self.lam is not None:
             work = work / self.lam[None, :, None, :]
         if self.key_matrix is not None:
-            work = work @ self.key_matrix
+            work = rows_matmul(work, self.key_matrix)
         if self.rotation is not None:
             work = rows_matmul(work, self.rotation)
         return work.to(self.dtype)
@@ -515,8 +515,7 @@ class VecInferCache(Cache):
             device = getattr(model_or_config, "device", None) or "cpu"
         head_dim = geometry["head_dim"]
         self.tp_shard = model_shard(model_or_config)  # None unless the model is tensor parallel
-        heads = slice(None) if self.tp_shard is None else self.tp_shard.kv_heads(geometry["num_kv_heads"])
-        num_kv_heads = len(range(geometry["num_kv_heads"])[heads])
+        heads, num_kv_heads = local_kv_heads(self.tp_shard, geometry["num_kv_heads"])
         rotation_cache: dict[bool, torch.Tensor | None] = {}
         layers = []
         for i in range(geometry["num_layers"]):

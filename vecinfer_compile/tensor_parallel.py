@@ -25,7 +25,7 @@ import torch
 
 from .codebooks import LayerCodebooks
 
-__all__ = ["TPShard", "graph_shard", "local_layer", "model_shard", "total_kv_bytes"]
+__all__ = ["TPShard", "graph_shard", "local_kv_heads", "local_layer", "model_shard", "total_kv_bytes"]
 
 _ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
@@ -48,6 +48,13 @@ class TPShard:
             )
         per = total // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
+
+
+def local_kv_heads(shard: TPShard | None, total: int) -> tuple[slice, int]:
+    """``(heads, count)``: the KV heads of ``total`` this process holds (all of them without TP,
+    ``shard=None``) and how many they are."""
+    heads = slice(0, total) if shard is None else shard.kv_heads(total)
+    return heads, heads.stop - heads.start
 
 
 def local_layer(layer: LayerCodebooks, heads: slice) -> LayerCodebooks:

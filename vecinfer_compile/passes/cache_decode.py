@@ -75,7 +75,7 @@ def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch
     if key_read is not None:
         b, hq, t, d = q.shape
         hkv = key_read.shape[0]
-        work = work.reshape(b, hkv, hq // hkv, t, d) @ key_read.float().transpose(-1, -2)[None, :, None]
+        work = rows_matmul(work.reshape(b, hkv, hq // hkv, t, d), key_read.float().transpose(-1, -2)[None, :, None])
         work = work.reshape(b, hq, t, d)
     if lam is not None:
         b, hq, t, d = q.shape

@@ -15,9 +15,10 @@ FEW_ROWS = 16  # at most this many rows per head (``x.shape[-2]``) take the prod
 
 
 def rows_matmul(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``x @ m`` for ``x: [..., T, D]``, ``m: [D, N]`` (same dtype); for ``T <= FEW_ROWS`` computed
-    as ``(x[..., :, None] * m).sum(-2)`` (materialises ``[..., T, D, N]`` when run eagerly: small
-    for the few rows this form is for)."""
+    """``x @ m`` for ``x: [..., T, D]``, ``m: [..., D, N]`` broadcasting as matmul does (one
+    ``[D, N]`` matrix, or one per head: ``[H, D, N]`` against ``x: [B, H, T, D]``), same dtype;
+    for ``T <= FEW_ROWS`` computed as ``(x[..., :, None] * m[..., None, :, :]).sum(-2)``
+    (materialises ``[..., T, D, N]`` when run eagerly: small for the few rows this form is for)."""
     if x.shape[-2] <= FEW_ROWS:
-        return (x.unsqueeze(-1) * m).sum(-2)
+        return (x.unsqueeze(-1) * m.unsqueeze(-3)).sum(-2)
     return x @ m
