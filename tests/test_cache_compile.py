@@ -156,6 +156,8 @@ def test_decode_attention_equals_sdpa_over_cache_kv():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     float_mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     assert torch.equal(kv_start_from_mask(float_mask, q), kv_start)
+    # a row that attends nothing starts past the last slot: the kernels then return zeros
+    assert kv_start_from_mask(torch.zeros_like(mask), q).tolist() == [tmax] * b
 
 
 def _attention_fn(q, layer, mask):
