@@ -44,7 +44,7 @@ def main() -> None:
         base = perplexity(model, held_out, windows=args.windows, window_len=args.window_len, progress=False).ppl
     print(json.dumps({"method": "fp16", "ppl": base}), flush=True)
     rows = [(m, None) for m in args.baselines.split(",") if m]
-    rows += [(m, float(r)) for m in args.methods.split(",") for r in args.ridges.split(",")]
+    rows += [(m, float(r)) for m in args.methods.split(",") if m for r in args.ridges.split(",")]
     for method, ridge in rows:
         extra = {} if ridge is None else {"ridge": ridge}
         cb = vc.calibrate(model, tok, text, bits=args.bits, method=method, max_tokens=args.fit_tokens,

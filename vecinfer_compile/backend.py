@@ -41,7 +41,7 @@ from .passes.cache_decode import rewrite_cache_attention
 from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
-from .quant.transform import KeyTransform, smoothing_factors
+from .quant.transform import KeyTransform, centre_keys, smoothing_factors
 from .tensor_parallel import TPShard, graph_shard, local_kv_heads, local_layer
 
 log = logging.getLogger(__name__)
@@ -131,8 +131,9 @@ def _fit_layer(keys: list[torch.Tensor], values: list[torch.Tensor], config: Bac
     head_dim = keys[0].shape[-1]
     k = torch.cat([x.float().transpose(0, 1).reshape(x.shape[1], -1, head_dim) for x in keys], 1)
     v = torch.cat([x.float().reshape(-1, head_dim) for x in values], 0)
-    lam = smoothing_factors(k.abs().amax(1)) if spec.smooth else None
-    transform = KeyTransform(head_dim, lam, spec.rotate)
+    mean, centred = centre_keys(k, spec.center)
+    lam = smoothing_factors(centred.abs().amax(1)) if spec.smooth else None
+    transform = KeyTransform(head_dim, lam, spec.rotate, mean=mean)
     k_t = transform.keys(k[None])
     key_c = _fit_codebook(subvectors(k_t, preset.key.dims).reshape(-1, preset.key.dims),
                           preset.key.entries, seed=layer)

@@ -119,6 +119,9 @@ class VecInferLayer(CacheLayerMixin):
     - query-aware methods: ``key_matrix [H, D, D] = A @ H`` (keys into the code domain) and
       ``key_read [H, D, D] = (B @ H)^T`` (code domain back to keys; its transpose is the query
       side), float32, with the Hadamard folded in (``rotation`` is then None).
+    - centring methods: ``key_mean [H, D]`` float32, ``mu``, subtracted before the rest of the
+      transform (window and codes alike) and added back by the eager read; the compiled decode
+      drops it (it shifts every score of a query by ``-q . mu``, which softmax ignores).
     """
 
     is_compileable = True
@@ -142,6 +145,7 @@ class VecInferLayer(CacheLayerMixin):
         layer_idx: int = 0,
         key_matrix: torch.Tensor | None = None,
         query_matrix: torch.Tensor | None = None,
+        key_mean: torch.Tensor | None = None,
     ):
         super().__init__()
         _ops()  # register the ops now, never while tracing
@@ -165,6 +169,7 @@ class VecInferLayer(CacheLayerMixin):
         self.value_centroids = value_centroids.to(dev, torch.float32).contiguous()
         self.lam = None if lam is None else lam.to(dev, torch.float32).contiguous()
         self.rotation = None if rotation is None else rotation.to(dev, torch.float32).contiguous()
+        self.key_mean = None if key_mean is None else key_mean.to(dev, torch.float32).contiguous()
         self.key_matrix = self.key_read = None
         if key_matrix is not None:  # A @ H and (B @ H)^T: one matmul each way, no separate rotation
             fold = (lambda m: m) if self.rotation is None else (lambda m: m @ self.rotation)
@@ -204,7 +209,8 @@ class VecInferLayer(CacheLayerMixin):
     # -- bookkeeping -------------------------------------------------------------------------
     def _static_tensors(self) -> list[torch.Tensor]:
         ts = [self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-              self.key_centroids, self.value_centroids, self.lam, self.rotation, self.key_matrix, self.key_read]
+              self.key_centroids, self.value_centroids, self.lam, self.rotation, self.key_matrix, self.key_read,
+              self.key_mean]
         return [t for t in ts if t is not None]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
@@ -249,9 +255,11 @@ class VecInferLayer(CacheLayerMixin):
         )
 
     def transform_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """``K~ = (K / lam) @ H`` (or ``K @ key_matrix``) computed in float32, returned in the
-        cache dtype."""
+        """``K~ = ((K - mu) / lam) @ H`` (or ``(K - mu) @ key_matrix``; ``mu`` only when centred)
+        computed in float32, returned in the cache dtype."""
         work = k.float()
+        if self.key_mean is not None:
+            work = work - self.key_mean[None, :, None, :]
         if self.lam is not None:
             work = work / self.lam[None, :, None, :]
         if self.key_matrix is not None:
@@ -335,19 +343,26 @@ class VecInferLayer(CacheLayerMixin):
     def _read(self, ops) -> tuple[torch.Tensor, torch.Tensor]:
         """``vecinfer::cache_kv`` (K in the original domain, V), then, for the query-aware
         methods, ``K = (K~.float() @ key_read).to(dtype)`` (a plain matmul that
-        :mod:`~vecinfer_compile.passes.cache_decode` recognises and moves to the query side)."""
+        :mod:`~vecinfer_compile.passes.cache_decode` recognises and moves to the query side), and
+        for the centring methods ``+ key_mean`` before the cast (which that pass drops). Slots
+        beyond the valid length then hold ``mu`` rather than zeros; the mask hides them."""
         k, v = ops.cache_kv(
             self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
             self.k_window, self.v_window, self.n_window, self.lam, self.rotation,
         )
+        if self.key_read is None and self.key_mean is None:
+            return k, v
+        k = k.float()
         if self.key_read is not None:
-            k = (k.float() @ self.key_read).to(self.dtype)
-        return k, v
+            k = k @ self.key_read
+        if self.key_mean is not None:
+            k = k + self.key_mean[None, :, None, :]
+        return k.to(self.dtype), v
 
     # -- reads ---------------------------------------------------------------------------------
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager: the full-length ``[B, H, max_cache_len, D]`` K (original domain) and V the
-        cache stands for (zeros beyond the valid length)."""
+        cache stands for (zeros beyond the valid length; ``mu`` for K when centred)."""
         if not self.is_initialized:
             raise RuntimeError("this VecInferCache layer holds nothing yet (it allocates at its first update)")
         return self._read(_ops())
@@ -443,7 +458,8 @@ class VecInferCache(Cache):
     - **Prefill** (the first update of an empty layer; ``generate()`` runs it eagerly): ``update``
       returns the given K/V unchanged, so the prompt attends in full precision. It stores all but
       the last ``R = residual`` tokens as codes ``encode(K~)`` / ``encode(V)`` and keeps the last
-      ``R`` in the window (keys transformed, ``K~ = (K / lam) @ H``, in the cache dtype).
+      ``R`` in the window (keys transformed, ``K~ = ((K - mu) / lam) @ H``, in the cache dtype; ``mu``
+      the key mean of the centring methods, else 0).
     - **Decode** (every later update, usually one token): the new tokens are appended to the
       window; tokens pushed out of it are encoded from their stored ``K~``/``V`` and moved to the
       codes. After each update exactly the last ``min(R, length)`` tokens are in full precision:
@@ -461,13 +477,13 @@ class VecInferCache(Cache):
       differ on near-ties).
 
     No full-precision copy of older tokens is kept anywhere. :meth:`kv_bytes` counts every byte
-    held (codes, windows, codebooks, lam, rotation or query-aware matrices, counters). Not croppable (encoded tokens
+    held (codes, windows, codebooks, lam, rotation or query-aware matrices, key means, counters). Not croppable (encoded tokens
     cannot be un-flushed); fixed batch size; all layers must be full attention.
 
     Tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``): pass the
     model, not its config; the cache finds the rank's KV heads from the model's device mesh
     (:mod:`vecinfer_compile.tensor_parallel`) and allocates ``[B, H_kv / N, ...]`` buffers, with
-    the smoothing factors / query-aware matrices cut to those heads and the codebooks whole.
+    the smoothing factors / query-aware matrices / key means cut to those heads and the codebooks whole.
     ``tp_shard`` is the shard (None without TP); :meth:`kv_bytes` is per rank,
     :meth:`total_kv_bytes` all ranks.
     """
@@ -539,6 +555,7 @@ class VecInferCache(Cache):
                     layer_idx=i,
                     key_matrix=lc.transform.key_matrix,
                     query_matrix=lc.transform.query_matrix,
+                    key_mean=lc.transform.mean,
                 )
             )
         super().__init__(layers=layers)

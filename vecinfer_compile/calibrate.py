@@ -17,7 +17,7 @@ from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
 from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
-from .quant.transform import KeyTransform, smoothing_factors
+from .quant.transform import KeyTransform, centre_keys, smoothing_factors
 from .recording import collect_kv
 
 log = logging.getLogger(__name__)
@@ -124,12 +124,13 @@ def calibrate(
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
-        lam = smoothing_factors(k.abs().amax(dim=(0, 2))) if spec.smooth else None
+        mean, centred = centre_keys(k[0], spec.center)  # lam and C: of the keys to quantize
+        lam = smoothing_factors(centred.abs().amax(dim=1)) if spec.smooth else None
         matrices = (None, None)
         if spec.query_aware:
-            key_moment = second_moment(k[0], k.shape[1]) if spec.query_aware == "geomean" else None
+            key_moment = second_moment(centred, k.shape[1]) if spec.query_aware == "geomean" else None
             matrices = query_aware_matrices(second_moment(recorded[2][layer], k.shape[1]), key_moment, ridge)
-        transform = KeyTransform(head_dim, lam, spec.rotate, *matrices)
+        transform = KeyTransform(head_dim, lam, spec.rotate, *matrices, mean=mean)
         k_t = transform.keys(k)
         layer_seed = seed + 1000 * layer
         fitted[layer] = {}

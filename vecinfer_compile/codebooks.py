@@ -1,15 +1,18 @@
 """The calibration artifact: per-layer key transform and key/value codebooks, with metadata.
 
-File format 3: one safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
+File format 4: one safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
 ``layers.{i}.value_centroids [E_v, d_v]`` (float32; each layer has its own preset) and, when the
 method smooths, ``lam [L, H_kv, D]``; for the query-aware methods ``key_matrix [L, H_kv, D, D]``
 and ``query_matrix [L, H_kv, D, D]`` (``A`` and ``A^(-T)``, see
-:mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` they were made with. The safetensors metadata key ``"vecinfer"`` holds a JSON
-object: method, bits (the average over layers), ``layer_bits`` (one preset per layer), the model
-fingerprint (geometry + a hash of it), calibration text hash and token count, and the package
-version. Format 2 (the same without the matrices; no query-aware methods) and format 1 (one
-preset for all layers, stacked ``key_centroids [L, E_k, d_k]`` and ``value_centroids [L, E_v,
-d_v]``) still load. Loading checks the format;
+:mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` they were made with; for the
+centring methods ``key_mean [L, H_kv, D]`` (``mu``, subtracted from the keys before the rest of
+the transform, :mod:`vecinfer_compile.quant.transform`). The safetensors metadata key
+``"vecinfer"`` holds a JSON object: method, bits (the average over layers), ``layer_bits`` (one
+preset per layer), the model fingerprint (geometry + a hash of it), calibration text hash and
+token count, and the package version. Older formats still load, with ``mu = 0`` (no centring: the
+codebooks were fitted to uncentred keys): format 3 (no ``key_mean``), format 2 (nor the
+matrices; no query-aware methods) and format 1 (one preset for all layers, stacked
+``key_centroids [L, E_k, d_k]`` and ``value_centroids [L, E_v, d_v]``). Loading checks the format;
 :meth:`VecInferCodebooks.check_model` checks that the file fits a model.
 """
 
@@ -29,10 +32,11 @@ from .methods import VQ_METHODS
 from .presets import Preset, get_preset
 from .quant.transform import KeyTransform
 
-FORMAT = "vecinfer-codebooks/3"
+FORMAT = "vecinfer-codebooks/4"
+FORMAT_V3 = "vecinfer-codebooks/3"
 FORMAT_V2 = "vecinfer-codebooks/2"
 FORMAT_V1 = "vecinfer-codebooks/1"
-READS = (FORMAT, FORMAT_V2, FORMAT_V1)
+READS = (FORMAT, FORMAT_V3, FORMAT_V2, FORMAT_V1)
 MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of a ridge-conditioned S)
 
 
@@ -61,7 +65,7 @@ def geometry_fingerprint(geometry: dict) -> str:
 class LayerCodebooks:
     """One layer's quantizer. key_centroids: ``[E_k, d_k]``; value_centroids: ``[E_v, d_v]``
     (float32); transform: smoothing factors ``[H_kv, D]`` or query-aware matrices
-    ``[H_kv, D, D]``, and/or rotation."""
+    ``[H_kv, D, D]``, and/or rotation, after an optional key mean ``[H_kv, D]``."""
 
     transform: KeyTransform
     key_centroids: torch.Tensor
@@ -132,12 +136,13 @@ class VecInferCodebooks:
         return self.layers[index]
 
     def nbytes(self) -> int:
-        """Bytes of the codebooks, smoothing factors and query-aware matrices themselves (fp16)."""
+        """Bytes of the codebooks, smoothing factors, query-aware matrices and key means themselves
+        (fp16)."""
         total = 0
         for layer in self.layers:
             t = layer.transform
             total += 2 * (layer.key_centroids.numel() + layer.value_centroids.numel())
-            for extra in (t.lam, t.key_matrix, t.query_matrix):
+            for extra in (t.lam, t.key_matrix, t.query_matrix, t.mean):
                 if extra is not None:
                     total += 2 * extra.numel()
         return total
@@ -186,6 +191,8 @@ class VecInferCodebooks:
         if self.layers[0].transform.key_matrix is not None:
             tensors["key_matrix"] = torch.stack([l.transform.key_matrix.float().cpu() for l in self.layers])
             tensors["query_matrix"] = torch.stack([l.transform.query_matrix.float().cpu() for l in self.layers])
+        if self.layers[0].transform.mean is not None:
+            tensors["key_mean"] = torch.stack([l.transform.mean.float().cpu() for l in self.layers])
         meta = {
             **{k: v for k, v in self.metadata.items() if k not in ("key_preset", "value_preset")},
             "format": FORMAT,
@@ -268,10 +275,12 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     if spec.smooth and lam is None:
         raise ValueError(f"{path}: method {method!r} needs smoothing factors but the file has none")
     key_m, query_m = _query_aware_matrices(path, tensors, method, spec.query_aware, geometry)
+    mean = _key_mean(path, tensors, method, spec.center, meta.get("format") == FORMAT, geometry)
     layers = [
         LayerCodebooks(
             KeyTransform(geometry["head_dim"], lam[i] if lam is not None else None, spec.rotate,
-                         None if key_m is None else key_m[i], None if query_m is None else query_m[i]),
+                         None if key_m is None else key_m[i], None if query_m is None else query_m[i],
+                         mean=None if mean is None else mean[i]),
             key_c[i],
             value_c[i],
         )
@@ -308,3 +317,28 @@ def _query_aware_matrices(path: Path, tensors: dict, method: str, needed: bool, 
                          f"{err:.3g}; scores would change): recalibrate with `vecinfer calibrate --method {method}`")
     return a.float(), b.float()
 
+
+
+def _key_mean(path: Path, tensors: dict, method: str, centred: bool, current: bool, geometry: dict):
+    """``key_mean [L, H_kv, D]`` float32 of a centring method's file, checked (shape, finite);
+    None for the other methods, and for files of older formats (written before centring
+    existed: their codebooks were fitted to uncentred keys, so ``mu = 0`` is what they mean)."""
+    mean = tensors.get("key_mean")
+    if not centred:
+        if mean is not None:
+            raise ValueError(f"{path}: method {method!r} does not centre keys but the file has 'key_mean' "
+                             "(corrupt file): recalibrate with `vecinfer calibrate`")
+        return None
+    if mean is None:
+        if current:
+            raise ValueError(f"{path}: method {method!r} needs tensor 'key_mean' but the file has none: "
+                             f"recalibrate with `vecinfer calibrate --method {method}`")
+        return None
+    expect = (geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"])
+    if tuple(mean.shape) != expect:
+        raise ValueError(f"{path}: key_mean has shape {tuple(mean.shape)}, its geometry needs {expect} "
+                         f"[layers, kv_heads, head_dim]: recalibrate with `vecinfer calibrate --method {method}`")
+    if not torch.isfinite(mean).all():
+        raise ValueError(f"{path}: key_mean holds NaN or inf (corrupt file): recalibrate with "
+                         f"`vecinfer calibrate --method {method}`")
+    return mean.float()

@@ -16,18 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nohadamard",
-           "qaware-sqrt")
+           "qaware-sqrt", "qaware-center", "vecinfer-center")
 KIVI_BITS = (2, 4)
 
 
 @dataclass(frozen=True)
 class KeyTransformSpec:
     """smooth: channel-wise smoothing; rotate: the Hadamard; query_aware: None, or the kind of
-    query-aware matrix (``geomean`` or ``sqrt``, :mod:`vecinfer_compile.quant.query_aware`)."""
+    query-aware matrix (``geomean`` or ``sqrt``, :mod:`vecinfer_compile.quant.query_aware`);
+    center: subtract the calibration keys' mean per KV head first (exact for attention, see
+    :mod:`vecinfer_compile.quant.transform`)."""
 
     smooth: bool
     rotate: bool
     query_aware: str | None = None
+    center: bool = False
 
 
 VQ_METHODS: dict[str, KeyTransformSpec] = {
@@ -38,6 +41,8 @@ VQ_METHODS: dict[str, KeyTransformSpec] = {
     "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean"),
     "qaware-nohadamard": KeyTransformSpec(smooth=False, rotate=False, query_aware="geomean"),
     "qaware-sqrt": KeyTransformSpec(smooth=False, rotate=True, query_aware="sqrt"),
+    "qaware-center": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True),
+    "vecinfer-center": KeyTransformSpec(smooth=True, rotate=True, center=True),
 }
 
 

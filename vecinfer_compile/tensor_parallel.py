@@ -5,7 +5,7 @@ Under transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")``
 ``N``-rank TP mesh computes the contiguous KV heads ``[r * Hkv/N, (r + 1) * Hkv/N)`` (and their
 query heads). Per-layer codebooks are shared by all heads and stay whole on every rank; the
 per-KV-head state (smoothing factors ``lam [Hkv, D]``, query-aware ``key_matrix`` /
-``query_matrix [Hkv, D, D]``) is sliced to the rank's heads.
+``query_matrix [Hkv, D, D]``, the key mean ``[Hkv, D]``) is sliced to the rank's heads.
 
 Where the shard comes from (never guessed from tensor shapes):
 
@@ -59,10 +59,12 @@ def local_kv_heads(shard: TPShard | None, total: int) -> tuple[slice, int]:
 
 def local_layer(layer: LayerCodebooks, heads: slice) -> LayerCodebooks:
     """``layer`` with its per-KV-head transform state (``lam [Hkv, D]``, ``key_matrix`` /
-    ``query_matrix [Hkv, D, D]``, float32) cut to ``heads``; the codebooks are shared, unchanged."""
+    ``query_matrix [Hkv, D, D]``, key ``mean [Hkv, D]``, float32) cut to ``heads``; the codebooks
+    are shared, unchanged."""
     t = layer.transform
     cut = (lambda x: None if x is None else x[heads].contiguous())
-    transform = replace(t, lam=cut(t.lam), key_matrix=cut(t.key_matrix), query_matrix=cut(t.query_matrix))
+    transform = replace(t, lam=cut(t.lam), key_matrix=cut(t.key_matrix), query_matrix=cut(t.query_matrix),
+                        mean=cut(t.mean))
     return LayerCodebooks(transform, layer.key_centroids, layer.value_centroids)
 
 

@@ -119,9 +119,10 @@ def tiny_model(family: str = "llama", *, layers: int = 2, attn_implementation: s
 
 def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, seed: int = 0,
                            smooth: bool = True, rotate: bool = True,
-                           query_aware: bool = False) -> LayerCodebooks:
+                           query_aware: bool = False, center: bool = False) -> LayerCodebooks:
     """Random smoothing factors in [0.5, 2) (or, ``query_aware``, the matrices of a random SPD
-    query moment) and Gaussian centroids for one layer."""
+    query moment), with ``center`` a Gaussian key mean of scale 3, and Gaussian centroids for one
+    layer."""
     gen = torch.Generator().manual_seed(seed)
     preset = get_preset(bits)
     lam = 0.5 + 1.5 * torch.rand(kv_heads, head_dim, generator=gen) if smooth else None
@@ -131,8 +132,9 @@ def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, s
         queries = queries * (0.2 + 3 * torch.rand(head_dim, generator=gen))  # anisotropic
         keys = torch.randn(kv_heads, 4 * head_dim, head_dim, generator=gen) @ torch.randn(head_dim, head_dim, generator=gen)
         matrices = query_aware_matrices(second_moment(queries, kv_heads), second_moment(keys, kv_heads))
+    mean = 3 * torch.randn(kv_heads, head_dim, generator=gen) if center else None
     return LayerCodebooks(
-        KeyTransform(head_dim, lam, rotate, *matrices),
+        KeyTransform(head_dim, lam, rotate, *matrices, mean=mean),
         torch.randn(preset.key.entries, preset.key.dims, generator=gen),
         torch.randn(preset.value.entries, preset.value.dims, generator=gen),
     )
@@ -149,7 +151,8 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
     per_layer = [float(bits)] * geo["num_layers"] if layer_bits is None else list(layer_bits)
     layers = [
         random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], bits=b, seed=seed + i,
-                               smooth=spec.smooth, rotate=spec.rotate, query_aware=bool(spec.query_aware))
+                               smooth=spec.smooth, rotate=spec.rotate, query_aware=bool(spec.query_aware),
+                               center=spec.center)
         for i, b in enumerate(per_layer)
     ]
     return VecInferCodebooks(method, average_bits(per_layer), layers, geo, layer_bits=per_layer)

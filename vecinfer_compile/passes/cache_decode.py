@@ -20,7 +20,10 @@ or ``decode_attention_triton``, so the choice is in the graph; elsewhere ``decod
 For the query-aware methods the cache returns ``K = (cache_kv(...)[0].float() @ key_read).to(dtype)``
 (``key_read: [Hkv, D, D]``, the code domain back to keys, see :class:`~vecinfer_compile.cache.VecInferLayer`);
 the rewrite recognises that chain and moves the matrix to the query side:
-``q~ = (q.float() @ key_read^T).to(q.dtype)`` per query head's KV head.
+``q~ = (q.float() @ key_read^T).to(q.dtype)`` per query head's KV head. For the centring
+methods the read adds the key mean before the cast (``(... + key_mean).to(dtype)``); the rewrite
+drops it, exactly: window and codes both hold centred keys, so the mean only adds ``q . mu`` to
+every score of a query, which softmax ignores.
 
 after which ``cache_kv`` and the repetition are dead and erased, so the compiled graph holds no
 dequantized full-length K/V. The cache state nodes are the ``cache_kv`` arguments themselves, so
@@ -129,19 +132,30 @@ def _is_method(node, name: str) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name
 
 
+def _is_call(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
 def _key_read(key: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
-    """``(inner, key_read, chain)``: for ``key = (inner.float() @ key_read).to(dtype)`` (a
-    query-aware cache read) the inner node, the matrix node and the chain's nodes outermost
-    first; otherwise ``(key, None, [])``."""
+    """``(inner, key_read, chain)``: for ``key = ((inner.float() [@ key_read]) [+ mean]).to(dtype)``
+    (a query-aware and/or centred cache read, :meth:`VecInferLayer._read`) the inner node, the
+    matrix node (or None) and the chain's nodes outermost first; otherwise ``(key, None, [])``.
+    The mean is dropped with the chain: it adds ``q . mu`` to every score of a query's row (window
+    and codes alike, both stored centred), which softmax ignores."""
     if not _is_method(key, "to"):
         return key, None, []
-    mm = key.args[0]
-    if not (isinstance(mm, fx.Node) and mm.op == "call_function" and mm.target in (operator.matmul, torch.matmul)):
+    chain, x = [key], key.args[0]
+    if _is_call(x, operator.add, torch.add):
+        mean = x.args[1]  # key_mean[None, :, None, :]: erased with the add when nothing else reads it
+        chain += [x] + ([mean] if isinstance(mean, fx.Node) and mean.op == "call_function" else [])
+        x = x.args[0]
+    matrix = None
+    if _is_call(x, operator.matmul, torch.matmul):
+        chain.append(x)
+        x, matrix = x.args[0], x.args[1]
+    if len(chain) == 1 or not _is_method(x, "float") or _cache_output(x.args[0], 0) is None:
         return key, None, []
-    to_float = mm.args[0]
-    if not _is_method(to_float, "float") or _cache_output(to_float.args[0], 0) is None:
-        return key, None, []
-    return to_float.args[0], mm.args[1], [key, mm, to_float]
+    return x.args[0], matrix, chain + [x]
 
 
 def _static_int(x) -> int | None:

@@ -5,6 +5,8 @@ For each SDPA node (any argument form: positional or keyword, bool or float ``at
 
     q~ = ((q.float() * lam_q) @ H).to(q.dtype)          q: [B, Hq, Tq, D], lam_q: [Hq, 1, D]
     K~ = ((k.float() / lam) @ H).to(k.dtype)            k: [B, Hkv, Tk, D], lam: [Hkv, 1, D]
+    (centring methods: ``k.float() - key_mean`` first, key_mean: [Hkv, 1, D]; queries unchanged,
+    every key of a row, window and quantized, is shifted alike, so attention stays exact)
     (query-aware methods: ``q.float() @ (B_q @ H)`` and ``k.float() @ (A @ H)`` instead, with
     A: [Hkv, D, D] and B_q: [Hq, D, D] its inverse transpose for each query head's KV head)
     quantize, residual == 0:
@@ -231,12 +233,15 @@ class _Emitter:
         return self.graph.call_function(target, args, kwargs)
 
     def transform(self, x: fx.Node, lam: torch.Tensor | None, rotation: torch.Tensor | None,
-                  op, name: str, matrix: tuple[str, torch.Tensor] | None = None) -> fx.Node:
-        """``((x.float() op lam) @ M @ H).to(x.dtype)``, ``matrix = (name, M)`` with ``M: [H, D,
-        D]`` per head; x itself when there is no transform."""
-        if lam is None and rotation is None and matrix is None:
+                  op, name: str, matrix: tuple[str, torch.Tensor] | None = None,
+                  mean: torch.Tensor | None = None) -> fx.Node:
+        """``(((x.float() - mean) op lam) @ M @ H).to(x.dtype)``, ``matrix = (name, M)`` with
+        ``M: [H, D, D]`` per head, ``mean: [H, D]``; x itself when there is no transform."""
+        if lam is None and rotation is None and matrix is None and mean is None:
             return x
         out = self.graph.call_method("float", (x,))
+        if mean is not None:
+            out = self.call(torch.sub, out, self.constant("key_mean", mean[:, None, :].float()))
         if lam is not None:
             out = self.call(op, out, self.constant(name, lam[:, None, :].float()))
         if matrix is not None:
@@ -264,20 +269,16 @@ def _shared_window_mask(emit: _Emitter, site: SdpaSite, residual: int, masks: di
 def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,
                   residual: int, masks: dict) -> None:
     transform = layer.transform
-    lam = transform.lam
-    if lam is not None and tuple(lam.shape) != (site.kv_heads, site.head_dim):
-        raise ValueError(
-            f"vecinfer: layer {site.layer} has smoothing factors of shape {tuple(lam.shape)} but its "
-            f"attention has {site.kv_heads} KV heads of dim {site.head_dim}: these codebooks were "
-            "calibrated for another model; run `vecinfer calibrate` on this model"
-        )
-    key_m = transform.key_matrix
-    if key_m is not None and tuple(key_m.shape) != (site.kv_heads, site.head_dim, site.head_dim):
-        raise ValueError(
-            f"vecinfer: layer {site.layer} has query-aware matrices of shape {tuple(key_m.shape)} but its "
-            f"attention has {site.kv_heads} KV heads of dim {site.head_dim}: these codebooks were "
-            "calibrated for another model; run `vecinfer calibrate` on this model"
-        )
+    lam, key_m = transform.lam, transform.key_matrix
+    heads, dim = site.kv_heads, site.head_dim
+    for what, state, shape in (("smoothing factors", lam, (heads, dim)), ("a key mean", transform.mean, (heads, dim)),
+                               ("query-aware matrices", key_m, (heads, dim, dim))):
+        if state is not None and tuple(state.shape) != shape:
+            raise ValueError(
+                f"vecinfer: layer {site.layer} has {what} of shape {tuple(state.shape)} but its "
+                f"attention has {heads} KV heads of dim {dim}: these codebooks were "
+                "calibrated for another model; run `vecinfer calibrate` on this model"
+            )
     rotation = transform.rotation(torch.float32, "cpu")
     group = site.q_heads // site.kv_heads
     lam_q = None if lam is None else lam.repeat_interleave(group, dim=0)
@@ -290,7 +291,7 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
     with gm.graph.inserting_before(node):
         emit = _Emitter(gm, site)
         q_t = emit.transform(site.query, lam_q, rotation, torch.mul, "lam_q", query_m)
-        k_t = emit.transform(site.key, lam, rotation, torch.div, "lam", key_m)
+        k_t = emit.transform(site.key, lam, rotation, torch.div, "lam", key_m, transform.mean)
         k_in, v_in = k_t, site.value
         if quantize:
             kc = emit.constant("key_centroids", layer.key_centroids.float())

@@ -8,6 +8,12 @@ The query-aware method (:mod:`.query_aware`) replaces ``lam`` by a per-KV-head m
 
     K~ = (K @ A) @ H,    q~ = (q @ B) @ H,    K = (K~ @ H^T) @ B^T.
 
+Centring (``mean``, ``mu: [H_kv, D]``, the calibration keys' mean per KV head) makes the key
+transform affine: ``K~ = ((K - mu) / lam) @ H`` or ``((K - mu) @ A) @ H``, queries unchanged.
+Scores then change by ``-q . mu``, the same for every key a query reads, and softmax ignores a
+constant added to a row: attention is exact as long as *every* key of the row (quantized or
+full-precision window) is in the same shifted space. ``keys_inverse`` adds ``mu`` back.
+
 ``lam: [H_kv, D]`` holds one factor per KV head and channel; with GQA each query head uses its
 KV head's factors (query head ``h`` belongs to KV head ``h // (H_q // H_kv)``, as in Hugging
 Face's ``repeat_kv``). Either part can be switched off (``lam=None`` or ``rotate=False``) for the
@@ -33,6 +39,26 @@ def smoothing_factors(key_absmax: torch.Tensor) -> torch.Tensor:
     return key_absmax.float().clamp_min(LAM_FLOOR**2).sqrt()
 
 
+def key_mean(keys: torch.Tensor) -> torch.Tensor:
+    """``mu: [H_kv, D]`` float32, the mean of calibration keys ``[H_kv, N, D]`` over the tokens
+    (accumulated in float64)."""
+    if keys.dim() != 3 or keys.shape[1] == 0:
+        raise ValueError(f"calibration keys must be [H_kv, N, D] with N > 0, got {tuple(keys.shape)}")
+    if not torch.isfinite(keys).all():
+        raise ValueError("key statistics contain NaN or inf: check the model's dtype and inputs")
+    return keys.double().mean(1).float()
+
+
+def centre_keys(keys: torch.Tensor, center: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(mu, keys - mu)`` for calibration keys ``[H_kv, N, D]`` (``(None, keys)`` without
+    ``center``): the statistics the rest of the transform is fitted to are those of the keys it
+    will see, the centred ones."""
+    if not center:
+        return None, keys
+    mean = key_mean(keys)
+    return mean, keys - mean[:, None, :].to(keys.dtype)
+
+
 def expand_to_query_heads(per_kv_head: torch.Tensor, num_query_heads: int) -> torch.Tensor:
     """``[H_kv, ...] -> [H_q, ...]`` with the GQA mapping of ``repeat_kv``."""
     num_kv_heads = per_kv_head.shape[0]
@@ -50,6 +76,7 @@ class KeyTransform:
     lam: ``[H_kv, D]`` float32 or None (no smoothing); rotate: apply the Hadamard matrix;
     key_matrix / query_matrix: ``[H_kv, D, D]`` float32 ``A`` and ``B = A^(-T)`` of the
     query-aware method, or both None. Smoothing and the matrices exclude each other.
+    mean: ``[H_kv, D]`` float32 ``mu`` subtracted from the keys first (centring), or None.
     """
 
     head_dim: int
@@ -57,6 +84,7 @@ class KeyTransform:
     rotate: bool = True
     key_matrix: torch.Tensor | None = None
     query_matrix: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.key_matrix is None) != (self.query_matrix is None):
@@ -71,6 +99,8 @@ class KeyTransform:
         """``k: [B, H_kv, T, D] -> K~`` of the same shape, computed in float32 (or k's dtype
         if float64) and returned in float32/float64."""
         work = k.double() if k.dtype == torch.float64 else k.float()
+        if self.mean is not None:
+            work = work - self.mean.to(work)[None, :, None, :]
         if self.lam is not None:
             work = work / self.lam.to(work)[None, :, None, :]
         if self.key_matrix is not None:
@@ -79,17 +109,21 @@ class KeyTransform:
         return work @ h if h is not None else work
 
     def keys_inverse(self, kt: torch.Tensor) -> torch.Tensor:
-        """``K~ -> K``: ``(K~ @ H^T) * lam`` or ``(K~ @ H^T) @ B^T``; ``kt: [B, H_kv, T, D]``."""
+        """``K~ -> K``: ``(K~ @ H^T) * lam`` or ``(K~ @ H^T) @ B^T``, plus ``mu`` when centred;
+        ``kt: [B, H_kv, T, D]``."""
         h = self.rotation(kt.dtype, kt.device)
         out = kt @ h.T if h is not None else kt
         if self.query_matrix is not None:
             out = out @ self.query_matrix.to(out).transpose(-1, -2)
         if self.lam is not None:
             out = out * self.lam.to(out)[None, :, None, :]
+        if self.mean is not None:
+            out = out + self.mean.to(out)[None, :, None, :]
         return out
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """``q: [B, H_q, T, D] -> q~`` in q's dtype: ``(q * lam_q) @ H`` or ``(q @ B_q) @ H``."""
+        """``q: [B, H_q, T, D] -> q~`` in q's dtype: ``(q * lam_q) @ H`` or ``(q @ B_q) @ H`` (the
+        key mean plays no part: it shifts each query's scores by one constant)."""
         out = q
         if self.lam is not None:
             lam_q = expand_to_query_heads(self.lam, q.shape[1]).to(q)
