@@ -1,4 +1,4 @@
-"""Choose the query-aware transform's ridge and Hadamard variant on calibration text only.
+"""Choose the query-aware transform's ridge, centring and Hadamard variant on calibration text only.
 
 The calibration text is split: its first ``--fit-tokens`` tokens fit the transform and codebooks
 (what ``vecinfer calibrate`` uses by default), the next ``--windows x --window-len`` tokens are
@@ -25,8 +25,10 @@ def main() -> None:
     p.add_argument("--text", required=True, help="calibration text (never evaluation text)")
     p.add_argument("--bits", type=float, default=2)
     p.add_argument("--ridges", default="0.01,0.1,1")
-    p.add_argument("--methods", default="qaware,qaware-nohadamard")
-    p.add_argument("--baselines", default="vecinfer,hadamard", help="rows to compare against")
+    p.add_argument("--methods", default="qaware,qaware-nocenter",
+                   help="comma-separated query-aware methods, each run at every ridge")
+    p.add_argument("--baselines", default="vecinfer,hadamard",
+                   help="rows to compare against, no ridge (e.g. vecinfer-center); empty for none")
     p.add_argument("--fit-tokens", type=int, default=32768)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window-len", type=int, default=1024)

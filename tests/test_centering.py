@@ -20,6 +20,8 @@ from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 from vecinfer_compile.codebooks import load_codebooks
+from vecinfer_compile.evaluation.kv_bytes import kv_bytes
+from vecinfer_compile.methods import VQ_METHODS
 from vecinfer_compile.ops import reference
 from vecinfer_compile.passes.cache_decode import transform_queries
 from vecinfer_compile.passes.windowed import window_mask, windowed_attention
@@ -35,7 +37,7 @@ from test_cache import left_padded, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-UNCENTRED = {"qaware-center": "qaware", "vecinfer-center": "vecinfer"}  # the same methods without centring
+UNCENTRED = {"qaware": "qaware-nocenter", "vecinfer-center": "vecinfer"}  # the same methods without centring
 CENTRED = list(UNCENTRED)
 
 
@@ -119,6 +121,11 @@ def test_round_trip_keeps_the_mean(tmp_path, method):
         assert b.transform.mean.shape == (2, 16) and torch.equal(a.transform.mean, b.transform.mean)
     uncentred = random_codebooks(CONFIG, 2.0, UNCENTRED[method])
     assert cb.nbytes() - uncentred.nbytes() == 2 * 2 * 2 * 16  # fp16 [L, H_kv, D]
+
+
+@pytest.mark.parametrize("method", sorted(VQ_METHODS))
+def test_kv_bytes_fixed_cost_counts_what_the_codebooks_hold(method):
+    assert kv_bytes(method, 2, CONFIG).fixed_bytes == random_codebooks(CONFIG, 2.0, method).nbytes()
 
 
 @pytest.mark.parametrize("method", CENTRED)

@@ -230,7 +230,8 @@ def test_calibrate_collects_queries_and_stores_the_matrices(tiny, sample_text_pa
     keys, _, queries = collect_kv(model, torch.tensor(ids), 256, False, with_queries=True)
     hkv = model.config.num_key_value_heads
     for i, layer in enumerate(cb.layers):
-        expected, _ = query_aware_matrices(second_moment(queries[i], hkv), second_moment(keys[i], hkv), 0.1)
+        centred = keys[i] - keys[i].mean(1, keepdim=True)  # qaware centres keys (qaware-nocenter does not)
+        expected, _ = query_aware_matrices(second_moment(queries[i], hkv), second_moment(centred, hkv), 0.1)
         torch.testing.assert_close(layer.transform.key_matrix, expected, rtol=1e-4, atol=1e-5)
     back = load_codebooks(cb.save(tmp_path / "qa.safetensors"))
     back.check_model(model.config, bits=2, method="qaware")
@@ -259,9 +260,11 @@ def tiny(tiny_dir):
 
 # -- every path that runs it -----------------------------------------------------------------------
 def _qaware_codebooks(model, rotate=True, seed=0):
+    """Random codebooks of ``qaware`` (centred) or ``qaware-nohadamard`` (uncentred)."""
     geo = model_geometry(model.config)
     layers = [random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], seed=seed + i, smooth=False,
-                                     rotate=rotate, query_aware=True) for i in range(geo["num_layers"])]
+                                     rotate=rotate, query_aware=True, center=rotate)
+              for i in range(geo["num_layers"])]
     return VecInferCodebooks("qaware" if rotate else "qaware-nohadamard", 2.0, layers, geo)
 
 

@@ -3,11 +3,16 @@
 ``fp16``: no quantization. ``vecinfer``: smoothing + Hadamard + VQ (the method).
 ``vq``: plain VQ of raw keys. ``smooth``: smoothing only + VQ. ``hadamard``: Hadamard only + VQ.
 ``kivi``: scalar per-channel keys / per-token values, group 32 (needs no calibration).
-``qaware``: the query-aware key transform (beyond the paper): ``K~ = K A`` then the Hadamard,
-``q~ = q A^(-T)`` then the Hadamard, ``A`` per layer and KV head from the second moments of the
-post-RoPE calibration queries and keys (their matrix geometric mean, see
-:mod:`vecinfer_compile.quant.query_aware`). Ablation rows: ``qaware-nohadamard`` (no Hadamard)
-and ``qaware-sqrt`` (``A = S^(1/2)``, the queries alone: k-means error = expected score error).
+``qaware``: the query-aware key transform (beyond the paper): ``K~ = (K - mu) A`` then the
+Hadamard, ``q~ = q A^(-T)`` then the Hadamard, ``mu`` the calibration keys' mean and ``A`` per
+layer and KV head from the second moments of the post-RoPE calibration queries and the centred
+keys (their matrix geometric mean, see :mod:`vecinfer_compile.quant.query_aware`). Subtracting
+``mu`` shifts every score of a query by the same ``-q . mu``, which softmax ignores; centring is
+on by default because it lowered the loss on held-out calibration text (docs/results.md).
+Ablation rows: ``qaware-nocenter`` (no centring), and, uncentred as they were measured,
+``qaware-nohadamard`` (no Hadamard) and ``qaware-sqrt`` (``A = S^(1/2)``, the queries alone:
+k-means error = expected score error). ``vecinfer-center``: VecInfer with centred keys (smoothing
+factors of ``K - mu``), beyond the paper.
 Values are always plain VQ in the VQ methods.
 """
 
@@ -15,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nohadamard",
-           "qaware-sqrt", "qaware-center", "vecinfer-center")
+METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nocenter",
+           "qaware-nohadamard", "qaware-sqrt", "vecinfer-center")
 KIVI_BITS = (2, 4)
 
 
@@ -38,10 +43,10 @@ VQ_METHODS: dict[str, KeyTransformSpec] = {
     "vq": KeyTransformSpec(smooth=False, rotate=False),
     "smooth": KeyTransformSpec(smooth=True, rotate=False),
     "hadamard": KeyTransformSpec(smooth=False, rotate=True),
-    "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean"),
+    "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True),
+    "qaware-nocenter": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean"),
     "qaware-nohadamard": KeyTransformSpec(smooth=False, rotate=False, query_aware="geomean"),
     "qaware-sqrt": KeyTransformSpec(smooth=False, rotate=True, query_aware="sqrt"),
-    "qaware-center": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True),
     "vecinfer-center": KeyTransformSpec(smooth=True, rotate=True, center=True),
 }
 

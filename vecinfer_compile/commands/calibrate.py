@@ -25,8 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--layer-bits", type=layer_bits_arg, metavar="B0,B1,...",
                    help="one preset per layer instead of --bits, e.g. 2,2,1,2,1,4")
     p.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
-                   help="vecinfer (default), an ablation (vq, smooth, hadamard) or the query-aware "
-                        "transform (qaware; qaware-nohadamard)")
+                   help="vecinfer (default), an ablation (vq, smooth, hadamard), the query-aware "
+                        "transform (qaware; ablations qaware-nocenter, qaware-nohadamard, qaware-sqrt) "
+                        "or VecInfer with centred keys (vecinfer-center)")
     p.add_argument("--ridge", type=float, default=None, metavar="R",
                    help="qaware methods: ridge added to the normalised query/key moments (default "
                         "0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
@@ -55,7 +56,8 @@ def run(args) -> int:
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
-        raise ValueError(f"--ridge is for the query-aware methods (qaware, qaware-nohadamard, qaware-sqrt), not {args.method!r}")
+        raise ValueError(f"--ridge is for the query-aware methods (qaware, qaware-nocenter, qaware-nohadamard, "
+                         f"qaware-sqrt), not {args.method!r}")
     check_model_dir(args.model)
     check_file(args.text)
     t0 = time.perf_counter()

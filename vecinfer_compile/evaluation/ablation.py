@@ -27,9 +27,11 @@ LABELS = {
     "vq": "VQ (plain)",
     "smooth": "VQ + smoothing",
     "hadamard": "VQ + Hadamard",
-    "qaware": "query-aware + Hadamard",
-    "qaware-nohadamard": "query-aware",
-    "qaware-sqrt": "query-aware S^1/2 + Hadamard",
+    "qaware": "query-aware + Hadamard, centred",
+    "qaware-nocenter": "query-aware + Hadamard, uncentred",
+    "qaware-nohadamard": "query-aware, uncentred",
+    "qaware-sqrt": "query-aware S^1/2 + Hadamard, uncentred",
+    "vecinfer-center": "VecInfer, centred keys",
 }
 
 DEMO_ROWS: list[tuple[str, float]] = [
@@ -57,8 +59,10 @@ ABLATION_ROWS: list[tuple[str, float]] = [
     ("hadamard", 1.5),
     ("qaware", 2),
     ("qaware", 1.5),
+    ("qaware-nocenter", 2),
     ("qaware-nohadamard", 2),
     ("qaware-sqrt", 2),
+    ("vecinfer-center", 2),
 ]
 
 

@@ -11,7 +11,8 @@ elements. What one element costs:
   1.5-bit (4096x8), 1.25 for 1.25-bit. Fixed cost, paid once
   and not per token: the fp16 codebooks (``entries * dims`` per layer, keys and values) and, for
   smoothing methods, the fp16 smoothing factors (``num_kv_heads * head_dim`` per layer); for the
-  query-aware methods, two fp16 matrices per KV head (``2 * num_kv_heads * head_dim**2`` per layer).
+  query-aware methods, two fp16 matrices per KV head (``2 * num_kv_heads * head_dim**2`` per layer);
+  for the centring methods, the fp16 key mean (``num_kv_heads * head_dim`` per layer).
 - ``kivi``: ``bits`` per element (packed) plus an fp16 scale and an fp16 zero-point per group of
   32 elements (keys: per channel over 32 tokens; values: per token over 32 channels), i.e.
   ``bits + 1`` physical bits per element.
@@ -37,7 +38,7 @@ class KVBytes:
     physical_bits_per_element: float  # as stored: codes (+ scales), K and V averaged
     bytes_per_token: float  # all layers, K and V, one quantized token
     fp16_bytes_per_token: int  # all layers, K and V, one full-precision token
-    fixed_bytes: int  # codebooks + smoothing factors (0 for fp16 / kivi)
+    fixed_bytes: int  # codebooks + smoothing factors, matrices, key means (0 for fp16 / kivi)
     residual: int = 0  # most recent tokens kept in fp16
 
     def total(self, tokens: int) -> float:
@@ -94,6 +95,8 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
             code_bytes += heads * packed_width(head_dim // spec.dims, spec.entries)  # per token, this layer
             fixed += spec.entries * spec.dims * FP16_BYTES
     if VQ_METHODS[method].smooth:
+        fixed += layers * heads * head_dim * FP16_BYTES
+    if VQ_METHODS[method].center:
         fixed += layers * heads * head_dim * FP16_BYTES
     if VQ_METHODS[method].query_aware:
         fixed += 2 * layers * heads * head_dim * head_dim * FP16_BYTES
