@@ -6,7 +6,6 @@ centred keys."""
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,8 +14,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 from vecinfer_compile.codebooks import load_codebooks
@@ -34,6 +31,7 @@ from vecinfer_compile.testing import random_codebooks, random_layer_codebooks, t
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cache import left_padded, tiny_config  # noqa: E402
+from test_qaware import _rewrite  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,17 +97,6 @@ def _shift(tr: KeyTransform) -> torch.Tensor:
 
 # -- the artifact ----------------------------------------------------------------------------------
 CONFIG = tiny_config()
-
-
-def _rewrite(path, tmp_path, *, meta=None, drop=(), replace=None):
-    with safe_open(str(path), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k not in drop}
-        m = json.loads(f.metadata()["vecinfer"])
-    m.update(meta or {})
-    tensors.update(replace or {})
-    out = tmp_path / "edited.safetensors"
-    save_file(tensors, str(out), metadata={"vecinfer": json.dumps(m)})
-    return out
 
 
 @pytest.mark.parametrize("method", CENTRED)
