@@ -372,8 +372,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--save-model", metavar="DIR",
                     help="write the random-weight model to DIR (bf16 checkpoint; reused if there) and exit")
     ap.add_argument("--tp-model", metavar="DIR",
-                    help="tensor parallel: every rank loads DIR (from --save-model) with tp_plan='auto'; "
-                         "run under torchrun --nproc-per-node N (N=1: TP=1)")
+                    help="tensor parallel: every rank loads DIR (from --save-model; its geometry is DIR's) "
+                         "with tp_plan='auto'; run under torchrun --nproc-per-node N (N=1: TP=1)")
     args = ap.parse_args(argv)
     device = args.device
     if args.tp_model and not args.smoke and device is None:
