@@ -14,6 +14,7 @@ generated token ids and the cache bytes (this rank's and, by an all-reduce, all 
 
 import argparse
 import json
+import os
 import warnings
 
 import torch
@@ -39,9 +40,12 @@ def main() -> None:
     args = p.parse_args()
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    # tp_plan="auto" starts the process group (gloo on CPU, NCCL on CUDA) and shards by heads
+    # tp_plan="auto" starts the process group (gloo on CPU, NCCL on CUDA) and shards by heads; with
+    # one process it sets nothing up and would load on the CPU, so place the model there ourselves
+    one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
     model = AutoModelForCausalLM.from_pretrained(
         args.model, tp_plan="auto", attn_implementation="sdpa", dtype=dtype,
+        **({"device_map": args.device} if one_process else {}),
     ).eval()
     codebooks = vc.load_codebooks(args.codebooks)
     tok = AutoTokenizer.from_pretrained(args.model)
