@@ -268,7 +268,13 @@ def test_cuda_encode(entries, dims):
         torch.testing.assert_close(dist(got), dist(want), atol=1e-4, rtol=1e-4)
         values = torch.ops.vecinfer.quantize(x, lam_in, rot_in, cent)
         assert values.dtype == x.dtype
-        torch.testing.assert_close(values, cent[got.long()].reshape(x.shape).to(x.dtype), rtol=0, atol=0)
+        # quantize picks its own nearest centroid: where it differs from encode's (a near tie), its
+        # distance must be as small
+        chosen = codebook.subvectors(values.float(), dims)
+        exact = (values == cent[got.long()].reshape(x.shape).to(x.dtype)).reshape(chosen.shape).all(-1)
+        assert exact.float().mean() > 0.999
+        dist_q = ((xt - chosen) ** 2).sum(-1)
+        torch.testing.assert_close(dist_q[~exact], dist(got)[~exact], atol=1e-2, rtol=1e-2)
 
 
 test_cuda_encode = pytest.mark.cuda(test_cuda_encode)
