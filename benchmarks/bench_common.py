@@ -1,10 +1,13 @@
 """Shared helpers of the benchmark scripts (not a package: the scripts load this file by path).
 
 - :func:`llama_config`: Llama-3.1-8B attention/MLP geometry (hidden 4096, 32 layers, 32 query
-  heads, 8 KV heads, head_dim 128, intermediate 14336, vocab 128256), or, with ``smoke=True``, a
-  tiny Llama that runs on a laptop CPU in seconds.
+  heads, 8 KV heads, head_dim 128, intermediate 14336, vocab 128256), Llama-3.1-70B's (hidden
+  8192, 80 layers, 64 query heads, 8 KV heads, intermediate 28672), either with fewer layers, or,
+  with ``smoke=True``, a tiny Llama that runs on a laptop CPU in seconds.
 - :func:`build_model`: a random-weight model built directly on the target device (no CPU
   round trip, no checkpoint), SDPA attention, eval mode.
+- :func:`save_random_model` / :func:`load_tp_model`: that model written once as a bf16 checkpoint,
+  and loaded from it with transformers' tensor parallelism (``tp_plan="auto"``, under torchrun).
 - :func:`random_codebooks` (re-exported from :mod:`vecinfer_compile.testing`): random codebooks for a config —
   fine for speed and memory, meaningless for accuracy.
 - :func:`bench_setup`: device / dtype / defaults for the normal run and for ``--smoke``.
@@ -17,8 +20,10 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +42,12 @@ LLAMA_8B = dict(
     tie_word_embeddings=False,
     bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )
+LLAMA_70B = dict(
+    LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+)
+GEOMETRIES = {"8b": ("Llama-3.1-8B", LLAMA_8B), "70b": ("Llama-3.1-70B", LLAMA_70B)}
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim")
 TINY = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -60,28 +71,44 @@ class Setup:
     @property
     def label(self) -> str:
         where = torch.cuda.get_device_name(self.device) if self.cuda else "CPU"
-        geo = "tiny Llama (smoke)" if self.smoke else "Llama-3.1-8B geometry"
+        geo = "tiny Llama (smoke)" if self.smoke else geometry_label(self.config)
         return f"{geo}, {str(self.dtype).removeprefix('torch.')}, {where}"
 
 
-def llama_config(smoke: bool = False) -> LlamaConfig:
-    config = LlamaConfig(**(TINY if smoke else LLAMA_8B))
+def llama_config(smoke: bool = False, geometry: str = "8b", layers: int | None = None) -> LlamaConfig:
+    """The config of ``geometry`` (a key of :data:`GEOMETRIES`; the tiny one if ``smoke``), with
+    ``layers`` decoder layers when given."""
+    shape = dict(TINY if smoke else GEOMETRIES[geometry][1])
+    if layers:
+        shape["num_hidden_layers"] = layers
+    config = LlamaConfig(**shape)
     config._attn_implementation = "sdpa"
     return config
 
 
-def bench_setup(smoke: bool, device: str | None = None) -> Setup:
-    """``smoke``: tiny config, float32, CPU. Otherwise the 8B geometry in bf16 on CUDA (a clear
-    SystemExit when there is no GPU: these numbers mean nothing on a CPU)."""
+def geometry_label(config) -> str:
+    """``"Llama-3.1-70B geometry, 8 layers"``: the :data:`GEOMETRIES` entry ``config`` has (the
+    layer count said when it is not the model's own), else its sizes."""
+    for name, shape in GEOMETRIES.values():
+        if all(getattr(config, k) == shape[k] for k in SHAPE_KEYS if k != "num_hidden_layers"):
+            layers = config.num_hidden_layers
+            return f"{name} geometry" + ("" if layers == shape["num_hidden_layers"] else f", {layers} layers")
+    return f"Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}"
+
+
+def bench_setup(smoke: bool, device: str | None = None, geometry: str = "8b", layers: int | None = None) -> Setup:
+    """``smoke``: tiny config (``layers`` of them if given), float32, CPU. Otherwise ``geometry``
+    (8B by default) in bf16 on CUDA (a clear SystemExit when there is no GPU: these numbers mean
+    nothing on a CPU)."""
     if smoke:
         torch.set_num_threads(1)  # tiny tensors: threads only add contention (and CI boxes are shared)
-        return Setup(True, torch.device(device or "cpu"), torch.float32, llama_config(True))
+        return Setup(True, torch.device(device or "cpu"), torch.float32, llama_config(True, layers=layers))
     if not torch.cuda.is_available() and (device is None or device.startswith("cuda")):
         raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a tiny CPU run)")
     dev = torch.device(device or "cuda")
     if dev.type == "cuda" and dev.index is None:  # "cuda" != "cuda:0" in device checks
         dev = torch.device("cuda", torch.cuda.current_device())
-    return Setup(False, dev, torch.bfloat16, llama_config(False))
+    return Setup(False, dev, torch.bfloat16, llama_config(False, geometry, layers))
 
 
 def build_model(setup: Setup):
@@ -93,6 +120,53 @@ def build_model(setup: Setup):
     model.eval().requires_grad_(False)
     model.generation_config.pad_token_id = setup.config.pad_token_id
     sync(setup.device)
+    model._bench_build_s = time.perf_counter() - t0
+    return model
+
+
+def save_random_model(setup: Setup, folder: str) -> str:
+    """Write :func:`build_model` of ``setup`` to ``folder`` as a bf16 checkpoint (``save_pretrained``:
+    config, generation config, safetensors shards), unless ``folder`` already holds a model of the
+    same geometry (then it is reused; another geometry is a SystemExit). The write goes to
+    ``folder.partial`` first, so a killed run never leaves a half checkpoint under ``folder``.
+    Returns what was done, for the log."""
+    path = Path(folder)
+    if (path / "config.json").is_file():
+        saved = LlamaConfig.from_pretrained(path)
+        differ = [k for k in SHAPE_KEYS if getattr(saved, k) != getattr(setup.config, k)]
+        if differ:
+            raise SystemExit(f"{path} holds another geometry ({', '.join(differ)} differ): pick another folder "
+                             f"or delete it")
+        return f"reusing the random-weight model in {path}"
+    if path.exists():
+        raise SystemExit(f"{path} exists but holds no model (no config.json): pick another folder")
+    t0 = time.perf_counter()
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model = build_model(setup)
+    model.to(torch.bfloat16).save_pretrained(partial)
+    del model
+    free_memory(setup.device)
+    os.replace(partial, path)
+    took = time.perf_counter() - t0
+    return f"wrote the random-weight model ({geometry_label(setup.config)}, bf16) to {path} in {took:.1f} s"
+
+
+def load_tp_model(setup: Setup, folder: str):
+    """``folder`` (from :func:`save_random_model`) loaded with ``tp_plan="auto"`` in ``setup.dtype``,
+    SDPA attention, eval mode: run under ``torchrun --nproc-per-node N``; each rank holds its shard
+    of every layer (attention split by heads). With N > 1 ``from_pretrained`` starts the process
+    group (NCCL on CUDA, gloo on the CPU) and binds rank ``LOCAL_RANK`` to its GPU. With N = 1
+    (TP=1) transformers sets up no TP and would load on the CPU, so the model goes to
+    ``setup.device`` (no process group)."""
+    place = {} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {"device_map": setup.device}
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tp_plan= deprecation note, once per rank
+        model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", attn_implementation="sdpa",
+                                                     dtype=setup.dtype, **place)
+    model.eval().requires_grad_(False)
+    sync(model.device)
     model._bench_build_s = time.perf_counter() - t0
     return model
 

@@ -162,8 +162,8 @@ def kernel_resources(bits: float) -> str:
     variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
                                   preset.value.dims, False)
     built = cuda_decode.kernels_for(variant, torch.device("cuda", torch.cuda.current_device()))
-    return (f"split kernel: {built.split.registers} registers, {built.split.local_bytes} B local, "
-            f"{variant.smem_bytes // 1024} KiB shared, {built.ctas_per_sm} CTAs/SM")
+    return (f"kernel: {built.kernel.registers} registers, {built.kernel.local_bytes} B local, "
+            f"{variant.smem_bytes(built.nwarps) // 1024} KiB shared, {built.ctas_per_sm} CTAs/SM of {built.nwarps} warps")
 
 
 def main(argv=None) -> list[dict]:

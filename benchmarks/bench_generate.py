@@ -39,17 +39,36 @@ step, their sum ("GPU busy") next to the wall time per step, so host overhead sh
 ``--isolate`` measures every (case, method) in a fresh child process: otherwise a method runs
 after another in one process and can inherit its memory (CUDA-graph pools, cached blocks); at
 B=16, T=32k on an H200 both baselines ran out of memory that way, right after ours.
+
+``--geometry 70b --layers 8`` picks Llama-3.1-70B's geometry with 8 decoder layers (the default
+is the 8B geometry, all 32 layers).
+
+Tensor parallelism (transformers' ``tp_plan="auto"``): the model must come from a checkpoint,
+so write the random-weight model once, then run the same measurement under torchrun, where
+every rank loads it sharded by heads (``N = 1`` is TP=1, the same code path):
+
+    python benchmarks/bench_generate.py --save-model DIR [--geometry 70b --layers 8]
+    torchrun --nproc-per-node N benchmarks/bench_generate.py --tp-model DIR --methods ours,fp16 \
+        --cases 1x131072 --new-tokens 16 --json OUT.json
+
+Every rank runs the same prefill and timed decode on the same random ids; rank 0 prints and
+writes the rows, each with ``tp`` (the TP size), ``kv_bytes_per_rank`` (each rank's
+``cache.kv_bytes()``, one GPU each) and ``kv_bytes_total`` (``tensor_parallel.total_kv_bytes``:
+an all-reduce). ``fp16`` works under TP as it is: its buffers take the rank's KV heads from the
+first key states.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -58,6 +77,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCrite
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 from fp16_valid_cache import ValidLengthCache, restore_attention, use_valid_length_attention
 from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
+from vecinfer_compile.tensor_parallel import total_kv_bytes  # noqa: E402
 
 METHODS = ("ours", "fp16", "static", "dynamic")
 LABELS = {"ours": "ours (VecInferCache, compiled)", "fp16": "full precision, valid-length flash, compiled",
@@ -202,6 +222,17 @@ def print_profile(row: dict) -> None:
         print(f"#   {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['name']}")
 
 
+def kv_bytes_per_rank(cache) -> list[int]:
+    """``cache.kv_bytes()`` of every rank, by rank (an all-gather: every rank must call it); one
+    entry without torch.distributed."""
+    local = cache.kv_bytes()
+    if not torch.distributed.is_initialized():
+        return [local]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, local)
+    return out
+
+
 def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
                profile_steps: int = 0) -> dict:
     dev = setup.device
@@ -231,6 +262,9 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
         if len(stamps) >= 2:
             row["in_run_tok_s"] = batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])
             row["step_ms"] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+        if hasattr(runner.cache, "kv_bytes"):  # ours and fp16; collectives under TP
+            row["kv_bytes_per_rank"] = kv_bytes_per_rank(runner.cache)
+            row["kv_bytes_total"] = total_kv_bytes(runner.cache)
         if profile_steps:
             row["profile"] = profile_decode(runner, ids, profile_steps)
     finally:
@@ -243,16 +277,22 @@ def _num(x, fmt="{:.1f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
+HEADER = "| B | T | method | decode tok/s | in-run tok/s | ms/step | prefill s | warm-up s | peak |"
+TP_HEADER = " KV/GPU | KV total | TP |"  # appended under tensor parallelism
+
+
 def format_row(row: dict) -> str:
     head = f"| {row['B']} | {row['T']} | {LABELS[row['method']]} |"
+    tp = "" if "tp" not in row else (f" {C.human_bytes(row.get('kv_bytes_per_rank', [None])[0])} | "
+                                     f"{C.human_bytes(row.get('kv_bytes_total'))} | {row['tp']} |")
     if "error" in row:
-        return f"{head} error: {row['error']} | | | | | |"
+        return f"{head} error: {row['error']} | | | | | |{tp}"
     note = ""
     if row.get("timed_compiles"):
         note = f" (WARNING: {row['timed_compiles']} graph(s) compiled during the timed runs)"
     return (f"{head} {_num(row['tok_s'])} | {_num(row.get('in_run_tok_s'))} | "
             f"{_num(row.get('step_ms'), '{:.2f}')} | {row['time_1_s']:.2f} | {row['warmup_s']:.1f} | "
-            f"{C.gib(row.get('peak_bytes'))}{note} |")
+            f"{C.gib(row.get('peak_bytes'))}{note} |{tp}")
 
 
 def _ratio(a: dict | None, b: dict | None, key: str) -> str:
@@ -283,7 +323,9 @@ def summary(rows: list[dict]) -> list[str]:
 def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:
     """The options a child process of ``--isolate`` needs to measure the same thing."""
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
-           "--warmup-len", str(warmup_len), "--profile", str(args.profile)]
+           "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry]
+    if args.layers:
+        out += ["--layers", str(args.layers)]
     if args.smoke:
         out.append("--smoke")
     if args.device:
@@ -323,8 +365,23 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--isolate", action="store_true",
                     help="run every (case, method) in its own process, so no method inherits another's "
                          "memory (CUDA-graph pools, allocator cache)")
+    ap.add_argument("--geometry", choices=sorted(C.GEOMETRIES), default="8b",
+                    help="Llama-3.1 geometry of the random-weight model (default 8b; ignored with --smoke)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: the geometry's own; e.g. --geometry 70b --layers 8)")
+    ap.add_argument("--save-model", metavar="DIR",
+                    help="write the random-weight model to DIR (bf16 checkpoint; reused if there) and exit")
+    ap.add_argument("--tp-model", metavar="DIR",
+                    help="tensor parallel: every rank loads DIR (from --save-model; its geometry is DIR's) "
+                         "with tp_plan='auto'; run under torchrun --nproc-per-node N (N=1: TP=1)")
     args = ap.parse_args(argv)
-    setup = C.bench_setup(args.smoke, args.device)
+    device = args.device
+    if args.tp_model and not args.smoke and device is None:
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # rank r's GPU (never touch another rank's)
+    setup = C.bench_setup(args.smoke, device, args.geometry, args.layers)
+    if args.save_model:
+        print(f"# {C.save_random_model(setup, args.save_model)}", flush=True)
+        return []
     cases = C.parse_cases(args.cases or ("2x24" if args.smoke else "1x32768,1x131072,16x32768"))
     new_tokens = args.new_tokens or (3 if args.smoke else 32)
     if new_tokens < 2:
@@ -335,18 +392,29 @@ def main(argv=None) -> list[dict]:
     for m in methods:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}: pick from {', '.join(METHODS)}")
-    if args.isolate:
-        model, codebooks, built = None, None, "per process"
+    tp, json_out = None, args.json
+    if args.tp_model:
+        if args.isolate:
+            raise SystemExit("--isolate and --tp-model do not mix: run one torchrun per (case, method) instead")
+        model = C.load_tp_model(setup, args.tp_model)
+        setup = replace(setup, config=model.config)
+        tp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if tp > 1 and torch.distributed.get_rank() != 0:  # every rank measures, rank 0 reports
+            sys.stdout, json_out = open(os.devnull, "w"), None
+        built = f"loaded with tp_plan='auto' in {model._bench_build_s:.1f} s, TP={tp}"
+    elif args.isolate:
+        model, built = None, "per process"
     else:
         model = C.build_model(setup)
-        codebooks = C.random_codebooks(setup.config, args.bits)
         built = f"built in {model._bench_build_s:.1f} s"
+    codebooks = None if model is None else C.random_codebooks(setup.config, args.bits)
     print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
           f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
           f"tok/s = B*(N-1)/(t(N)-t(1)); in-run = per-step timestamps of the N run; "
-          f"prefill s = t(1); warm-up s includes compilation; peak = max allocated incl. weights")
-    print("| B | T | method | decode tok/s | in-run tok/s | ms/step | prefill s | warm-up s | peak |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"prefill s = t(1); warm-up s includes compilation; peak = max allocated incl. weights"
+          + ("; KV/GPU = rank 0's cache bytes, KV total = all ranks'" if tp else ""))
+    print(HEADER + (TP_HEADER if tp else ""))
+    print("|---" * (HEADER.count("|") - 1 + (3 if tp else 0)) + "|", flush=True)
     rows = []
     for batch, length in cases:
         for method in methods:
@@ -360,14 +428,18 @@ def main(argv=None) -> list[dict]:
                     row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
                     del exc
                 reset_compiled(model)
+            if tp:
+                row["tp"] = tp
             rows.append(row)
             print(format_row(row), flush=True)
             if "profile" in row:
                 print_profile(row)
-            if args.json:  # rewritten after every row: partial results survive a kill
-                C.write_json(args.json, rows)
+            if json_out:  # rewritten after every row: partial results survive a kill
+                C.write_json(json_out, rows)
     print()
     print("\n".join(summary(rows)), flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return rows
 
 

@@ -3,10 +3,12 @@
 The compiled simulate forward is what the backend puts in place of one SDPA call, compiled by
 Inductor: the query and key transform (torch ops) and ``vecinfer::quantize`` of the keys and
 values, then, without a residual window, the same SDPA over them; with a window of R keys
-(``--residual``), FlexAttention over ``[K^ ; K~]`` (``passes/windowed.py``, the window mask built in
-the graph). ``old R`` is the previous windowed form, ``vecinfer::encode`` and attention over the
-codes (``vecinfer::attention``). Here the window mask is built at every call (one layer); in a model
-it is built once per forward for all layers. The baseline is causal bf16 SDPA on the same q, k, v (default
+(``--residual``), torch's fused attention over the quantized keys and a blockwise band over the
+full-precision window, merged by log-sum-exp (``passes/windowed.py``, the window plan built in the
+graph). ``old R`` is an earlier windowed form, ``vecinfer::encode`` and attention over the codes
+(``vecinfer::attention``); both apply the same window rule, so with causal attention their outputs
+differ by rounding only (the max-abs-diff column). Here the window plan is built at every call
+(one layer); in a model it is built once per forward for all layers. The baseline is causal bf16 SDPA on the same q, k, v (default
 backend choice, GQA via ``enable_gqa``). Prints median times and ratios, and the first call of
 each compiled form (its compile, cold with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``); ``--sweep``
 adds the old attention kernel's launch shapes, ``--profile`` the time of each kernel of the
@@ -26,7 +28,7 @@ import triton
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.ops.triton_attention import DEFAULT_CONFIG, AttentionConfig, attention_triton
-from vecinfer_compile.passes.windowed import window_mask, windowed_attention
+from vecinfer_compile.passes.windowed import window_plan, windowed_attention
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.transform import KeyTransform
 
@@ -49,12 +51,12 @@ def simulate_forward(q, k, v, lam, rot, kc, vc, residual: int):
     v_hat = torch.ops.vecinfer.quantize(v, None, None, vc)
     if residual == 0:
         return torch.nn.functional.scaled_dot_product_attention(q_t, k_hat, v_hat, is_causal=True, enable_gqa=True)
-    window = window_mask(q_t, k_t, None, True, residual)
-    return windowed_attention(q_t, k_hat, k_t, v_hat, v, window, D**-0.5)
+    plan = window_plan(q_t, k_t, None, True, residual)
+    return windowed_attention(q_t, k_hat, k_t, v_hat, v, plan, D**-0.5)
 
 
 def old_windowed_forward(q, k, v, lam, rot, kc, vc, residual: int):
-    """The windowed form before FlexAttention: attention over the codes (vecinfer::attention)."""
+    """An earlier windowed form: attention over the codes (vecinfer::attention)."""
     q_t, k_t = _transform(q, k, lam, rot)
     k_codes = torch.ops.vecinfer.encode(k_t, None, None, kc)
     v_codes = torch.ops.vecinfer.encode(v, None, None, vc)

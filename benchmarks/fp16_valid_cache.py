@@ -22,6 +22,9 @@ and that is what this baseline runs:
 
 Valid for unpadded batches only (the benchmark's): the used length of a row is its last position
 id plus one. On the CPU (``--smoke``) the op runs a per-row SDPA so the script can be checked.
+Under transformers' tensor parallelism (``tp_plan="auto"``) it works unchanged: each rank's
+layers allocate their buffers from the first key states they see (the rank's KV heads), and
+``kv_bytes()`` is this rank's share.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def valid_length_attention(module, query, key, value, attention_mask, scaling=No
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise RuntimeError(f"{NAME} attention needs position_ids (the used length is the last one + 1)")
-    hkv = module.config.num_key_value_heads
+    hkv = query.shape[1] // module.num_key_value_groups  # this rank's KV heads under tensor parallelism
     if key.dim() != 4 or key.shape[2] != hkv or not key.is_contiguous():
         raise RuntimeError(f"{NAME} attention reads a ValidLengthCache's [B, Tmax, {hkv}, D] buffers; "
                            f"got K of shape {tuple(key.shape)} (pass a ValidLengthCache)")
@@ -152,6 +155,14 @@ class ValidLengthCache(Cache):
     def __init__(self, config, max_cache_len: int):
         config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         super().__init__(layers=[ValidLengthLayer(max_cache_len) for _ in range(config.num_hidden_layers)])
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    def kv_bytes(self) -> int:
+        """Bytes of the K/V buffers on this device (this rank's heads under tensor parallelism)."""
+        return sum(t.nbytes for layer in self.layers if layer.is_initialized for t in (layer.k_store, layer.v_store))
 
 
 def use_valid_length_attention(model) -> str:

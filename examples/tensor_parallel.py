@@ -14,6 +14,7 @@ generated token ids and the cache bytes (this rank's and, by an all-reduce, all 
 
 import argparse
 import json
+import os
 import warnings
 
 import torch
@@ -34,14 +35,19 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--residual", type=int, default=128, help="most recent tokens kept in full precision")
     p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--eager", action="store_true", help="run the decode step eagerly (no torch.compile)")
     p.add_argument("--json", action="store_true", help="print one JSON object on rank 0")
     args = p.parse_args()
 
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    # tp_plan="auto" starts the process group (gloo on CPU, NCCL on CUDA) and shards by heads
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    # tp_plan="auto" starts the process group (gloo on CPU, NCCL on CUDA) and shards by heads; with
+    # one process it sets nothing up and would load on the CPU, so place the model there ourselves
+    one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
     model = AutoModelForCausalLM.from_pretrained(
         args.model, tp_plan="auto", attn_implementation="sdpa", dtype=dtype,
+        **({"device_map": args.device} if one_process else {}),
     ).eval()
     codebooks = vc.load_codebooks(args.codebooks)
     tok = AutoTokenizer.from_pretrained(args.model)

@@ -21,7 +21,7 @@ from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.methods import VQ_METHODS
 from vecinfer_compile.ops import reference
 from vecinfer_compile.passes.cache_decode import transform_queries
-from vecinfer_compile.passes.windowed import window_mask, windowed_attention
+from vecinfer_compile.passes.windowed import window_plan, windowed_attention
 from vecinfer_compile.quant.codebook import quantize_dequantize
 from vecinfer_compile.quant.query_aware import query_aware_matrices, second_moment
 from vecinfer_compile.quant.transform import KeyTransform, centre_keys, smoothing_factors
@@ -74,7 +74,8 @@ def test_centred_attention_is_exact_with_mixed_quantized_and_window_keys(
     eager = simulated_attention(q, k, v, tr.keys_inverse(kt_hat), v_hat, None, is_causal, scale, residual)
     qt = tr.queries(q)
     if residual:
-        compiled = windowed_attention(qt, kt_hat, kt, v_hat, v, window_mask(qt, kt, None, is_causal, residual), scale)
+        plan = window_plan(qt, kt, None, is_causal, residual)
+        compiled = windowed_attention(qt, kt_hat, kt, v_hat, v, plan, scale)
     else:
         compiled = torch.nn.functional.scaled_dot_product_attention(
             qt, kt_hat.repeat_interleave(group, 1), v_hat.repeat_interleave(group, 1), is_causal=is_causal, scale=scale)

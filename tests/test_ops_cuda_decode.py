@@ -38,35 +38,39 @@ def _nvrtc_or_skip():
 
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_source_compiles_for_sm90(kspec, vspec):
-    """Each preset's kernels compile to an sm_90 cubin; both entry points are in it."""
+    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA."""
     _nvrtc_or_skip()
-    for head_dim, group, fp16 in ((128, 4, False), (64, 16, True), (64, 2, False)):
+    for head_dim, group, fp16, nwarps in ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4)):
         variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16)
         image, is_cubin = compile_source(cuda_decode._source(), "vq_decode", 90,
-                                         ["--use_fast_math", "--std=c++17", *variant.defines(), "-DMINB=2"])
+                                         ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), "-DMINB=1"])
         assert is_cubin and image[:4] == b"\x7fELF"
-        assert b"vq_decode_split" in image and b"vq_decode_merge" in image
+        assert b"vq_decode" in image
 
 
-def test_variant_shared_memory_and_copies():
+def test_variant_shared_memory_copies_and_launch_shapes():
     assert cuda_decode.Variant.copies(256, 4) == 16 and cuda_decode.Variant.copies(256, 8) == 8
     assert cuda_decode.Variant.copies(256, 2) == 32 and cuda_decode.Variant.copies(4096, 8) == 1
     two_bit = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False)
-    assert two_bit.smem_bytes == 64 * 1024 and cuda_decode.max_ctas_per_sm(two_bit) == 3
+    assert two_bit.smem_bytes(4) == 64 * 1024 and cuda_decode.launches_for(two_bit)[:2] == [(1, 12), (3, 4)]
     one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False)
-    assert one_and_half.smem_bytes == 128 * 1024 and cuda_decode.max_ctas_per_sm(one_and_half) == 1
-    # the warps' partials reuse the codebook memory; it is grown when they need more
-    assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False).smem_bytes == 32 * 1024 + 32 * 1024
-    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes == 4 * 16 * 130 * 4
+    # 128 KiB of codebooks leave room for one CTA per SM: it gets 12 warps rather than 4
+    assert one_and_half.smem_bytes(12) == 128 * 1024
+    assert cuda_decode.launches_for(one_and_half) == [(1, 12), (1, 8), (1, 4)]
+    # the warps' partials and the final merge's weights reuse the codebook memory; it is grown when they need more
+    assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False).smem_bytes(4) == 32 * 1024 + 32 * 1024
+    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(4) == 4 * 16 * 130 * 4
+    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(12) == 12 * 16 * 130 * 4
 
 
 def test_splits_depend_on_shapes_only():
-    assert cuda_decode.num_splits(8, 4096, 3, 132) == 16  # bounded by the length: 4096 / (64 * 4)
-    assert cuda_decode.num_splits(64, 131072, 3, 132) == 6  # one wave of 3 CTAs per SM, no partial second
-    assert cuda_decode.num_splits(64, 131072, 2, 132) == 4
-    assert cuda_decode.num_splits(8, 131072, 3, 132) == 49
-    assert cuda_decode.num_splits(512, 131072, 3, 132) == 1
-    assert cuda_decode.num_splits(8, 1, 3, 132) == 1
+    assert cuda_decode.num_splits(8, 4096, 3, 132, 4) == 16  # bounded by the length: 4096 / (64 * 4)
+    assert cuda_decode.num_splits(8, 4096, 1, 132, 12) == 6  # 4096 / (64 * 12), rounded up
+    assert cuda_decode.num_splits(64, 131072, 3, 132, 4) == 6  # one wave of 3 CTAs per SM, no partial second
+    assert cuda_decode.num_splits(64, 131072, 2, 132, 4) == 4
+    assert cuda_decode.num_splits(8, 131072, 3, 132, 4) == 49
+    assert cuda_decode.num_splits(512, 131072, 3, 132, 4) == 1
+    assert cuda_decode.num_splits(8, 1, 3, 132, 4) == 1
 
 
 def test_unsupported_reasons_name_the_limit():

@@ -39,7 +39,7 @@ def naive_attention(q, kq, vq, kf, vf, mask, causal, scale, residual):
     full = torch.zeros(tq, tk, dtype=torch.bool)
     if residual:
         i, j = torch.arange(tq)[:, None], torch.arange(tk)[None, :]
-        full = (i + tk - tq - j) < residual
+        full = (i + tk - tq - j >= 0) & (i + tk - tq - j < residual)
         s = torch.where(full, q @ rep(kf).transpose(-1, -2) * scale, s)
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.double()

@@ -156,3 +156,28 @@ def test_two_ranks_eager_tokens_and_simulate_logits_equal_one_process(one_proces
         fp = one_process(ids).logits
     assert (logits - fp).abs().amax() > 1e-2  # quantization really happened in both
     torch.testing.assert_close(tp["logits"], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_generate_tp_mode_two_ranks(tmp_path):
+    """benchmarks/bench_generate.py's TP mode: the random-weight model saved once, then loaded with
+    tp_plan="auto" by 2 gloo ranks; rank 0's rows for ours and fp16 carry the TP size and each
+    rank's KV bytes, which sum to the all-reduced total."""
+    from vecinfer_compile.commands.bench import benchmarks_dir, load_script
+
+    model_dir, rows_json = tmp_path / "model", tmp_path / "rows.json"
+    smoke, threads = ["--smoke", "--layers", "1"], torch.get_num_threads()
+    try:
+        assert load_script("generate", benchmarks_dir()).main([*smoke, "--save-model", str(model_dir)]) == []
+    finally:
+        torch.set_num_threads(threads)  # --smoke pins one thread
+    out = _torchrun("benchmarks/bench_generate.py", *smoke, "--tp-model", str(model_dir), "--methods", "ours,fp16",
+                    "--cases", "2x16", "--new-tokens", "2", "--json", str(rows_json))
+    rows = json.loads(rows_json.read_text())
+    assert [r["method"] for r in rows] == ["ours", "fp16"]
+    for r in rows:
+        assert "error" not in r, r
+        assert (r["tp"], r["B"], r["T"]) == (2, 2, 16) and r["step_ms"] > 0 and r["tok_s"] > 0
+        assert r["timed_compiles"] == 0
+        per_rank = r["kv_bytes_per_rank"]
+        assert len(per_rank) == 2 and min(per_rank) > 0 and sum(per_rank) == r["kv_bytes_total"]
+    assert "| KV/GPU | KV total | TP |" in out and out.count("| 2 |\n") == 2  # rank 0 alone prints

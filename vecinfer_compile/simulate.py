@@ -4,8 +4,9 @@
 Hugging Face model to the attention implementation ``"vecinfer"`` (registered with transformers'
 ``AttentionInterface`` and ``AttentionMaskInterface`` at import). Each attention call then
 quantizes the keys and values it receives and attends over the dequantized tensors; with a
-residual window ``R`` key ``j`` stays in full precision for query ``i`` when ``i - j < R``
-(positions bottom-right aligned: the last query is the newest token). This is the reference
+residual window ``R`` key ``j`` stays in full precision for query ``i`` when ``0 <= i - j < R``
+(positions bottom-right aligned: the last query is the newest token; keys after the query, which
+only a non-causal mask shows, are quantized). This is the reference
 that the compiled backend and the compressed cache are tested against.
 
 ``full_precision_prefill=True`` reproduces :class:`~vecinfer_compile.VecInferCache`'s
@@ -55,10 +56,11 @@ class LayerSimulator:
 
 def window_mask(tq: int, tk: int, residual: int, device) -> torch.Tensor:
     """``[Tq, Tk]`` bool: True where key j is inside query i's full-precision window
-    (``(i + Tk - Tq) - j < residual``)."""
+    (``0 <= (i + Tk - Tq) - j < residual``: keys after the query's position, visible only
+    through a non-causal mask, are quantized)."""
     i = torch.arange(tq, device=device)[:, None] + (tk - tq)
     j = torch.arange(tk, device=device)[None, :]
-    return (i - j) < residual
+    return (i - j >= 0) & (i - j < residual)
 
 
 def simulated_attention(q, k, v, k_hat, v_hat, attn_mask, is_causal, scale, residual):

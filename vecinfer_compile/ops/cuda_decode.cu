@@ -11,23 +11,28 @@
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
 //
-// vq_decode_split: grid (splits, B * Hkv), NWARPS warps. Each warp is one "unit" of the
-// flash-decoding split: it takes a contiguous range of the n_coded coded positions (the range is
-// computed on the device from n_coded, so the launch does not depend on the cache length) and
-// computes its partial (max, sum, unnormalised accumulator) for the G query heads of its KV head;
-// the CTA merges its warps' partials in shared memory and writes one partial per CTA.
+// vq_decode: grid (B * Hkv, splits + 1), NWARPS warps; one launch per call. The window CTAs come
+// last in launch order, so that every code CTA starts in the first wave.
+// - CTAs y < splits: each warp is one "unit" of the flash-decoding split: it takes a contiguous
+//   range of the n_coded coded positions (the range is computed on the device from n_coded, so
+//   the launch does not depend on the cache length) and computes its partial (max, sum,
+//   unnormalised accumulator) for the G query heads of its KV head.
+// - CTA y = splits: the full-precision window (positions n_coded + s, s < n_window) by the same
+//   block step, its key and value fragments loaded from the K~ / V rows instead of gathered
+//   from a codebook.
 // Scores and the value accumulation run on the tensor cores (mma.sync m16n8k16, fp32
 // accumulators) in transposed form, so that the few query heads of a GQA group (G <= 8 per
 // n-tile of 8, G <= 16 in all) are the narrow N dimension: S^T = K Q^T (M = 16 positions) and
 // O^T = V^T P^T (M = 16 channels). Each thread gathers its A fragments straight from the
 // shared-memory codebook with one 4/8/16-byte load per centroid; the contraction dimension is
 // permuted so that a centroid's consecutive channels land in one fragment register pair (the
-// query fragment uses the same permutation, so the products are unchanged). P^T reaches the
-// value product's B fragment through four warp shuffles per 16 positions.
-//
-// vq_decode_merge: grid (B * Hkv, G), D threads. Log-sum-exp merge of the partials, then the
-// full-precision window (positions n_coded + s, s < n_window) by the same online softmax, then
-// normalisation. Fully masked rows give zeros.
+// query fragment uses the same permutation, so the products are unchanged; a window row's
+// channels are already in that order). P^T reaches the value product's B fragment through four
+// warp shuffles per 16 positions.
+// Each CTA merges its warps' partials in shared memory and writes one partial; the CTA that
+// arrives last for its (batch row, KV head) (a per-row arrival counter, zeroed before the launch)
+// merges the splits + 1 partials by log-sum-exp, normalises and writes the output. Fully masked
+// rows give zeros.
 
 #define BLOCK_T 64              // positions per warp iteration
 #define NT (BLOCK_T / 8)        // score n-tiles per iteration
@@ -53,16 +58,6 @@
 struct __align__(8) vq_w2 { unsigned x, y; };
 struct __align__(16) vq_w4 { unsigned x, y, z, w; };
 struct __align__(16) vq_f4 { float x, y, z, w; };
-
-__device__ __forceinline__ float half_to_float(unsigned short h) {
-#if FP16
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    return __uint_as_float(((unsigned)h) << 16);
-#endif
-}
 
 // Two floats -> one register of two 16-bit values, `lo` in the low half (round to nearest).
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
@@ -219,9 +214,61 @@ __device__ __forceinline__ void load_block(BlockCodes& bc, int t0, int hi, const
 // Attention over the block at t0 whose codes are in bc (positions >= hi masked unless FULL).
 // Scores as S^T = K Q^T: M = 16 positions per m-tile, N = 8 heads per n-tile, K = channels.
 // Values as O^T = V^T P^T: M = 16 channels per m-tile, N = 8 heads, K = 16 positions.
-template <bool FULL>
-__device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi, unsigned kbase, unsigned vbase,
-                                           int lane, const unsigned (&qf)[NH][KSTEPS][2], float scale_log2,
+// Key and value A-fragment words of one block, gathered from the shared-memory codebooks by the
+// codes in registers.
+struct CodebookRows {
+    const BlockCodes& bc;
+    unsigned kbase, vbase;
+
+    // Positions t0 + 16 mt + gid (ka) and + 8 (kb): this thread's SLICE_K channels.
+    __device__ __forceinline__ void keys(int mt, unsigned* ka, unsigned* kb) const {
+#pragma unroll
+        for (int j = 0; j < NCODE_K; ++j) {
+            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt], j) * KROW_SMEM, ka + j * (DK / 2));
+            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt + 1], j) * KROW_SMEM, kb + j * (DK / 2));
+        }
+    }
+
+    // Value k-step i, position r of its four (see BlockCodes): this thread's SLICE_V channels.
+    __device__ __forceinline__ void values(int i, int r, unsigned* vv) const {
+#pragma unroll
+        for (int j = 0; j < NCODE_V; ++j)
+            lds<DV>(vbase + code_at<NCODE_V, VFMT>(bc.v[i][r], j) * VROW_SMEM, vv + j * (DV / 2));
+    }
+};
+
+// 16-byte words of n 16-bit channels at p (p 16-byte aligned), or zeros when !ok.
+template <int N>
+__device__ __forceinline__ void load_channels(const unsigned short* p, bool ok, unsigned* w) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+        vq_w4 v = ok ? ((const vq_w4*)p)[i] : vq_w4{0u, 0u, 0u, 0u};
+        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+}
+
+// The same fragment words read from full-precision rows (the window): row t of k_rows / v_rows
+// is position t0 + t; rows >= n are zeros.
+struct DenseRows {
+    const unsigned short* k_rows;
+    const unsigned short* v_rows;
+    int n, gid, tig;
+
+    __device__ __forceinline__ void keys(int mt, unsigned* ka, unsigned* kb) const {
+        const int t = 16 * mt + gid;
+        load_channels<SLICE_K>(k_rows + (long long)t * D + tig * SLICE_K, t < n, ka);
+        load_channels<SLICE_K>(k_rows + (long long)(t + 8) * D + tig * SLICE_K, t + 8 < n, kb);
+    }
+
+    __device__ __forceinline__ void values(int i, int r, unsigned* vv) const {
+        const int t = 16 * i + 2 * tig + (r & 1) + 8 * (r >> 1);
+        load_channels<SLICE_V>(v_rows + (long long)t * D + gid * SLICE_V, t < n, vv);
+    }
+};
+
+template <bool FULL, class Rows>
+__device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int lane,
+                                           const unsigned (&qf)[NH][KSTEPS][2], float scale_log2,
                                            float (&m)[NH][2], float (&l)[NH][2], float (&acc)[D / 16][NH][4]) {
     const int gid = lane >> 2, tig = lane & 3;
     // Scores. m-tile mt holds positions t0 + 16 mt + gid (rows gid) and + 8 (rows gid + 8), whose
@@ -231,11 +278,7 @@ __device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi,
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt) {
         unsigned ka[SLICE_K / 2], kb[SLICE_K / 2];
-#pragma unroll
-        for (int j = 0; j < NCODE_K; ++j) {
-            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt], j) * KROW_SMEM, ka + j * (DK / 2));
-            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt + 1], j) * KROW_SMEM, kb + j * (DK / 2));
-        }
+        rows.keys(mt, ka, kb);
         const int t = t0 + 16 * mt + gid;
         const bool ok0 = FULL || t < hi, ok1 = FULL || t + 8 < hi;
 #pragma unroll
@@ -300,10 +343,7 @@ __device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi,
         }
         unsigned vv[4][SLICE_V / 2];
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int j = 0; j < NCODE_V; ++j)
-                lds<DV>(vbase + code_at<NCODE_V, VFMT>(bc.v[i][r], j) * VROW_SMEM, vv[r] + j * (DV / 2));
+        for (int r = 0; r < 4; ++r) rows.values(i, r, vv[r]);
 #pragma unroll
         for (int j = 0; j < D / 16; ++j) {
             const unsigned a0 = __byte_perm(vv[0][j], vv[1][j], 0x5410), a1 = __byte_perm(vv[0][j], vv[1][j], 0x7632);
@@ -314,34 +354,58 @@ __device__ __forceinline__ void block_step(const BlockCodes& bc, int t0, int hi,
     }
 }
 
+// A float written by another CTA of this launch (after its fence): read past L1, which is not
+// coherent across SMs.
+__device__ __forceinline__ float load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned short to_half(float x) {
+    unsigned short h;
+#if FP16
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#endif
+    return h;
+}
+
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB)
-vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
-                const unsigned char* __restrict__ kcodes,  // [B, Hkv, Tmax, D / DK] codes
-                const unsigned char* __restrict__ vcodes,  // [B, Hkv, Tmax, D / DV] codes
-                const float* __restrict__ kcent,           // [EK, DK]
-                const float* __restrict__ vcent,           // [EV, DV]
-                const void* __restrict__ n_coded_p,        // 0-d int32/int64
-                const void* __restrict__ start_p,          // [B] int32/int64, or unused
-                float* __restrict__ part_m,                // [B * Hkv, units, G]
-                float* __restrict__ part_l,                // [B * Hkv, units, G]
-                float* __restrict__ part_acc,              // [B * Hkv, units, G, D]
-                int hkv, int tmax, int n_coded_is64, int start_kind, float scale_log2) {
+vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
+          const unsigned char* __restrict__ kcodes,  // [B, Hkv, Tmax, D / DK] codes
+          const unsigned char* __restrict__ vcodes,  // [B, Hkv, Tmax, D / DV] codes
+          const float* __restrict__ kcent,           // [EK, DK]
+          const float* __restrict__ vcent,           // [EV, DV]
+          const unsigned short* __restrict__ kw,     // [B, Hkv, R, D] (K~), 16-byte aligned
+          const unsigned short* __restrict__ vw,     // [B, Hkv, R, D]
+          const void* __restrict__ n_coded_p,        // 0-d int32/int64
+          const void* __restrict__ n_window_p,       // 0-d int32/int64
+          const void* __restrict__ start_p,          // [B] int32/int64, or unused
+          float* __restrict__ part_m,                // [B * Hkv, splits + 1, G]
+          float* __restrict__ part_l,                // [B * Hkv, splits + 1, G]
+          float* __restrict__ part_acc,              // [B * Hkv, splits + 1, G, D]
+          unsigned* __restrict__ arrivals,           // [B * Hkv], zeros
+          unsigned short* __restrict__ out,          // [B, Hkv * G, D]
+          int hkv, int tmax, int r_slots, int n_coded_is64, int n_window_is64, int start_kind,
+          float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int last_arrival;
     unsigned short* kbook = (unsigned short*)smem;
     unsigned short* vbook = kbook + EK * KCOPIES * DK;
-    fill_book<DK, KCOPIES>(kcent, kbook, EK);
-    fill_book<DV, VCOPIES>(vcent, vbook, EV);
+    const bool window_cta = blockIdx.y == gridDim.y - 1;
+    if (!window_cta) {
+        fill_book<DK, KCOPIES>(kcent, kbook, EK);
+        fill_book<DV, VCOPIES>(vcent, vbook, EV);
+    }
     __syncthreads();
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int bh = blockIdx.y, b = bh / hkv, kvh = bh - b * hkv;
+    const int bh = blockIdx.x, b = bh / hkv, kvh = bh - b * hkv;
     const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
     const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
-    const int units = gridDim.x * NWARPS, unit = blockIdx.x * NWARPS + warp;
-    int chunk = (n_coded + units - 1) / units;
-    chunk = (chunk + BLOCK_T - 1) / BLOCK_T * BLOCK_T;
-    const int lo = max(unit * chunk, start), hi = min(unit * chunk + chunk, n_coded);
 
     // Query fragments (B operand of the score product, N = heads): thread (gid, tig) holds head
     // 8 nh + gid, channels tig * SLICE_K + 4 s + {0, 1} and {2, 3} for k-step s.
@@ -366,22 +430,39 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         for (int j = 0; j < D / 16; ++j) acc[j][nh][0] = acc[j][nh][1] = acc[j][nh][2] = acc[j][nh][3] = 0.f;
     }
 
-    const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES;
-    const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES;
-    // Lane l reads copy l % COPIES of each codebook.
-    const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
-    const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
+    if (window_cta) {
+        // Window slots s >= first (positions n_coded + s at or after the row's start), s < n_window;
+        // warp w takes the blocks w, w + NWARPS, ...
+        const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
+        const int first = max(0, start - n_coded);
+        const long long wrow = (long long)bh * r_slots * D;
+        for (int t0 = first + warp * BLOCK_T; t0 < n_window; t0 += NWARPS * BLOCK_T) {
+            const int n = min(BLOCK_T, n_window - t0);
+            const DenseRows rows{kw + wrow + (long long)t0 * D, vw + wrow + (long long)t0 * D, n, gid, tig};
+            block_step<false>(rows, 0, n, lane, qf, scale_log2, m, l, acc);
+        }
+    } else {
+        const int units = (gridDim.y - 1) * NWARPS, unit = blockIdx.y * NWARPS + warp;
+        int chunk = (n_coded + units - 1) / units;
+        chunk = (chunk + BLOCK_T - 1) / BLOCK_T * BLOCK_T;
+        const int lo = max(unit * chunk, start), hi = min(unit * chunk + chunk, n_coded);
+        const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES;
+        const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES;
+        // Lane l reads copy l % COPIES of each codebook.
+        const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
+        const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
 
-    // Software pipeline over blocks: the next block's codes load while this one computes.
-    int t0 = lo;
-    BlockCodes cur, nxt;
-    if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
-    for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
-        load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
-        block_step<true>(cur, t0, hi, kbase, vbase, lane, qf, scale_log2, m, l, acc);
-        cur = nxt;
+        // Software pipeline over blocks: the next block's codes load while this one computes.
+        int t0 = lo;
+        BlockCodes cur, nxt;
+        if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
+        for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
+            load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
+            block_step<true>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
+            cur = nxt;
+        }
+        if (t0 < hi) block_step<false>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
     }
-    if (t0 < hi) block_step<false>(cur, t0, hi, kbase, vbase, lane, qf, scale_log2, m, l, acc);
 
     // Each warp's partial (head 8 nh + 2 tig + e; its sum spread over the lanes of one tig) goes
     // to shared memory (the codebooks are no longer needed), then the CTA merges its NWARPS
@@ -416,7 +497,7 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
             }
         }
     __syncthreads();
-    const long long prow = ((long long)bh * gridDim.x + blockIdx.x) * G;
+    const long long prow = ((long long)bh * gridDim.y + blockIdx.y) * G;
     for (int i = threadIdx.x; i < G * D; i += NWARPS * 32) {
         const int h = i / D, c = i - h * D;
         float mx = NEG_INF;
@@ -436,137 +517,43 @@ vq_decode_split(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
             part_l[prow + h] = ls;
         }
     }
-}
 
-#define WCH 128       // window slots per merge pass (one pass for the default R = 128)
-#define RG 4          // row groups of the window pass: D threads = RG x (D / 4) channel groups
-#define MAX_UNITS 64  // partials per (batch row, KV head): one per split CTA; the launcher caps splits
-
-// grid (B * Hkv, G), D threads: one query head per CTA. A window pass loads all its K~ and V
-// rows into registers first (thread (rg, cg): rows rg * WCH / RG + i, channels 4 cg .. 4 cg + 3),
-// so the loads are in flight together instead of one latency per row; the row groups' value
-// sums meet in shared memory.
-extern "C" __global__ void __launch_bounds__(D)
-vq_decode_merge(const unsigned short* __restrict__ q,   // [B, Hkv * G, D]
-                const unsigned short* __restrict__ kw,  // [B, Hkv, R, D] (K~)
-                const unsigned short* __restrict__ vw,  // [B, Hkv, R, D]
-                const float* __restrict__ part_m, const float* __restrict__ part_l,
-                const float* __restrict__ part_acc,
-                unsigned short* __restrict__ out,       // [B, Hkv * G, D]
-                const void* __restrict__ n_coded_p, const void* __restrict__ n_window_p,
-                const void* __restrict__ start_p,
-                int hkv, int units, int r_slots, int tmax, int n_coded_is64, int n_window_is64,
-                int start_kind, float scale_log2) {
-    __shared__ __align__(16) float qs[D];
-    __shared__ float pw[WCH];        // window scores, then their weights exp2(s - M)
-    __shared__ float wu[MAX_UNITS];  // exp2(m_u - M) per unit
-    __shared__ __align__(16) float red[RG * D];  // value sums per row group
-    __shared__ float mh, lh, pm, ps;
-    const int c = threadIdx.x, lane = c & 31, warp = c >> 5;
-    const int cg = c % (D / 4), rg = c / (D / 4);
-    const int bh = blockIdx.x, g = blockIdx.y, b = bh / hkv, kvh = bh - b * hkv;
-    const long long qoff = (((long long)b * hkv + kvh) * G + g) * D;
-    qs[c] = half_to_float(q[qoff + c]);
-
-    // The max over units (lanes of warp 0), then each unit's weight and the total sum.
-    const long long prow = (long long)bh * units * G + g;
-    if (warp == 0) {
-        float m = NEG_INF;
-        for (int u = lane; u < units; u += 32) m = fmaxf(m, part_m[prow + u * G]);
+    // The last CTA of this (batch row, KV head) to arrive merges every CTA's partial.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_arrival = atomicAdd(arrivals + bh, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last_arrival) return;
+    __threadfence();
+    const int units = gridDim.y;
+    const long long row0 = (long long)bh * units * G;
+    float* wu = (float*)smem;     // [G][units]: exp2(m_u - M) per head and partial
+    float* lt = wu + G * units;   // [G]: the total sum per head
+    for (int h = warp; h < G; h += NWARPS) {
+        float mx = NEG_INF;
+        for (int u = lane; u < units; u += 32) mx = fmaxf(mx, load_cg(part_m + row0 + u * G + h));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        const float ms = m == NEG_INF ? 0.f : m;
-        float l = 0.f;
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float ms = mx == NEG_INF ? 0.f : mx;
+        float ls = 0.f;
         for (int u = lane; u < units; u += 32) {
-            const float w = exp2f(part_m[prow + u * G] - ms);
-            wu[u] = w;
-            l += w * part_l[prow + u * G];
+            const float w = exp2f(load_cg(part_m + row0 + u * G + h) - ms);
+            wu[h * units + u] = w;
+            ls += w * load_cg(part_l + row0 + u * G + h);
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-        if (lane == 0) { mh = m; lh = l; }
+        for (int o = 16; o > 0; o >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o);
+        if (lane == 0) lt[h] = ls;
     }
     __syncthreads();
-    float acc = 0.f, lsum = lh, mx = mh;
-    const float* pa = part_acc + prow * D + c;
-#pragma unroll 16
-    for (int u = 0; u < units; ++u) acc += wu[u] * pa[(long long)u * G * D];
-
-    const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
-    const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
-    const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
-    const long long wbase = (long long)bh * r_slots * D;
-    const vq_w2* kw2 = (const vq_w2*)(kw + wbase);  // 4 channels per 8-byte word
-    const vq_w2* vw2 = (const vq_w2*)(vw + wbase);
-    const float4 q4 = ((const float4*)qs)[cg];
-    for (int r0 = 0; r0 < n_window; r0 += WCH) {
-        const int rows = min(WCH, n_window - r0);
-        vq_w2 kr[WCH / RG], vr[WCH / RG];
-#pragma unroll
-        for (int i = 0; i < WCH / RG; ++i) {
-            const int r = rg * (WCH / RG) + i;
-            kr[i] = vr[i] = vq_w2{0u, 0u};
-            if (r < rows) {
-                kr[i] = kw2[(long long)(r0 + r) * (D / 4) + cg];
-                vr[i] = vw2[(long long)(r0 + r) * (D / 4) + cg];
-            }
-        }
-        // Scores: each row's dot product summed over the D / 4 lanes of its row group.
-#pragma unroll
-        for (int i = 0; i < WCH / RG; ++i) {
-            float d = q4.x * half_to_float(kr[i].x & 0xffffu) + q4.y * half_to_float(kr[i].x >> 16)
-                    + q4.z * half_to_float(kr[i].y & 0xffffu) + q4.w * half_to_float(kr[i].y >> 16);
-#pragma unroll
-            for (int o = D / 8; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-            const int r = rg * (WCH / RG) + i;
-            if (cg == 0 && r < rows) pw[r] = n_coded + r0 + r >= start ? d * scale_log2 : NEG_INF;
-        }
-        __syncthreads();
-        if (warp == 0) {  // the pass's max and, after rescaling, its weights and their sum
-            float m = mx;
-            for (int rr = lane; rr < rows; rr += 32) m = fmaxf(m, pw[rr]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float ms = m == NEG_INF ? 0.f : m;
-            float l = 0.f;
-            for (int rr = lane; rr < rows; rr += 32) {
-                const float p = exp2f(pw[rr] - ms);
-                pw[rr] = p;
-                l += p;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-            if (lane == 0) { pm = m; ps = l; }
-        }
-        __syncthreads();
-        float4 a = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < WCH / RG; ++i) {
-            const int r = rg * (WCH / RG) + i;
-            const float p = r < rows ? pw[r] : 0.f;
-            a.x += p * half_to_float(vr[i].x & 0xffffu);
-            a.y += p * half_to_float(vr[i].x >> 16);
-            a.z += p * half_to_float(vr[i].y & 0xffffu);
-            a.w += p * half_to_float(vr[i].y >> 16);
-        }
-        ((float4*)red)[rg * (D / 4) + cg] = a;
-        __syncthreads();
-        float add = 0.f;
-#pragma unroll
-        for (int k = 0; k < RG; ++k) add += red[k * D + c];
-        const float m = pm;
-        const float al = exp2f(mx - (m == NEG_INF ? 0.f : m));
-        acc = acc * al + add;
-        lsum = lsum * al + ps;
-        mx = m;
-        __syncthreads();  // pw and red are rewritten by the next pass
+    unsigned short* orow = out + ((long long)b * hkv + kvh) * G * D;
+    for (int i = threadIdx.x; i < G * D; i += NWARPS * 32) {
+        const int h = i / D, c = i - h * D;
+        const float* pa = part_acc + (row0 + h) * D + c;
+        float a = 0.f;
+#pragma unroll 8
+        for (int u = 0; u < units; ++u) a += wu[h * units + u] * load_cg(pa + (long long)u * G * D);
+        orow[i] = to_half(lt[h] > 0.f ? a / lt[h] : 0.f);
     }
-    const float o = lsum > 0.f ? acc / lsum : 0.f;
-    unsigned short h;
-#if FP16
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(o));
-#else
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(o));
-#endif
-    out[qoff + c] = h;
 }
+

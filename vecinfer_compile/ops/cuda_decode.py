@@ -1,16 +1,19 @@
 """CUDA decode attention over a compressed cache: codebooks in shared memory, tensor-core maths.
 
-The kernels are in ``cuda_decode.cu`` (read its header for the algorithm); this module picks a
+The kernel is in ``cuda_decode.cu`` (read its header for the algorithm); this module picks a
 variant for the inputs, compiles it once per process with NVRTC (:mod:`.nvrtc`), sizes the split
-from shapes only, and launches the two kernels on torch's current stream with no host
-synchronisation and every buffer from torch's allocator, so CUDA graphs capture it.
+from shapes only, and launches it on torch's current stream with no host synchronisation and
+every buffer from torch's allocator (the per-row arrival counters are zeroed by a memset in the
+same stream, so calls on several streams never share them), so CUDA graphs capture it.
 
 Variants are cached per (head_dim, group size, key/value codebook geometry, dtype, device
 architecture). Why a shared-memory codebook: the Triton kernel gathers 8-byte centroid rows
 through L1, and those random gathers bound it below FP16 SDPA (``bench_gather_ceiling.py``).
 Each 256-entry codebook is replicated ``64 // dims`` times (32 KiB) so that the lanes of one
 shared-memory wavefront read distinct copies and never collide on a bank; 4096-entry codebooks
-(32 or 64 KiB) are stored once.
+(32 or 64 KiB) are stored once. Resident warps per SM hide the gathers' latency: a variant
+runs 3 CTAs of 4 warps per SM where shared memory allows, else one CTA of up to 12 warps (the
+large 4096-entry books), whichever compiles without spilling registers first (:data:`LAUNCHES`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from .checks import check_decode_args
 from .nvrtc import CudaBuildError, Kernel, compile_source, load_kernels
 
 SOURCE = Path(__file__).with_name("cuda_decode.cu")
-NWARPS = 4  # warps per CTA of the split kernel
+# (resident CTAs per SM, warps per CTA), in order of preference: twelve warps per SM, in one CTA
+# first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257 vs 0.286 at
+# B=8/T=128k against three CTAs of four), then fewer warps where registers spill
+LAUNCHES = ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
-MAX_SPLITS = 64  # MAX_UNITS in the source: the merge keeps one weight per partial (split CTA) in shared memory
+MAX_SPLITS = 64  # code CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
 HEAD_DIMS = (64, 128)
 CENTROID_DIMS = (2, 4, 8)
 MAX_GROUP = 16
@@ -57,13 +63,13 @@ class Variant:
         256-entry books (``64 // dims``), one for larger books."""
         return 64 // dims if entries <= 256 else 1
 
-    @property
-    def smem_bytes(self) -> int:
-        """The split kernel's dynamic shared memory: the codebooks, reused at the end for the
-        warps' partials (``NWARPS x G x (D + 2)`` floats) when those are larger."""
+    def smem_bytes(self, nwarps: int) -> int:
+        """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks,
+        reused at the end for the warps' partials (``nwarps x G x (D + 2)`` floats) and the final
+        merge's weights (``G x (MAX_SPLITS + 2)`` floats) when those are larger."""
         k = self.k_entries * self.copies(self.k_entries, self.k_dims) * self.k_dims * 2
         v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
-        return max(k + v, NWARPS * self.group * (self.head_dim + 2) * 4)
+        return max(k + v, nwarps * self.group * (self.head_dim + 2) * 4, self.group * (MAX_SPLITS + 2) * 4)
 
     @staticmethod
     def code_format(entries: int) -> int:
@@ -71,13 +77,13 @@ class Variant:
         (:mod:`vecinfer_compile.quant.packing`)."""
         return 2 if is_packed(entries) else 0
 
-    def defines(self) -> list[str]:
+    def defines(self, nwarps: int) -> list[str]:
         values = dict(
             D=self.head_dim, G=self.group, DK=self.k_dims, DV=self.v_dims, EK=self.k_entries,
             EV=self.v_entries, KFMT=self.code_format(self.k_entries),
             VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
-            FP16=int(self.fp16), NWARPS=NWARPS,
+            FP16=int(self.fp16), NWARPS=nwarps,
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -108,7 +114,7 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
         entries, dims = (int(x) for x in c.shape)
         if dims not in CENTROID_DIMS or entries > MAX_ENTRIES:
             return f"a {entries}x{dims} {name} codebook (the CUDA kernel takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
-    smem = variant_for(q, k_centroids, v_centroids, group).smem_bytes
+    smem = min(variant_for(q, k_centroids, v_centroids, group).smem_bytes(w) for _, w in LAUNCHES)
     if smem > SMEM_LIMIT:
         return f"the codebooks need {smem} bytes of shared memory, more than {SMEM_LIMIT}"
     return None
@@ -121,31 +127,39 @@ def _source() -> str:
 
 @dataclass(frozen=True)
 class Built:
-    """Loaded kernels of one variant and the split kernel's resident CTAs per SM."""
+    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM."""
 
-    split: Kernel
-    merge: Kernel
+    kernel: Kernel
+    nwarps: int
     ctas_per_sm: int
+
+
+def launches_for(variant: Variant) -> list[tuple[int, int]]:
+    """The (CTAs per SM, warps per CTA) of :data:`LAUNCHES` whose shared memory fits the SM."""
+    fits = [(c, w) for c, w in LAUNCHES
+            if variant.smem_bytes(w) <= SMEM_LIMIT and c * (variant.smem_bytes(w) + 1024) <= 228 * 1024]
+    return fits or [(1, 4)]
 
 
 @functools.cache
 def _build(variant: Variant, device_index: int) -> Built:
-    """Compile for as many resident CTAs per SM as shared memory allows (at most 3), stepping
-    down while the register budget that implies makes the compiler spill to local memory."""
+    """Compile the first launch shape of :func:`launches_for` whose register budget does not make
+    the compiler spill to local memory (the last one otherwise)."""
     device = torch.device("cuda", device_index)
     major, minor = torch.cuda.get_device_capability(device)
-    for ctas in range(max_ctas_per_sm(variant), 0, -1):
+    shapes = launches_for(variant)
+    for ctas, nwarps in shapes:
         image, _ = compile_source(_source(), "vq_decode", major * 10 + minor,
-                                  ["--use_fast_math", "--std=c++17", *variant.defines(), f"-DMINB={ctas}"])
-        kernels = load_kernels(image, ["vq_decode_split", "vq_decode_merge"], device)
-        if kernels["vq_decode_split"].local_bytes == 0 or ctas == 1:
+                                  ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), f"-DMINB={ctas}"])
+        kernel = load_kernels(image, ["vq_decode"], device)["vq_decode"]
+        if kernel.local_bytes == 0:
             break
-    kernels["vq_decode_split"].set_dynamic_smem(variant.smem_bytes)
-    return Built(kernels["vq_decode_split"], kernels["vq_decode_merge"], ctas)
+    kernel.set_dynamic_smem(variant.smem_bytes(nwarps))
+    return Built(kernel, nwarps, ctas)
 
 
 def kernels_for(variant: Variant, device: torch.device) -> Built:
-    """The compiled kernels of ``variant`` on ``device`` (compiled on first use, then cached)."""
+    """The compiled kernel of ``variant`` on ``device`` (compiled on first use, then cached)."""
     return _build(variant, device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -154,19 +168,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def max_ctas_per_sm(variant: Variant) -> int:
-    """Split CTAs per SM that shared memory allows, at most 3."""
-    return max(1, min(3, (228 * 1024) // (variant.smem_bytes + 1024)))
-
-
-def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int) -> int:
-    """CTAs per (batch row, KV head): as many as fill one wave of the SMs without starting a
-    second (a partial second wave doubles the time), but no more warps than there are 64-position
-    blocks in ``tmax``. Depends on shapes only (never on the cache's fill), so CUDA
-    graphs and compile do not specialise on the length; each warp's range is cut from the actual
-    ``n_coded`` on the device."""
+def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int, nwarps: int) -> int:
+    """Code CTAs per (batch row, KV head): as many as fill one wave of the SMs without starting a
+    second (the short window CTAs run after them) (a partial second wave doubles the time), but no more warps
+    than there are 64-position blocks in ``tmax``. Depends on shapes only (never on the cache's
+    fill), so CUDA graphs and compile do not specialise on the length; each warp's range is cut
+    from the actual ``n_coded`` on the device."""
     wave = sms * ctas_per_sm
-    by_length = math.ceil(max(tmax, 1) / (BLOCK_T * NWARPS))
+    by_length = math.ceil(max(tmax, 1) / (BLOCK_T * nwarps))
     return max(1, min(wave // batch_heads, by_length, MAX_SPLITS))
 
 
@@ -203,33 +212,30 @@ def decode_attention_cuda(
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
     q = q.contiguous()
     k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
-    k_window, v_window = k_window.to(q.dtype).contiguous(), v_window.to(q.dtype).contiguous()
+    k_window, v_window = _aligned(k_window.to(q.dtype)), _aligned(v_window.to(q.dtype))
     k_centroids, v_centroids = k_centroids.contiguous(), v_centroids.contiguous()
-    splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0))
-    units = splits  # one partial per split CTA
+    splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0), built.nwarps)
+    units = splits + 1  # one partial per code CTA, one for the window
     part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((b * hkv, units, group, d), dtype=torch.float32, device=q.device)
+    arrivals = torch.zeros((b * hkv,), dtype=torch.int32, device=q.device)
     out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
     scale_log2 = float(scale) * 1.4426950408889634
     start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
-    built.split.launch(
-        (splits, b * hkv, 1), (NWARPS * 32, 1, 1),
-        [q, k_codes, v_codes, k_centroids, v_centroids, n_coded, kv_start, part_m, part_l, part_acc,
-         hkv, tmax, _index_is64(n_coded), start_kind, scale_log2],
-    )
-    built.merge.launch(
-        (b * hkv, group, 1), (d, 1, 1),
-        [q, k_window, v_window, part_m, part_l, part_acc, out, n_coded, n_window, kv_start,
-         hkv, units, k_window.shape[2], tmax, _index_is64(n_coded), _index_is64(n_window), start_kind, scale_log2],
+    built.kernel.launch(
+        (b * hkv, units, 1), (built.nwarps * 32, 1, 1),
+        [q, k_codes, v_codes, k_centroids, v_centroids, k_window, v_window, n_coded, n_window, kv_start,
+         part_m, part_l, part_acc, arrivals, out, hkv, tmax, k_window.shape[2], _index_is64(n_coded),
+         _index_is64(n_window), start_kind, scale_log2],
     )
     return out
 
 
-def _aligned(codes: torch.Tensor) -> torch.Tensor:
-    """Contiguous codes whose base is 16-byte aligned (the kernel loads code slices as vectors)."""
-    codes = codes.contiguous()
-    return codes if codes.data_ptr() % 16 == 0 else codes.clone()
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous with a 16-byte aligned base (the kernel loads code and window slices as vectors)."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 def build_error(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,

@@ -6,7 +6,7 @@ and group member g), so every K/V tile is dequantized once for the whole group a
 bounds stay tight. K/V tiles are dequantized in registers by gathering centroid rows with
 code-derived offsets, each code loaded once from its stored layout (12-bit codes packed, see
 :mod:`vecinfer_compile.quant.packing`; the codebook, a few KiB in q's dtype, stays in L1).
-Online softmax in base 2; keys inside the residual window (``(i + Tk - Tq) - j < residual``)
+Online softmax in base 2; keys inside the residual window (``0 <= (i + Tk - Tq) - j < residual``)
 use the full-precision tiles instead of codes, which are only loaded for key blocks that can
 contain such keys.
 """
@@ -91,7 +91,8 @@ def _attention_kernel(
             s = tl.dot(q, tl.trans(k))
         if HAS_RESIDUAL:
             near = (i_lo + TK - TQ) - (j0 + BLOCK_N - 1) < residual
-            full = (qi[:, None] + (TK - TQ) - offs_j[None, :]) < residual
+            back = qi[:, None] + (TK - TQ) - offs_j[None, :]
+            full = (back >= 0) & (back < residual)
             if near:
                 kf = tl.load(kf_ptr + b * skf_b + kvh * skf_h + offs_j[:, None] * skf_t + d[None, :],
                              mask=j_ok[:, None], other=0.0).to(q.dtype)

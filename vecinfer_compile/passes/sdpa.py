@@ -16,9 +16,9 @@ For each SDPA node (any argument form: positional or keyword, bool or float ``at
                                                           scale=scale, enable_gqa=Hq != Hkv)
     quantize, residual > 0:
                      K^, V^ as above
-                     window = windowed.window_mask(q, k, mask, is_causal, residual)  (once per graph
+                     plan = windowed.window_plan(q, k, mask, is_causal, residual)  (once per graph
                                                    for each distinct mask and sizes, shared by layers)
-                     out = windowed.windowed_attention(q~, K^, K~, V^, v, window, scale)
+                     out = windowed.windowed_attention(q~, K^, K~, V^, v, plan, scale)
     quantize=False:  out = F.scaled_dot_product_attention(q~, K~, v, mask, is_causal=...,
                                                           scale=scale, enable_gqa=Hq != Hkv)
 
@@ -26,8 +26,11 @@ The simulate graph quantize-dequantizes K and V once (``K^``, ``V^``: centroid v
 of the K and V they replace): prefill attention is compute-bound, and re-gathering each K/V tile
 from the codebook for every query block (what ``vecinfer.attention`` does) costs more than reading
 it once dequantized. Without a residual window they go to the SDPA Inductor would have run. With a
-window, keys near each query stay full precision, which one SDPA call cannot express: FlexAttention
-over ``[K^ ; K~]`` with a block-sparse mask does (:mod:`.windowed`).
+window, keys near each query stay full precision, which one SDPA call cannot express: a fused
+attention kernel over the quantized keys (torch's flash or memory-efficient kernel, which return
+the log-sum-exp) and a blockwise band over the R full-precision keys of each query, merged by
+log-sum-exp (:mod:`.windowed`; the plan, the quantized part's bias and the band's mask, is built
+once per graph).
 
 The transform is applied once, as plain torch ops in front of the ops (Inductor fuses them);
 ``encode`` gets ``lam=None, rotation=None``. K/V stay at ``Hkv`` heads: HF's ``repeat_kv`` is
@@ -53,7 +56,7 @@ from torch._dynamo.utils import counters
 from ..codebooks import LayerCodebooks
 from .cache_decode import CACHE_READ_META
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
-from .windowed import window_mask, windowed_attention
+from .windowed import window_plan, windowed_attention
 
 log = logging.getLogger(__name__)
 
@@ -252,22 +255,23 @@ class _Emitter:
 
 
 def _window_key(site: SdpaSite) -> tuple:
-    """Sites with equal keys share one window mask: same mask node, causality and sizes."""
+    """Sites with equal keys share one window plan: same mask node, causality, sizes, dtype."""
     q, k = _example(site.query), _example(site.key)
-    return site.attn_mask, site.is_causal, str(q.shape[0]), str(q.shape[2]), str(k.shape[2]), str(q.device)
+    return (site.attn_mask, site.is_causal, str(q.shape[0]), site.q_heads, site.kv_heads, str(q.shape[2]),
+            str(k.shape[2]), str(q.device), q.dtype)
 
 
-def _shared_window_mask(emit: _Emitter, site: SdpaSite, residual: int, masks: dict) -> fx.Node:
-    """The window-mask node for ``site``: emitted before the first site of its key, reused after."""
+def _shared_window_plan(emit: _Emitter, site: SdpaSite, residual: int, plans: dict) -> fx.Node:
+    """The window-plan node for ``site``: emitted before the first site of its key, reused after."""
     key = _window_key(site)
-    if key not in masks:
-        masks[key] = emit.call(window_mask, site.query, site.key, site.attn_mask, site.is_causal, residual)
-        counters["vecinfer"]["window_masks"] += 1
-    return masks[key]
+    if key not in plans:
+        plans[key] = emit.call(window_plan, site.query, site.key, site.attn_mask, site.is_causal, residual)
+        counters["vecinfer"]["window_plans"] += 1
+    return plans[key]
 
 
 def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,
-                  residual: int, masks: dict) -> None:
+                  residual: int, plans: dict) -> None:
     transform = layer.transform
     lam, key_m = transform.lam, transform.key_matrix
     heads, dim = site.kv_heads, site.head_dim
@@ -299,8 +303,8 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
             k_in = emit.call(torch.ops.vecinfer.quantize.default, k_t, None, None, kc)
             v_in = emit.call(torch.ops.vecinfer.quantize.default, site.value, None, None, vc)
         if quantize and residual:
-            window = _shared_window_mask(emit, site, residual, masks)
-            out = emit.call(windowed_attention, q_t, k_in, k_t, v_in, site.value, window, site.scale)
+            plan = _shared_window_plan(emit, site, residual, plans)
+            out = emit.call(windowed_attention, q_t, k_in, k_t, v_in, site.value, plan, site.scale)
         else:
             out = emit.call(
                 SDPA, q_t, k_in, v_in,
@@ -327,9 +331,9 @@ def rewrite_sdpa(
     transform and codebooks. Returns the number of rewrites and recompiles ``gm``."""
     if residual < 0:
         raise ValueError(f"residual must be >= 0, got {residual}")
-    masks: dict = {}
+    plans: dict = {}
     for site in sites:
-        _rewrite_site(gm, site, layers[site.layer], quantize=quantize, residual=residual, masks=masks)
+        _rewrite_site(gm, site, layers[site.layer], quantize=quantize, residual=residual, plans=plans)
     gm.graph.lint()
     gm.recompile()
     return len(sites)

@@ -1,58 +1,98 @@
-"""Windowed simulate attention: one FlexAttention call over ``[K^ ; K~]`` and ``[V^ ; V]``.
+"""Windowed simulate attention: a fused kernel over the quantized keys, a blockwise band over the
+full-precision window, merged by log-sum-exp.
 
-With a residual window of R keys, key ``j`` is full precision for query ``i`` when
-``(i + Tk - Tq) - j < R`` (bottom-right aligned, as :func:`vecinfer_compile.ops.reference.attention`)
-and quantize-dequantized otherwise. Concatenating the dequantized and the full-precision keys
-along the sequence (index ``n`` in ``[0, 2 Tk)``: ``n < Tk`` is ``K^[n]``, ``n >= Tk`` is
-``K~[n - Tk]``) turns that into plain attention with a mask: each query sees every key once, from
-one half or the other. FlexAttention runs it block-sparsely, so a query reads about
-``Tk + R`` keys, not ``2 Tk``; under torch.compile Inductor lowers it to its own kernel (Triton on
-CUDA, C++ on CPU).
+With a residual window of R keys and ``off = Tk - Tq`` (queries bottom-right aligned: query ``i``
+sits at key position ``i + off``), key ``j`` is read in full precision (``K~``, ``V``) by query
+``i`` when ``0 <= (i + off) - j < R``: the R most recent keys up to the query's own position. Every
+other key is read quantize-dequantized (``K^``, ``V^``): the older keys ``j <= i + off - R`` and
+the keys after the query's position ``j > i + off``, which only a non-causal mask can make
+visible (as :func:`vecinfer_compile.ops.reference.attention`). The two key sets are disjoint, so
+the softmax over all visible keys splits into two attentions merged by their log-sum-exp ``L``::
 
-The mask composes, for key ``j`` of half ``n``:
+    out = (exp(L1 - m) o1 + exp(L2 - m) o2) / (exp(L1 - m) + exp(L2 - m)),   m = max(L1, L2)
 
-- the window rule (``n < Tk`` iff ``j`` is outside the window),
-- SDPA's ``is_causal`` (top-left: ``j <= i``),
-- the model's ``attn_mask``: bool (True = attend) or additive float, broadcastable to
-  ``[B, Hq, Tq, Tk]``; a float mask is added to the score (``score_mod``) and its ``-inf``
-  entries are masked out.
+- the quantized part ``(o1, L1)``, over ``K^``/``V^``: one fused attention kernel that returns
+  its log-sum-exp. Without a tensor mask and with ``is_causal`` (and ``Tk >= Tq``) the rule is
+  ``j <= i - shift`` with ``shift = max(0, R - off)``: causal attention of ``q[:, :, shift:]``
+  over ``K^[:, :, :Tq - shift]``, a square problem, so the kernel's causal alignment (top-left on
+  CPU, bottom-right in the CUDA flash kernel) does not matter; rows ``i < shift`` have no
+  quantized key. CUDA fp16/bf16: ``aten._scaled_dot_product_flash_attention``; CUDA fp32:
+  ``aten._scaled_dot_product_efficient_attention(is_causal=True)``; CPU:
+  ``aten._scaled_dot_product_flash_attention_for_cpu``. Otherwise (a bool or float mask, no
+  causality, ``Tk < Tq``) the rule and the model's mask are composed into one additive bias
+  ``[B|1, H|1, Tq, Tk]`` (built once per graph) for ``_scaled_dot_product_efficient_attention``
+  on CUDA (last dim padded to a multiple of 16 and sliced back, expanded to ``[B, Hq, Tq, Tk]``,
+  as SDPA's frontend prepares it) or ``_scaled_dot_product_flash_attention_for_cpu``. These ops
+  need equal head counts: under GQA ``K^``/``V^`` are expanded to ``Hq`` heads (a copy of
+  ``[B, Hq, Tk, D]`` each, in q's dtype: the memory HF's ``repeat_kv`` would have used).
+- the full-precision part ``(o2, L2)``, the band: pure torch, blockwise, ``O(Tq * R)``. Query
+  block ``c`` of ``blk = min(R, 128)`` rows reads a slab of ``blk + R - 1`` consecutive key
+  positions starting at ``c * blk + off - R + 1`` (gathered with a clamped index; positions
+  outside ``[0, Tk)`` masked), scores ``[B, Hkv, nc, G * blk, blk + R - 1]`` in float32 (GQA by
+  grouping the query heads of one KV head, K/V never repeated), the band rule, causality and the
+  model's mask gathered at each (query, slab key) applied as one additive bias built once per
+  graph, then its own max, log-sum-exp and output.
 
-:func:`window_mask` builds the :class:`WindowMask` once per (query length, key length, mask);
-the SDPA pass emits it once per graph for all layers that share it. Without a tensor mask the
-block structure is computed from the per-row key intervals (``O(Tq * 2 Tk / 128)`` work, never the
-``Tq x 2 Tk`` mask); with one, FlexAttention's ``create_block_mask`` evaluates the composed rule.
+A row with no visible key in either part is zeros (as SDPA's math backend and the reference);
+a kernel's output and log-sum-exp for a row with no visible key are discarded (the CPU flash
+kernel returns lse 0 there), using the visibility known from the mask.
 
-On CPU the same attention runs as one SDPA call with the composed mask materialised
-(:func:`dense_windowed`): Inductor's C++ FlexAttention template (torch 2.13) fails on the graphs the
-backend makes — a mask tensor computed inside the graph, symbolic lengths under
-``dynamic=True``, a query that is a view of a 3-d matmul — and has no float16 kernel. FlexAttention
-itself still runs on CPU eagerly (the tests check it there against the reference).
+:func:`window_plan` builds what depends only on sizes and the mask (the :class:`WindowPlan`);
+the SDPA pass emits it once per graph for all layers that share it; :func:`windowed_attention`
+runs one layer. Python branches are on sizes only (guards under ``dynamic=True``), never on
+tensor values, so both trace under torch.compile (fullgraph, static or dynamic) on CPU and CUDA:
+the three aten ops have meta kernels, Inductor calls them as fallback kernels.
+
+Why not FlexAttention over ``[K^ ; K~]`` with a block-sparse mask (the previous form): on an
+H200 with torch 2.11 its Inductor lowering failed on the graphs this backend makes. A compiled
+``eval-ppl --residual 128`` on an HF Llama crashed with ``LoweringException: AssertionError:
+convert FlexibleLayout to FixedLayout first`` (the mask_mod captured HF's attention mask, a tensor
+computed inside the graph); the benchmark's second shape crashed under dynamic shapes with
+``AttributeError: 'ShapeAsConstantBuffer' object has no attribute 'dtype'`` (symbolic ints
+captured by the mask_mod); and where it ran, its first call took 169 s to compile (the previous
+``vecinfer::attention`` form 2.4 s, the no-window form 6.1 s) and it was slower than the
+no-window form (B=1, T=8192: 0.533 ms vs 0.399 ms, bf16 SDPA 0.180 ms). Its CPU stand-in
+materialised the ``[Tq, 2 Tk]`` mask.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+import torch.nn.functional as F
 
-BLOCK = 128  # FlexAttention's default sparse block size (query rows x keys)
+aten = torch.ops.aten
+
+BAND_BLOCK = 128  # query rows per band block at most (the block is min(R, BAND_BLOCK))
+_MEM_EFF_ALIGNMENT = 16  # SDPA's frontend pads the efficient kernel's bias rows to this (preprocess_mask)
 
 
 @dataclass
-class WindowMask:
-    """The mask of one windowed attention shape ``[B, Hq, Tq, Tk]``. rule: ``mask_mod`` of the
-    window rule and causality on the concatenated key index; allowed / bias: the model's mask
-    as bool (True = attend) and additive float (or None), 4-d ``[B|1, Hq|1, Tq, Tk]``;
-    block_mask: FlexAttention's mask over ``[Tq, 2 Tk]``, or None where attention runs dense."""
+class WindowPlan:
+    """What one windowed attention shape needs beyond q, K and V, built once per graph by
+    :func:`window_plan`.
+
+    shape: ``(B, Hq, Tq, Tk)``; residual: R; block: query rows per band block.
+    shift: the causal form of the quantized part (no tensor mask, ``is_causal``, ``Tk >= Tq``):
+    rows ``[0, shift)`` have no quantized key, row ``i >= shift`` reads ``K^[j]`` for
+    ``j <= i - shift``; None for the bias form.
+    quant_bias / quant_rows: the bias form: additive ``[B|1, Hq|1, Tq, Tk]`` in the kernel's
+    dtype, ``-inf`` outside the quantized keys (model mask included), and bool ``[B|1, Hq|1, Tq]``,
+    rows with some visible quantized key; None for the causal form.
+    band_index: long ``[nc * (block + R - 1)]``, the key position of each band slab slot, clamped
+    into ``[0, Tk)``; band_bias: float ``[B|1, Hkv|1, nc, G|1, block, block + R - 1]``, additive,
+    ``-inf`` where the slot is not a visible full-precision key of the row (rows past Tq
+    included)."""
 
     shape: tuple
-    rule: Callable
-    allowed: torch.Tensor | None
-    bias: torch.Tensor | None
-    block_mask: BlockMask | None
+    residual: int
+    block: int
+    shift: int | None
+    quant_bias: torch.Tensor | None
+    quant_rows: torch.Tensor | None
+    band_index: torch.Tensor
+    band_bias: torch.Tensor
 
 
 def _as_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -61,144 +101,200 @@ def _as_4d(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _mask_mod(tq, tk, residual: int, is_causal: bool, allowed: torch.Tensor | None):
-    """``mask_mod(b, h, i, n)`` on the concatenated key index; ``allowed``: bool
-    ``[B, Hq, Tq, Tk]`` (an expanded view) or None."""
-    offset = tk - tq
-
-    def mask_mod(b, h, i, n):
-        quantized = n < tk
-        j = torch.where(quantized, n, n - tk)
-        in_window = (i + offset - j) < residual
-        keep = (quantized & ~in_window) | (~quantized & in_window)  # no `!=` on bools: Inductor's
-        if is_causal:                                                 # value ranges reject it
-            keep = keep & (j <= i)
-        if allowed is not None:
-            keep = keep & allowed[b, h, i, j]
-        return keep
-
-    return mask_mod
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 inputs: the band's and the merge's precision."""
+    return torch.promote_types(dtype, torch.float32)
 
 
-def _overlap(lo: torch.Tensor, hi: torch.Tensor, start: torch.Tensor, end: int) -> torch.Tensor:
-    """Length of ``[lo, hi] ∩ [start, start + end)`` (broadcast), >= 0."""
-    return (torch.minimum(hi, start + end - 1) - torch.maximum(lo, start) + 1).clamp_min(0)
+def _bias_dtype(q: torch.Tensor) -> torch.dtype:
+    """The quantized part's bias dtype: q's on CUDA (the efficient kernel requires it), float32 (or
+    float64) on CPU, where the flash kernel takes a float mask of another dtype."""
+    return q.dtype if q.device.type == "cuda" else _acc_dtype(q.dtype)
 
 
-def _index_block_mask(tq, tk, residual: int, is_causal: bool, device) -> BlockMask:
-    """The block mask of the window rule and causality alone, from each query row's two key
-    intervals: quantized ``j in [0, e(i)]`` and full precision ``j in [s(i), f(i)]`` with
-    ``e(i) = min(i + Tk - Tq - R, Tk - 1[, i])``, ``s(i) = max(i + Tk - Tq - R + 1, 0)``,
-    ``f(i) = min(Tk - 1[, i])`` (``[, i]``: with is_causal). A block is full when all its
-    ``BLOCK x BLOCK`` pairs are visible, partial when some are."""
-    q_blocks = (tq + BLOCK - 1) // BLOCK
-    kv_blocks = (2 * tk + BLOCK - 1) // BLOCK
-    i = torch.arange(q_blocks * BLOCK, device=device)[:, None]
-    start = torch.arange(kv_blocks, device=device)[None, :] * BLOCK
-    edge = i + (tk - tq) - residual
-    last = torch.full_like(i, tk - 1)
-    if is_causal:
-        last = torch.minimum(last, i)
-    quant_hi = torch.minimum(edge, last)
-    full_lo = (edge + 1).clamp_min(0)
-    visible = _overlap(torch.zeros_like(i), quant_hi, start, BLOCK) + _overlap(full_lo + tk, last + tk, start, BLOCK)
-    visible = torch.where(i < tq, visible, torch.zeros_like(visible))
-    counts = visible.reshape(q_blocks, BLOCK, kv_blocks).sum(1)[None, None]
-    partial = ((counts > 0) & (counts < BLOCK * BLOCK)).to(torch.int32)
-    full = (counts == BLOCK * BLOCK).to(torch.int32)
-    return BlockMask.from_kv_blocks(
-        partial.sum(-1, dtype=torch.int32), torch.argsort(partial, dim=-1, descending=True, stable=True).to(torch.int32),
-        full.sum(-1, dtype=torch.int32), torch.argsort(full, dim=-1, descending=True, stable=True).to(torch.int32),
-        BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=_mask_mod(tq, tk, residual, is_causal, None), seq_lengths=(tq, 2 * tk),
-    )
+def _split_mask(attn_mask: torch.Tensor | None, b, hq, tq, tk):
+    """SDPA's mask -> (allowed bool, bias float or None), both 4-d views expanded to
+    ``[B|1, Hq|1, Tq, Tk]``; (None, None) without a mask."""
+    if attn_mask is None:
+        return None, None
+    mask = _as_4d(attn_mask)
+    size = (mask.shape[0], mask.shape[1], tq, tk)
+    if mask.dtype == torch.bool:
+        return mask.expand(size), None
+    if mask.is_floating_point():
+        mask = mask.expand(size)
+        return mask > float("-inf"), mask
+    raise ValueError(f"attn_mask must be bool (True = attend) or an additive float mask, got {mask.dtype}")
 
 
-def window_mask(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-                residual: int, *, flex: bool | None = None) -> WindowMask:
-    """The :class:`WindowMask` for queries ``q: [B, Hq, Tq, D]`` over keys ``k: [B, Hkv, Tk, D]``
-    (only their sizes and device are read) with SDPA's ``attn_mask`` (None, bool or additive
-    float, broadcastable to ``[B, Hq, Tq, Tk]``) and ``is_causal``, and a window of ``residual``
-    keys (> 0). flex: build FlexAttention's block mask (default: off the CPU)."""
-    if residual <= 0:
-        raise ValueError(f"window_mask needs residual > 0, got {residual}: without a window use plain SDPA")
-    b, hq, tq, _ = q.shape
-    tk = k.shape[2]
-    flex = q.device.type != "cpu" if flex is None else flex
-    allowed = bias = None
-    if attn_mask is not None:
-        mask = _as_4d(attn_mask)
-        if mask.dtype == torch.bool:
-            allowed = mask
-        elif mask.is_floating_point():
-            allowed, bias = mask > float("-inf"), mask
-        else:
-            raise ValueError(f"attn_mask must be bool (True = attend) or an additive float mask, got {mask.dtype}")
-    rule = _mask_mod(tq, tk, residual, is_causal, None)
-    block_mask = None
-    if flex and allowed is None:
-        block_mask = _index_block_mask(tq, tk, residual, is_causal, q.device)
-    elif flex:
-        mb, mh = allowed.shape[0], allowed.shape[1]
-        # FlexAttention calls mask_mod with every (b, h) of the query: index an expanded view
-        mask_mod = _mask_mod(tq, tk, residual, is_causal, allowed.expand(b, hq, tq, tk))
-        block_mask = create_block_mask(mask_mod, None if mb == 1 else b, None if mh == 1 else hq, tq, 2 * tk,
-                                       device=q.device, BLOCK_SIZE=BLOCK)
-    return WindowMask((b, hq, tq, tk), rule, allowed, bias, block_mask)
+def _additive(visible: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """0 (or the model's bias) where visible, -inf elsewhere, in ``dtype``."""
+    neg_inf = torch.full((), float("-inf"), dtype=dtype, device=visible.device)
+    value = torch.zeros((), dtype=dtype, device=visible.device) if bias is None else bias.to(dtype)
+    return torch.where(visible, value, neg_inf)
 
 
-def dense_windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: WindowMask,
-                   scale) -> torch.Tensor:
-    """The attention of :func:`flex_windowed` as one SDPA call with the composed mask
-    materialised (``[B|1, Hq|1, Tq, 2 Tk]`` float32); rows with no visible key are zeros."""
-    _, hq, tq, tk = mask.shape
-    zero = torch.zeros((), dtype=torch.long, device=q.device)
+def _quantized_bias(q, tq, tk, residual, is_causal, allowed, bias):
+    """The bias form of the quantized part: (additive bias, rows with a visible key)."""
     i = torch.arange(tq, device=q.device)[:, None]
-    n = torch.arange(2 * tk, device=q.device)[None, :]
-    visible = mask.rule(zero, zero, i, n)[None, None]
-    if mask.allowed is not None:
-        visible = visible & torch.cat([mask.allowed, mask.allowed], dim=-1)
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
-    if mask.bias is not None:
-        bias = bias + torch.cat([mask.bias, mask.bias], dim=-1).float()
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, keys, values, attn_mask=bias.to(q.dtype), scale=scale, enable_gqa=bool(hq != keys.shape[1]))
-    return torch.where(visible.any(-1, keepdim=True), out, torch.zeros_like(out))
+    j = torch.arange(tk, device=q.device)[None, :]
+    pos = i + (tk - tq)
+    visible = (j <= pos - residual) | (j > pos)
+    if is_causal:
+        visible = visible & (j <= i)
+    visible = visible[None, None] if allowed is None else visible & allowed
+    out = _additive(visible, bias, _bias_dtype(q))
+    if q.device.type == "cuda":
+        # as SDPA's frontend before the efficient kernel: rows padded to an aligned stride
+        out = F.pad(out, (0, _MEM_EFF_ALIGNMENT - tk % _MEM_EFF_ALIGNMENT))[..., :tk]
+    return out, visible.any(-1)
 
 
-def _bias_score_mod(bias: torch.Tensor, tk):
-    def score_mod(score, b, h, i, n):
-        j = torch.where(n < tk, n, n - tk)
-        return score + bias[b, h, i, j].to(score.dtype)
+def _band_bias(q, hkv, tq, tk, residual, block, is_causal, allowed, bias):
+    """(band_index, band_bias) of :class:`WindowPlan`."""
+    hq = q.shape[1]
+    group = hq // hkv
+    off = tk - tq
+    slab = block + residual - 1
+    nc = (tq + block - 1) // block
+    c = torch.arange(nc, device=q.device)[:, None]
+    rows = c * block + torch.arange(block, device=q.device)[None, :]  # [nc, block]
+    keys = c * block + (off - residual + 1) + torch.arange(slab, device=q.device)[None, :]  # [nc, slab]
+    i, j = rows[:, :, None], keys[:, None, :]
+    back = i + off - j
+    visible = (back >= 0) & (back < residual) & (j >= 0) & (j < tk) & (i < tq)  # [nc, block, slab]
+    if is_causal:
+        visible = visible & (j <= i)
+    key_index = keys.clamp(0, tk - 1)
+    model_bias = None
+    if allowed is None:
+        visible = visible[None, None]
+    else:  # the model's mask at (row, slab key): [B|1, Hq|1, nc, block, slab]
+        at = (rows.clamp(max=tq - 1)[:, :, None], key_index[:, None, :])
+        visible = visible & allowed[:, :, at[0], at[1]]
+        model_bias = None if bias is None else bias[:, :, at[0], at[1]]
+    out = _additive(visible, model_bias, _acc_dtype(q.dtype))
+    if out.shape[1] == 1:
+        out = out.unsqueeze(3)  # [B|1, 1, nc, 1, block, slab]
+    else:  # query head h = kv head h // G, member h % G
+        out = out.reshape(out.shape[0], hkv, group, nc, block, slab).transpose(2, 3)
+    return key_index.reshape(-1), out
 
-    return score_mod
+
+def window_plan(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                residual: int) -> WindowPlan:
+    """The :class:`WindowPlan` for queries ``q: [B, Hq, Tq, D]`` over keys ``k: [B, Hkv, Tk, D]``
+    (only their sizes, dtype and device are read) with SDPA's ``attn_mask`` (None, bool or additive
+    float, broadcastable to ``[B, Hq, Tq, Tk]``) and ``is_causal`` (top-left, as SDPA), and a window
+    of ``residual`` keys (> 0)."""
+    if residual <= 0:
+        raise ValueError(f"window_plan needs residual > 0, got {residual}: without a window use plain SDPA")
+    if q.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"windowed simulate attention runs on CPU and CUDA, not {q.device.type}")
+    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise NotImplementedError(f"windowed simulate attention on CUDA takes fp16, bf16 or fp32, not {q.dtype}")
+    b, hq, tq, _ = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    allowed, bias = _split_mask(attn_mask, b, hq, tq, tk)
+    block = min(residual, BAND_BLOCK)
+    index, band = _band_bias(q, hkv, tq, tk, residual, block, is_causal, allowed, bias)
+    shift = quant_bias = quant_rows = None
+    if attn_mask is None and is_causal and tk >= tq:
+        shift = max(0, residual - (tk - tq))
+    else:
+        quant_bias, quant_rows = _quantized_bias(q, tq, tk, residual, is_causal, allowed, bias)
+    return WindowPlan((b, hq, tq, tk), residual, block, shift, quant_bias, quant_rows, index, band)
 
 
-def flex_windowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: WindowMask,
-                  scale) -> torch.Tensor:
-    """FlexAttention of ``q: [B, Hq, Tq, D]`` over ``keys``/``values: [B, Hkv, 2 Tk, D]``
-    (``[K^ ; K~]``) with ``mask.block_mask``; the model's float mask is added by a score_mod."""
-    b, hq, tq, tk = mask.shape
-    score_mod = None if mask.bias is None else _bias_score_mod(mask.bias.expand(b, hq, tq, tk), tk)
-    call = dict(score_mod=score_mod, block_mask=mask.block_mask, scale=scale, enable_gqa=bool(hq != keys.shape[1]))
-    if torch.compiler.is_dynamo_compiling():
-        return flex_attention(q, keys, values, **call)
-    with warnings.catch_warnings():
-        # Outside Dynamo this call is either traced by the backend into the graph Inductor
-        # compiles, or runs eagerly on small inputs (tests); the advice to compile
-        # flex_attention is for neither.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(q, keys, values, **call)
+def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B, Hkv, T, D]`` -> ``[B, Hkv * G, T, D]`` (query head h reads KV head h // G): a copy."""
+    if group == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, group, t, d).reshape(b, h * group, t, d)
+
+
+def _fused(q, k, v, bias, is_causal: bool, scale):
+    """One fused attention kernel: (out ``[B, H, Tq, D]`` q.dtype, lse ``[B, H, Tq]``). ``bias``:
+    additive, broadcastable to ``[B, H, Tq, Tk]``, or None."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
+    tq, d = q.shape[2], q.shape[3]
+    pad = -d % 8  # the CUDA kernels take head dims in multiples of 8: zeros change no score
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    if bias is None and q.dtype in (torch.float16, torch.bfloat16) and d + pad <= 256:
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+    else:
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], tq, k.shape[2])
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)[:2]
+        lse = lse[:, :, :tq]  # padded to a multiple of 32 rows
+    return (out[..., :d] if pad else out), lse
+
+
+def _quantized_part(q, k_hat, v_hat, plan: WindowPlan, scale):
+    """(o1 ``[B, Hq, Tq, D]``, L1 ``[B, Hq, Tq]`` float) of the quantized keys, or None when no
+    row has one (causal form only)."""
+    hq, tq = plan.shape[1], plan.shape[2]
+    group = hq // k_hat.shape[1]
+    if plan.shift is None:
+        out, lse = _fused(q, _repeat_heads(k_hat, group), _repeat_heads(v_hat, group), plan.quant_bias, False, scale)
+        rows = plan.quant_rows
+        return (torch.where(rows[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device)),
+                torch.where(rows, lse, float("-inf")))
+    shift = plan.shift
+    n = tq - shift
+    if n <= 0:
+        return None
+    k_q, v_q = (_repeat_heads(x[:, :, :n], group) for x in (k_hat, v_hat))
+    out, lse = _fused(q[:, :, shift:], k_q, v_q, None, True, scale)
+    if shift:
+        out = F.pad(out, (0, 0, shift, 0))
+        lse = F.pad(lse, (shift, 0), value=float("-inf"))
+    return out, lse
+
+
+def _band_part(q, k, v, plan: WindowPlan, scale):
+    """(o2 ``[B, Hq, Tq, D]``, L2 ``[B, Hq, Tq]``) of the full-precision window, float."""
+    b, hq, tq, _ = plan.shape
+    hkv, d = k.shape[1], k.shape[3]
+    group, block = hq // hkv, plan.block
+    slab = block + plan.residual - 1
+    nc = plan.band_bias.shape[2]
+    acc = _acc_dtype(q.dtype)
+    qb = F.pad(q.to(acc), (0, 0, 0, nc * block - tq))
+    qb = qb.reshape(b, hkv, group, nc, block, d).transpose(2, 3).reshape(b, hkv, nc, group * block, d)
+    ks = k.index_select(2, plan.band_index).to(acc).reshape(b, hkv, nc, slab, d)
+    vs = v.index_select(2, plan.band_index).to(acc).reshape(b, hkv, nc, slab, d)
+    s = (qb @ ks.transpose(-1, -2)).reshape(b, hkv, nc, group, block, slab) * scale + plan.band_bias
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=m.device))
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    out = (p.reshape(b, hkv, nc, group * block, slab) @ vs).reshape(b, hkv, nc, group, block, d)
+    out = out / torch.where(total > 0, total, torch.ones((), dtype=acc, device=m.device))
+    lse = (m + torch.log(total)).squeeze(-1)  # -inf where nothing is visible
+    out = out.permute(0, 1, 3, 2, 4, 5).reshape(b, hq, nc * block, d)[:, :, :tq]
+    lse = lse.permute(0, 1, 3, 2, 4).reshape(b, hq, nc * block)[:, :, :tq]
+    return out, lse
 
 
 def windowed_attention(q: torch.Tensor, k_hat: torch.Tensor, k: torch.Tensor, v_hat: torch.Tensor,
-                       v: torch.Tensor, mask: WindowMask, scale) -> torch.Tensor:
+                       v: torch.Tensor, plan: WindowPlan, scale) -> torch.Tensor:
     """Attention of ``q: [B, Hq, Tq, D]`` over dequantized ``k_hat``/``v_hat`` outside the window
-    and full-precision ``k``/``v`` inside it (all ``[B, Hkv, Tk, D]``, q's dtype; GQA without
-    repeating K/V). ``mask`` from :func:`window_mask` for these sizes: FlexAttention when it has a
-    block mask, else :func:`dense_windowed`. Returns ``[B, Hq, Tq, D]`` in q.dtype; rows with no
+    and full-precision ``k``/``v`` inside it (all ``[B, Hkv, Tk, D]``, q's dtype), ``plan`` from
+    :func:`window_plan` for these sizes. Returns ``[B, Hq, Tq, D]`` in q.dtype; rows with no
     visible key are zeros."""
-    keys = torch.cat([k_hat, k], dim=2)
-    values = torch.cat([v_hat, v], dim=2)
-    if mask.block_mask is None:
-        return dense_windowed(q, keys, values, mask, scale)
-    return flex_windowed(q, keys, values, mask, scale)
+    o2, l2 = _band_part(q, k, v, plan, scale)
+    quantized = _quantized_part(q, k_hat, v_hat, plan, scale)
+    if quantized is None:
+        return o2.to(q.dtype)
+    o1, l1 = quantized
+    m = torch.maximum(l1, l2)
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=m.dtype, device=m.device))
+    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
+    total = w1 + w2
+    out = (w1 * o1.to(o2.dtype) + w2 * o2) / torch.where(total > 0, total, torch.ones((), dtype=total.dtype,
+                                                                                          device=total.device))
+    return out.to(q.dtype)
