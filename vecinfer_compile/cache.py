@@ -477,8 +477,9 @@ class VecInferCache(Cache):
       differ on near-ties).
 
     No full-precision copy of older tokens is kept anywhere. :meth:`kv_bytes` counts every byte
-    held (codes, windows, codebooks, lam, rotation or query-aware matrices, key means, counters). Not croppable (encoded tokens
-    cannot be un-flushed); fixed batch size; all layers must be full attention.
+    held (codes, windows, codebooks, lam, rotation or query-aware matrices, key means, counters).
+    Not croppable (encoded tokens cannot be un-flushed); fixed batch size; all layers must be full
+    attention.
 
     Tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``): pass the
     model, not its config; the cache finds the rank's KV heads from the model's device mesh
