@@ -176,7 +176,8 @@ def test_bench_generate_tp_mode_two_ranks(tmp_path):
     assert [r["method"] for r in rows] == ["ours", "fp16"]
     for r in rows:
         assert "error" not in r, r
-        assert (r["tp"], r["B"], r["T"]) == (2, 2, 16) and r["step_ms"] > 0 and r["tok_s"] > 0
+        # the in-run rate: with 2 new tokens t(N) - t(1) is noise and may be <= 0 (tok_s nan)
+        assert (r["tp"], r["B"], r["T"]) == (2, 2, 16) and r["step_ms"] > 0 and r["in_run_tok_s"] > 0
         assert r["timed_compiles"] == 0
         per_rank = r["kv_bytes_per_rank"]
         assert len(per_rank) == 2 and min(per_rank) > 0 and sum(per_rank) == r["kv_bytes_total"]
