@@ -79,7 +79,7 @@ def run_windowed(win_args, op_args):
     group=st.sampled_from([1, 2, 4]),
     tq=st.integers(1, 300),
     extra=st.integers(-8, 12),
-    d=st.sampled_from([16, 32]),
+    d=st.sampled_from([16, 32, 64, 128]),
     kspec=st.sampled_from(SPECS),
     vspec=st.sampled_from(SPECS),
     mask_kind=st.sampled_from(MASK_KINDS),

@@ -114,8 +114,9 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
         entries, dims = (int(x) for x in c.shape)
         if dims not in CENTROID_DIMS or entries > MAX_ENTRIES:
             return f"a {entries}x{dims} {name} codebook (the CUDA kernel takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
-    smem = min(variant_for(q, k_centroids, v_centroids, group).smem_bytes(w) for _, w in LAUNCHES)
-    if smem > SMEM_LIMIT:
+    variant = variant_for(q, k_centroids, v_centroids, group)
+    if not launches_for(variant):
+        smem = min(variant.smem_bytes(w) for _, w in LAUNCHES)
         return f"the codebooks need {smem} bytes of shared memory, more than {SMEM_LIMIT}"
     return None
 
@@ -135,10 +136,10 @@ class Built:
 
 
 def launches_for(variant: Variant) -> list[tuple[int, int]]:
-    """The (CTAs per SM, warps per CTA) of :data:`LAUNCHES` whose shared memory fits the SM."""
-    fits = [(c, w) for c, w in LAUNCHES
+    """The (CTAs per SM, warps per CTA) of :data:`LAUNCHES` whose shared memory fits the SM, in
+    order of preference; empty when none does (:func:`unsupported_reason` then names the need)."""
+    return [(c, w) for c, w in LAUNCHES
             if variant.smem_bytes(w) <= SMEM_LIMIT and c * (variant.smem_bytes(w) + 1024) <= 228 * 1024]
-    return fits or [(1, 4)]
 
 
 @functools.cache
@@ -148,6 +149,8 @@ def _build(variant: Variant, device_index: int) -> Built:
     device = torch.device("cuda", device_index)
     major, minor = torch.cuda.get_device_capability(device)
     shapes = launches_for(variant)
+    if not shapes:
+        raise CudaBuildError(f"no launch shape of the CUDA decode kernel fits {variant} in shared memory")
     for ctas, nwarps in shapes:
         image, _ = compile_source(_source(), "vq_decode", major * 10 + minor,
                                   ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), f"-DMINB={ctas}"])

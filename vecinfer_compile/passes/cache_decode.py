@@ -74,14 +74,13 @@ def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch
     """``q~ = ((q * lam_q) @ H)`` (or ``q @ key_read_q^T``) in float32, returned in q's dtype.
     ``q: [B, Hq, T, D]``, ``lam: [Hkv, D]`` (query head h uses KV head ``h // (Hq // Hkv)``),
     ``rotation: [D, D]``, ``key_read: [Hkv, D, D]``."""
+    b, hq, t, d = q.shape
     work = q.float()
     if key_read is not None:
-        b, hq, t, d = q.shape
         hkv = key_read.shape[0]
         work = rows_matmul(work.reshape(b, hkv, hq // hkv, t, d), key_read.float().transpose(-1, -2)[None, :, None])
         work = work.reshape(b, hq, t, d)
     if lam is not None:
-        b, hq, t, d = q.shape
         hkv = lam.shape[0]
         work = work.reshape(b, hkv, hq // hkv, t, d) * lam.float()[None, :, None, None, :]
         work = work.reshape(b, hq, t, d)
