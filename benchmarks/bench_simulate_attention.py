@@ -3,9 +3,10 @@
 The compiled simulate forward is what the backend puts in place of one SDPA call, compiled by
 Inductor: the query and key transform (torch ops) and ``vecinfer::quantize`` of the keys and
 values, then, without a residual window, the same SDPA over them; with a window of R keys
-(``--residual``), torch's fused attention over the quantized keys and a blockwise band over the
-full-precision window, merged by log-sum-exp (``passes/windowed.py``, the window plan built in the
-graph). ``old R`` is an earlier windowed form, ``vecinfer::encode`` and attention over the codes
+(``--residual``), torch's fused attention over the quantized keys (cuDNN on sm90+) and
+FlashAttention-2's sliding window over the full-precision keys (a blockwise torch band where that
+kernel does not serve), merged by log-sum-exp (``passes/windowed.py``, the window plan built in
+the graph). ``old R`` is an earlier windowed form, ``vecinfer::encode`` and attention over the codes
 (``vecinfer::attention``); both apply the same window rule, so with causal attention their outputs
 differ by rounding only (the max-abs-diff column). Here the window plan is built at every call
 (one layer); in a model it is built once per forward for all layers. The baseline is causal bf16 SDPA on the same q, k, v (default

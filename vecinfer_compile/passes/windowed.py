@@ -16,16 +16,26 @@ the softmax over all visible keys splits into two attentions merged by their log
   ``j <= i - shift`` with ``shift = max(0, R - off)``: causal attention of ``q[:, :, shift:]``
   over ``K^[:, :, :Tq - shift]``, a square problem, so the kernel's causal alignment (top-left on
   CPU, bottom-right in the CUDA flash kernel) does not matter; rows ``i < shift`` have no
-  quantized key. CUDA fp16/bf16: ``aten._scaled_dot_product_flash_attention``; CUDA fp32:
-  ``aten._scaled_dot_product_efficient_attention(is_causal=True)``; CPU:
+  quantized key. CUDA fp16/bf16: cuDNN attention (``aten._scaled_dot_product_cudnn_attention``)
+  on sm90 and newer, SDPA's own first choice there (on an H200 twice as fast as FlashAttention-2
+  at B=1/T=32k: 1.75 vs 3.70 ms), else FlashAttention-2 (``aten._flash_attention_forward``, GQA
+  without copies); CUDA fp32: ``aten._scaled_dot_product_efficient_attention(is_causal=True)``; CPU:
   ``aten._scaled_dot_product_flash_attention_for_cpu``. Otherwise (a bool or float mask, no
   causality, ``Tk < Tq``) the rule and the model's mask are composed into one additive bias
-  ``[B|1, H|1, Tq, Tk]`` (built once per graph) for ``_scaled_dot_product_efficient_attention``
-  on CUDA (last dim padded to a multiple of 16 and sliced back, expanded to ``[B, Hq, Tq, Tk]``,
-  as SDPA's frontend prepares it) or ``_scaled_dot_product_flash_attention_for_cpu``. These ops
+  ``[B|1, H|1, Tq + 1, Tk]`` (built once per graph) for ``_scaled_dot_product_efficient_attention``
+  on CUDA (rows padded to a multiple of 16 columns and sliced back, expanded to ``[B, Hq, Tq + 1,
+  Tk]``, as SDPA's frontend prepares it) or ``_scaled_dot_product_flash_attention_for_cpu``, with one
+  zero query row more than Tq whose output is dropped (:func:`_fused` says why). These ops
   need equal head counts: under GQA ``K^``/``V^`` are expanded to ``Hq`` heads (a copy of
   ``[B, Hq, Tk, D]`` each, in q's dtype: the memory HF's ``repeat_kv`` would have used).
-- the full-precision part ``(o2, L2)``, the band: pure torch, blockwise, ``O(Tq * R)``. Query
+- the full-precision part ``(o2, L2)``, the band. CUDA fp16/bf16 without a tensor mask (and
+  ``Tk >= Tq``): FlashAttention-2's sliding window (``aten._flash_attention_forward`` with
+  ``window_size_left = W - 1, window_size_right = 0``, bottom-right aligned), which visits only
+  the key blocks of the window. Without causality it reads all ``Tk`` keys with ``W = R``: key
+  ``j`` is visible to query ``i`` iff ``i + off - R < j <= i + off``, the band rule. With SDPA's
+  (top-left) ``is_causal`` the band also needs ``j <= i``: it reads the first ``Tq`` keys with
+  ``W = R - off`` (``i - W < j <= i``), and with ``W <= 0`` no row has a full-precision key.
+  Otherwise pure torch, blockwise, ``O(Tq * R)``. Query
   block ``c`` of ``blk = min(R, 128)`` rows reads a slab of ``blk + R - 1`` consecutive key
   positions starting at ``c * blk + off - R + 1`` (gathered with a clamped index; positions
   outside ``[0, Tk)`` masked), scores ``[B, Hkv, nc, G * blk, blk + R - 1]`` in float32 (GQA by
@@ -77,13 +87,16 @@ class WindowPlan:
     shift: the causal form of the quantized part (no tensor mask, ``is_causal``, ``Tk >= Tq``):
     rows ``[0, shift)`` have no quantized key, row ``i >= shift`` reads ``K^[j]`` for
     ``j <= i - shift``; None for the bias form.
-    quant_bias / quant_rows: the bias form: additive ``[B|1, Hq|1, Tq, Tk]`` in the kernel's
-    dtype, ``-inf`` outside the quantized keys (model mask included), and bool ``[B|1, Hq|1, Tq]``,
-    rows with some visible quantized key; None for the causal form.
+    quant_bias / quant_rows: the bias form: additive ``[B|1, Hq|1, Tq + 1, Tk]`` in the kernel's
+    dtype, ``-inf`` outside the quantized keys (model mask included; the last row is padding),
+    and bool ``[B|1, Hq|1, Tq]``, rows with some visible quantized key; None for the causal form.
     band_index: long ``[nc * (block + R - 1)]``, the key position of each band slab slot, clamped
     into ``[0, Tk)``; band_bias: float ``[B|1, Hkv|1, nc, G|1, block, block + R - 1]``, additive,
     ``-inf`` where the slot is not a visible full-precision key of the row (rows past Tq
-    included)."""
+    included); both None when FlashAttention-2's sliding window runs the band.
+    flash_band: that sliding window, ``(keys, W)``: the band reads ``K~[:, :, :keys]`` with a
+    window of ``W`` keys ending at each query's bottom-right aligned position (no key when
+    ``W <= 0``); None for the torch band."""
 
     shape: tuple
     residual: int
@@ -91,8 +104,33 @@ class WindowPlan:
     shift: int | None
     quant_bias: torch.Tensor | None
     quant_rows: torch.Tensor | None
-    band_index: torch.Tensor
-    band_bias: torch.Tensor
+    band_index: torch.Tensor | None
+    band_bias: torch.Tensor | None
+    flash_band: tuple | None
+
+
+@torch.compiler.assume_constant_result
+def _flash_serves(device: torch.device) -> bool:
+    """FlashAttention-2 (``aten._flash_attention_forward``) runs on ``device``: CUDA, sm80 or newer,
+    built into this torch and not switched off (``torch.backends.cuda.enable_flash_sdp(False)``).
+    Read once per trace (a constant to torch.compile)."""
+    return (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
+            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+@torch.compiler.assume_constant_result
+def _cudnn_serves(device: torch.device) -> bool:
+    """cuDNN attention runs on ``device`` and is SDPA's first choice there: CUDA, sm90 or newer,
+    cuDNN present and not switched off (``torch.backends.cuda.enable_cudnn_sdp(False)``)."""
+    return (device.type == "cuda" and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def _flash_shape(q: torch.Tensor, max_dim: int = 256) -> bool:
+    """q's dtype and head dim suit the CUDA flash and cuDNN kernels (fp16/bf16, head dim a multiple
+    of 8 up to ``max_dim``: 256 for FlashAttention-2, 128 for cuDNN)."""
+    d = q.shape[-1]
+    return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= max_dim
 
 
 def _as_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -144,9 +182,12 @@ def _quantized_bias(q, tq, tk, residual, is_causal, allowed, bias):
         visible = visible & (j <= i)
     visible = visible[None, None] if allowed is None else visible & allowed
     out = _additive(visible, bias, _bias_dtype(q))
-    if q.device.type == "cuda":
-        # as SDPA's frontend before the efficient kernel: rows padded to an aligned stride
-        out = F.pad(out, (0, _MEM_EFF_ALIGNMENT - tk % _MEM_EFF_ALIGNMENT))[..., :tk]
+    # One row more than Tq, for _fused's extra query row. Rows padded to an aligned stride, as
+    # SDPA's frontend pads them for the efficient kernel, and always by at least one column: a
+    # slice back to Tk that is never the whole row keeps dynamic-shape graphs free of a guard on
+    # Tk % 16 (its contiguity would depend on it). On every device, so the CPU tests trace it.
+    padded = (tk // _MEM_EFF_ALIGNMENT + 1) * _MEM_EFF_ALIGNMENT
+    out = F.pad(out, (0, padded - tk, 0, 1))[..., :tk]
     return out, visible.any(-1)
 
 
@@ -156,7 +197,9 @@ def _band_bias(q, hkv, tq, tk, residual, block, is_causal, allowed, bias):
     group = hq // hkv
     off = tk - tq
     slab = block + residual - 1
-    nc = (tq + block - 1) // block
+    # blocks always cover more than Tq rows: _band_part's [:tq] slices are never whole, so no guard
+    # on their contiguity under dynamic shapes depends on whether the block divides Tq
+    nc = tq // block + 1
     c = torch.arange(nc, device=q.device)[:, None]
     rows = c * block + torch.arange(block, device=q.device)[None, :]  # [nc, block]
     keys = c * block + (off - residual + 1) + torch.arange(slab, device=q.device)[None, :]  # [nc, slab]
@@ -197,13 +240,17 @@ def window_plan(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None
     hkv, tk = k.shape[1], k.shape[2]
     allowed, bias = _split_mask(attn_mask, b, hq, tq, tk)
     block = min(residual, BAND_BLOCK)
-    index, band = _band_bias(q, hkv, tq, tk, residual, block, is_causal, allowed, bias)
+    index = band = flash_band = None
+    if attn_mask is None and tk >= tq and _flash_shape(q) and _flash_serves(q.device):
+        flash_band = (tq, residual - (tk - tq)) if is_causal else (tk, residual)
+    else:
+        index, band = _band_bias(q, hkv, tq, tk, residual, block, is_causal, allowed, bias)
     shift = quant_bias = quant_rows = None
     if attn_mask is None and is_causal and tk >= tq:
         shift = max(0, residual - (tk - tq))
     else:
         quant_bias, quant_rows = _quantized_bias(q, tq, tk, residual, is_causal, allowed, bias)
-    return WindowPlan((b, hq, tq, tk), residual, block, shift, quant_bias, quant_rows, index, band)
+    return WindowPlan((b, hq, tq, tk), residual, block, shift, quant_bias, quant_rows, index, band, flash_band)
 
 
 def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -214,22 +261,50 @@ def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, group, t, d).reshape(b, h * group, t, d)
 
 
+def _flash(q, k, v, scale, window: int | None = None):
+    """Causal FlashAttention-2, bottom-right aligned (``off = Tk - Tq``): query ``i`` reads key ``j``
+    for ``j <= i + off``, and with ``window`` only for ``i + off - window < j``. ``q: [B, Hq, Tq,
+    D]``, ``k``, ``v``: ``[B, Hkv, Tk, D]`` (GQA read in the kernel, no copies). Returns (out
+    ``[B, Hq, Tq, D]`` q.dtype, lse ``[B, Hq, Tq]`` float32)."""
+    left = -1 if window is None else window - 1
+    out, lse = aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None,
+                                             q.shape[2], k.shape[2], 0.0, True, False, scale=scale,
+                                             window_size_left=left, window_size_right=0)[:2]
+    return out.transpose(1, 2), lse
+
+
+def _cudnn_causal(q, k, v, scale):
+    """Causal cuDNN attention of ``q: [B, H, T, D]`` over ``k``, ``v``: ``[B, H, T, D]`` (equal
+    heads, square). Returns (out ``[B, H, T, D]`` q.dtype, lse ``[B, H, T]`` float32)."""
+    out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+    return out, lse.reshape(q.shape[:3])
+
+
 def _fused(q, k, v, bias, is_causal: bool, scale):
     """One fused attention kernel: (out ``[B, H, Tq, D]`` q.dtype, lse ``[B, H, Tq]``). ``bias``:
-    additive, broadcastable to ``[B, H, Tq, Tk]``, or None."""
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
+    additive, broadcastable to ``[B, H, Tq + 1, Tk]`` (:func:`_quantized_bias`), or None.
+
+    The CPU flash and CUDA efficient kernels get one zero query row more than Tq, dropped after:
+    the efficient kernel pads its lse to a multiple of 32 rows, and slicing back to a Tq that is
+    never the whole length keeps dynamic-shape graphs free of a guard on ``Tq % 32`` (causality
+    is top-left in both: the first Tq rows are unchanged). The CUDA flash kernel (bottom-right
+    causality) gets q as it is; its lse is not padded."""
     tq, d = q.shape[2], q.shape[3]
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(F.pad(q, (0, 0, 0, 1)), k, v, 0.0, is_causal,
+                                                                    attn_mask=bias, scale=scale)
+        return out[:, :, :tq], lse[:, :, :tq]
     pad = -d % 8  # the CUDA kernels take head dims in multiples of 8: zeros change no score
     if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
     if bias is None and q.dtype in (torch.float16, torch.bfloat16) and d + pad <= 256:
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
     else:
+        q = F.pad(q, (0, 0, 0, 1))  # the extra row
         if bias is not None:
-            bias = bias.expand(q.shape[0], q.shape[1], tq, k.shape[2])
+            bias = bias.expand(q.shape[0], q.shape[1], tq + 1, k.shape[2])
         out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)[:2]
-        lse = lse[:, :, :tq]  # padded to a multiple of 32 rows
+        out, lse = out[:, :, :tq], lse[:, :, :tq]
     return (out[..., :d] if pad else out), lse
 
 
@@ -247,8 +322,13 @@ def _quantized_part(q, k_hat, v_hat, plan: WindowPlan, scale):
     n = tq - shift
     if n <= 0:
         return None
-    k_q, v_q = (_repeat_heads(x[:, :, :n], group) for x in (k_hat, v_hat))
-    out, lse = _fused(q[:, :, shift:], k_q, v_q, None, True, scale)
+    q_q, k_q, v_q = q[:, :, shift:], k_hat[:, :, :n], v_hat[:, :, :n]
+    if _flash_shape(q, 128) and _cudnn_serves(q.device):
+        out, lse = _cudnn_causal(q_q, _repeat_heads(k_q, group), _repeat_heads(v_q, group), scale)
+    elif _flash_shape(q) and _flash_serves(q.device):
+        out, lse = _flash(q_q, k_q, v_q, scale)
+    else:
+        out, lse = _fused(q_q, _repeat_heads(k_q, group), _repeat_heads(v_q, group), None, True, scale)
     if shift:
         out = F.pad(out, (0, 0, shift, 0))
         lse = F.pad(lse, (shift, 0), value=float("-inf"))
@@ -256,7 +336,13 @@ def _quantized_part(q, k_hat, v_hat, plan: WindowPlan, scale):
 
 
 def _band_part(q, k, v, plan: WindowPlan, scale):
-    """(o2 ``[B, Hq, Tq, D]``, L2 ``[B, Hq, Tq]``) of the full-precision window, float."""
+    """(o2 ``[B, Hq, Tq, D]``, L2 ``[B, Hq, Tq]``) of the full-precision window: q's dtype and
+    float32 from FlashAttention-2's sliding window, float from the blockwise torch band."""
+    if plan.flash_band is not None:
+        keys, window = plan.flash_band
+        if window <= 0:  # every visible key is quantized
+            return torch.zeros_like(q), torch.full(plan.shape[:3], float("-inf"), device=q.device)
+        return _flash(q, k[:, :, :keys], v[:, :, :keys], scale, window=window)
     b, hq, tq, _ = plan.shape
     hkv, d = k.shape[1], k.shape[3]
     group, block = hq // hkv, plan.block
@@ -291,10 +377,11 @@ def windowed_attention(q: torch.Tensor, k_hat: torch.Tensor, k: torch.Tensor, v_
     if quantized is None:
         return o2.to(q.dtype)
     o1, l1 = quantized
+    acc = _acc_dtype(q.dtype)
     m = torch.maximum(l1, l2)
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=m.dtype, device=m.device))
     w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
     total = w1 + w2
-    out = (w1 * o1.to(o2.dtype) + w2 * o2) / torch.where(total > 0, total, torch.ones((), dtype=total.dtype,
-                                                                                          device=total.device))
+    out = (w1 * o1.to(acc) + w2 * o2.to(acc)) / torch.where(total > 0, total, torch.ones((), dtype=total.dtype,
+                                                                                             device=total.device))
     return out.to(q.dtype)
