@@ -40,6 +40,14 @@ step, their sum ("GPU busy") next to the wall time per step, so host overhead sh
 after another in one process and can inherit its memory (CUDA-graph pools, cached blocks); at
 B=16, T=32k on an H200 both baselines ran out of memory that way, right after ours.
 
+``--prefill-chunk N`` runs the baselines' prompts through the model in eager chunks of N tokens
+before ``generate`` (ours still prefills at once): at B=16, T=32k HF's static cache cannot prefill
+in one eager forward on an H200. ``--until-error`` skips a method at larger batch sizes of a length
+once it failed at a smaller one, so a list of batch sizes finds the largest that fits:
+
+    python benchmarks/bench_generate.py --isolate --until-error --prefill-chunk 4096 --methods ours,fp16 \
+        --cases 16x32768,32x32768,48x32768,64x32768,96x32768,128x32768 --new-tokens 8
+
 ``--geometry 70b --layers 8`` picks Llama-3.1-70B's geometry with 8 decoder layers (the default
 is the 8B geometry, all 32 layers).
 
@@ -97,10 +105,15 @@ class StepTimer(StoppingCriteria):
 
 
 class Runner:
-    """One method at one (B, T): its cache (reused, reset before every generate) and compile config."""
+    """One method at one (B, T): its cache (reused, reset before every generate) and compile config.
+    ``prefill_chunk``: the baselines' prompts go through the model in eager chunks of this many
+    tokens before ``generate`` (0: ``generate`` prefills the whole prompt at once); ours always
+    prefills at once (a chunk appended to a non-empty VecInferCache reads the older tokens from
+    codes, which would change what is measured)."""
 
-    def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual):
+    def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual, prefill_chunk: int = 0):
         self.method, self.model, self.setup = method, model, setup
+        self.prefill_chunk = 0 if method == "ours" else prefill_chunk
         self.cache, self.compile_config, self.previous_attention = None, None, None
         if method == "ours":
             from vecinfer_compile.backend import vecinfer_backend
@@ -138,6 +151,8 @@ class Runner:
         kwargs = {} if self.compile_config is None else {"compile_config": self.compile_config}
         C.sync(self.setup.device)
         t0 = time.perf_counter()
+        if self.prefill_chunk and ids.shape[1] > self.prefill_chunk:
+            prefill_in_chunks(self.model, ids, cache, self.prefill_chunk)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.model.generate(
@@ -151,6 +166,21 @@ class Runner:
         if out.shape[1] != ids.shape[1] + new_tokens:
             raise RuntimeError(f"generated {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
         return elapsed, timer.stamps, out
+
+
+@torch.no_grad()
+def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
+    """All but the last of ``ids: [B, T]`` through ``model`` eagerly into ``cache``, ``chunk``
+    tokens per forward (one logit row each); ``generate`` then finds ``T - 1`` cached tokens and
+    prefills the last one. What the baselines need at B=16/T=32k on one H200, where a one-shot
+    eager prefill of HF's static cache runs out of memory."""
+    length = ids.shape[1]
+    for start in range(0, length - 1, chunk):
+        end = min(start + chunk, length - 1)
+        position = torch.arange(start, end, device=ids.device)
+        model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]), **cache_kwargs(cache),
+              use_cache=True, position_ids=position[None].expand(ids.shape[0], -1), cache_position=position,
+              logits_to_keep=1)
 
 
 def _compiled_graphs() -> int:
@@ -234,15 +264,17 @@ def kv_bytes_per_rank(cache) -> list[int]:
 
 
 def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
-               profile_steps: int = 0) -> dict:
+               profile_steps: int = 0, prefill_chunk: int = 0) -> dict:
     dev = setup.device
     row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens}
+    if prefill_chunk and method != "ours":
+        row["prefill_chunk"] = prefill_chunk
     reset_compiled(model)
     vocab = setup.config.vocab_size
     gen = torch.Generator(device=dev).manual_seed(length * 131 + batch)
     ids = torch.randint(3, vocab, (batch, length), device=dev, generator=gen)
     cache_len = length + max(new_tokens, profile_steps + 3)  # the profiled run makes steps + 3 tokens
-    runner = Runner(method, model, setup, codebooks, batch, cache_len, residual)
+    runner = Runner(method, model, setup, codebooks, batch, cache_len, residual, prefill_chunk)
     try:
         graphs_before = _compiled_graphs()
         t0 = time.perf_counter()
@@ -323,7 +355,8 @@ def summary(rows: list[dict]) -> list[str]:
 def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:
     """The options a child process of ``--isolate`` needs to measure the same thing."""
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
-           "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry]
+           "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry,
+           "--prefill-chunk", str(args.prefill_chunk)]
     if args.layers:
         out += ["--layers", str(args.layers)]
     if args.smoke:
@@ -359,6 +392,12 @@ def main(argv=None) -> list[dict]:
                     help="prompt length of the untimed warm-up run (default 256; smoke 8)")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="also profile K decode steps per (case, method) and print the kernels by device time")
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                    help="the baselines (fp16, static, dynamic) prefill in eager chunks of N tokens (default 0: "
+                         "at once); ours always at once")
+    ap.add_argument("--until-error", action="store_true",
+                    help="once a method fails at some batch size (out of memory), skip it at the larger batch "
+                         "sizes of the same length: with --cases 16x32768,32x32768,... the largest batch that fits")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
@@ -415,21 +454,25 @@ def main(argv=None) -> list[dict]:
           + ("; KV/GPU = rank 0's cache bytes, KV total = all ranks'" if tp else ""))
     print(HEADER + (TP_HEADER if tp else ""))
     print("|---" * (HEADER.count("|") - 1 + (3 if tp else 0)) + "|", flush=True)
-    rows = []
+    rows, failed_at = [], {}  # (method, T) -> smallest failing batch (--until-error)
     for batch, length in cases:
         for method in methods:
+            if args.until_error and batch > failed_at.get((method, length), batch):
+                continue
             if args.isolate:
                 row = run_isolated(passthrough_args(args, new_tokens, residual, warmup_len), batch, length, method)
             else:
                 try:
                     row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
-                                     warmup_len, args.profile)
+                                     warmup_len, args.profile, args.prefill_chunk)
                 except Exception as exc:  # OOM, compile failure...: report and go on
                     row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
                     del exc
                 reset_compiled(model)
             if tp:
                 row["tp"] = tp
+            if "error" in row:
+                failed_at[(method, length)] = min(batch, failed_at.get((method, length), batch))
             rows.append(row)
             print(format_row(row), flush=True)
             if "profile" in row:

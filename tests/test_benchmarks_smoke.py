@@ -164,3 +164,51 @@ def test_gather_ceiling_probes_under_interpreter(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(root / "benchmarks"), str(root), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("method", ["fp16", "static", "dynamic"])
+def test_bench_generate_chunked_prefill_gives_the_same_tokens(method):
+    """--prefill-chunk: a baseline's prompt through the model in eager chunks of 7 tokens (the
+    last chunk short, the last token left to generate()) gives the greedy tokens of the one-shot
+    prefill, and the chunks really run (5 more forwards for 29 tokens). Eager decode here (the
+    compiled step is covered by the smoke test above)."""
+    mod = load_script("generate", benchmarks_dir())
+    setup = mod.C.bench_setup(True)
+    model = mod.C.build_model(setup)
+    ids = torch.randint(3, setup.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    outs = {}
+    try:
+        for chunk in (0, 7):
+            calls.clear()
+            runner = mod.Runner(method, model, setup, None, 2, 40, 8, prefill_chunk=chunk)
+            runner.compile_config = None
+            try:
+                outs[chunk] = runner.generate(ids, 4)[2]
+            finally:
+                runner.close()
+            assert len(calls) == 4 + (5 if chunk else 0), (chunk, len(calls))
+    finally:
+        hook.remove()
+    assert torch.equal(outs[0], outs[7])
+
+
+def test_bench_generate_until_error_skips_larger_batches(monkeypatch, capsys):
+    """--until-error: once a method fails at a batch size, the larger batch sizes of that length
+    are not tried (the sweep for the largest batch that fits); other lengths still run."""
+    mod = load_script("generate", benchmarks_dir())
+    tried = []
+
+    def fake_run_method(method, model, setup, codebooks, batch, length, *args, **kwargs):
+        tried.append((batch, length))
+        if batch >= 2 and length == 16:
+            raise RuntimeError("CUDA out of memory (stand-in)")
+        return {"B": batch, "T": length, "method": method, "tok_s": 1.0, "in_run_tok_s": 1.0, "step_ms": 1.0,
+                "time_1_s": 0.1, "warmup_s": 0.1, "peak_bytes": 1}
+
+    monkeypatch.setattr(mod, "run_method", fake_run_method)
+    rows = mod.main(["--smoke", "--until-error", "--methods", "dynamic", "--cases", "1x16,2x16,3x16,2x12"])
+    assert tried == [(1, 16), (2, 16), (2, 12)]
+    assert ["error" in r for r in rows] == [False, True, False]
+    assert "out of memory" in capsys.readouterr().out
