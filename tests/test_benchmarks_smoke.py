@@ -212,3 +212,17 @@ def test_bench_generate_until_error_skips_larger_batches(monkeypatch, capsys):
     assert tried == [(1, 16), (2, 16), (2, 12)]
     assert ["error" in r for r in rows] == [False, True, False]
     assert "out of memory" in capsys.readouterr().out
+
+
+def test_gpu_suite_test_groups_cover_every_cuda_test_file():
+    """benchmarks/run_gpu_suite.sh runs the `cuda` tests by named groups of files: every test file
+    with a cuda-marked test is in one group (a new file must be added there to run on the GPU)."""
+    import re
+    from pathlib import Path
+
+    root = benchmarks_dir().parent
+    script = (benchmarks_dir() / "run_gpu_suite.sh").read_text()
+    grouped = {f for files in re.findall(r'^\s+\[\w+\]="([^"]+)"', script, re.M) for f in files.split()}
+    marked = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if "pytest.mark.cuda" in p.read_text()}
+    assert marked and marked <= grouped, sorted(marked - grouped)
+    assert all((root / f).is_file() for f in grouped)
