@@ -40,9 +40,10 @@ step, their sum ("GPU busy") next to the wall time per step, so host overhead sh
 after another in one process and can inherit its memory (CUDA-graph pools, cached blocks); at
 B=16, T=32k on an H200 both baselines ran out of memory that way, right after ours.
 
-``--prefill-chunk N`` runs the baselines' prompts through the model in eager chunks of N tokens
-before ``generate`` (ours still prefills at once): at B=16, T=32k HF's static cache cannot prefill
-in one eager forward on an H200. ``--until-error`` skips a method at larger batch sizes of a length
+``--prefill-chunk N`` runs every method's prompt through the model in eager chunks of N tokens
+before ``generate``: at B=16, T=32k HF's static cache cannot prefill in one eager forward on an
+H200, and at the largest batches no method can (ours' chunks read older tokens from codes, so its
+prompt numerics change; the timed decode step does not). ``--until-error`` skips a method at larger batch sizes of a length
 once it failed at a smaller one, so a list of batch sizes finds the largest that fits:
 
     python benchmarks/bench_generate.py --isolate --until-error --prefill-chunk 4096 --methods ours,fp16 \
@@ -106,14 +107,14 @@ class StepTimer(StoppingCriteria):
 
 class Runner:
     """One method at one (B, T): its cache (reused, reset before every generate) and compile config.
-    ``prefill_chunk``: the baselines' prompts go through the model in eager chunks of this many
-    tokens before ``generate`` (0: ``generate`` prefills the whole prompt at once); ours always
-    prefills at once (a chunk appended to a non-empty VecInferCache reads the older tokens from
-    codes, which would change what is measured)."""
+    ``prefill_chunk``: the prompt goes through the model in eager chunks of this many tokens
+    before ``generate`` (0: ``generate`` prefills the whole prompt at once). For ours a chunk
+    appended to a non-empty VecInferCache reads the older tokens from codes, so the prompt's
+    numerics differ from a one-shot prefill; the decode step that is timed is the same."""
 
     def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual, prefill_chunk: int = 0):
         self.method, self.model, self.setup = method, model, setup
-        self.prefill_chunk = 0 if method == "ours" else prefill_chunk
+        self.prefill_chunk = prefill_chunk
         self.cache, self.compile_config, self.previous_attention = None, None, None
         if method == "ours":
             from vecinfer_compile.backend import vecinfer_backend
@@ -172,8 +173,8 @@ class Runner:
 def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
     """All but the last of ``ids: [B, T]`` through ``model`` eagerly into ``cache``, ``chunk``
     tokens per forward (one logit row each); ``generate`` then finds ``T - 1`` cached tokens and
-    prefills the last one. What the baselines need at B=16/T=32k on one H200, where a one-shot
-    eager prefill of HF's static cache runs out of memory."""
+    prefills the last one. What HF's static cache needs at B=16/T=32k on one H200 (its one-shot
+    eager prefill runs out of memory), and every method at the largest batches."""
     length = ids.shape[1]
     for start in range(0, length - 1, chunk):
         end = min(start + chunk, length - 1)
@@ -267,7 +268,7 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
                profile_steps: int = 0, prefill_chunk: int = 0) -> dict:
     dev = setup.device
     row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens}
-    if prefill_chunk and method != "ours":
+    if prefill_chunk:
         row["prefill_chunk"] = prefill_chunk
     reset_compiled(model)
     vocab = setup.config.vocab_size
@@ -393,8 +394,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="also profile K decode steps per (case, method) and print the kernels by device time")
     ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
-                    help="the baselines (fp16, static, dynamic) prefill in eager chunks of N tokens (default 0: "
-                         "at once); ours always at once")
+                    help="every method prefills in eager chunks of N tokens before generate() (default 0: "
+                         "at once)")
     ap.add_argument("--until-error", action="store_true",
                     help="once a method fails at some batch size (out of memory), skip it at the larger batch "
                          "sizes of the same length: with --cases 16x32768,32x32768,... the largest batch that fits")

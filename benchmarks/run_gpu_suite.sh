@@ -7,7 +7,9 @@
 #                                  every preset at a few sizes); simulate attention with launch-shape
 #                                  sweeps; the decode gather-ceiling probe; encode vs compiled torch
 #   memory    -> OUT/memory.txt    KV bytes and peak memory at 4k/32k/128k
-#   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json)
+#   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json; the baselines
+#                                  prefill in 4096-token chunks, ours at once)
+#   maxbatch  -> OUT/maxbatch.txt  the largest batch at T=32k, ours vs FP16 (not in the default STREAMS)
 #   accuracy  -> OUT/accuracy.txt  eval-ppl eager vs compile at 2 and 1.5 bits; greedy tokens through
 #                                  the cache (eager and compiled) vs the simulate path
 # CODEBOOK_DIR holds vecinfer-2bit.safetensors and vecinfer-1.5bit.safetensors for MODEL_DIR;
@@ -52,7 +54,13 @@ memory() {
 
 generate() {
     sec generate; timeout ${GEN_TIMEOUT:-560} python benchmarks/bench_generate.py --isolate --cases ${GEN_CASES:-1x131072,16x32768,1x32768} \
-        --json "$OUT/generate.json"
+        --prefill-chunk 4096 --json "$OUT/generate.json"
+}
+
+maxbatch() {
+    sec largest batch at T=32k; timeout ${MAXBATCH_TIMEOUT:-560} python benchmarks/bench_generate.py --isolate --until-error \
+        --prefill-chunk 4096 --methods ours,fp16 --new-tokens 8 --json "$OUT/maxbatch.json" \
+        --cases ${MAXBATCH_CASES:-32x32768,48x32768,64x32768,96x32768,128x32768,192x32768}
 }
 
 accuracy() {

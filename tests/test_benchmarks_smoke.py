@@ -194,6 +194,25 @@ def test_bench_generate_chunked_prefill_gives_the_same_tokens(method):
     assert torch.equal(outs[0], outs[7])
 
 
+def test_bench_generate_chunked_prefill_ours():
+    """--prefill-chunk with VecInferCache: the chunks go into the compressed cache (a chunk after
+    the first reads older tokens from codes), then generate() decodes; 4 new tokens come out and
+    the cache holds the whole prompt plus them."""
+    mod = load_script("generate", benchmarks_dir())
+    setup = mod.C.bench_setup(True)
+    model = mod.C.build_model(setup)
+    codebooks = mod.C.random_codebooks(setup.config, 2.0)
+    ids = torch.randint(3, setup.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    runner = mod.Runner("ours", model, setup, codebooks, 2, 40, 8, prefill_chunk=7)
+    runner.compile_config = None
+    try:
+        out = runner.generate(ids, 4)[2]
+    finally:
+        runner.close()
+    assert out.shape == (2, 34) and torch.equal(out[:, :30], ids)
+    assert int(runner.cache.get_seq_length()) == 33  # the last new token is never fed back
+
+
 def test_bench_generate_until_error_skips_larger_batches(monkeypatch, capsys):
     """--until-error: once a method fails at a batch size, the larger batch sizes of that length
     are not tried (the sweep for the largest batch that fits); other lengths still run."""
