@@ -119,29 +119,32 @@ def _flash_semantics(q, k, v, scale, window=None):
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 2),
     group=st.sampled_from([1, 2, 4]),
     tq=st.integers(1, 60),
     extra=st.integers(0, 40),
     causal=st.booleans(),
     residual=st.sampled_from([1, 5, 16, 100]),
 )
-def test_flash_band_plan_matches_naive(seed, group, tq, extra, causal, residual):
+def test_flash_band_plan_matches_naive(seed, b, hkv, group, tq, extra, causal, residual):
     """The plan's sliding-window band ``(keys, W)`` and the FlashAttention-2 / cuDNN forms of the
     quantized part, on the CPU: the GPU kernels replaced by a dense stand-in with their semantics,
     so what runs here is the plan's index arithmetic (top-left ``is_causal`` against the kernel's
-    bottom-right window, Tk > Tq, R below and above the offset) against the float64 reference."""
+    bottom-right window, Tk > Tq, R below and above the offset) against the float64 reference;
+    MHA (group 1), GQA and MQA (one KV head), batch 1-3."""
     import vecinfer_compile.passes.windowed as windowed
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(windowed, "_flash_serves", lambda device: True)
         patch.setattr(windowed, "_flash", _flash_semantics)
-        _check_flash_band(seed, group, tq, extra, causal, residual)
+        _check_flash_band(seed, b, hkv, group, tq, extra, causal, residual)
 
 
-def _check_flash_band(seed, group, tq, extra, causal, residual):
+def _check_flash_band(seed, b, hkv, group, tq, extra, causal, residual):
     gen = torch.Generator().manual_seed(seed)
     tk = tq + extra
-    op_args, win_args = windowed_case(gen, b=2, hkv=2, group=group, tq=tq, tk=tk, d=16, mask_kind="none",
+    op_args, win_args = windowed_case(gen, b=b, hkv=hkv, group=group, tq=tq, tk=tk, d=16, mask_kind="none",
                                       causal=causal, residual=residual, dtype=torch.bfloat16)
     q, k_hat, kf, v_hat, vf = win_args
     plan = window_plan(q, kf, None, causal, residual)

@@ -27,10 +27,10 @@ of the K and V they replace): prefill attention is compute-bound, and re-gatheri
 from the codebook for every query block (what ``vecinfer.attention`` does) costs more than reading
 it once dequantized. Without a residual window they go to the SDPA Inductor would have run. With a
 window, keys near each query stay full precision, which one SDPA call cannot express: a fused
-attention kernel over the quantized keys (torch's flash or memory-efficient kernel, which return
-the log-sum-exp) and a blockwise band over the R full-precision keys of each query, merged by
-log-sum-exp (:mod:`.windowed`; the plan, the quantized part's bias and the band's mask, is built
-once per graph).
+attention kernel over the quantized keys (cuDNN, FlashAttention-2 or the memory-efficient kernel,
+which return the log-sum-exp) and the R full-precision keys of each query (FlashAttention-2's
+sliding window, or a blockwise torch band under a mask), merged by log-sum-exp (:mod:`.windowed`;
+the plan, the quantized part's bias and the band's mask, is built once per graph).
 
 The transform is applied once, as plain torch ops in front of the ops (Inductor fuses them);
 ``encode`` gets ``lam=None, rotation=None``. K/V stay at ``Hkv`` heads: HF's ``repeat_kv`` is

@@ -150,7 +150,7 @@ def _bias_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype if q.device.type == "cuda" else _acc_dtype(q.dtype)
 
 
-def _split_mask(attn_mask: torch.Tensor | None, b, hq, tq, tk):
+def _split_mask(attn_mask: torch.Tensor | None, tq, tk):
     """SDPA's mask -> (allowed bool, bias float or None), both 4-d views expanded to
     ``[B|1, Hq|1, Tq, Tk]``; (None, None) without a mask."""
     if attn_mask is None:
@@ -238,7 +238,7 @@ def window_plan(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None
         raise NotImplementedError(f"windowed simulate attention on CUDA takes fp16, bf16 or fp32, not {q.dtype}")
     b, hq, tq, _ = q.shape
     hkv, tk = k.shape[1], k.shape[2]
-    allowed, bias = _split_mask(attn_mask, b, hq, tq, tk)
+    allowed, bias = _split_mask(attn_mask, tq, tk)
     block = min(residual, BAND_BLOCK)
     index = band = flash_band = None
     if attn_mask is None and tk >= tq and _flash_shape(q) and _flash_serves(q.device):
@@ -288,7 +288,8 @@ def _fused(q, k, v, bias, is_causal: bool, scale):
     the efficient kernel pads its lse to a multiple of 32 rows, and slicing back to a Tq that is
     never the whole length keeps dynamic-shape graphs free of a guard on ``Tq % 32`` (causality
     is top-left in both: the first Tq rows are unchanged). The CUDA flash kernel (bottom-right
-    causality) gets q as it is; its lse is not padded."""
+    causality; fp16/bf16 without a bias where FlashAttention-2 serves: a head dim that needs
+    padding) gets q as it is; its lse is not padded."""
     tq, d = q.shape[2], q.shape[3]
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(F.pad(q, (0, 0, 0, 1)), k, v, 0.0, is_causal,
@@ -297,7 +298,7 @@ def _fused(q, k, v, bias, is_causal: bool, scale):
     pad = -d % 8  # the CUDA kernels take head dims in multiples of 8: zeros change no score
     if pad:
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
-    if bias is None and q.dtype in (torch.float16, torch.bfloat16) and d + pad <= 256:
+    if bias is None and q.dtype in (torch.float16, torch.bfloat16) and d + pad <= 256 and _flash_serves(q.device):
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
     else:
         q = F.pad(q, (0, 0, 0, 1))  # the extra row
