@@ -44,10 +44,12 @@ B=16, T=32k on an H200 both baselines ran out of memory that way, right after ou
 before ``generate``: at B=16, T=32k HF's static cache cannot prefill in one eager forward on an
 H200, and at the largest batches no method can (ours' chunks read older tokens from codes, so its
 prompt numerics change; the timed decode step does not). ``--until-error`` skips a method at larger batch sizes of a length
-once it failed at a smaller one, so a list of batch sizes finds the largest that fits:
+once it failed at a smaller one, so a list of batch sizes finds the largest that fits;
+``--in-run-only`` skips the 1-token run there (its prefill is most of a large batch's time) and
+reports the in-run tok/s alone:
 
-    python benchmarks/bench_generate.py --isolate --until-error --prefill-chunk 4096 --methods ours,fp16 \
-        --cases 16x32768,32x32768,48x32768,64x32768,96x32768,128x32768 --new-tokens 8
+    python benchmarks/bench_generate.py --isolate --until-error --in-run-only --prefill-chunk 1024 \
+        --methods ours,fp16 --cases 16x32768,24x32768,32x32768,64x32768,128x32768 --new-tokens 8
 
 ``--geometry 70b --layers 8`` picks Llama-3.1-70B's geometry with 8 decoder layers (the default
 is the 8B geometry, all 32 layers).
@@ -265,11 +267,13 @@ def kv_bytes_per_rank(cache) -> list[int]:
 
 
 def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
-               profile_steps: int = 0, prefill_chunk: int = 0) -> dict:
+               profile_steps: int = 0, prefill_chunk: int = 0, in_run_only: bool = False) -> dict:
     dev = setup.device
     row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens}
     if prefill_chunk:
         row["prefill_chunk"] = prefill_chunk
+    if in_run_only:
+        row["in_run_only"] = True
     reset_compiled(model)
     vocab = setup.config.vocab_size
     gen = torch.Generator(device=dev).manual_seed(length * 131 + batch)
@@ -286,12 +290,13 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
         C.reset_peak(dev)
         t_n, stamps, _ = runner.generate(ids, new_tokens)
         row["peak_bytes"] = C.peak(dev)
-        t_1, _, _ = runner.generate(ids, 1)
+        row["time_n_s"], row["tok_s"] = t_n, None
+        if not in_run_only:
+            t_1, _, _ = runner.generate(ids, 1)
+            row["time_1_s"] = t_1
+            row["tok_s"] = batch * (new_tokens - 1) / (t_n - t_1) if t_n > t_1 else float("nan")
         # Dynamo graphs compiled during the timed runs (should be 0: the warm-up compiled them)
         row["timed_compiles"] = _compiled_graphs() - graphs_before
-        steps = new_tokens - 1
-        row["time_n_s"], row["time_1_s"] = t_n, t_1
-        row["tok_s"] = batch * steps / (t_n - t_1) if t_n > t_1 else float("nan")
         if len(stamps) >= 2:
             row["in_run_tok_s"] = batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])
             row["step_ms"] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
@@ -324,7 +329,7 @@ def format_row(row: dict) -> str:
     if row.get("timed_compiles"):
         note = f" (WARNING: {row['timed_compiles']} graph(s) compiled during the timed runs)"
     return (f"{head} {_num(row['tok_s'])} | {_num(row.get('in_run_tok_s'))} | "
-            f"{_num(row.get('step_ms'), '{:.2f}')} | {row['time_1_s']:.2f} | {row['warmup_s']:.1f} | "
+            f"{_num(row.get('step_ms'), '{:.2f}')} | {_num(row.get('time_1_s'), '{:.2f}')} | {row['warmup_s']:.1f} | "
             f"{C.gib(row.get('peak_bytes'))}{note} |{tp}")
 
 
@@ -358,6 +363,8 @@ def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> l
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
            "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry,
            "--prefill-chunk", str(args.prefill_chunk)]
+    if args.in_run_only:
+        out.append("--in-run-only")
     if args.layers:
         out += ["--layers", str(args.layers)]
     if args.smoke:
@@ -399,6 +406,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--until-error", action="store_true",
                     help="once a method fails at some batch size (out of memory), skip it at the larger batch "
                          "sizes of the same length: with --cases 16x32768,32x32768,... the largest batch that fits")
+    ap.add_argument("--in-run-only", action="store_true",
+                    help="skip the 1-token run (one prefill less per row): only in-run tok/s, for the largest "
+                         "batches, whose prefill is most of the time")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
@@ -465,7 +475,7 @@ def main(argv=None) -> list[dict]:
             else:
                 try:
                     row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
-                                     warmup_len, args.profile, args.prefill_chunk)
+                                     warmup_len, args.profile, args.prefill_chunk, args.in_run_only)
                 except Exception as exc:  # OOM, compile failure...: report and go on
                     row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
                     del exc

@@ -59,8 +59,8 @@ generate() {
 
 maxbatch() {
     sec largest batch at T=32k; timeout ${MAXBATCH_TIMEOUT:-560} python benchmarks/bench_generate.py --isolate --until-error \
-        --prefill-chunk 4096 --methods ours,fp16 --new-tokens 8 --json "$OUT/maxbatch.json" \
-        --cases ${MAXBATCH_CASES:-32x32768,48x32768,64x32768,96x32768,128x32768,192x32768}
+        --in-run-only --prefill-chunk 1024 --methods ${MAXBATCH_METHODS:-ours,fp16} --new-tokens 8 --json "$OUT/maxbatch.json" \
+        --cases ${MAXBATCH_CASES:-24x32768,28x32768,32x32768,64x32768,128x32768}
 }
 
 accuracy() {

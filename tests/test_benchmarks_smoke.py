@@ -233,6 +233,24 @@ def test_bench_generate_until_error_skips_larger_batches(monkeypatch, capsys):
     assert "out of memory" in capsys.readouterr().out
 
 
+def test_bench_generate_in_run_only_skips_the_one_token_run(monkeypatch):
+    """--in-run-only: one generate of N tokens per row (no 1-token run to subtract), so the row has
+    the in-run tok/s and no subtraction figure."""
+    mod = load_script("generate", benchmarks_dir())
+    lengths = []
+    original = mod.Runner.generate
+
+    def counting_generate(self, ids, new_tokens, extra_criteria=()):
+        lengths.append((ids.shape[1], new_tokens))
+        return original(self, ids, new_tokens, extra_criteria)
+
+    monkeypatch.setattr(mod.Runner, "generate", counting_generate)
+    rows = mod.main(["--smoke", "--in-run-only", "--methods", "dynamic", "--cases", "2x24", "--new-tokens", "3"])
+    assert lengths == [(8, 3), (24, 3)]  # the warm-up, then the timed run; no (24, 1)
+    (row,) = rows
+    assert row["in_run_only"] and row["tok_s"] is None and "time_1_s" not in row and row["in_run_tok_s"] > 0
+
+
 def test_gpu_suite_test_groups_cover_every_cuda_test_file():
     """benchmarks/run_gpu_suite.sh runs the `cuda` tests by named groups of files: every test file
     with a cuda-marked test is in one group (a new file must be added there to run on the GPU)."""
