@@ -107,14 +107,19 @@ def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks
         if i == 0:  # prefill returns the full-precision inputs
             assert rk is k and rv is v
             assert layer.get_mask_sizes(1) == (tmax, 0)
-        else:  # decode returns the full-length dequantized K/V in the original domain
-            assert rk.shape == (b, h, tmax, d)
+        else:  # decode returns dequantized K/V in the original domain: every slot for one token, the
+            # valid slots for an eager chunk (HF's mask is as long: get_mask_sizes)
+            assert rk.shape == (b, h, tmax if t == 1 else total, d)
+            assert layer.get_mask_sizes(1) == (tmax, 0) and layer.get_mask_sizes(2) == (total + 2, 0)
             if n_window:
                 torch.testing.assert_close(rk[:, :, n_coded:total], k_all[:, :, n_coded:], rtol=1e-5, atol=1e-5)
                 assert torch.equal(rv[:, :, n_coded:total], v_all[:, :, n_coded:])
             v_idx = unpack_codes(layer.v_codes[:, :, :n_coded], layer.value_centroids.shape[0])
             dec_v = layer.value_centroids[v_idx].reshape(b, h, n_coded, d)
             assert torch.equal(rv[:, :, :n_coded], dec_v)
+            full_k, full_v = layer.dequantized()  # the static read: every slot, zeros past the valid ones
+            assert full_k.shape == (b, h, tmax, d) and torch.equal(full_v[:, :, :total], rv[:, :, :total])
+            assert not full_k[:, :, total:].any() and not full_v[:, :, total:].any()
             assert not rk[:, :, total:].any() and not rv[:, :, total:].any()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .codebooks import VecInferCodebooks, model_geometry
@@ -338,16 +339,39 @@ class VecInferLayer(CacheLayerMixin):
             self.v_window.copy_(cv.index_select(2, keep))
         self.n_coded.add_(f)
         self.n_window.copy_(w_new)
-        return self._read(torch.ops.vecinfer)
+        if _is_compiling():
+            return self._read(torch.ops.vecinfer)
+        return self._eager_read(t)
 
-    def _read(self, ops) -> tuple[torch.Tensor, torch.Tensor]:
+    def _valid_length(self) -> int:
+        """Tokens held, as a Python int (a host sync: eager only)."""
+        return int(self.n_coded) + int(self.n_window)
+
+    def _eager_read(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What an eager update of ``t`` tokens returns: the valid slots dequantized (not every
+        slot of ``max_cache_len``), as ``[B, H, L, D]`` for a chunk (``t > 1``; ``get_mask_sizes``
+        gives HF's mask the same ``L``), zero-padded to ``max_cache_len`` for one token, whose mask
+        ``generate()`` builds before it knows whether the step runs compiled (static length)."""
+        n = self._valid_length()
+        k, v = self._read(_ops(), n)
+        if t > 1:
+            return k, v
+        pad = self.max_cache_len - n
+        return F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+
+    def _read(self, ops, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``vecinfer::cache_kv`` (K in the original domain, V), then, for the query-aware
         methods, ``K = (K~.float() @ key_read).to(dtype)`` (a plain matmul that
         :mod:`~vecinfer_compile.passes.cache_decode` recognises and moves to the query side), and
         for the centring methods ``+ key_mean`` before the cast (which that pass drops). Slots
-        beyond the valid length then hold ``mu`` rather than zeros; the mask hides them."""
+        beyond the valid length then hold ``mu`` rather than zeros; the mask hides them.
+
+        ``length``: read the first ``length`` slots only (``[B, H, length, D]``; eager)."""
+        k_codes, v_codes = self.k_codes, self.v_codes
+        if length is not None:
+            k_codes, v_codes = k_codes[:, :, :length], v_codes[:, :, :length]
         k, v = ops.cache_kv(
-            self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
+            k_codes, v_codes, self.key_centroids, self.value_centroids, self.n_coded,
             self.k_window, self.v_window, self.n_window, self.lam, self.rotation,
         )
         if self.key_read is None and self.key_mean is None:
@@ -372,7 +396,9 @@ class VecInferLayer(CacheLayerMixin):
             query_length = query_length.shape[0]
         if self._empty:  # prefill returns only the new tokens, in full precision
             return query_length, 0
-        return self.max_cache_len, 0
+        if query_length > 1 and not _is_compiling():  # an eager chunk: the slots _eager_read returns
+            return self._valid_length() + query_length, 0
+        return self.max_cache_len, 0  # static: every slot (the mask hides the empty ones)
 
     def get_seq_length(self, *args, **kwargs):
         if self._empty:
@@ -467,11 +493,14 @@ class VecInferCache(Cache):
       keys from codes (``keys_inverse(decode(codes))``). A chunk of several tokens appended to a
       non-empty cache shares the window of its last token. :func:`cache_window_mask` states this
       as a mask for the simulate path.
-    - **What decode returns**: eagerly, ``vecinfer::cache_kv``: full-length ``[B, H_kv,
-      max_cache_len, D]`` dequantized K (original domain) and V, zero beyond the valid length;
-      HF's mask (``get_mask_sizes`` -> ``max_cache_len``, padding, cache position) makes attention
-      exact over them. Compiled, :func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention`
-      replaces ``SDPA(q, cache_kv...)`` by ``vecinfer::decode_attention`` over the codes.
+    - **What decode returns**: full-length ``[B, H_kv, max_cache_len, D]`` dequantized K
+      (original domain) and V, zero beyond the valid length; HF's mask (``get_mask_sizes`` ->
+      ``max_cache_len``, padding, cache position) makes attention exact over them. Eagerly only
+      the valid slots are dequantized (``vecinfer::cache_kv`` over them, then zero padding), and
+      an eager chunk of several tokens gets just the ``L`` valid slots, ``[B, H_kv, L, D]``, with
+      ``get_mask_sizes`` -> ``L``. Compiled, ``vecinfer::cache_kv`` over every slot, which
+      :func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention` replaces, with the
+      SDPA that reads it, by ``vecinfer::decode_attention`` over the codes.
     - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
       path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
       differ on near-ties).
