@@ -34,7 +34,8 @@ tests() {
     sec env; nvidia-smi --query-gpu=name,driver_version --format=csv
     python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
     for g in ${TEST_GROUPS:-decode triton cache windowed}; do
-        sec cuda tests: $g; timeout ${TEST_TIMEOUT:-300} python -m pytest -q -m cuda -p no:cacheprovider -rf --tb=short \
+        # SIGINT first: pytest then still prints the failures so far (a falsifying example included)
+        sec cuda tests: $g; timeout -s INT -k 20 ${TEST_TIMEOUT:-300} python -m pytest -q -m cuda -p no:cacheprovider -rf --tb=short \
             --durations=5 ${TEST_GROUP[$g]:?unknown test group $g}
     done
 }
