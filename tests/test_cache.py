@@ -194,6 +194,40 @@ def test_generate_tiny_checkpoint(shared_tiny_dir):
     assert out.shape == (2, 18) and int(cache.layers[0].n_coded) == 13
 
 
+@pytest.mark.parametrize("method", ["vecinfer", "qaware"])
+def test_eager_valid_slot_read_equals_the_static_read(tiny_model, monkeypatch, method):
+    """Eager chunks and steps read only the valid slots (a chunk's K/V and HF's mask are L long);
+    the logits equal those of the static full-length read that compiled code sees (forced here by
+    making the cache believe it is being compiled), with left padding, for a prompt, a 5-token
+    chunk and a 1-token step. qaware: the read's key matrix and key mean on the shorter read."""
+    import vecinfer_compile.cache as cache_mod
+
+    cb = random_codebooks(tiny_model.config, 2.0, method)
+    ids, mask = left_padded(length=16, pad=3, seed=5)
+    chunks = [(0, 10), (10, 15), (15, 16)]
+
+    def logits(static: bool):
+        cache = VecInferCache(tiny_model, cb, batch_size=2, max_cache_len=40, residual=3)
+        out = []
+        with monkeypatch.context() as m:
+            if static:
+                m.setattr(cache_mod, "_is_compiling", lambda: True)
+            for a, b in chunks:
+                pos = torch.arange(a, b)
+                if a:  # the mask length HF will build for this update
+                    want_len = 40 if static or b - a == 1 else b
+                    assert cache.layers[0].get_mask_sizes(b - a) == (want_len, 0)
+                with torch.no_grad():
+                    out.append(tiny_model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], **cache_kwargs(cache),
+                                          use_cache=True, cache_position=pos).logits)
+        layer = cache.layers[0]
+        assert (int(layer.n_coded), int(layer.n_window)) == (13, 3)
+        return out
+
+    for got, want in zip(logits(False), logits(True)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # -- bytes ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layer_bits", [[2.0, 2.0], [1.25, 1.25], [3.0, 3.0], [4.0, 1.0], [1.5, 2.0]])
 def test_kv_bytes_arithmetic(layer_bits):
