@@ -7,8 +7,8 @@
 #                                  every preset at a few sizes); simulate attention with launch-shape
 #                                  sweeps; the decode gather-ceiling probe; encode vs compiled torch
 #   memory    -> OUT/memory.txt    KV bytes and peak memory at 4k/32k/128k
-#   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json; the baselines
-#                                  prefill in 4096-token chunks, ours at once)
+#   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json at B=1,
+#                                  OUT/generate-wide.json at B=16; every method prefills in 4096-token chunks)
 #   maxbatch  -> OUT/maxbatch.txt  the largest batch at T=32k, FP16 then ours (OUT/maxbatch-{fp16,ours}.json;
 #                                  not in the default STREAMS)
 #   accuracy  -> OUT/accuracy.txt  eval-ppl eager vs compile at 2 and 1.5 bits; greedy tokens through
@@ -55,8 +55,11 @@ memory() {
 }
 
 generate() {
-    sec generate; timeout ${GEN_TIMEOUT:-560} python benchmarks/bench_generate.py --isolate --cases ${GEN_CASES:-1x131072,16x32768,1x32768} \
-        --prefill-chunk 4096 --json "$OUT/generate.json"
+    sec generate, B=1; timeout ${GEN_TIMEOUT:-560} python benchmarks/bench_generate.py --isolate \
+        --cases ${GEN_CASES:-1x131072,1x32768} --prefill-chunk 4096 --json "$OUT/generate.json"
+    # in-run step times only: next to a 16-row prefill (~30-90 s) the t(N) - t(1) subtraction is noise
+    sec generate, B=16; timeout ${GEN_WIDE_TIMEOUT:-560} python benchmarks/bench_generate.py --isolate --in-run-only \
+        --cases ${GEN_WIDE_CASES:-16x32768} --prefill-chunk 4096 --json "$OUT/generate-wide.json"
 }
 
 maxbatch() {
