@@ -194,20 +194,28 @@ def test_generate_tiny_checkpoint(shared_tiny_dir):
     assert out.shape == (2, 18) and int(cache.layers[0].n_coded) == 13
 
 
-@pytest.mark.parametrize("method", ["vecinfer", "qaware"])
-def test_eager_valid_slot_read_equals_the_static_read(tiny_model, monkeypatch, method):
+@pytest.mark.parametrize("method,heads,kv_heads,head_dim", [
+    ("vecinfer", 4, 2, 16),   # GQA
+    ("qaware", 4, 2, 16),     # the read's key matrix and key mean on the shorter read
+    ("vecinfer", 4, 1, 64),   # MQA
+    ("vecinfer", 2, 2, 128),  # MHA
+])
+def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads, kv_heads, head_dim):
     """Eager chunks and steps read only the valid slots (a chunk's K/V and HF's mask are L long);
     the logits equal those of the static full-length read that compiled code sees (forced here by
-    making the cache believe it is being compiled), with left padding, for a prompt, a 5-token
-    chunk and a 1-token step. qaware: the read's key matrix and key mean on the shorter read."""
+    making the cache believe it is being compiled), batch 2 with left padding, for a prompt, a
+    5-token chunk and a 1-token step."""
     import vecinfer_compile.cache as cache_mod
 
-    cb = random_codebooks(tiny_model.config, 2.0, method)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                         head_dim=head_dim, hidden_size=heads * head_dim)).eval()
+    cb = random_codebooks(model.config, 2.0, method)
     ids, mask = left_padded(length=16, pad=3, seed=5)
     chunks = [(0, 10), (10, 15), (15, 16)]
 
     def logits(static: bool):
-        cache = VecInferCache(tiny_model, cb, batch_size=2, max_cache_len=40, residual=3)
+        cache = VecInferCache(model, cb, batch_size=2, max_cache_len=40, residual=3)
         out = []
         with monkeypatch.context() as m:
             if static:
@@ -218,7 +226,7 @@ def test_eager_valid_slot_read_equals_the_static_read(tiny_model, monkeypatch, m
                     want_len = 40 if static or b - a == 1 else b
                     assert cache.layers[0].get_mask_sizes(b - a) == (want_len, 0)
                 with torch.no_grad():
-                    out.append(tiny_model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], **cache_kwargs(cache),
+                    out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], **cache_kwargs(cache),
                                           use_cache=True, cache_position=pos).logits)
         layer = cache.layers[0]
         assert (int(layer.n_coded), int(layer.n_window)) == (13, 3)

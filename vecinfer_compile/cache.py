@@ -311,8 +311,9 @@ class VecInferLayer(CacheLayerMixin):
         t = k.shape[2]
         r = self.residual
         dev = self.device
+        total = None  # eager: the tokens held after this update (one host sync)
         if not _is_compiling():
-            total = int(self.n_coded) + int(self.n_window) + t
+            total = self._valid_length() + t
             if total > self.max_cache_len:
                 raise self._overflow(total)
         kt = self.transform_keys(k)
@@ -339,21 +340,21 @@ class VecInferLayer(CacheLayerMixin):
             self.v_window.copy_(cv.index_select(2, keep))
         self.n_coded.add_(f)
         self.n_window.copy_(w_new)
-        if _is_compiling():
+        if total is None:
             return self._read(torch.ops.vecinfer)
-        return self._eager_read(t)
+        return self._eager_read(t, total)
 
     def _valid_length(self) -> int:
         """Tokens held, as a Python int (a host sync: eager only)."""
         return int(self.n_coded) + int(self.n_window)
 
-    def _eager_read(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What an eager update of ``t`` tokens returns: the valid slots dequantized (not every
-        slot of ``max_cache_len``), as ``[B, H, L, D]`` for a chunk (``t > 1``; ``get_mask_sizes``
-        gives HF's mask the same ``L``), zero-padded to ``max_cache_len`` for one token, whose mask
-        ``generate()`` builds before it knows whether the step runs compiled (static length)."""
-        n = self._valid_length()
-        k, v = self._read(_ops(), n)
+    def _eager_read(self, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What an eager update of ``t`` tokens returns, ``n`` tokens held after it: the valid slots
+        dequantized (not every slot of ``max_cache_len``), as ``[B, H, n, D]`` for a chunk (``t >
+        1``; ``get_mask_sizes`` gives HF's mask the same length), zero-padded to ``max_cache_len``
+        for one token, whose mask ``generate()`` builds before it knows whether the step runs
+        compiled (static length)."""
+        k, v = self._read(torch.ops.vecinfer, n)
         if t > 1:
             return k, v
         pad = self.max_cache_len - n
