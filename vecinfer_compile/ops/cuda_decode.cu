@@ -156,26 +156,47 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
     return r;
 }
 
-// float32 centroids [entries, DIM] -> 16-bit book [entries][COPIES][DIM] in shared memory.
+// float32 centroids [entries, DIM] -> 16-bit book [entries][COPIES][DIM] in shared memory, the 32
+// entries of one task (32 task .. 32 task + 31) by one warp: each lane loads one centroid (one
+// global round trip per task), then store k writes slots 32 k + lane of the task's 32 x COPIES
+// (entry (32 k + lane) / COPIES, fetched from its lane by a shuffle), so that every store covers
+// consecutive addresses. (A lane writing its own entry's COPIES slots puts all 32 lanes of a store
+// on the same banks: a 32-way conflict that took 6 us of an 18 us call at B=1, T=4k; a flat
+// thread-per-slot loop avoids it but reloads centroids once per slot, 11 dependent round trips.)
 template <int DIM, int COPIES>
-__device__ __forceinline__ void fill_book(const float* __restrict__ cent, unsigned short* book, int entries) {
-    for (int e = threadIdx.x; e < entries; e += blockDim.x) {
-        unsigned w[DIM / 2];
+__device__ __forceinline__ void fill_task(const float* __restrict__ cent, unsigned short* book, int entries, int task,
+                                          int lane) {
+    const int e = task * 32 + lane;
+    unsigned w[DIM / 2];
 #pragma unroll
-        for (int i = 0; i < DIM / 2; ++i) w[i] = pack2(cent[e * DIM + 2 * i], cent[e * DIM + 2 * i + 1]);
+    for (int i = 0; i < DIM / 2; ++i) w[i] = e < entries ? pack2(cent[e * DIM + 2 * i], cent[e * DIM + 2 * i + 1]) : 0u;
 #pragma unroll
-        for (int c = 0; c < COPIES; ++c) {
-            const unsigned idx = e * COPIES + c;
-            if (DIM == 8) {
-                vq_w4 v; v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
-                ((vq_w4*)book)[idx] = v;
-            } else if (DIM == 4) {
-                vq_w2 v; v.x = w[0]; v.y = w[1];
-                ((vq_w2*)book)[idx] = v;
-            } else {
-                ((unsigned*)book)[idx] = w[0];
-            }
+    for (int k = 0; k < COPIES; ++k) {
+        const int s = 32 * k + lane, src = s / COPIES;
+        unsigned x[DIM / 2];
+#pragma unroll
+        for (int i = 0; i < DIM / 2; ++i) x[i] = COPIES == 1 ? w[i] : __shfl_sync(0xffffffffu, w[i], src);
+        if (task * 32 + src >= entries) continue;
+        const int idx = task * 32 * COPIES + s;
+        if (DIM == 8) {
+            vq_w4 v; v.x = x[0]; v.y = x[1]; v.z = x[2]; v.w = x[3];
+            ((vq_w4*)book)[idx] = v;
+        } else if (DIM == 4) {
+            vq_w2 v; v.x = x[0]; v.y = x[1];
+            ((vq_w2*)book)[idx] = v;
+        } else {
+            ((unsigned*)book)[idx] = x[0];
         }
+    }
+}
+
+// Both codebooks, their tasks spread over the CTA's warps.
+__device__ __forceinline__ void fill_books(const float* __restrict__ kcent, const float* __restrict__ vcent,
+                                           unsigned short* kbook, unsigned short* vbook, int warp, int lane) {
+    const int ktasks = (EK + 31) / 32, vtasks = (EV + 31) / 32;
+    for (int task = warp; task < ktasks + vtasks; task += NWARPS) {
+        if (task < ktasks) fill_task<DK, KCOPIES>(kcent, kbook, EK, task, lane);
+        else fill_task<DV, VCOPIES>(vcent, vbook, EV, task - ktasks, lane);
     }
 }
 
@@ -395,15 +416,12 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     unsigned short* kbook = (unsigned short*)smem;
     unsigned short* vbook = kbook + EK * KCOPIES * DK;
     const bool window_cta = blockIdx.y == gridDim.y - 1;
-    if (!window_cta) {
-        fill_book<DK, KCOPIES>(kcent, kbook, EK);
-        fill_book<DV, VCOPIES>(vcent, vbook, EV);
-    }
-    __syncthreads();
-
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int bh = blockIdx.x, b = bh / hkv, kvh = bh - b * hkv;
+    // The global reads a warp needs first (the lengths, the query, its first block of codes, the
+    // centroids) are all issued before the codebook fill's barrier, so that at short lengths
+    // their latencies overlap instead of adding up. The window CTA fills no codebook.
     const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
     const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
 
@@ -448,14 +466,15 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         const int lo = max(unit * chunk, start), hi = min(unit * chunk + chunk, n_coded);
         const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES;
         const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES;
-        // Lane l reads copy l % COPIES of each codebook.
-        const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
-        const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
-
         // Software pipeline over blocks: the next block's codes load while this one computes.
         int t0 = lo;
         BlockCodes cur, nxt;
         if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
+        fill_books(kcent, vcent, kbook, vbook, warp, lane);
+        __syncthreads();
+        // Lane l reads copy l % COPIES of each codebook.
+        const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
+        const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
         for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
             load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
             block_step<true>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
@@ -466,7 +485,7 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
 
     // Each warp's partial (head 8 nh + 2 tig + e; its sum spread over the lanes of one tig) goes
     // to shared memory (the codebooks are no longer needed), then the CTA merges its NWARPS
-    // partials into one: the merge kernel reads one partial per CTA, not one per warp.
+    // partials into one: the final merge reads one partial per CTA, not one per warp.
     __syncthreads();
     float* wm = (float*)smem;       // [NWARPS][G]
     float* wl = wm + NWARPS * G;    // [NWARPS][G]
@@ -525,35 +544,25 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     __syncthreads();
     if (!last_arrival) return;
     __threadfence();
+    // Online log-sum-exp over the partials, one output element per thread: every load of a
+    // partial is independent of the others, so a batch of them is in flight at once (one round
+    // trip per 8 partials rather than a max pass, a sum pass and an accumulator pass).
     const int units = gridDim.y;
     const long long row0 = (long long)bh * units * G;
-    float* wu = (float*)smem;     // [G][units]: exp2(m_u - M) per head and partial
-    float* lt = wu + G * units;   // [G]: the total sum per head
-    for (int h = warp; h < G; h += NWARPS) {
-        float mx = NEG_INF;
-        for (int u = lane; u < units; u += 32) mx = fmaxf(mx, load_cg(part_m + row0 + u * G + h));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        const float ms = mx == NEG_INF ? 0.f : mx;
-        float ls = 0.f;
-        for (int u = lane; u < units; u += 32) {
-            const float w = exp2f(load_cg(part_m + row0 + u * G + h) - ms);
-            wu[h * units + u] = w;
-            ls += w * load_cg(part_l + row0 + u * G + h);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o);
-        if (lane == 0) lt[h] = ls;
-    }
-    __syncthreads();
     unsigned short* orow = out + ((long long)b * hkv + kvh) * G * D;
     for (int i = threadIdx.x; i < G * D; i += NWARPS * 32) {
         const int h = i / D, c = i - h * D;
-        const float* pa = part_acc + (row0 + h) * D + c;
-        float a = 0.f;
+        float mx = NEG_INF, ls = 0.f, a = 0.f;
 #pragma unroll 8
-        for (int u = 0; u < units; ++u) a += wu[h * units + u] * load_cg(pa + (long long)u * G * D);
-        orow[i] = to_half(lt[h] > 0.f ? a / lt[h] : 0.f);
+        for (int u = 0; u < units; ++u) {
+            const long long p = row0 + u * G + h;
+            const float mu = load_cg(part_m + p), lu = load_cg(part_l + p), au = load_cg(part_acc + p * D + c);
+            const float mn = fmaxf(mx, mu), ms = mn == NEG_INF ? 0.f : mn;
+            const float s_old = exp2f(mx - ms), s_new = exp2f(mu - ms);
+            ls = ls * s_old + lu * s_new;
+            a = a * s_old + au * s_new;
+            mx = mn;
+        }
+        orow[i] = to_half(ls > 0.f ? a / ls : 0.f);
     }
 }
-

@@ -65,11 +65,11 @@ class Variant:
 
     def smem_bytes(self, nwarps: int) -> int:
         """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks,
-        reused at the end for the warps' partials (``nwarps x G x (D + 2)`` floats) and the final
-        merge's weights (``G x (MAX_SPLITS + 2)`` floats) when those are larger."""
+        reused at the end for the warps' partials (``nwarps x G x (D + 2)`` floats) when those
+        are larger."""
         k = self.k_entries * self.copies(self.k_entries, self.k_dims) * self.k_dims * 2
         v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
-        return max(k + v, nwarps * self.group * (self.head_dim + 2) * 4, self.group * (MAX_SPLITS + 2) * 4)
+        return max(k + v, nwarps * self.group * (self.head_dim + 2) * 4)
 
     @staticmethod
     def code_format(entries: int) -> int:
