@@ -57,7 +57,7 @@ def test_variant_shared_memory_copies_and_launch_shapes():
     # 128 KiB of codebooks leave room for one CTA per SM: it gets 12 warps rather than 4
     assert one_and_half.smem_bytes(12) == 128 * 1024
     assert cuda_decode.launches_for(one_and_half) == [(1, 12), (1, 8), (1, 4)]
-    # the warps' partials and the final merge's weights reuse the codebook memory; it is grown when they need more
+    # the warps' partials reuse the codebook memory; it is grown when they need more
     assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False).smem_bytes(4) == 32 * 1024 + 32 * 1024
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(4) == 4 * 16 * 130 * 4
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(12) == 12 * 16 * 130 * 4
