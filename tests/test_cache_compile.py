@@ -12,7 +12,9 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferCache, cache_kwargs
+from vecinfer_compile.ops.cache_append import append_reference
 from vecinfer_compile.ops.cache_ops import is_cache_kv
+from vecinfer_compile.passes.cache_append import rewrite_cache_append
 from vecinfer_compile.passes.cache_decode import (
     CACHE_READ_META,
     kv_start_from_mask,
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class CaptureBackend:
-    """Tiny local backend: the cache rewrite, then Inductor (or the graph itself when
+    """Tiny local backend: the cache passes, then Inductor (or the graph itself when
     ``inductor=False``). Keeps every rewritten graph for inspection."""
 
     def __init__(self, inductor=True):
@@ -40,6 +42,7 @@ class CaptureBackend:
         return self
 
     def __call__(self, gm, example_inputs, mode=None, options=None):
+        rewrite_cache_append(gm)
         rewrite_cache_attention(gm)
         self.graphs.append(gm)
         if not self.inductor:
@@ -101,6 +104,8 @@ def test_compiled_decode_matches_eager_and_holds_no_dequantized_kv(layer_bits):
     assert torch.equal(compiled, eager)
     assert len(backend.graphs) == 1, "decode recompiled"
     assert counters["vecinfer"]["cache_decode_rewrites"] == cfg.num_hidden_layers
+    assert counters["vecinfer"]["cache_append_torch"] == cfg.num_hidden_layers  # CPU: the torch form
+    assert sum(n.target is append_reference for n in backend.graphs[0].graph.nodes) == cfg.num_hidden_layers
     _check_rewritten_graph(backend.graphs[0], cfg.num_hidden_layers, tmax, cfg.head_dim)
     for a, b in zip(eager_cache.layers, cache.layers):  # same state after compiled updates
         assert int(a.n_coded) == int(b.n_coded) and int(a.n_window) == int(b.n_window)
@@ -208,10 +213,14 @@ def test_pass_ignores_sdpa_without_cache():
 @pytest.mark.parametrize("layer_bits", [None, [1.5, 4.0]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_compiled_decode(dtype, layer_bits):
-    """On the GPU the compiled decode runs the CUDA decode kernel for bf16 and the Triton one for
-    fp32 (one per layer's preset); fp32 must match eager."""
+    """On the GPU the compiled decode runs the CUDA decode kernel and the CUDA append for bf16, the
+    Triton kernel and the torch append for fp32 (one per layer's preset); fp32 must match eager.
+    Inductor re-inplaces the CUDA append: no copy of a cache buffer."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from torch._dynamo.utils import ReinplaceCounters
+
+    ReinplaceCounters.clear()
     torch.manual_seed(0)
     cfg = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512)
     model = LlamaForCausalLM(cfg).eval().to("cuda", dtype)
@@ -223,6 +232,9 @@ def test_cuda_compiled_decode(dtype, layer_bits):
     kernel = (torch.ops.vecinfer.decode_attention_triton if dtype == torch.float32
               else torch.ops.vecinfer.decode_attention_cuda).default
     assert sum(n.target is kernel for n in backend.graphs[0].graph.nodes) == cfg.num_hidden_layers
+    append = append_reference if dtype == torch.float32 else torch.ops.vecinfer.cache_append_cuda.default
+    assert sum(n.target is append for n in backend.graphs[0].graph.nodes) == cfg.num_hidden_layers
+    assert ReinplaceCounters.get_total_missed() == 0, dict(ReinplaceCounters._values)
     if dtype == torch.float32:
         assert torch.equal(compiled, eager)
     else:  # bf16 rounding differs between kernel and eager dequantize+SDPA: most tokens agree

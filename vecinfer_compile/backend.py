@@ -4,8 +4,9 @@
     model = torch.compile(model, backend=vecinfer_backend.configure(codebooks="cb.safetensors"))
     model = torch.compile(model, backend="vecinfer")                            # same, by name
 
-Each Dynamo graph goes through the decode rewrite over a VecInferCache
-(:func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention`), then
+Each Dynamo graph goes through the choice of each VecInferCache append's implementation
+(:func:`vecinfer_compile.passes.cache_append.rewrite_cache_append`), the decode rewrite over a
+VecInferCache (:func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention`), then
 :func:`vecinfer_compile.passes.rewrite_sdpa` for every other SDPA, then Inductor's ``compile_fx``
 (``mode``/``options`` become Inductor config patches, per call).
 
@@ -37,6 +38,7 @@ from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
 from .methods import VQ_METHODS
 from .ops.decode_kernels import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
+from .passes.cache_append import rewrite_cache_append
 from .passes.cache_decode import rewrite_cache_attention
 from .presets import get_preset
 from .quant.codebook import subvectors
@@ -194,6 +196,7 @@ class VecInferBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None):
+        rewrite_cache_append(gm, self.config.decode_kernel)
         cache_reads = rewrite_cache_attention(gm, self.config.decode_kernel)
         sites = find_sdpa_sites(gm)
         if sites:

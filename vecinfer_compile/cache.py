@@ -19,12 +19,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .codebooks import VecInferCodebooks, model_geometry
-from .quant.packing import pack_codes, packed_width
-from .quant.rows import rows_matmul
+from .ops.cache_append import transform_keys
+from .quant.packing import packed_width
 from .tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 
 __all__ = ["VecInferCache", "VecInferLayer", "cache_kwargs", "cache_window_mask"]
@@ -47,40 +46,13 @@ def cache_kwargs(cache) -> dict:
 
 def _ops():
     """Import (and so register) the vecinfer ops lazily: cache.py stays importable on its own."""
-    from . import ops  # noqa: F401  registers vecinfer::encode / decode_attention
-    from .ops import cache_ops  # noqa: F401  registers vecinfer::cache_kv
+    from . import ops  # noqa: F401  registers vecinfer::encode / decode_attention / cache_append / cache_kv
 
     return torch.ops.vecinfer
 
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
-
-
-FLUSH_DIRECT_MAX = 16  # tokens per update encoded by the plain-torch form on CUDA (more: the Triton op)
-
-
-def _encode_flush(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Stored codes (uint8, packed as :mod:`.quant.packing` says, as the op returns them) of the
-    tokens an update moves out of the window (``x`` already transformed).
-
-    Nearest centroid by ``((x - c) ** 2).sum()``, which Inductor compiles into one reduction
-    kernel parallel over sub-vectors and entries. On CUDA an update of more than
-    ``FLUSH_DIRECT_MAX`` tokens runs ``vecinfer::encode`` (Triton) instead: this form
-    materialises ``[N, E, d]`` floats when eager. Not the Triton op for the decode step's one
-    token: its scan over the entries is serial per sub-vector, 56 us per call on the H200 (3.6 ms
-    of a 17.6 ms step at B=1, T=128k). Not the op's reference form ``argmin(|x|^2 - 2 x c^T +
-    |c|^2)`` either: Inductor's CPU backend in torch 2.11 miscompiles it (the fused argmin
-    returns indices rounded down to a multiple of 8); this one compiles correctly on 2.11 and
-    2.13.
-    """
-    if x.device.type == "cuda" and x.shape[2] > FLUSH_DIRECT_MAX:
-        return torch.ops.vecinfer.encode(x, None, None, centroids)
-    entries, dims = centroids.shape
-    b, h, t, d = x.shape
-    sub = x.float().reshape(b, h, t, d // dims, 1, dims)
-    dist = ((sub - centroids) ** 2).sum(-1)
-    return pack_codes(dist.argmin(-1), entries)
 
 
 def cache_window_mask(tq: int, tk: int, residual: int, *, prefill: bool = False, device=None) -> torch.Tensor:
@@ -180,6 +152,7 @@ class VecInferLayer(CacheLayerMixin):
         self._empty = True  # Python flag: prefill (first update) vs decode; guarded by Dynamo
         self.is_initialized = False
         self.k_codes = self.v_codes = self.k_window = self.v_window = self.n_coded = self.n_window = None
+        self.append_arrivals = None
         if batch_size is not None:
             self._allocate(batch_size)
 
@@ -203,7 +176,8 @@ class VecInferLayer(CacheLayerMixin):
         self.v_window = torch.zeros(b, h, self.residual, self.head_dim, dtype=self.dtype, device=dev)
         self.n_coded = torch.zeros((), dtype=torch.int64, device=dev)
         self.n_window = torch.zeros((), dtype=torch.int64, device=dev)
-        for t in self._static_tensors():
+        self.append_arrivals = torch.zeros(1, dtype=torch.int32, device=dev)  # CUDA append scratch, zero between calls
+        for t in [*self._static_tensors(), self.append_arrivals]:
             torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
@@ -258,16 +232,12 @@ class VecInferLayer(CacheLayerMixin):
     def transform_keys(self, k: torch.Tensor) -> torch.Tensor:
         """``K~ = ((K - mu) / lam) @ H`` (or ``(K - mu) @ key_matrix``; ``mu`` only when centred)
         computed in float32, returned in the cache dtype."""
-        work = k.float()
-        if self.key_mean is not None:
-            work = work - self.key_mean[None, :, None, :]
-        if self.lam is not None:
-            work = work / self.lam[None, :, None, :]
-        if self.key_matrix is not None:
-            work = rows_matmul(work, self.key_matrix)
-        if self.rotation is not None:
-            work = rows_matmul(work, self.rotation)
-        return work.to(self.dtype)
+        return transform_keys(k.to(self.dtype), self.key_mean, self.lam, self._key_matrix())
+
+    def _key_matrix(self) -> torch.Tensor | None:
+        """The one matrix of the key transform: ``key_matrix`` (query-aware, Hadamard folded in)
+        or the rotation."""
+        return self.key_matrix if self.key_matrix is not None else self.rotation
 
     # -- update --------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -299,47 +269,20 @@ class VecInferLayer(CacheLayerMixin):
         return k, v
 
     def _append(self, k: torch.Tensor, v: torch.Tensor):
-        """Append ``T`` tokens without data-dependent Python (compiles with fullgraph=True).
-
-        Virtual sequence ``S = window[:w] ++ new[:T]`` (``w = n_window``). The first
-        ``f = w + T - min(w + T, R)`` tokens of ``S`` are encoded into code slots
-        ``n_coded .. n_coded + f``; the window becomes ``S[f:]``. ``S[v]`` sits at index ``v`` of
-        ``cat(window, new)`` if ``v < w``, else at ``R + v - w``. Codes computed for ``S[f:T]``
-        are written to slots ``n_coded + f .. n_coded + T`` (in bounds when the tokens fit, beyond
-        the new ``n_coded``, so never read) instead of branching.
-        """
+        """Append ``T`` tokens with ``vecinfer::cache_append`` (:mod:`.ops.cache_append`: no
+        data-dependent Python, so it compiles with fullgraph=True; one CUDA launch per decode
+        step where the kernel runs), then read the layer back."""
         t = k.shape[2]
-        r = self.residual
-        dev = self.device
         total = None  # eager: the tokens held after this update (one host sync)
         if not _is_compiling():
             total = self._valid_length() + t
             if total > self.max_cache_len:
                 raise self._overflow(total)
-        kt = self.transform_keys(k)
-        c, w = self.n_coded, self.n_window
-        ck = torch.cat([self.k_window, kt], dim=2)
-        cv = torch.cat([self.v_window, v], dim=2)
-        w_new = torch.clamp(w + t, max=r)
-        f = w + t - w_new
-
-        def source(virtual: torch.Tensor) -> torch.Tensor:
-            idx = torch.where(virtual < w, virtual, virtual - w + r)
-            return idx.clamp(0, r + t - 1)
-
-        j = torch.arange(t, device=dev)
-        flush = source(j)
-        k_flush = _encode_flush(ck.index_select(2, flush), self.key_centroids)
-        v_flush = _encode_flush(cv.index_select(2, flush), self.value_centroids)
-        pos = (c + j).clamp(max=self.max_cache_len - 1)
-        self.k_codes.index_copy_(2, pos, k_flush)
-        self.v_codes.index_copy_(2, pos, v_flush)
-        if r > 0:
-            keep = source(f + torch.arange(r, device=dev))
-            self.k_window.copy_(ck.index_select(2, keep))
-            self.v_window.copy_(cv.index_select(2, keep))
-        self.n_coded.add_(f)
-        self.n_window.copy_(w_new)
+        torch.ops.vecinfer.cache_append(
+            k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
+            self.append_arrivals, self.key_centroids, self.value_centroids, self.key_mean, self.lam,
+            self._key_matrix(),
+        )
         if total is None:
             return self._read(torch.ops.vecinfer)
         return self._eager_read(t, total)
@@ -349,16 +292,16 @@ class VecInferLayer(CacheLayerMixin):
         return int(self.n_coded) + int(self.n_window)
 
     def _eager_read(self, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What an eager update of ``t`` tokens returns, ``n`` tokens held after it: the valid slots
-        dequantized (not every slot of ``max_cache_len``), as ``[B, H, n, D]`` for a chunk (``t >
-        1``; ``get_mask_sizes`` gives HF's mask the same length), zero-padded to ``max_cache_len``
-        for one token, whose mask ``generate()`` builds before it knows whether the step runs
-        compiled (static length)."""
-        k, v = self._read(torch.ops.vecinfer, n)
+        """What an eager update of ``t`` tokens returns, ``n`` tokens held after it: for a chunk
+        (``t > 1``) the valid slots dequantized, ``[B, H, n, D]`` (``get_mask_sizes`` gives HF's
+        mask the same length); for one token every slot, as the compiled step's read (``generate()``
+        builds that mask before it knows whether the step runs compiled; the mask hides the empty
+        slots). Reading all slots at once rather than padding the valid ones keeps the step's
+        dequantized K/V at one copy: it is most of the memory of generate()'s first, eager step
+        at large batches."""
         if t > 1:
-            return k, v
-        pad = self.max_cache_len - n
-        return F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+            return self._read(torch.ops.vecinfer, n)
+        return self._read(torch.ops.vecinfer)
 
     def _read(self, ops, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``vecinfer::cache_kv`` (K in the original domain, V), then, for the query-aware
@@ -424,7 +367,8 @@ class VecInferLayer(CacheLayerMixin):
     # -- lifecycle -------------------------------------------------------------------------------
     def reset(self) -> None:
         if self.is_initialized:
-            for t in (self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window):
+            for t in (self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
+                      self.append_arrivals):
                 t.zero_()
         self._empty = True
 

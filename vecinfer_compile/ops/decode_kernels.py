@@ -1,10 +1,13 @@
-"""Which kernel runs ``vecinfer::decode_attention`` on CUDA: the CUDA kernel or the Triton one.
+"""Which kernel runs ``vecinfer::decode_attention`` on CUDA: the CUDA kernel or the Triton one; and
+whether ``vecinfer::cache_append`` runs the CUDA kernel or its torch form (compiled by Inductor).
 
 Requests, strongest first: :func:`use_decode_kernel` (the backend's ``decode_kernel`` option
 sets it while it compiles), the environment variable ``VECINFER_DECODE_KERNEL`` (benchmarks),
 then ``"auto"``. ``"auto"`` runs the CUDA kernel when it supports the inputs and builds on this
 machine, else the Triton kernel, and logs one line saying why (once per reason). An explicit
 ``"cuda"`` that cannot run raises instead: an explicit request never falls back silently.
+One request covers both ops: ``"triton"`` runs no CUDA kernel (the Triton decode kernel and the
+append as torch ops), ``"cuda"`` requires both CUDA kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 
 import torch
 
-from . import cuda_decode
+from . import cuda_append, cuda_decode
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +73,26 @@ def choose(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor, v_
         _logged.add(reason)
         log.log(level, "vecinfer: decode attention runs the Triton kernel: %s", reason)
     return "triton"
+
+
+def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
+                  k_centroids, v_centroids, key_mean, lam, key_matrix) -> str:
+    """``"cuda"`` or ``"torch"`` for a ``vecinfer::cache_append`` call on CUDA tensors (the op's
+    arguments; shapes and dtypes only, so it works on fake tensors; may compile the kernel once).
+    Several new tokens (a prefill chunk) always take the torch form, whose encode is the Triton
+    kernel for many tokens; the request governs the one-token decode append."""
+    want = requested()
+    if want == "triton" or int(key.shape[2]) != 1:
+        return "torch"
+    reason, level = cuda_append.unsupported_reason(key, k_window, k_centroids, v_centroids), logging.INFO
+    if reason is None:
+        reason, level = cuda_append.build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix), logging.WARNING
+    if reason is None:
+        return "cuda"
+    if want == "cuda":
+        raise RuntimeError(f"decode_kernel='cuda' was requested but the cache append cannot run on CUDA: {reason}; "
+                           "request 'auto' or 'triton'")
+    if reason not in _logged:
+        _logged.add(reason)
+        log.log(level, "vecinfer: the cache append runs as torch ops: %s", reason)
+    return "torch"

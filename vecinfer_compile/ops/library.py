@@ -24,6 +24,11 @@ Schemas::
         Tensor? kv_start, float scale) -> Tensor
     vecinfer::decode_attention_cuda(...same...) -> Tensor
     vecinfer::decode_attention_triton(...same...) -> Tensor
+    vecinfer::cache_append_cuda(...the schema of vecinfer::cache_append...) -> ()
+
+``cache_append_cuda`` is the CUDA kernel of :mod:`.cuda_append` as an opaque ``custom_op`` that
+mutates the cache buffers in place (Inductor re-inplaces it: no copies of the buffers); the
+dispatching op ``vecinfer::cache_append`` and its torch form are in :mod:`.cache_append`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import decode_kernels, reference
+from .cuda_append import cache_append_cuda
 from .cuda_decode import decode_attention_cuda
 from .triton_attention import attention_triton
 from .triton_decode import decode_attention_triton
@@ -125,8 +131,14 @@ def _decode_attention_cuda_fake(q, k_codes, v_codes, k_centroids, v_centroids, n
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+APPEND_MUTATES = ("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", "arrivals")
+
+
 def register() -> None:
     """Register the ops (a no-op for those already registered in this process)."""
+    if not _is_registered("cache_append_cuda"):
+        op = torch.library.custom_op(f"{NAMESPACE}::cache_append_cuda", cache_append_cuda, mutates_args=APPEND_MUTATES)
+        op.register_fake(lambda *args: None)
     if not _is_registered("decode_attention_cuda"):
         op = torch.library.custom_op(f"{NAMESPACE}::decode_attention_cuda", decode_attention_cuda, mutates_args=())
         op.register_fake(_decode_attention_cuda_fake)

@@ -1,0 +1,141 @@
+"""``vecinfer::cache_append``: append new tokens to one :class:`~vecinfer_compile.cache.VecInferCache`
+layer, in place.
+
+Schema::
+
+    vecinfer::cache_append(Tensor key, Tensor value, Tensor(a!) k_codes, Tensor(b!) v_codes,
+        Tensor(c!) k_window, Tensor(d!) v_window, Tensor(e!) n_coded, Tensor(f!) n_window,
+        Tensor(g!) arrivals, Tensor k_centroids, Tensor v_centroids, Tensor? key_mean,
+        Tensor? lam, Tensor? key_matrix) -> ()
+
+``key``/``value`` ``[B, Hkv, T, D]`` are the new tokens (keys before the transform). The new keys
+become ``K~ = ((key - key_mean) / lam) @ key_matrix`` (float32, each factor optional, rounded to
+the window dtype; ``key_matrix`` is ``[D, D]`` or one per KV head ``[Hkv, D, D]``). With ``w =
+n_window`` and ``R`` window slots, the virtual sequence ``window[:w] ++ new`` keeps its last
+``min(w + T, R)`` tokens in the window; the ones before are encoded into code slots ``n_coded ..``
+and ``n_coded`` advances by their count. ``arrivals`` (int32 ``[1]``, zero) is scratch for the
+CUDA kernel.
+
+Implementations: :func:`append_reference` (pure torch, any T; it is also what Inductor compiles
+when the CUDA kernel does not run) and ``vecinfer::cache_append_cuda`` (:mod:`.cuda_append`, one
+launch, T = 1). The op itself is ``CompositeImplicitAutograd``: run eagerly it dispatches to
+the CUDA kernel when :func:`.decode_kernels.choose_append` picks it, else runs the reference. In
+a compiled graph the backend's pass (:mod:`vecinfer_compile.passes.cache_append`) makes that choice
+part of the graph instead (so Inductor's caches key on it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.packing import pack_codes
+from ..quant.rows import rows_matmul
+from . import decode_kernels
+
+NAMESPACE = "vecinfer"
+SCHEMA = (
+    "cache_append(Tensor key, Tensor value, Tensor(a!) k_codes, Tensor(b!) v_codes, Tensor(c!) k_window, "
+    "Tensor(d!) v_window, Tensor(e!) n_coded, Tensor(f!) n_window, Tensor(g!) arrivals, Tensor k_centroids, "
+    "Tensor v_centroids, Tensor? key_mean, Tensor? lam, Tensor? key_matrix) -> ()"
+)
+FLUSH_DIRECT_MAX = 16  # tokens per update encoded by the plain-torch form on CUDA (more: the Triton op)
+
+
+def transform_keys(k: torch.Tensor, key_mean: torch.Tensor | None, lam: torch.Tensor | None,
+                   key_matrix: torch.Tensor | None) -> torch.Tensor:
+    """``K~ = ((k - key_mean) / lam) @ key_matrix`` for ``k: [B, Hkv, T, D]``, computed in float32
+    and returned in ``k.dtype`` (``key_mean``/``lam`` ``[Hkv, D]``, ``key_matrix`` ``[D, D]`` or
+    ``[Hkv, D, D]``; each may be None)."""
+    work = k.float()
+    if key_mean is not None:
+        work = work - key_mean[None, :, None, :]
+    if lam is not None:
+        work = work / lam[None, :, None, :]
+    if key_matrix is not None:
+        work = rows_matmul(work, key_matrix)
+    return work.to(k.dtype)
+
+
+def encode_flush(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Stored codes (uint8, packed as :mod:`..quant.packing` says) of the tokens an update moves
+    out of the window (``x`` already transformed).
+
+    Nearest centroid by ``((x - c) ** 2).sum()``, which Inductor compiles into one reduction
+    kernel parallel over sub-vectors and entries. On CUDA an update of more than
+    ``FLUSH_DIRECT_MAX`` tokens runs ``vecinfer::encode`` (Triton) instead: this form
+    materialises ``[N, E, d]`` floats when eager. Not the Triton op for a decode step's one
+    token: its scan over the entries is serial per sub-vector (56 us per call on the H200). Not
+    the op's reference form ``argmin(|x|^2 - 2 x c^T + |c|^2)`` either: Inductor's CPU backend in
+    torch 2.11 miscompiles it (the fused argmin returns indices rounded down to a multiple of 8);
+    this one compiles correctly on 2.11 and 2.13.
+    """
+    if x.device.type == "cuda" and x.shape[2] > FLUSH_DIRECT_MAX:
+        return torch.ops.vecinfer.encode(x, None, None, centroids)
+    entries, dims = centroids.shape
+    b, h, t, d = x.shape
+    sub = x.float().reshape(b, h, t, d // dims, 1, dims)
+    dist = ((sub - centroids) ** 2).sum(-1)
+    return pack_codes(dist.argmin(-1), entries)
+
+
+def append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
+                     k_centroids, v_centroids, key_mean, lam, key_matrix) -> None:
+    """The op's semantics in torch, without data-dependent Python (compiles with fullgraph=True).
+
+    Virtual sequence ``S = window[:w] ++ new[:T]``. The first ``f = w + T - min(w + T, R)``
+    tokens of ``S`` are encoded into code slots ``n_coded .. n_coded + f``; the window becomes
+    ``S[f:]``. ``S[v]`` sits at index ``v`` of ``cat(window, new)`` if ``v < w``, else at ``R + v
+    - w``. Codes computed for ``S[f:T]`` are written to slots ``n_coded + f .. n_coded + T`` (in
+    bounds when the tokens fit, beyond the new ``n_coded``, so never read) instead of branching.
+    ``arrivals`` is unused."""
+    t, r, tmax, dev = key.shape[2], k_window.shape[2], k_codes.shape[2], key.device
+    kt = transform_keys(key, key_mean, lam, key_matrix)
+    c, w = n_coded, n_window
+    ck = torch.cat([k_window, kt], dim=2)
+    cv = torch.cat([v_window, value], dim=2)
+    w_new = torch.clamp(w + t, max=r)
+    f = w + t - w_new
+
+    def source(virtual: torch.Tensor) -> torch.Tensor:
+        idx = torch.where(virtual < w, virtual, virtual - w + r)
+        return idx.clamp(0, r + t - 1)
+
+    j = torch.arange(t, device=dev)
+    flush = source(j)
+    k_flush = encode_flush(ck.index_select(2, flush), k_centroids)
+    v_flush = encode_flush(cv.index_select(2, flush), v_centroids)
+    pos = (c + j).clamp(max=tmax - 1)
+    k_codes.index_copy_(2, pos, k_flush)
+    v_codes.index_copy_(2, pos, v_flush)
+    if r > 0:
+        keep = source(f + torch.arange(r, device=dev))
+        k_window.copy_(ck.index_select(2, keep))
+        v_window.copy_(cv.index_select(2, keep))
+    n_coded.add_(f)
+    n_window.copy_(w_new)
+
+
+def _cache_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
+                  k_centroids, v_centroids, key_mean, lam, key_matrix) -> None:
+    args = (key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
+            k_centroids, v_centroids, key_mean, lam, key_matrix)
+    if key.device.type == "cuda" and decode_kernels.choose_append(*args) == "cuda":
+        torch.ops.vecinfer.cache_append_cuda(*args)
+    else:
+        append_reference(*args)
+
+
+def _is_registered(name: str) -> bool:
+    return hasattr(getattr(torch.ops, NAMESPACE), name)
+
+
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # kept alive: it owns the registration
+if not _is_registered("cache_append"):
+    _LIBRARY.define(SCHEMA)
+    _LIBRARY.impl("cache_append", _cache_append, "CompositeImplicitAutograd")
+
+
+def is_cache_append(target) -> bool:
+    """Whether an FX node target is this op (packet or overload)."""
+    op = torch.ops.vecinfer.cache_append
+    return target is op or target is op.default
