@@ -51,6 +51,17 @@ reports the in-run tok/s alone:
     python benchmarks/bench_generate.py --isolate --until-error --in-run-only --prefill-chunk 1024 \
         --methods ours,fp16 --cases 16x32768,24x32768,32x32768,64x32768,128x32768 --new-tokens 8
 
+``--synthetic-prefill N`` replaces the prefill of ours and fp16 by a stand-in, for the largest
+batches, whose real prefill takes minutes (ours at 32 rows of 32k: about 3): the first N tokens
+go through the model (allocating the cache), then every layer is set to hold the prompt's T - 1
+tokens, the older ones with random content (random codes for ours: random centroid gathers, as a
+real cache has; normal noise for fp16). The timed decode step does the same work as after a real
+prefill (its cost does not depend on the cached values); peak memory then counts the cache and
+the decode step, not a prefill's activations. Rows say ``synthetic_prefill``:
+
+    python benchmarks/bench_generate.py --isolate --until-error --in-run-only --synthetic-prefill 1024 \
+        --methods ours --cases 128x32768,192x32768,256x32768 --new-tokens 8
+
 ``--geometry 70b --layers 8`` picks Llama-3.1-70B's geometry with 8 decoder layers (the default
 is the 8B geometry, all 32 layers).
 
@@ -86,7 +97,7 @@ import torch
 from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
-from fp16_valid_cache import ValidLengthCache, restore_attention, use_valid_length_attention
+from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attention, use_valid_length_attention
 from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 from vecinfer_compile.tensor_parallel import total_kv_bytes  # noqa: E402
 
@@ -114,9 +125,12 @@ class Runner:
     appended to a non-empty VecInferCache reads the older tokens from codes, so the prompt's
     numerics differ from a one-shot prefill; the decode step that is timed is the same."""
 
-    def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual, prefill_chunk: int = 0):
+    def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual, prefill_chunk: int = 0,
+                 synthetic_prefill: int = 0):
         self.method, self.model, self.setup = method, model, setup
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.synthetic_prefill = prefill_chunk, synthetic_prefill
+        if synthetic_prefill and method not in ("ours", "fp16"):
+            raise ValueError(f"--synthetic-prefill fills the caches of ours and fp16 only, not {method}")
         self.cache, self.compile_config, self.previous_attention = None, None, None
         if method == "ours":
             from vecinfer_compile.backend import vecinfer_backend
@@ -154,7 +168,9 @@ class Runner:
         kwargs = {} if self.compile_config is None else {"compile_config": self.compile_config}
         C.sync(self.setup.device)
         t0 = time.perf_counter()
-        if self.prefill_chunk and ids.shape[1] > self.prefill_chunk:
+        if self.synthetic_prefill and ids.shape[1] > self.synthetic_prefill + 1:
+            synthetic_prefill(self.model, ids, cache, self.synthetic_prefill, self.prefill_chunk or self.synthetic_prefill)
+        elif self.prefill_chunk and ids.shape[1] > self.prefill_chunk:
             prefill_in_chunks(self.model, ids, cache, self.prefill_chunk)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -184,6 +200,29 @@ def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
         model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]), **cache_kwargs(cache),
               use_cache=True, position_ids=position[None].expand(ids.shape[0], -1), cache_position=position,
               logits_to_keep=1)
+
+
+@torch.no_grad()
+def synthetic_prefill(model, ids: torch.Tensor, cache, real: int, chunk: int) -> None:
+    """The stand-in for a prefill of all but the last of ``ids: [B, T]`` (``--synthetic-prefill``):
+    ``real`` tokens through the model in chunks of ``chunk``, then every layer holds ``T - 1``
+    tokens: ours' code slots random bytes (valid codes in both storage formats) with the window
+    as the real tokens left it; fp16's slots past the real ones normal noise."""
+    from vecinfer_compile.cache import VecInferLayer
+
+    held = ids.shape[1] - 1
+    prefill_in_chunks(model, ids[:, :real + 1], cache, chunk)
+    for layer in cache.layers:
+        if isinstance(layer, VecInferLayer):
+            layer.k_codes.random_(0, 256)
+            layer.v_codes.random_(0, 256)
+            layer.n_coded.fill_(held - int(layer.n_window))
+        elif isinstance(layer, ValidLengthLayer):
+            layer.k_store[:, real:held].normal_()
+            layer.v_store[:, real:held].normal_()
+            layer.length.fill_(held)
+        else:
+            raise TypeError(f"--synthetic-prefill cannot fill a {type(layer).__name__}")
 
 
 def _compiled_graphs() -> int:
@@ -267,11 +306,14 @@ def kv_bytes_per_rank(cache) -> list[int]:
 
 
 def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
-               profile_steps: int = 0, prefill_chunk: int = 0, in_run_only: bool = False) -> dict:
+               profile_steps: int = 0, prefill_chunk: int = 0, in_run_only: bool = False,
+               synthetic: int = 0) -> dict:
     dev = setup.device
     row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens}
     if prefill_chunk:
         row["prefill_chunk"] = prefill_chunk
+    if synthetic:
+        row["synthetic_prefill"] = synthetic
     if in_run_only:
         row["in_run_only"] = True
     reset_compiled(model)
@@ -279,7 +321,7 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
     gen = torch.Generator(device=dev).manual_seed(length * 131 + batch)
     ids = torch.randint(3, vocab, (batch, length), device=dev, generator=gen)
     cache_len = length + max(new_tokens, profile_steps + 3)  # the profiled run makes steps + 3 tokens
-    runner = Runner(method, model, setup, codebooks, batch, cache_len, residual, prefill_chunk)
+    runner = Runner(method, model, setup, codebooks, batch, cache_len, residual, prefill_chunk, synthetic)
     try:
         graphs_before = _compiled_graphs()
         t0 = time.perf_counter()
@@ -362,7 +404,7 @@ def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> l
     """The options a child process of ``--isolate`` needs to measure the same thing."""
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
            "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry,
-           "--prefill-chunk", str(args.prefill_chunk)]
+           "--prefill-chunk", str(args.prefill_chunk), "--synthetic-prefill", str(args.synthetic_prefill)]
     if args.in_run_only:
         out.append("--in-run-only")
     if args.layers:
@@ -403,6 +445,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
                     help="every method prefills in eager chunks of N tokens before generate() (default 0: "
                          "at once)")
+    ap.add_argument("--synthetic-prefill", type=int, default=0, metavar="N",
+                    help="ours and fp16: N real prompt tokens, then the cache set to hold the rest with random "
+                         "content (for the largest batches; the decode step's work is the same)")
     ap.add_argument("--until-error", action="store_true",
                     help="once a method fails at some batch size (out of memory), skip it at the larger batch "
                          "sizes of the same length: with --cases 16x32768,32x32768,... the largest batch that fits")
@@ -462,6 +507,8 @@ def main(argv=None) -> list[dict]:
           f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
           f"tok/s = B*(N-1)/(t(N)-t(1)); in-run = per-step timestamps of the N run; "
           f"prefill s = t(1); warm-up s includes compilation; peak = max allocated incl. weights"
+          + (f"; SYNTHETIC prefill: {args.synthetic_prefill} real tokens, the rest random cache content"
+             if args.synthetic_prefill else "")
           + ("; KV/GPU = rank 0's cache bytes, KV total = all ranks'" if tp else ""))
     print(HEADER + (TP_HEADER if tp else ""))
     print("|---" * (HEADER.count("|") - 1 + (3 if tp else 0)) + "|", flush=True)
@@ -475,7 +522,8 @@ def main(argv=None) -> list[dict]:
             else:
                 try:
                     row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
-                                     warmup_len, args.profile, args.prefill_chunk, args.in_run_only)
+                                     warmup_len, args.profile, args.prefill_chunk, args.in_run_only,
+                                     args.synthetic_prefill)
                 except Exception as exc:  # OOM, compile failure...: report and go on
                     row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
                     del exc

@@ -10,7 +10,7 @@
 #   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json at B=1,
 #                                  OUT/generate-wide.json at B=16; every method prefills in 4096-token chunks)
 #   maxbatch  -> OUT/maxbatch.txt  the largest batch at T=32k, FP16 then ours (OUT/maxbatch-{fp16,ours}.json;
-#                                  not in the default STREAMS)
+#                                  synthetic prefill: random cache content; not in the default STREAMS)
 #   accuracy  -> OUT/accuracy.txt  eval-ppl eager vs compile at 2 and 1.5 bits; greedy tokens through
 #                                  the cache (eager and compiled) vs the simulate path
 # CODEBOOK_DIR holds vecinfer-2bit.safetensors and vecinfer-1.5bit.safetensors for MODEL_DIR;
@@ -25,7 +25,7 @@ V="python -m vecinfer_compile"
 # The `cuda` tests in named groups, each measured under 5 minutes on an H200 (decode ~1 min,
 # triton ~1.7, cache ~2.7, windowed ~3.3); TEST_GROUPS picks some, e.g. TEST_GROUPS="decode windowed".
 declare -A TEST_GROUP=(
-    [decode]="tests/test_ops_cuda_decode.py"
+    [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py"
     [triton]="tests/test_ops_triton.py"
     [cache]="tests/test_cache_compile.py tests/test_qaware.py tests/test_needle.py tests/test_ops_library.py tests/test_benchmarks_smoke.py"
     [windowed]="tests/test_windowed.py"
@@ -63,15 +63,18 @@ generate() {
 }
 
 maxbatch() {
-    # one list of batch sizes per method: FP16's cache fills the GPU near 30 rows at 32k, ours' near
-    # 240, and a row's chunked prefill is most of its time (ours at 32 rows: ~3 min in an earlier run)
+    # one list of batch sizes per method, each (case, method) in its own process. The prompt is a
+    # synthetic prefill (1024 real tokens, the rest random cache content): a real one of 32 rows
+    # takes minutes. FP16's cache fills the GPU near 30 rows at 32k (28 fit on an H200, 30 did not);
+    # ours' cache would fit ~240, but generate()'s first, eager step dequantizes the whole cache
+    # for HF's attention (and repeats it per query head): that step is the limit (176 did not fit)
     local m cases
     for m in fp16 ours; do
-        if [ $m = fp16 ]; then cases=${MAXBATCH_FP16_CASES:-24x32768,28x32768,32x32768}
-        else cases=${MAXBATCH_OURS_CASES:-32x32768,64x32768,128x32768}; fi
+        if [ $m = fp16 ]; then cases=${MAXBATCH_FP16_CASES:-24x32768,28x32768,30x32768}
+        else cases=${MAXBATCH_OURS_CASES:-64x32768,128x32768,160x32768}; fi
         sec largest batch at T=32k: $m; timeout ${MAXBATCH_TIMEOUT:-560} python benchmarks/bench_generate.py --isolate \
-            --until-error --in-run-only --prefill-chunk 1024 --methods $m --new-tokens 8 --json "$OUT/maxbatch-$m.json" \
-            --cases $cases
+            --until-error --in-run-only --synthetic-prefill 1024 --prefill-chunk 128 --warmup-len 128 --methods $m \
+            --new-tokens 8 --json "$OUT/maxbatch-$m.json" --cases $cases
     done
 }
 

@@ -330,6 +330,15 @@ def test_cache_kv_opcheck(lam, rot, bits):
     torch.library.opcheck(torch.ops.vecinfer.cache_kv.default, _cache_kv_args(lam, rot, bits))
 
 
+def test_cache_kv_row_chunks_equal_one_pass(monkeypatch):
+    """The read computed one batch row at a time (as at large batches) equals the one-pass read."""
+    args = _cache_kv_args()
+    whole = torch.ops.vecinfer.cache_kv(*args)
+    monkeypatch.setattr(cache_ops, "ROW_CHUNK_ELEMENTS", 1)
+    for got, want in zip(torch.ops.vecinfer.cache_kv(*args), whole):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("bits", [2.0, 1.5])
 def test_cache_kv_matches_keys_inverse(bits):
     args = _cache_kv_args(bits=bits)

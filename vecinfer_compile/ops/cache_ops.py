@@ -72,6 +72,9 @@ def _assemble(codes, centroids, n_coded, window, n_window) -> torch.Tensor:
     return torch.where((t < n_coded)[:, None], dec, out)
 
 
+ROW_CHUNK_ELEMENTS = 1 << 26  # float32 elements of K (or V) dequantized at once: 256 MiB of temporaries
+
+
 @torch.library.custom_op(QUALNAME, mutates_args=())
 def cache_kv(
     k_codes: torch.Tensor,
@@ -85,14 +88,26 @@ def cache_kv(
     lam: torch.Tensor | None,
     rotation: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Computed a few batch rows at a time into outputs of the window dtype, so the float32
+    temporaries stay near :data:`ROW_CHUNK_ELEMENTS` whatever the batch (at 160 rows of 32k the
+    whole-batch form needed 20 GiB more than the outputs)."""
     _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation)
-    kt = _assemble(k_codes, k_centroids, n_coded, k_window, n_window)
-    if rotation is not None:
-        kt = kt @ rotation.float().T
-    if lam is not None:
-        kt = kt * lam.float()[None, :, None, :]
-    v = _assemble(v_codes, v_centroids, n_coded, v_window, n_window)
-    return kt.to(k_window.dtype), v.to(v_window.dtype)
+    b, h, tmax, _ = k_codes.shape
+    d = k_window.shape[-1]
+    k_out = k_window.new_empty((b, h, tmax, d))
+    v_out = v_window.new_empty((b, h, tmax, d))
+    rows = max(1, ROW_CHUNK_ELEMENTS // max(h * tmax * d, 1))
+    for i in range(0, b, rows):
+        j = min(i + rows, b)
+        kt = _assemble(k_codes[i:j], k_centroids, n_coded, k_window[i:j], n_window)
+        if rotation is not None:
+            kt = kt @ rotation.float().T
+        if lam is not None:
+            kt = kt * lam.float()[None, :, None, :]
+        k_out[i:j] = kt
+        del kt
+        v_out[i:j] = _assemble(v_codes[i:j], v_centroids, n_coded, v_window[i:j], n_window)
+    return k_out, v_out
 
 
 @cache_kv.register_fake
