@@ -87,6 +87,7 @@ class VecInferLayer(CacheLayerMixin):
     - ``k_window`` (transformed keys ``K~``), ``v_window`` (raw values) ``[B, H, R, D]`` in the
       model dtype: slot ``s < n_window`` holds position ``n_coded + s``.
     - ``n_coded``, ``n_window``: 0-d int64 tensors (never Python ints: no recompiles).
+    - ``append_arrivals``: int32 ``[1]``, zero between updates: the CUDA append's arrival counter.
     - ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``, ``lam [H, D]`` (or None), float32;
       ``rotation [D, D]`` float32 (or None), shared by all layers of a cache.
     - query-aware methods: ``key_matrix [H, D, D] = A @ H`` (keys into the code domain) and
