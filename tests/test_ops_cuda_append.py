@@ -97,6 +97,39 @@ def test_reference_is_the_op_on_cpu():
     assert int(args["n_coded"]) == 4 and int(args["n_window"]) == 2
 
 
+def test_pass_applies_a_request_to_every_layer():
+    """The backend's pass over a graph of several appends (fake CUDA tensors, no GPU needed) with
+    a request in force: each node gets the requested form (the request is entered once)."""
+    import torch.fx as fx
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vecinfer_compile.passes.cache_append import rewrite_cache_append
+
+    gen = torch.Generator().manual_seed(2)
+    real = _args(gen, b=1, hkv=2, d=64, tmax=8, r=2, n_coded=0, n_window=0, kspec=(256, 4), vspec=(256, 4),
+                 dtype=torch.bfloat16)
+    graph = fx.Graph()
+    with FakeTensorMode():
+        fakes = {k: None if v is None else torch.empty(v.shape, dtype=v.dtype, device="cuda") for k, v in real.items()}
+    for _ in range(3):  # three layers
+        args = []
+        for name, fake in fakes.items():
+            if fake is None:
+                args.append(None)
+                continue
+            node = graph.placeholder(f"{name}_{len(graph.nodes)}")
+            node.meta["example_value"] = fake
+            args.append(node)
+        graph.call_function(torch.ops.vecinfer.cache_append.default, tuple(args))
+    graph.output(None)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    counters.clear()
+    assert rewrite_cache_append(gm, "triton") == 3
+    assert sum(n.target is append_reference for n in gm.graph.nodes) == 3
+    assert counters["vecinfer"]["cache_append_torch"] == 3
+
+
 # --- GPU -----------------------------------------------------------------------------------------
 
 def _check_append(before, got, want):

@@ -233,7 +233,7 @@ class VecInferLayer(CacheLayerMixin):
     def transform_keys(self, k: torch.Tensor) -> torch.Tensor:
         """``K~ = ((K - mu) / lam) @ H`` (or ``(K - mu) @ key_matrix``; ``mu`` only when centred)
         computed in float32, returned in the cache dtype."""
-        return transform_keys(k.to(self.dtype), self.key_mean, self.lam, self._key_matrix())
+        return transform_keys(k, self.key_mean, self.lam, self._key_matrix()).to(self.dtype)
 
     def _key_matrix(self) -> torch.Tensor | None:
         """The one matrix of the key transform: ``key_matrix`` (query-aware, Hadamard folded in)

@@ -25,13 +25,7 @@ from torch._dynamo.utils import counters
 
 from ..ops import decode_kernels
 from ..ops.cache_append import append_reference, is_cache_append
-
-
-def _example(arg):
-    if not isinstance(arg, fx.Node):
-        return arg  # None for an absent optional tensor
-    value = arg.meta.get("example_value", arg.meta.get("val"))
-    return value if isinstance(value, torch.Tensor) else None
+from .cache_decode import _example
 
 
 def rewrite_cache_append(gm: fx.GraphModule, decode_kernel: str | None = None) -> int:
@@ -40,18 +34,17 @@ def rewrite_cache_append(gm: fx.GraphModule, decode_kernel: str | None = None) -
     or auto). Returns the number of nodes replaced; recompiles ``gm`` if any."""
     done = 0
     request = contextlib.nullcontext() if decode_kernel is None else decode_kernels.use_decode_kernel(decode_kernel)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not is_cache_append(node.target):
-            continue
-        examples = [_example(a) for a in node.args]
-        key = examples[0]
-        kernel = "torch"
-        if key is not None and key.device.type == "cuda":
-            with request:
-                kernel = decode_kernels.choose_append(*examples)
-        node.target = torch.ops.vecinfer.cache_append_cuda.default if kernel == "cuda" else append_reference
-        counters["vecinfer"][f"cache_append_{kernel}"] += 1
-        done += 1
+    with request:  # entered once: the request's context manager is not re-entrant
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or not is_cache_append(node.target):
+                continue
+            examples = [_example(a) if isinstance(a, fx.Node) else a for a in node.args]  # None: an absent optional
+            key = examples[0]
+            cuda = key is not None and key.device.type == "cuda"
+            kernel = decode_kernels.choose_append(*examples) if cuda else "torch"
+            node.target = torch.ops.vecinfer.cache_append_cuda.default if kernel == "cuda" else append_reference
+            counters["vecinfer"][f"cache_append_{kernel}"] += 1
+            done += 1
     if done:
         gm.recompile()
     return done
