@@ -130,7 +130,7 @@ class VecInferLayer(CacheLayerMixin):
         self.batch_size, self.num_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         self.k_head_dim = self.v_head_dim = head_dim
         self.max_cache_len, self.residual = max_cache_len, residual
-        self.dtype, self.device, self.layer_idx = dtype, torch.device(device), layer_idx
+        self.dtype, self.device, self.layer_idx = dtype, _indexed(device), layer_idx
         dk, dv = key_centroids.shape[1], value_centroids.shape[1]
         for dims, what in ((dk, "key"), (dv, "value")):
             if head_dim % dims:
@@ -401,6 +401,15 @@ class VecInferLayer(CacheLayerMixin):
         pass
 
 
+def _indexed(device) -> torch.device:
+    """``device`` with its index: ``"cuda"`` is the current CUDA device (``cuda:0``), so that states
+    on it pass the device check."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _config_of(model_or_config):
     config = getattr(model_or_config, "config", model_or_config)
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -538,7 +547,7 @@ class VecInferCache(Cache):
         self.codebooks = codebooks
         # (no `max_cache_len` attribute: transformers 5.17 has a read-only property of that name;
         # use get_max_length())
-        self.residual, self.dtype, self.device = residual, dtype, torch.device(device)
+        self.residual, self.dtype, self.device = residual, dtype, _indexed(device)
 
     def kv_bytes(self) -> int:
         """Bytes of everything the cache holds on its device (shared tensors counted once); under
