@@ -201,10 +201,11 @@ def test_generate_tiny_checkpoint(shared_tiny_dir):
     ("vecinfer", 2, 2, 128),  # MHA
 ])
 def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads, kv_heads, head_dim):
-    """Eager chunks and steps read only the valid slots (a chunk's K/V and HF's mask are L long);
-    the logits equal those of the static full-length read that compiled code sees (forced here by
-    making the cache believe it is being compiled), batch 2 with left padding, for a prompt, a
-    5-token chunk and a 1-token step."""
+    """Eager chunks read only the valid slots (a chunk's K/V and HF's mask are L long) and an eager
+    1-token step reads the codes (``vecinfer_sdpa``: decode attention over codes and window); the
+    logits equal those of the static full-length dequantized read that compiled code sees (forced
+    here by making the cache believe it is being compiled), batch 2 with left padding, for a
+    prompt, a 5-token chunk and a 1-token step."""
     import vecinfer_compile.cache as cache_mod
 
     torch.manual_seed(0)

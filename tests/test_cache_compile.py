@@ -15,12 +15,8 @@ from vecinfer_compile.cache import VecInferCache, cache_kwargs
 from vecinfer_compile.ops.cache_append import append_reference
 from vecinfer_compile.ops.cache_ops import is_cache_kv
 from vecinfer_compile.passes.cache_append import rewrite_cache_append
-from vecinfer_compile.passes.cache_decode import (
-    CACHE_READ_META,
-    kv_start_from_mask,
-    rewrite_cache_attention,
-    transform_queries,
-)
+from vecinfer_compile.ops.decode_inputs import kv_start_from_mask, transform_queries
+from vecinfer_compile.passes.cache_decode import CACHE_READ_META, rewrite_cache_attention
 
 from test_cache import left_padded, make_layer, random_codebooks, tiny_config  # noqa: E402
 

@@ -21,8 +21,10 @@ import functools
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
 from .ops.cache_append import transform_keys
+from .ops.decode_inputs import kv_start_from_mask, transform_queries
 from .quant.packing import packed_width
 from .tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 
@@ -120,6 +122,7 @@ class VecInferLayer(CacheLayerMixin):
         key_matrix: torch.Tensor | None = None,
         query_matrix: torch.Tensor | None = None,
         key_mean: torch.Tensor | None = None,
+        model_config=None,
     ):
         super().__init__()
         _ops()  # register the ops now, never while tracing
@@ -150,6 +153,7 @@ class VecInferLayer(CacheLayerMixin):
             self.key_matrix = fold(key_matrix.to(dev, torch.float32)).contiguous()
             self.key_read = fold(query_matrix.to(dev, torch.float32)).transpose(-1, -2).contiguous()
             self.rotation = None
+        self.model_config = model_config  # its attention implementation decides the eager one-token read
         self._empty = True  # Python flag: prefill (first update) vs decode; guarded by Dynamo
         self.is_initialized = False
         self.k_codes = self.v_codes = self.k_window = self.v_window = self.n_coded = self.n_window = None
@@ -295,14 +299,33 @@ class VecInferLayer(CacheLayerMixin):
     def _eager_read(self, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What an eager update of ``t`` tokens returns, ``n`` tokens held after it: for a chunk
         (``t > 1``) the valid slots dequantized, ``[B, H, n, D]`` (``get_mask_sizes`` gives HF's
-        mask the same length); for one token every slot, as the compiled step's read (``generate()``
-        builds that mask before it knows whether the step runs compiled; the mask hides the empty
-        slots). Reading all slots at once rather than padding the valid ones keeps the step's
-        dequantized K/V at one copy: it is most of the memory of generate()'s first, eager step
-        at large batches."""
+        mask the same length). For one token the mask already spans every slot (``generate()``
+        builds it before it knows whether the step runs compiled), so the read is full-length:
+        a codes read (:mod:`..eager_decode`: no memory; the attention runs :meth:`attend`) when
+        the model attends with ``"vecinfer_sdpa"``, else every slot dequantized, as the compiled
+        step's read."""
         if t > 1:
             return self._read(torch.ops.vecinfer, n)
+        if eager_decode.is_active(self.model_config):
+            shape = (self.batch_size, self.num_heads, self.max_cache_len, self.head_dim)
+            return eager_decode.codes_read(self, shape, self.dtype, self.device)
         return self._read(torch.ops.vecinfer)
+
+    def attend(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        """Decode attention of one query token over this layer's codes and window:
+        ``vecinfer::decode_attention`` (the compiled decode step's op). ``q: [B, Hq, 1, D]`` in the
+        model dtype (``Hq`` a multiple of ``H``); ``attn_mask``: None or HF's ``[B|1, 1|Hq, 1, L]``
+        (bool True = attend, or additive float), of which only the first attended slot of each
+        row counts (left padding); ``scale``: None for ``D ** -0.5``. Returns ``[B, Hq, 1, D]``."""
+        if attn_mask is not None and attn_mask.dim() != 4:
+            raise ValueError(f"attn_mask must be 4-d [B, H, 1, L], got {tuple(attn_mask.shape)}")
+        q_t = transform_queries(q, self.lam, self.rotation, self.key_read)
+        kv_start = None if attn_mask is None else kv_start_from_mask(attn_mask, q)
+        scale = self.head_dim ** -0.5 if scale is None else float(scale)
+        return torch.ops.vecinfer.decode_attention(
+            q_t, self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
+            self.k_window, self.v_window, self.n_window, kv_start, scale,
+        )
 
     def _read(self, ops, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``vecinfer::cache_kv`` (K in the original domain, V), then, for the query-aware
@@ -450,12 +473,15 @@ class VecInferCache(Cache):
       as a mask for the simulate path.
     - **What decode returns**: full-length ``[B, H_kv, max_cache_len, D]`` dequantized K
       (original domain) and V, zero beyond the valid length; HF's mask (``get_mask_sizes`` ->
-      ``max_cache_len``, padding, cache position) makes attention exact over them. Eagerly only
-      the valid slots are dequantized (``vecinfer::cache_kv`` over them, then zero padding), and
-      an eager chunk of several tokens gets just the ``L`` valid slots, ``[B, H_kv, L, D]``, with
-      ``get_mask_sizes`` -> ``L``. Compiled, ``vecinfer::cache_kv`` over every slot, which
+      ``max_cache_len``, padding, cache position) makes attention exact over them. Compiled,
+      that is ``vecinfer::cache_kv`` over every slot, which
       :func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention` replaces, with the
-      SDPA that reads it, by ``vecinfer::decode_attention`` over the codes.
+      SDPA that reads it, by ``vecinfer::decode_attention`` over the codes. Eagerly, one token
+      gets a *codes read* when the model attends with ``"vecinfer_sdpa"`` (which
+      ``VecInferCache(model, ...)`` switches an SDPA model to): no memory, and the attention runs
+      the same decode op (:mod:`vecinfer_compile.eager_decode`); otherwise every slot
+      dequantized. An eager chunk of several tokens gets just the ``L`` valid slots dequantized,
+      ``[B, H_kv, L, D]``, with ``get_mask_sizes`` -> ``L``.
     - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
       path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
       differ on near-ties).
@@ -541,6 +567,7 @@ class VecInferCache(Cache):
                     key_matrix=lc.transform.key_matrix,
                     query_matrix=lc.transform.query_matrix,
                     key_mean=lc.transform.mean,
+                    model_config=config,
                 )
             )
         super().__init__(layers=layers)
@@ -548,6 +575,8 @@ class VecInferCache(Cache):
         # (no `max_cache_len` attribute: transformers 5.17 has a read-only property of that name;
         # use get_max_length())
         self.residual, self.dtype, self.device = residual, dtype, _indexed(device)
+        if isinstance(model_or_config, torch.nn.Module):
+            eager_decode.use_codes_attention(model_or_config)
 
     def kv_bytes(self) -> int:
         """Bytes of everything the cache holds on its device (shared tensors counted once); under

@@ -102,7 +102,7 @@ def model_shard(model) -> TPShard | None:
         return None
     _check_plan(getattr(model, "_tp_plan", None) or {})
     attn = getattr(model.config, "_attn_implementation", None)
-    if attn not in ("sdpa", "vecinfer"):
+    if attn not in ("sdpa", "vecinfer", "vecinfer_sdpa"):
         raise ValueError(
             f"vecinfer under tensor parallelism needs SDPA attention, but this model runs {attn!r}: load it "
             "with from_pretrained(..., tp_plan='auto', attn_implementation='sdpa')"

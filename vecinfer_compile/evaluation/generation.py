@@ -183,7 +183,7 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 @contextlib.contextmanager
 def _attention_for(model, gm: GenerationMethod):
     """Switch the model's attention for ``gm`` (KIVI: simulation) and restore it afterwards."""
-    from ..simulate import disable_simulation, enable_simulation
+    from ..simulate import disable_simulation, enable_simulation, is_simulating
 
     if gm.method == "kivi":
         enable_simulation(model, "kivi", bits=gm.bits, residual=gm.residual, full_precision_prefill=True)
@@ -192,7 +192,7 @@ def _attention_for(model, gm: GenerationMethod):
         finally:
             disable_simulation(model)
         return
-    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+    if is_simulating(model):
         disable_simulation(model)
     yield
 

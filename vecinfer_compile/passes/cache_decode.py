@@ -57,7 +57,7 @@ from torch._dynamo.utils import counters
 from ..ops import cache_ops  # noqa: F401  registers vecinfer::cache_kv
 from ..ops import decode_kernels
 from ..ops.cache_ops import is_cache_kv
-from ..quant.rows import rows_matmul
+from ..ops.decode_inputs import kv_start_from_mask, transform_queries
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 
 log = logging.getLogger(__name__)
@@ -67,42 +67,6 @@ CACHE_READ_META = "vecinfer_cache_read"
 
 # positions of the cache_kv arguments
 K_CODES, V_CODES, K_CENT, V_CENT, N_CODED, K_WIN, V_WIN, N_WIN, LAM, ROT = range(10)
-
-
-def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None,
-                      key_read: torch.Tensor | None = None) -> torch.Tensor:
-    """``q~ = ((q * lam_q) @ H)`` (or ``q @ key_read_q^T``) in float32, returned in q's dtype.
-    ``q: [B, Hq, T, D]``, ``lam: [Hkv, D]`` (query head h uses KV head ``h // (Hq // Hkv)``),
-    ``rotation: [D, D]``, ``key_read: [Hkv, D, D]``."""
-    b, hq, t, d = q.shape
-    work = q.float()
-    if key_read is not None:
-        hkv = key_read.shape[0]
-        work = rows_matmul(work.reshape(b, hkv, hq // hkv, t, d), key_read.float().transpose(-1, -2)[None, :, None])
-        work = work.reshape(b, hq, t, d)
-    if lam is not None:
-        hkv = lam.shape[0]
-        work = work.reshape(b, hkv, hq // hkv, t, d) * lam.float()[None, :, None, None, :]
-        work = work.reshape(b, hq, t, d)
-    if rotation is not None:
-        work = rows_matmul(work, rotation.float())
-    return work.to(q.dtype)
-
-
-def kv_start_from_mask(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``[B] int32``: the first attended slot of the last query row of ``mask`` ``[B|1, H|1, Tq, L]``
-    (bool True = attend, or additive float with 0 = attend): the left-padding length; ``L`` for a
-    row that attends nothing (the kernels then return zeros, as the reference does).
-
-    A min over ``where(attend, slot, L)`` rather than an argmax: Inductor splits a min
-    reduction over many CTAs, while its argmax over a 128k-slot row ran in one (33 us per call
-    on the H200)."""
-    attend = mask if mask.dtype == torch.bool else mask == 0
-    row = attend[:, 0, -1, :]
-    length = row.shape[-1]
-    slots = torch.arange(length, device=row.device, dtype=torch.int32)
-    start = torch.where(row, slots, length).amin(-1).to(torch.int32)
-    return start.expand(q.shape[0]).contiguous()
 
 
 def _example(node):

@@ -1,0 +1,166 @@
+"""The eager one-token step over codes (``"vecinfer_sdpa"``, :mod:`vecinfer_compile.eager_decode`):
+the codes read, the layer's ``attend`` against SDPA over the dequantized cache (property test),
+generate() through it, and the models it leaves alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaForCausalLM
+
+from vecinfer_compile import eager_decode
+from vecinfer_compile.cache import VecInferCache, VecInferLayer
+from vecinfer_compile.testing import random_codebooks
+
+from test_cache import generate, left_padded, tiny_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _layer(b, hkv, d, r, tmax, method, bits, seed, device="cpu", dtype=torch.float32) -> VecInferLayer:
+    cfg = tiny_config(num_hidden_layers=1, num_attention_heads=hkv, num_key_value_heads=hkv,
+                      head_dim=d, hidden_size=hkv * d)
+    lc = random_codebooks(cfg, bits, method, seed=seed).layer(0)
+    t = lc.transform
+    return VecInferLayer(batch_size=b, num_kv_heads=hkv, head_dim=d, max_cache_len=tmax, residual=r,
+                         dtype=dtype, device=device, key_centroids=lc.key_centroids,
+                         value_centroids=lc.value_centroids, lam=t.lam,
+                         rotation=t.rotation(torch.float32, device), key_matrix=t.key_matrix,
+                         query_matrix=t.query_matrix, key_mean=t.mean)
+
+
+def _padding_mask(pad: list[int], length: int, tmax: int, device, additive: bool) -> torch.Tensor:
+    """HF's decode mask ``[B, 1, 1, tmax]``: row b attends slots ``pad[b] <= s < length``."""
+    slots = torch.arange(tmax, device=device)
+    attend = ((slots[None] >= torch.tensor(pad, device=device)[:, None]) & (slots[None] < length))[:, None, None]
+    if not additive:
+        return attend
+    return torch.zeros(attend.shape, device=device).masked_fill(~attend, torch.finfo(torch.float32).min)
+
+
+def _sdpa_over_read(layer: VecInferLayer, q, mask, scale) -> torch.Tensor:
+    k, v = layer.dequantized()
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          attn_mask=mask, scale=scale)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    method=st.sampled_from(["vecinfer", "vq", "qaware", "vecinfer-center"]),
+    bits=st.sampled_from([2.0, 1.25, 4.0]),
+    group=st.sampled_from([1, 2, 4]),
+    batch=st.integers(1, 3),
+    residual=st.sampled_from([0, 3, 8]),
+    prompt=st.integers(1, 13),
+    steps=st.integers(0, 5),
+    additive=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, batch, residual, prompt, steps,
+                                                        additive, seed):
+    """``layer.attend`` (decode_attention over codes + window, the query-side transform, kv_start
+    from the mask) == SDPA over the layer's dequantized K/V with the same mask: every transform
+    family, GQA 1/2/4, the window empty, partial or full, left padding, bool and additive masks."""
+    torch.manual_seed(seed)
+    hkv, d, tmax = 2, 16, 24
+    layer = _layer(batch, hkv, d, residual, tmax, method, bits, seed)
+    layer.update(torch.randn(batch, hkv, prompt, d), torch.randn(batch, hkv, prompt, d))
+    for _ in range(steps):
+        layer.update(torch.randn(batch, hkv, 1, d), torch.randn(batch, hkv, 1, d))
+    length = prompt + steps
+    pad = [min(i * 2, length - 1) for i in range(batch)]
+    mask = _padding_mask(pad, length, tmax, "cpu", additive)
+    q = torch.randn(batch, hkv * group, 1, d)
+    scale = 1 / math.sqrt(d)
+    torch.testing.assert_close(layer.attend(q, mask, scale), _sdpa_over_read(layer, q, mask, scale),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_codes_read_holds_no_memory_and_poisons_other_consumers():
+    layer = _layer(2, 2, 16, 4, 24, "vecinfer", 2.0, 0)
+    k, v = eager_decode.codes_read(layer, (2, 2, 24, 16), torch.float32, torch.device("cpu"))
+    assert k.stride() == (0, 0, 0, 0) and k.untyped_storage().nbytes() == 4
+    assert getattr(k, eager_decode._LAYER) is layer and getattr(v, eager_decode._LAYER) is layer
+    assert F.scaled_dot_product_attention(torch.randn(2, 2, 1, 16), k, v).isnan().all()
+
+
+@pytest.mark.parametrize("method", ["vecinfer", "qaware"])
+def test_generate_steps_read_codes(monkeypatch, method):
+    """An eager generate() with a VecInferCache switches the model to ``vecinfer_sdpa``; every
+    one-token step of every layer then runs ``attend`` (never the dequantized read), and tokens
+    and logits equal those of the dequantized read under plain ``sdpa``."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config()).eval()
+    cb = random_codebooks(model.config, 2.0, method)
+    ids, mask = left_padded(batch=3, length=12, pad=4)
+    attends, reads = [], []
+    real_attend, real_read = VecInferLayer.attend, VecInferLayer._read
+    monkeypatch.setattr(VecInferLayer, "attend", lambda self, *a: attends.append(1) or real_attend(self, *a))
+    monkeypatch.setattr(VecInferLayer, "_read", lambda self, *a: reads.append(a[1:]) or real_read(self, *a))
+    outs = {}
+    for impl in ("vecinfer_sdpa", "sdpa"):
+        attends.clear(), reads.clear()
+        cache = VecInferCache(model, cb, max_cache_len=40, residual=4)
+        assert model.config._attn_implementation == "vecinfer_sdpa"
+        model.set_attn_implementation(impl)
+        outs[impl] = generate(model, ids, mask, cache, max_new_tokens=10, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+        steps = 9 * model.config.num_hidden_layers  # the first forward is the prefill
+        assert (len(attends), len(reads)) == ((steps, 0) if impl == "vecinfer_sdpa" else (0, steps))
+    got, want = outs["vecinfer_sdpa"], outs["sdpa"]
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_other_attention_implementations_are_left_alone():
+    model = LlamaForCausalLM(tiny_config(_attn_implementation="eager")).eval()
+    cache = VecInferCache(model, random_codebooks(model.config, 2.0), max_cache_len=40, residual=4)
+    assert model.config._attn_implementation == "eager"
+    ids, mask = left_padded(batch=2, length=8, pad=2)
+    out = generate(model, ids, mask, cache, max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 11)
+
+
+def test_codes_read_refuses_what_the_decode_op_cannot_do():
+    layer = _layer(1, 2, 16, 4, 24, "vecinfer", 2.0, 0)
+    layer.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16))
+    k, v = eager_decode.codes_read(layer, (1, 2, 24, 16), torch.float32, torch.device("cpu"))
+    q = torch.randn(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="model.eval"):
+        eager_decode.codes_attention_forward(None, q, k, v, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        eager_decode.codes_attention_forward(None, q, k, v, None, softcap=30.0)
+    with pytest.raises(ValueError, match="4-d"):
+        eager_decode.codes_attention_forward(None, q, k, v, torch.ones(1, 24, dtype=torch.bool))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("group", [1, 4])
+def test_attend_on_cuda_equals_the_reference(group):
+    """On the GPU ``attend`` runs the decode kernel the request picks (CUDA or Triton) in bf16;
+    it matches SDPA over the dequantized read in float32, with left padding and a partial window."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    b, hkv, d, tmax = 3, 2, 128, 300
+    layer = _layer(b, hkv, d, 16, tmax, "vecinfer", 2.0, 0, device="cuda", dtype=torch.bfloat16)
+    layer.update(torch.randn(b, hkv, 201, d, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(b, hkv, 201, d, device="cuda", dtype=torch.bfloat16))
+    for _ in range(7):
+        layer.update(torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16),
+                     torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16))
+    mask = _padding_mask([0, 5, 77], 208, tmax, "cuda", additive=False)
+    q = torch.randn(b, hkv * group, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (t.float() for t in layer.dequantized())
+    want = F.scaled_dot_product_attention(q.float(), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          attn_mask=mask, scale=d ** -0.5)
+    got = layer.attend(q, mask, None)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,109 @@
+"""Eager one-token decode over a VecInferCache's codes: the attention implementation ``"vecinfer_sdpa"``.
+
+``generate()`` runs its first step (the prompt's last token) eagerly, and every step when it is
+given no compile config. An eager one-token update of a :class:`~vecinfer_compile.cache.VecInferCache`
+used to hand HF's attention the whole cache dequantized (``[B, H_kv, max_cache_len, D]`` in the
+model dtype per layer), which transformers 5.17's SDPA path then repeats per query head: at the
+8B geometry, 32k slots and 176 rows one repeated K asked for 44 GiB, so that step, not the cache,
+bounded the batch on an H200.
+
+``"vecinfer_sdpa"`` is transformers' SDPA attention with one exception. A VecInferCache layer whose
+model runs this implementation answers an eager one-token update with a *codes read*: K and V of
+the usual full-length shape that hold no memory (a 0-d NaN expanded) and name their layer. When
+this attention function receives one, it runs ``vecinfer::decode_attention`` over the layer's codes
+and window (:meth:`VecInferLayer.attend <vecinfer_compile.cache.VecInferLayer.attend>`: the
+query-side transform and ``kv_start`` of :mod:`.ops.decode_inputs`), the op the compiled decode step
+runs. Every other call (prefill, chunks, other caches, anything traced by Dynamo) goes to
+``sdpa_attention_forward`` unchanged, so a model on this implementation compiles to the same graph.
+Whatever else receives a codes read computes NaN, never plausible numbers.
+
+``VecInferCache(model, ...)`` switches a model on ``"sdpa"`` to this implementation
+(:func:`use_codes_attention`, logged once); a model on any other implementation keeps it and its
+eager one-token steps get the dequantized read, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_NAME = "vecinfer_sdpa"
+_LAYER = "_vecinfer_codes_layer"  # the attribute of a codes read that names its layer
+_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "sliding_window", "s_aux")
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def is_active(config) -> bool:
+    """Whether ``config``'s model attends through ``"vecinfer_sdpa"``."""
+    return config is not None and getattr(config, "_attn_implementation", None) == ATTN_NAME
+
+
+def codes_read(layer, shape: tuple[int, int, int, int], dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for ``(K, V)`` of ``shape`` ``[B, H_kv, max_cache_len, D]``: NaN, zero strides (no
+    memory), each naming ``layer`` for :func:`codes_attention_forward`."""
+    k, v = (torch.full((), float("nan"), dtype=dtype, device=device).expand(shape) for _ in range(2))
+    setattr(k, _LAYER, layer)
+    setattr(v, _LAYER, layer)
+    return k, v
+
+
+def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """transformers' AttentionInterface signature. ``query: [B, Hq, Tq, D]``, ``key``/``value``:
+    ``[B, H_kv, L, D]`` (or a codes read, then ``Tq = 1``); returns ``([B, Tq, Hq, D], None)``."""
+    layer = None if torch.compiler.is_compiling() else getattr(key, _LAYER, None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if getattr(value, _LAYER, None) is not layer:
+        raise RuntimeError("vecinfer: the key is a VecInferCache codes read but the value is not the same layer's")
+    if dropout:
+        raise ValueError("vecinfer: attention over a VecInferCache has dropout > 0: call model.eval()")
+    extra = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if extra:
+        raise NotImplementedError(
+            f"vecinfer: attention over a VecInferCache does not support {', '.join(extra)}; "
+            "this model cannot use VecInferCache"
+        )
+    if query.shape[2] != 1:
+        raise RuntimeError(f"vecinfer: a codes read answers one query token, got {query.shape[2]}")
+    out = layer.attend(query, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, codes_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+_register()
+
+
+def use_codes_attention(model: torch.nn.Module) -> bool:
+    """Switch ``model`` from ``"sdpa"`` to ``"vecinfer_sdpa"``; True when it runs the latter after
+    the call. Other implementations are left alone (one log line says what that costs)."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == ATTN_NAME:
+        return True
+    if current == "sdpa":
+        model.set_attn_implementation(ATTN_NAME)
+        if "switched" not in _logged:
+            _logged.add("switched")
+            log.info("vecinfer: attention 'sdpa' -> '%s' (SDPA, but an eager one-token step over a "
+                     "VecInferCache reads the codes instead of the dequantized cache)", ATTN_NAME)
+        return True
+    if current not in _logged:
+        _logged.add(current)
+        log.info("vecinfer: the model attends with %r, so an eager one-token step over a VecInferCache "
+                 "gets the whole cache dequantized (load it with attn_implementation='sdpa' to read codes)",
+                 current)
+    return False

@@ -1,0 +1,47 @@
+"""The inputs of ``vecinfer::decode_attention`` that come from outside the cache: the query-side
+transform (the exact inverse of the cache's key transform, so scores do not change) and the
+first attended slot of each batch row from HF's mask. Shared by the compiled rewrite
+(:mod:`vecinfer_compile.passes.cache_decode`, which emits these functions into the graph) and the
+eager one-token step (:mod:`vecinfer_compile.eager_decode`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.rows import rows_matmul
+
+
+def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None,
+                      key_read: torch.Tensor | None = None) -> torch.Tensor:
+    """``q~ = ((q * lam_q) @ H)`` (or ``q @ key_read_q^T``) in float32, returned in q's dtype.
+    ``q: [B, Hq, T, D]``, ``lam: [Hkv, D]`` (query head h uses KV head ``h // (Hq // Hkv)``),
+    ``rotation: [D, D]``, ``key_read: [Hkv, D, D]``."""
+    b, hq, t, d = q.shape
+    work = q.float()
+    if key_read is not None:
+        hkv = key_read.shape[0]
+        work = rows_matmul(work.reshape(b, hkv, hq // hkv, t, d), key_read.float().transpose(-1, -2)[None, :, None])
+        work = work.reshape(b, hq, t, d)
+    if lam is not None:
+        hkv = lam.shape[0]
+        work = work.reshape(b, hkv, hq // hkv, t, d) * lam.float()[None, :, None, None, :]
+        work = work.reshape(b, hq, t, d)
+    if rotation is not None:
+        work = rows_matmul(work, rotation.float())
+    return work.to(q.dtype)
+
+
+def kv_start_from_mask(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``[B] int32``: the first attended slot of the last query row of ``mask`` ``[B|1, H|1, Tq, L]``
+    (bool True = attend, or additive float with 0 = attend): the left-padding length; ``L`` for a
+    row that attends nothing (the kernels then return zeros, as the reference does).
+
+    A min over ``where(attend, slot, L)`` rather than an argmax: Inductor splits a min
+    reduction over many CTAs, while its argmax over a 128k-slot row ran in one (33 us per call
+    on the H200)."""
+    attend = mask if mask.dtype == torch.bool else mask == 0
+    row = attend[:, 0, -1, :]
+    length = row.shape[-1]
+    slots = torch.arange(length, device=row.device, dtype=torch.int32)
+    start = torch.where(row, slots, length).amin(-1).to(torch.int32)
+    return start.expand(q.shape[0]).contiguous()
