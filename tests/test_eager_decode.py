@@ -5,6 +5,7 @@ generate() through it, and the models it leaves alone."""
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -82,6 +83,41 @@ def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, batc
                                rtol=1e-4, atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    method=st.sampled_from(["vecinfer", "qaware"]),
+    group=st.sampled_from([1, 2, 4]),
+    batch=st.integers(1, 4),
+    residual=st.sampled_from([0, 3, 8]),
+    prompt=st.integers(1, 9),
+    chunk=st.integers(2, 7),
+    explicit_mask=st.booleans(),
+    one_row_at_a_time=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_attend_chunk_equals_sdpa_over_the_valid_slots(method, group, batch, residual, prompt, chunk,
+                                                       explicit_mask, one_row_at_a_time, seed):
+    """An eager chunk's attention, a few rows at a time (forced down to one row here), equals one
+    SDPA over the whole batch's valid slots dequantized, with HF's causal + left-padding mask or,
+    without a mask, bottom-right causal."""
+    torch.manual_seed(seed)
+    hkv, d, tmax = 2, 16, 24
+    layer = _layer(batch, hkv, d, residual, tmax, method, 2.0, seed)
+    layer.update(torch.randn(batch, hkv, prompt, d), torch.randn(batch, hkv, prompt, d))
+    layer.update(torch.randn(batch, hkv, chunk, d), torch.randn(batch, hkv, chunk, d))
+    n = prompt + chunk
+    slots = torch.arange(n)
+    causal = slots[None, :] <= slots[n - chunk:, None]
+    pad = torch.tensor([min(i, prompt - 1) for i in range(batch)])
+    mask = (causal[None] & (slots[None, None, :] >= pad[:, None, None]))[:, None]
+    q = torch.randn(batch, hkv * group, chunk, d)
+    k, v = (x[:, :, :n].repeat_interleave(group, 1) for x in layer.dequantized())
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if explicit_mask else causal)
+    with mock.patch("vecinfer_compile.cache.CHUNK_READ_BYTES", 1 if one_row_at_a_time else 1 << 30):
+        got = layer.attend_chunk(q, mask if explicit_mask else None, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_codes_read_holds_no_memory_and_poisons_other_consumers():
     layer = _layer(2, 2, 16, 4, 24, "vecinfer", 2.0, 0)
     k, v = eager_decode.codes_read(layer, (2, 2, 24, 16), torch.float32, torch.device("cpu"))
@@ -139,6 +175,8 @@ def test_codes_read_refuses_what_the_decode_op_cannot_do():
         eager_decode.codes_attention_forward(None, q, k, v, None, softcap=30.0)
     with pytest.raises(ValueError, match="4-d"):
         eager_decode.codes_attention_forward(None, q, k, v, torch.ones(1, 24, dtype=torch.bool))
+    with pytest.raises(ValueError, match="valid slots"):  # a chunk's mask spans the 6 valid slots
+        eager_decode.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, torch.ones(1, 1, 3, 24, dtype=torch.bool))
 
 
 @pytest.mark.cuda

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import eager_decode
@@ -75,6 +76,9 @@ def cache_window_mask(tq: int, tk: int, residual: int, *, prefill: bool = False,
         return torch.ones(tq, tk, dtype=torch.bool, device=device)
     j = torch.arange(tk, device=device)
     return ((tk - 1 - j) < residual)[None, :].expand(tq, tk).clone()
+
+
+CHUNK_READ_BYTES = 1 << 30  # dequantized + repeated K/V of one row group of an eager chunk's attention
 
 
 class VecInferLayer(CacheLayerMixin):
@@ -297,19 +301,18 @@ class VecInferLayer(CacheLayerMixin):
         return int(self.n_coded) + int(self.n_window)
 
     def _eager_read(self, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What an eager update of ``t`` tokens returns, ``n`` tokens held after it: for a chunk
-        (``t > 1``) the valid slots dequantized, ``[B, H, n, D]`` (``get_mask_sizes`` gives HF's
-        mask the same length). For one token the mask already spans every slot (``generate()``
-        builds it before it knows whether the step runs compiled), so the read is full-length:
-        a codes read (:mod:`..eager_decode`: no memory; the attention runs :meth:`attend`) when
-        the model attends with ``"vecinfer_sdpa"``, else every slot dequantized, as the compiled
-        step's read."""
-        if t > 1:
-            return self._read(torch.ops.vecinfer, n)
+        """What an eager update of ``t`` tokens returns, ``n`` tokens held after it. When the
+        model attends with ``"vecinfer_sdpa"``, a codes read (:mod:`..eager_decode`: no memory;
+        the attention then runs :meth:`attend` or :meth:`attend_chunk`); otherwise K/V
+        dequantized. Their length: for a chunk (``t > 1``) the ``n`` valid slots, ``[B, H, n, D]``
+        (``get_mask_sizes`` gives HF's mask the same length); for one token every slot, as the
+        compiled step's read, because ``generate()`` builds that step's mask before it knows
+        whether the step runs compiled."""
+        length = n if t > 1 else self.max_cache_len
         if eager_decode.is_active(self.model_config):
-            shape = (self.batch_size, self.num_heads, self.max_cache_len, self.head_dim)
+            shape = (self.batch_size, self.num_heads, length, self.head_dim)
             return eager_decode.codes_read(self, shape, self.dtype, self.device)
-        return self._read(torch.ops.vecinfer)
+        return self._read(torch.ops.vecinfer, n if t > 1 else None)
 
     def attend(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
         """Decode attention of one query token over this layer's codes and window:
@@ -327,20 +330,49 @@ class VecInferLayer(CacheLayerMixin):
             self.k_window, self.v_window, self.n_window, kv_start, scale,
         )
 
-    def _read(self, ops, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_chunk(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        """Attention of an eager chunk of ``T`` query tokens (the newest ``T`` of the ``n`` valid
+        slots) over the valid slots dequantized, as HF's SDPA path would compute it, but a few
+        batch rows at a time: the dequantized K/V, repeated per query head, stay near
+        :data:`CHUNK_READ_BYTES` whatever the batch (HF's path held ``B * (Hq + H) * n * D`` of
+        them at once: at 32 rows of 128k slots, 8B geometry, ~86 GiB). ``q: [B, Hq, T, D]``;
+        ``attn_mask``: HF's ``[B|1, 1|Hq, T, n]`` (bool True = attend, or additive float), or None
+        for causal attention bottom-right aligned; returns ``[B, Hq, T, D]``."""
+        b, hq, t, d = q.shape
+        n = self._valid_length()
+        if attn_mask is None:
+            slots = torch.arange(n, device=q.device)
+            attn_mask = (slots[None, :] <= slots[n - t:, None])[None, None]
+        elif attn_mask.dim() != 4 or attn_mask.shape[-1] != n:
+            raise ValueError(f"attn_mask must be [B, H, T, {n}] (the valid slots), got {tuple(attn_mask.shape)}")
+        group = hq // self.num_heads
+        per_row = 2 * (1 + group) * self.num_heads * n * d * torch.finfo(self.dtype).bits // 8
+        rows = max(1, CHUNK_READ_BYTES // max(per_row, 1))
+        out = q.new_empty((b, hq, t, d))
+        for i in range(0, b, rows):
+            j = min(i + rows, b)
+            k, v = self._read(torch.ops.vecinfer, n, slice(i, j))
+            k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+            mask = attn_mask if attn_mask.shape[0] == 1 else attn_mask[i:j]
+            out[i:j] = F.scaled_dot_product_attention(q[i:j], k, v, attn_mask=mask, scale=scale)
+            del k, v
+        return out
+
+    def _read(self, ops, length: int | None = None, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """``vecinfer::cache_kv`` (K in the original domain, V), then, for the query-aware
         methods, ``K = (K~.float() @ key_read).to(dtype)`` (a plain matmul that
         :mod:`~vecinfer_compile.passes.cache_decode` recognises and moves to the query side), and
         for the centring methods ``+ key_mean`` before the cast (which that pass drops). Slots
         beyond the valid length then hold ``mu`` rather than zeros; the mask hides them.
 
-        ``length``: read the first ``length`` slots only (``[B, H, length, D]``; eager)."""
-        k_codes, v_codes = self.k_codes, self.v_codes
+        ``length``: read the first ``length`` slots only (``[B, H, length, D]``; eager);
+        ``rows``: these batch rows only (eager)."""
+        k_codes, v_codes = self.k_codes[rows], self.v_codes[rows]
         if length is not None:
             k_codes, v_codes = k_codes[:, :, :length], v_codes[:, :, :length]
         k, v = ops.cache_kv(
             k_codes, v_codes, self.key_centroids, self.value_centroids, self.n_coded,
-            self.k_window, self.v_window, self.n_window, self.lam, self.rotation,
+            self.k_window[rows], self.v_window[rows], self.n_window, self.lam, self.rotation,
         )
         if self.key_read is None and self.key_mean is None:
             return k, v

@@ -71,9 +71,10 @@ def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
             f"vecinfer: attention over a VecInferCache does not support {', '.join(extra)}; "
             "this model cannot use VecInferCache"
         )
-    if query.shape[2] != 1:
-        raise RuntimeError(f"vecinfer: a codes read answers one query token, got {query.shape[2]}")
-    out = layer.attend(query, attention_mask, scaling)
+    if query.shape[2] == 1:
+        out = layer.attend(query, attention_mask, scaling)
+    else:
+        out = layer.attend_chunk(query, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
