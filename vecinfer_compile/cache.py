@@ -157,7 +157,7 @@ class VecInferLayer(CacheLayerMixin):
             self.key_matrix = fold(key_matrix.to(dev, torch.float32)).contiguous()
             self.key_read = fold(query_matrix.to(dev, torch.float32)).transpose(-1, -2).contiguous()
             self.rotation = None
-        self.model_config = model_config  # its attention implementation decides the eager one-token read
+        self.model_config = model_config  # its attention implementation decides the eager reads
         self._empty = True  # Python flag: prefill (first update) vs decode; guarded by Dynamo
         self.is_initialized = False
         self.k_codes = self.v_codes = self.k_window = self.v_window = self.n_coded = self.n_window = None
@@ -509,11 +509,11 @@ class VecInferCache(Cache):
       that is ``vecinfer::cache_kv`` over every slot, which
       :func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention` replaces, with the
       SDPA that reads it, by ``vecinfer::decode_attention`` over the codes. Eagerly, one token
-      gets a *codes read* when the model attends with ``"vecinfer_sdpa"`` (which
-      ``VecInferCache(model, ...)`` switches an SDPA model to): no memory, and the attention runs
-      the same decode op (:mod:`vecinfer_compile.eager_decode`); otherwise every slot
-      dequantized. An eager chunk of several tokens gets just the ``L`` valid slots dequantized,
-      ``[B, H_kv, L, D]``, with ``get_mask_sizes`` -> ``L``.
+      gets every slot and a chunk of several tokens just the ``L`` valid slots,
+      ``[B, H_kv, L, D]`` (``get_mask_sizes`` -> ``L``): as a *codes read* when the model attends
+      with ``"vecinfer_sdpa"`` (which ``VecInferCache(model, ...)`` switches an SDPA model to),
+      which holds no memory and makes the attention run the same decode op, or for a chunk SDPA
+      a few batch rows at a time (:mod:`vecinfer_compile.eager_decode`); otherwise dequantized.
     - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
       path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
       differ on near-ties).

@@ -1,4 +1,4 @@
-"""Eager one-token decode over a VecInferCache's codes: the attention implementation ``"vecinfer_sdpa"``.
+"""Eager steps over a VecInferCache without its dequantized copy: the attention implementation ``"vecinfer_sdpa"``.
 
 ``generate()`` runs its first step (the prompt's last token) eagerly, and every step when it is
 given no compile config. An eager one-token update of a :class:`~vecinfer_compile.cache.VecInferCache`
@@ -8,18 +8,21 @@ model dtype per layer), which transformers 5.17's SDPA path then repeats per que
 bounded the batch on an H200.
 
 ``"vecinfer_sdpa"`` is transformers' SDPA attention with one exception. A VecInferCache layer whose
-model runs this implementation answers an eager one-token update with a *codes read*: K and V of
-the usual full-length shape that hold no memory (a 0-d NaN expanded) and name their layer. When
-this attention function receives one, it runs ``vecinfer::decode_attention`` over the layer's codes
-and window (:meth:`VecInferLayer.attend <vecinfer_compile.cache.VecInferLayer.attend>`: the
-query-side transform and ``kv_start`` of :mod:`.ops.decode_inputs`), the op the compiled decode step
-runs. Every other call (prefill, chunks, other caches, anything traced by Dynamo) goes to
-``sdpa_attention_forward`` unchanged, so a model on this implementation compiles to the same graph.
-Whatever else receives a codes read computes NaN, never plausible numbers.
+model runs this implementation answers an eager update of a non-empty cache with a *codes read*:
+K and V of the usual shape that hold no memory (a 0-d NaN expanded) and name their layer. When this
+attention function receives one it asks the layer instead: for one query token
+:meth:`VecInferLayer.attend <vecinfer_compile.cache.VecInferLayer.attend>` runs
+``vecinfer::decode_attention`` over the codes and window (the query-side transform and ``kv_start``
+of :mod:`.ops.decode_inputs`), the op the compiled decode step runs; for a chunk of several,
+:meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>` runs SDPA over
+the valid slots dequantized a few batch rows at a time. Every other call (the prefill of an empty
+cache, other caches, anything traced by Dynamo) goes to ``sdpa_attention_forward`` unchanged, so a
+model on this implementation compiles to the same graph. Whatever else receives a codes read
+computes NaN, never plausible numbers.
 
 ``VecInferCache(model, ...)`` switches a model on ``"sdpa"`` to this implementation
 (:func:`use_codes_attention`, logged once); a model on any other implementation keeps it and its
-eager one-token steps get the dequantized read, as before.
+eager steps get the dequantized read for the whole batch, as before.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ def is_active(config) -> bool:
 
 def codes_read(layer, shape: tuple[int, int, int, int], dtype: torch.dtype,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stand-ins for ``(K, V)`` of ``shape`` ``[B, H_kv, max_cache_len, D]``: NaN, zero strides (no
-    memory), each naming ``layer`` for :func:`codes_attention_forward`."""
+    """Stand-ins for ``(K, V)`` of ``shape`` ``[B, H_kv, L, D]``: NaN, zero strides (no memory),
+    each naming ``layer`` for :func:`codes_attention_forward`."""
     k, v = (torch.full((), float("nan"), dtype=dtype, device=device).expand(shape) for _ in range(2))
     setattr(k, _LAYER, layer)
     setattr(v, _LAYER, layer)
@@ -56,7 +59,7 @@ def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                             attention_mask: torch.Tensor | None, dropout: float = 0.0,
                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers' AttentionInterface signature. ``query: [B, Hq, Tq, D]``, ``key``/``value``:
-    ``[B, H_kv, L, D]`` (or a codes read, then ``Tq = 1``); returns ``([B, Tq, Hq, D], None)``."""
+    ``[B, H_kv, L, D]`` (or a codes read); returns ``([B, Tq, Hq, D], None)``."""
     layer = None if torch.compiler.is_compiling() else getattr(key, _LAYER, None)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -99,12 +102,12 @@ def use_codes_attention(model: torch.nn.Module) -> bool:
         model.set_attn_implementation(ATTN_NAME)
         if "switched" not in _logged:
             _logged.add("switched")
-            log.info("vecinfer: attention 'sdpa' -> '%s' (SDPA, but an eager one-token step over a "
-                     "VecInferCache reads the codes instead of the dequantized cache)", ATTN_NAME)
+            log.info("vecinfer: attention 'sdpa' -> '%s' (SDPA, but eager steps over a VecInferCache "
+                     "read its codes instead of the whole batch dequantized)", ATTN_NAME)
         return True
     if current not in _logged:
         _logged.add(current)
-        log.info("vecinfer: the model attends with %r, so an eager one-token step over a VecInferCache "
-                 "gets the whole cache dequantized (load it with attn_implementation='sdpa' to read codes)",
+        log.info("vecinfer: the model attends with %r, so eager steps over a VecInferCache get the "
+                 "whole batch dequantized (load it with attn_implementation='sdpa' to read codes)",
                  current)
     return False
