@@ -35,6 +35,9 @@ method that fails (e.g. out of memory) gets its error in its row and the run goe
 ``--profile K`` adds, per (case, method), one more ``generate`` of K new tokens under
 ``torch.profiler`` (the prefill and first step excluded): the kernels by device time per decode
 step, their sum ("GPU busy") next to the wall time per step, so host overhead shows as the gap.
+With ``--prefill-chunk`` the same run's last prefill chunk (the one over the longest context) is
+profiled too, and every row keeps the chunked prefill's own time (``prefill_chunks_s``; the table's
+prefill column shows it, starred, under ``--in-run-only``).
 
 ``--isolate`` measures every (case, method) in a fresh child process: otherwise a method runs
 after another in one process and can inherit its memory (CUDA-graph pools, cached blocks); at
@@ -129,6 +132,8 @@ class Runner:
                  synthetic_prefill: int = 0):
         self.method, self.model, self.setup = method, model, setup
         self.prefill_chunk, self.synthetic_prefill = prefill_chunk, synthetic_prefill
+        self.prefill_s = None  # the last generate()'s chunked (or synthetic) prefill, seconds
+        self.chunk_profiler = None  # when set, the next chunked prefill records its last chunk in it
         if synthetic_prefill and method not in ("ours", "fp16"):
             raise ValueError(f"--synthetic-prefill fills the caches of ours and fp16 only, not {method}")
         self.cache, self.compile_config, self.previous_attention = None, None, None
@@ -168,10 +173,15 @@ class Runner:
         kwargs = {} if self.compile_config is None else {"compile_config": self.compile_config}
         C.sync(self.setup.device)
         t0 = time.perf_counter()
+        self.prefill_s = None
         if self.synthetic_prefill and ids.shape[1] > self.synthetic_prefill + 1:
             synthetic_prefill(self.model, ids, cache, self.synthetic_prefill, self.prefill_chunk or self.synthetic_prefill)
+            C.sync(self.setup.device)
+            self.prefill_s = time.perf_counter() - t0
         elif self.prefill_chunk and ids.shape[1] > self.prefill_chunk:
-            prefill_in_chunks(self.model, ids, cache, self.prefill_chunk)
+            prefill_in_chunks(self.model, ids, cache, self.prefill_chunk, self.chunk_profiler)
+            C.sync(self.setup.device)
+            self.prefill_s = time.perf_counter() - t0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.model.generate(
@@ -188,18 +198,27 @@ class Runner:
 
 
 @torch.no_grad()
-def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
+def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int, last_chunk_profiler=None) -> None:
     """All but the last of ``ids: [B, T]`` through ``model`` eagerly into ``cache``, ``chunk``
     tokens per forward (one logit row each); ``generate`` then finds ``T - 1`` cached tokens and
     prefills the last one. What HF's static cache needs at B=16/T=32k on one H200 (its one-shot
-    eager prefill runs out of memory), and every method at the largest batches."""
+    eager prefill runs out of memory), and every method at the largest batches.
+    ``last_chunk_profiler``: a ``torch.profiler.profile`` that records the last chunk (the one
+    over the longest context)."""
     length = ids.shape[1]
-    for start in range(0, length - 1, chunk):
+    starts = list(range(0, length - 1, chunk))
+    for start in starts:
         end = min(start + chunk, length - 1)
         position = torch.arange(start, end, device=ids.device)
+        record = last_chunk_profiler is not None and start == starts[-1]
+        if record:
+            last_chunk_profiler.start()
         model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]), **cache_kwargs(cache),
               use_cache=True, position_ids=position[None].expand(ids.shape[0], -1), cache_position=position,
               logits_to_keep=1)
+        if record:
+            C.sync(ids.device)
+            last_chunk_profiler.stop()
 
 
 @torch.no_grad()
@@ -257,17 +276,12 @@ class ProfileWindow(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def profile_decode(runner, ids, steps: int, top: int = 15) -> dict:
-    """Kernels of ``steps`` decode steps of one ``generate`` (after the prefill and one more
-    step): device time per step by kernel, their sum, and the wall time per step of the same
-    run (with the profiler on)."""
+def kernel_table(prof, per: int, top: int = 15) -> tuple[float, list[dict], float]:
+    """``(busy_us, kernels, launches)`` of a finished ``torch.profiler`` run, divided by ``per``
+    (steps or chunks): the device time summed over kernels, the ``top`` kernels by device time,
+    the number of kernel launches."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.setup.cuda else [])
-    prof = profile(activities=acts)
-    skip = 2
-    _, stamps, _ = runner.generate(ids, skip + steps + 1, extra_criteria=[ProfileWindow(prof, skip, steps)])
     per_kernel = []
     for ev in prof.key_averages():
         if ev.device_type != DeviceType.CUDA:
@@ -275,15 +289,39 @@ def profile_decode(runner, ids, steps: int, top: int = 15) -> dict:
         t = getattr(ev, "self_device_time_total", None)
         if t is None:
             t = getattr(ev, "self_cuda_time_total", 0)
-        per_kernel.append((t / steps, ev.count / steps, ev.key))
+        per_kernel.append((t / per, ev.count / per, ev.key))
     per_kernel.sort(reverse=True)
+    kernels = [{"us": round(t, 2), "calls": round(n, 2), "name": k[:110]} for t, n, k in per_kernel[:top]]
+    return sum(t for t, _, _ in per_kernel), kernels, round(sum(n for _, n, _ in per_kernel), 1)
+
+
+def _profiler(runner):
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.setup.cuda else []))
+
+
+def profile_decode(runner, ids, steps: int) -> dict:
+    """Kernels of ``steps`` decode steps of one ``generate`` (after the prefill and one more
+    step): device time per step by kernel, their sum, and the wall time per step of the same
+    run (with the profiler on). With ``--prefill-chunk``, the same run's last prefill chunk too
+    (``"prefill_chunk"``: the same fields for that one forward)."""
+    prof, chunk_prof = _profiler(runner), None
+    if runner.prefill_chunk and not runner.synthetic_prefill:
+        runner.chunk_profiler = chunk_prof = _profiler(runner)
+    skip = 2
+    try:
+        _, stamps, _ = runner.generate(ids, skip + steps + 1, extra_criteria=[ProfileWindow(prof, skip, steps)])
+    finally:
+        runner.chunk_profiler = None
+    busy, kernels, launches = kernel_table(prof, steps)
     wall = [b - a for a, b in zip(stamps[skip - 1:skip - 1 + steps], stamps[skip:skip + steps])]
-    return {
-        "busy_us": sum(t for t, _, _ in per_kernel),
-        "wall_us": 1e6 * sum(wall) / max(len(wall), 1),
-        "kernels": [{"us": round(t, 2), "calls": round(n, 2), "name": k[:110]} for t, n, k in per_kernel[:top]],
-        "n_kernels": round(sum(n for _, n, _ in per_kernel), 1),
-    }
+    out = {"busy_us": busy, "wall_us": 1e6 * sum(wall) / max(len(wall), 1), "kernels": kernels,
+           "n_kernels": launches}
+    if chunk_prof is not None and chunk_prof.profiler is not None:
+        busy, kernels, launches = kernel_table(chunk_prof, 1)
+        out["prefill_chunk"] = {"busy_us": busy, "kernels": kernels, "n_kernels": launches}
+    return out
 
 
 def print_profile(row: dict) -> None:
@@ -292,6 +330,13 @@ def print_profile(row: dict) -> None:
           f"{p['n_kernels']:.0f} kernel launches; wall {p['wall_us'] / 1e3:.2f} ms/step (profiler on)")
     for k in p["kernels"]:
         print(f"#   {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['name']}")
+    chunk = p.get("prefill_chunk")
+    if chunk:
+        print(f"# profile {row['B']}x{row['T']} {LABELS[row['method']]}, the last prefill chunk of "
+              f"{row.get('prefill_chunk')} tokens: GPU busy {chunk['busy_us'] / 1e3:.2f} ms over "
+              f"{chunk['n_kernels']:.0f} kernel launches")
+        for k in chunk["kernels"]:
+            print(f"#   {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['name']}")
 
 
 def kv_bytes_per_rank(cache) -> list[int]:
@@ -333,6 +378,8 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
         t_n, stamps, _ = runner.generate(ids, new_tokens)
         row["peak_bytes"] = C.peak(dev)
         row["time_n_s"], row["tok_s"] = t_n, None
+        if runner.prefill_s is not None:
+            row["prefill_chunks_s"] = runner.prefill_s
         if not in_run_only:
             t_1, _, _ = runner.generate(ids, 1)
             row["time_1_s"] = t_1
@@ -361,6 +408,15 @@ HEADER = "| B | T | method | decode tok/s | in-run tok/s | ms/step | prefill s |
 TP_HEADER = " KV/GPU | KV total | TP |"  # appended under tensor parallelism
 
 
+def _prefill_cell(row: dict) -> str:
+    """t(1); with --in-run-only, the N run's chunked (or synthetic) prefill, starred."""
+    if row.get("time_1_s") is not None:
+        return f"{row['time_1_s']:.2f}"
+    if row.get("prefill_chunks_s") is not None:
+        return f"{row['prefill_chunks_s']:.2f}*"
+    return "n/a"
+
+
 def format_row(row: dict) -> str:
     head = f"| {row['B']} | {row['T']} | {LABELS[row['method']]} |"
     tp = "" if "tp" not in row else (f" {C.human_bytes(row.get('kv_bytes_per_rank', [None])[0])} | "
@@ -371,7 +427,7 @@ def format_row(row: dict) -> str:
     if row.get("timed_compiles"):
         note = f" (WARNING: {row['timed_compiles']} graph(s) compiled during the timed runs)"
     return (f"{head} {_num(row['tok_s'])} | {_num(row.get('in_run_tok_s'))} | "
-            f"{_num(row.get('step_ms'), '{:.2f}')} | {_num(row.get('time_1_s'), '{:.2f}')} | {row['warmup_s']:.1f} | "
+            f"{_num(row.get('step_ms'), '{:.2f}')} | {_prefill_cell(row)} | {row['warmup_s']:.1f} | "
             f"{C.gib(row.get('peak_bytes'))}{note} |{tp}")
 
 
@@ -506,7 +562,8 @@ def main(argv=None) -> list[dict]:
     print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
           f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
           f"tok/s = B*(N-1)/(t(N)-t(1)); in-run = per-step timestamps of the N run; "
-          f"prefill s = t(1); warm-up s includes compilation; peak = max allocated incl. weights"
+          f"prefill s = t(1) (* with --in-run-only: the N run's chunked prefill alone); warm-up s includes "
+          f"compilation; peak = max allocated incl. weights"
           + (f"; SYNTHETIC prefill: {args.synthetic_prefill} real tokens, the rest random cache content"
              if args.synthetic_prefill else "")
           + ("; KV/GPU = rank 0's cache bytes, KV total = all ranks'" if tp else ""))

@@ -213,6 +213,28 @@ def test_bench_generate_chunked_prefill_ours():
     assert int(runner.cache.get_seq_length()) == 33  # the last new token is never fed back
 
 
+def test_bench_generate_profiles_the_last_prefill_chunk(capsys):
+    """--profile with --prefill-chunk: the profiled generate() also records its last prefill chunk
+    (printed after the decode kernels), and the chunked prefill's own time is kept for the row."""
+    mod = load_script("generate", benchmarks_dir())
+    setup = mod.C.bench_setup(True)
+    model = mod.C.build_model(setup)
+    codebooks = mod.C.random_codebooks(setup.config, 2.0)
+    ids = torch.randint(3, setup.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    runner = mod.Runner("ours", model, setup, codebooks, 2, 40, 8, prefill_chunk=7)
+    runner.compile_config = None
+    try:
+        profile = mod.profile_decode(runner, ids, 2)
+    finally:
+        runner.close()
+    assert runner.prefill_s > 0 and runner.chunk_profiler is None
+    assert profile["prefill_chunk"]["n_kernels"] == 0  # recorded; the CPU has no device kernels
+    mod.print_profile({"B": 2, "T": 30, "method": "ours", "prefill_chunk": 7, "profile": profile})
+    assert "the last prefill chunk of 7 tokens: GPU busy 0.00 ms" in capsys.readouterr().out
+    row = {"B": 2, "T": 30, "method": "ours", "tok_s": None, "warmup_s": 1.0, "prefill_chunks_s": 2.5}
+    assert "| 2.50* |" in mod.format_row(row)
+
+
 def test_bench_generate_until_error_skips_larger_batches(monkeypatch, capsys):
     """--until-error: once a method fails at a batch size, the larger batch sizes of that length
     are not tried (the sweep for the largest batch that fits); other lengths still run."""
