@@ -118,6 +118,34 @@ def test_attend_chunk_equals_sdpa_over_the_valid_slots(method, group, batch, res
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("change", ["none", "hole", "valid slot hidden", "per head", "bias"])
+def test_attend_checks_what_the_decode_op_can_read_of_a_mask(change):
+    """The decode op reads a mask's left padding only; a mask with more in it (a hole after the
+    first attended slot, a valid slot hidden, heads that differ, an additive bias) gets SDPA over
+    the dequantized cache instead, so the answer is exact either way, and plain left padding
+    never takes that path."""
+    torch.manual_seed(0)
+    b, hkv, group, d, tmax = 2, 2, 2, 16, 24
+    layer = _layer(b, hkv, d, 4, tmax, "vecinfer", 2.0, 0)
+    layer.update(torch.randn(b, hkv, 9, d), torch.randn(b, hkv, 9, d))
+    layer.update(torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d))
+    mask = _padding_mask([0, 3], 10, tmax, "cpu", additive=True).expand(b, hkv * group, 1, tmax).clone()
+    if change == "hole":
+        mask[1, :, :, 6] = torch.finfo(torch.float32).min
+    elif change == "valid slot hidden":
+        mask[0, :, :, 9] = torch.finfo(torch.float32).min
+    elif change == "per head":
+        mask[0, 1, :, 2] = torch.finfo(torch.float32).min
+    elif change == "bias":
+        mask[0, :, :, :10] = -0.5 * torch.arange(10.0)
+    q = torch.randn(b, hkv * group, 1, d)
+    with mock.patch.object(VecInferLayer, "_sdpa_by_rows", autospec=True,
+                           side_effect=VecInferLayer._sdpa_by_rows) as by_rows:
+        got = layer.attend(q, mask, None)
+    assert by_rows.called == (change != "none")
+    torch.testing.assert_close(got, _sdpa_over_read(layer, q, mask, None), rtol=1e-4, atol=1e-5)
+
+
 def test_codes_read_holds_no_memory_and_poisons_other_consumers():
     layer = _layer(2, 2, 16, 4, 24, "vecinfer", 2.0, 0)
     k, v = eager_decode.codes_read(layer, (2, 2, 24, 16), torch.float32, torch.device("cpu"))

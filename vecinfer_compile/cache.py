@@ -17,6 +17,7 @@ semantics as a mask (used by the eager simulate path), and
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
 from .ops.cache_append import transform_keys
-from .ops.decode_inputs import kv_start_from_mask, transform_queries
+from .ops.decode_inputs import kv_start_from_mask, mask_is_a_range, transform_queries
 from .quant.packing import packed_width
 from .tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 
@@ -77,6 +78,9 @@ def cache_window_mask(tq: int, tk: int, residual: int, *, prefill: bool = False,
     j = torch.arange(tk, device=device)
     return ((tk - 1 - j) < residual)[None, :].expand(tq, tk).clone()
 
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
 
 CHUNK_READ_BYTES = 1 << 30  # dequantized + repeated K/V of one row group of an eager chunk's attention
 
@@ -318,12 +322,22 @@ class VecInferLayer(CacheLayerMixin):
         """Decode attention of one query token over this layer's codes and window:
         ``vecinfer::decode_attention`` (the compiled decode step's op). ``q: [B, Hq, 1, D]`` in the
         model dtype (``Hq`` a multiple of ``H``); ``attn_mask``: None or HF's ``[B|1, 1|Hq, 1, L]``
-        (bool True = attend, or additive float), of which only the first attended slot of each
-        row counts (left padding); ``scale``: None for ``D ** -0.5``. Returns ``[B, Hq, 1, D]``."""
-        if attn_mask is not None and attn_mask.dim() != 4:
-            raise ValueError(f"attn_mask must be 4-d [B, H, 1, L], got {tuple(attn_mask.shape)}")
+        (bool True = attend, or additive float): left padding, the first attended slot of each
+        row, is all the op reads, so a mask that is more than that (holes, per-head differences,
+        a bias: checked, one host sync) gets SDPA over the dequantized cache instead, a few rows
+        at a time; ``scale``: None for ``D ** -0.5``. Returns ``[B, Hq, 1, D]``."""
+        kv_start = None
+        if attn_mask is not None:
+            if attn_mask.dim() != 4:
+                raise ValueError(f"attn_mask must be 4-d [B, H, 1, L], got {tuple(attn_mask.shape)}")
+            kv_start = kv_start_from_mask(attn_mask, q)
+            if not bool(mask_is_a_range(attn_mask, kv_start, self.n_coded + self.n_window)):  # host sync
+                if "mask" not in _logged:
+                    _logged.add("mask")
+                    log.info("vecinfer: an eager decode mask is not left padding over the valid slots (holes, "
+                             "per-head differences or a bias): that step attends over the dequantized cache")
+                return self._sdpa_by_rows(q, attn_mask, scale, attn_mask.shape[-1])
         q_t = transform_queries(q, self.lam, self.rotation, self.key_read)
-        kv_start = None if attn_mask is None else kv_start_from_mask(attn_mask, q)
         scale = self.head_dim ** -0.5 if scale is None else float(scale)
         return torch.ops.vecinfer.decode_attention(
             q_t, self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, self.n_coded,
@@ -338,20 +352,25 @@ class VecInferLayer(CacheLayerMixin):
         them at once: at 32 rows of 128k slots, 8B geometry, ~86 GiB). ``q: [B, Hq, T, D]``;
         ``attn_mask``: HF's ``[B|1, 1|Hq, T, n]`` (bool True = attend, or additive float), or None
         for causal attention bottom-right aligned; returns ``[B, Hq, T, D]``."""
-        b, hq, t, d = q.shape
-        n = self._valid_length()
+        t, n = q.shape[2], self._valid_length()
         if attn_mask is None:
             slots = torch.arange(n, device=q.device)
             attn_mask = (slots[None, :] <= slots[n - t:, None])[None, None]
         elif attn_mask.dim() != 4 or attn_mask.shape[-1] != n:
             raise ValueError(f"attn_mask must be [B, H, T, {n}] (the valid slots), got {tuple(attn_mask.shape)}")
+        return self._sdpa_by_rows(q, attn_mask, scale, n)
+
+    def _sdpa_by_rows(self, q: torch.Tensor, attn_mask: torch.Tensor, scale: float | None, length: int) -> torch.Tensor:
+        """SDPA of ``q: [B, Hq, T, D]`` over the first ``length`` slots dequantized, with
+        ``attn_mask: [B|1, 1|Hq, T, length]``, a row group at a time (:data:`CHUNK_READ_BYTES`)."""
+        b, hq, t, d = q.shape
         group = hq // self.num_heads
-        per_row = 2 * (1 + group) * self.num_heads * n * d * torch.finfo(self.dtype).bits // 8
+        per_row = 2 * (1 + group) * self.num_heads * length * d * torch.finfo(self.dtype).bits // 8
         rows = max(1, CHUNK_READ_BYTES // max(per_row, 1))
         out = q.new_empty((b, hq, t, d))
         for i in range(0, b, rows):
             j = min(i + rows, b)
-            k, v = self._read(torch.ops.vecinfer, n, slice(i, j))
+            k, v = self._read(torch.ops.vecinfer, length, slice(i, j))
             k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
             mask = attn_mask if attn_mask.shape[0] == 1 else attn_mask[i:j]
             out[i:j] = F.scaled_dot_product_attention(q[i:j], k, v, attn_mask=mask, scale=scale)

@@ -45,3 +45,21 @@ def kv_start_from_mask(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     slots = torch.arange(length, device=row.device, dtype=torch.int32)
     start = torch.where(row, slots, length).amin(-1).to(torch.int32)
     return start.expand(q.shape[0]).contiguous()
+
+
+def mask_is_a_range(mask: torch.Tensor, kv_start: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """0-d bool, on the device: whether the last query row of ``mask`` ``[B|1, H|1, Tq, L]`` attends
+    exactly the slots ``kv_start[b] <= s < valid`` in every head, without a bias (a float mask holds
+    0 where it attends and at most ``finfo.min / 2`` elsewhere): all that ``vecinfer::decode_attention``
+    reads of a mask. False for holes after the first attended slot, per-head differences, valid
+    slots hidden, or additive biases. ``kv_start: [B]`` (:func:`kv_start_from_mask`), ``valid``: 0-d."""
+    row = mask[:, :, -1, :]
+    if mask.dtype == torch.bool:
+        attend, plain = row, torch.ones((), dtype=torch.bool, device=mask.device)
+    else:
+        attend = row == 0
+        plain = (attend | (row <= torch.finfo(row.dtype).min / 2)).all()
+    slots = torch.arange(row.shape[-1], device=row.device)
+    want = (slots >= kv_start.to(slots.dtype)[:, None, None]) & (slots < valid)
+    return plain & (attend == want).all()
+
