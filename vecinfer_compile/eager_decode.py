@@ -13,7 +13,8 @@ K and V of the usual shape that hold no memory (a 0-d NaN expanded) and name the
 attention function receives one it asks the layer instead: for one query token
 :meth:`VecInferLayer.attend <vecinfer_compile.cache.VecInferLayer.attend>` runs
 ``vecinfer::decode_attention`` over the codes and window (the query-side transform and ``kv_start``
-of :mod:`.ops.decode_inputs`), the op the compiled decode step runs; for a chunk of several,
+of :mod:`.ops.decode_inputs`), the op the compiled decode step runs (a mask that is more than
+left padding over the valid slots gets SDPA over the dequantized cache instead); for a chunk of several,
 :meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>` runs SDPA over
 the valid slots dequantized a few batch rows at a time. Every other call (the prefill of an empty
 cache, other caches, anything traced by Dynamo) goes to ``sdpa_attention_forward`` unchanged, so a
