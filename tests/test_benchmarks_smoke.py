@@ -194,17 +194,24 @@ def test_bench_generate_chunked_prefill_gives_the_same_tokens(method):
     assert torch.equal(outs[0], outs[7])
 
 
-def test_bench_generate_chunked_prefill_ours():
-    """--prefill-chunk with VecInferCache: the chunks go into the compressed cache (a chunk after
-    the first reads older tokens from codes), then generate() decodes; 4 new tokens come out and
-    the cache holds the whole prompt plus them."""
-    mod = load_script("generate", benchmarks_dir())
+def _eager_ours_runner(mod):
+    """An eager (uncompiled) ``ours`` Runner of bench_generate on the smoke model, 7-token prefill
+    chunks, batch 2, 40 slots; and a 30-token prompt for it."""
     setup = mod.C.bench_setup(True)
     model = mod.C.build_model(setup)
     codebooks = mod.C.random_codebooks(setup.config, 2.0)
     ids = torch.randint(3, setup.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
     runner = mod.Runner("ours", model, setup, codebooks, 2, 40, 8, prefill_chunk=7)
     runner.compile_config = None
+    return runner, ids
+
+
+def test_bench_generate_chunked_prefill_ours():
+    """--prefill-chunk with VecInferCache: the chunks go into the compressed cache (a chunk after
+    the first reads older tokens from codes), then generate() decodes; 4 new tokens come out and
+    the cache holds the whole prompt plus them."""
+    mod = load_script("generate", benchmarks_dir())
+    runner, ids = _eager_ours_runner(mod)
     try:
         out = runner.generate(ids, 4)[2]
     finally:
@@ -217,12 +224,7 @@ def test_bench_generate_profiles_the_last_prefill_chunk(capsys):
     """--profile with --prefill-chunk: the profiled generate() also records its last prefill chunk
     (printed after the decode kernels), and the chunked prefill's own time is kept for the row."""
     mod = load_script("generate", benchmarks_dir())
-    setup = mod.C.bench_setup(True)
-    model = mod.C.build_model(setup)
-    codebooks = mod.C.random_codebooks(setup.config, 2.0)
-    ids = torch.randint(3, setup.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
-    runner = mod.Runner("ours", model, setup, codebooks, 2, 40, 8, prefill_chunk=7)
-    runner.compile_config = None
+    runner, ids = _eager_ours_runner(mod)
     try:
         profile = mod.profile_decode(runner, ids, 2)
     finally:

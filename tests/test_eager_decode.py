@@ -56,6 +56,8 @@ def _sdpa_over_read(layer: VecInferLayer, q, mask, scale) -> torch.Tensor:
     method=st.sampled_from(["vecinfer", "vq", "qaware", "vecinfer-center"]),
     bits=st.sampled_from([2.0, 1.25, 4.0]),
     group=st.sampled_from([1, 2, 4]),
+    hkv=st.sampled_from([1, 2]),
+    d=st.sampled_from([16, 64, 128]),
     batch=st.integers(1, 3),
     residual=st.sampled_from([0, 3, 8]),
     prompt=st.integers(1, 13),
@@ -63,13 +65,14 @@ def _sdpa_over_read(layer: VecInferLayer, q, mask, scale) -> torch.Tensor:
     additive=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, batch, residual, prompt, steps,
-                                                        additive, seed):
+def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, hkv, d, batch, residual, prompt,
+                                                        steps, additive, seed):
     """``layer.attend`` (decode_attention over codes + window, the query-side transform, kv_start
     from the mask) == SDPA over the layer's dequantized K/V with the same mask: every transform
-    family, GQA 1/2/4, the window empty, partial or full, left padding, bool and additive masks."""
+    family, MHA / GQA 2, 4 / MQA, head_dim 16, 64, 128, the window empty, partial or full, left
+    padding, bool and additive masks."""
     torch.manual_seed(seed)
-    hkv, d, tmax = 2, 16, 24
+    tmax = 24
     layer = _layer(batch, hkv, d, residual, tmax, method, bits, seed)
     layer.update(torch.randn(batch, hkv, prompt, d), torch.randn(batch, hkv, prompt, d))
     for _ in range(steps):
@@ -87,6 +90,8 @@ def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, batc
 @given(
     method=st.sampled_from(["vecinfer", "qaware"]),
     group=st.sampled_from([1, 2, 4]),
+    hkv=st.sampled_from([1, 2]),
+    d=st.sampled_from([16, 64, 128]),
     batch=st.integers(1, 4),
     residual=st.sampled_from([0, 3, 8]),
     prompt=st.integers(1, 9),
@@ -95,13 +100,13 @@ def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, batc
     one_row_at_a_time=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_attend_chunk_equals_sdpa_over_the_valid_slots(method, group, batch, residual, prompt, chunk,
+def test_attend_chunk_equals_sdpa_over_the_valid_slots(method, group, hkv, d, batch, residual, prompt, chunk,
                                                        explicit_mask, one_row_at_a_time, seed):
     """An eager chunk's attention, a few rows at a time (forced down to one row here), equals one
     SDPA over the whole batch's valid slots dequantized, with HF's causal + left-padding mask or,
     without a mask, bottom-right causal."""
     torch.manual_seed(seed)
-    hkv, d, tmax = 2, 16, 24
+    tmax = 24
     layer = _layer(batch, hkv, d, residual, tmax, method, 2.0, seed)
     layer.update(torch.randn(batch, hkv, prompt, d), torch.randn(batch, hkv, prompt, d))
     layer.update(torch.randn(batch, hkv, chunk, d), torch.randn(batch, hkv, chunk, d))
@@ -114,7 +119,7 @@ def test_attend_chunk_equals_sdpa_over_the_valid_slots(method, group, batch, res
     k, v = (x[:, :, :n].repeat_interleave(group, 1) for x in layer.dequantized())
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if explicit_mask else causal)
     with mock.patch("vecinfer_compile.cache.CHUNK_READ_BYTES", 1 if one_row_at_a_time else 1 << 30):
-        got = layer.attend_chunk(q, mask if explicit_mask else None, None)
+        got = layer.attend_chunk(q, mask if explicit_mask else None, None, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -203,6 +208,7 @@ def test_codes_read_refuses_what_the_decode_op_cannot_do():
         eager_decode.codes_attention_forward(None, q, k, v, None, softcap=30.0)
     with pytest.raises(ValueError, match="4-d"):
         eager_decode.codes_attention_forward(None, q, k, v, torch.ones(1, 24, dtype=torch.bool))
+    k, v = eager_decode.codes_read(layer, (1, 2, 6, 16), torch.float32, torch.device("cpu"))  # a chunk's read
     with pytest.raises(ValueError, match="valid slots"):  # a chunk's mask spans the 6 valid slots
         eager_decode.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, torch.ones(1, 1, 3, 24, dtype=torch.bool))
 

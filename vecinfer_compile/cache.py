@@ -344,15 +344,16 @@ class VecInferLayer(CacheLayerMixin):
             self.k_window, self.v_window, self.n_window, kv_start, scale,
         )
 
-    def attend_chunk(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    def attend_chunk(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None,
+                     n: int) -> torch.Tensor:
         """Attention of an eager chunk of ``T`` query tokens (the newest ``T`` of the ``n`` valid
-        slots) over the valid slots dequantized, as HF's SDPA path would compute it, but a few
+        slots, the length of the chunk's codes read) over the valid slots dequantized, as HF's SDPA path would compute it, but a few
         batch rows at a time: the dequantized K/V, repeated per query head, stay near
         :data:`CHUNK_READ_BYTES` whatever the batch (HF's path held ``B * (Hq + H) * n * D`` of
         them at once: at 32 rows of 128k slots, 8B geometry, ~86 GiB). ``q: [B, Hq, T, D]``;
         ``attn_mask``: HF's ``[B|1, 1|Hq, T, n]`` (bool True = attend, or additive float), or None
         for causal attention bottom-right aligned; returns ``[B, Hq, T, D]``."""
-        t, n = q.shape[2], self._valid_length()
+        t = q.shape[2]
         if attn_mask is None:
             slots = torch.arange(n, device=q.device)
             attn_mask = (slots[None, :] <= slots[n - t:, None])[None, None]

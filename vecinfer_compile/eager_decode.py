@@ -78,7 +78,7 @@ def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if query.shape[2] == 1:
         out = layer.attend(query, attention_mask, scaling)
     else:
-        out = layer.attend_chunk(query, attention_mask, scaling)
+        out = layer.attend_chunk(query, attention_mask, scaling, key.shape[2])  # the read spans the valid slots
     return out.transpose(1, 2).contiguous(), None
 
 
