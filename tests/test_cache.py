@@ -91,6 +91,7 @@ def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks
         k = torch.randn(b, h, t, d, generator=gen)
         v = torch.randn(b, h, t, d, generator=gen)
         ks.append(k), vs.append(v), kts.append(layer.transform_keys(k))
+        coded_before = int(layer.n_coded)
         rk, rv = layer.update(k, v)
         total = sum(sizes[: i + 1])
         n_coded, n_window = int(layer.n_coded), int(layer.n_window)
@@ -107,18 +108,20 @@ def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks
         if i == 0:  # prefill returns the full-precision inputs
             assert rk is k and rv is v
             assert layer.get_mask_sizes(1) == (tmax, 0)
-        else:  # decode returns dequantized K/V in the original domain: every slot for one token, the
-            # valid slots for an eager chunk (HF's mask is as long: get_mask_sizes)
-            assert rk.shape == (b, h, tmax if t == 1 else total, d)
-            assert layer.get_mask_sizes(1) == (tmax, 0) and layer.get_mask_sizes(2) == (total + 2, 0)
-            if n_window:
-                torch.testing.assert_close(rk[:, :, n_coded:total], k_all[:, :, n_coded:], rtol=1e-5, atol=1e-5)
-                assert torch.equal(rv[:, :, n_coded:total], v_all[:, :, n_coded:])
+        else:  # decode returns dequantized K/V in the original domain, every slot (HF's mask is as
+            # long: get_mask_sizes). One token reads the layer after the append; a chunk the coded
+            # slots before it, then the old window and itself in full precision (ops.chunk_attention's rule)
+            assert rk.shape == (b, h, tmax, d)
+            assert layer.get_mask_sizes(1) == (tmax, 0) and layer.get_mask_sizes(2) == (tmax, 0)
+            coded = n_coded if t == 1 else coded_before
+            torch.testing.assert_close(rk[:, :, coded:total], k_all[:, :, coded:], rtol=1e-5, atol=1e-5)
+            assert torch.equal(rv[:, :, coded:total], v_all[:, :, coded:])
             v_idx = unpack_codes(layer.v_codes[:, :, :n_coded], layer.value_centroids.shape[0])
             dec_v = layer.value_centroids[v_idx].reshape(b, h, n_coded, d)
-            assert torch.equal(rv[:, :, :n_coded], dec_v)
+            assert torch.equal(rv[:, :, :coded], dec_v[:, :, :coded])
             full_k, full_v = layer.dequantized()  # the static read: every slot, zeros past the valid ones
-            assert full_k.shape == (b, h, tmax, d) and torch.equal(full_v[:, :, :total], rv[:, :, :total])
+            assert full_k.shape == (b, h, tmax, d) and torch.equal(full_v[:, :, :n_coded], dec_v)
+            assert torch.equal(full_v[:, :, n_coded:total], v_all[:, :, n_coded:])
             assert not full_k[:, :, total:].any() and not full_v[:, :, total:].any()
             assert not rk[:, :, total:].any() and not rv[:, :, total:].any()
 
@@ -139,8 +142,9 @@ def test_cache_window_mask():
     m = cache_window_mask(1, 10, 4)
     assert m.tolist() == [[False] * 6 + [True] * 4]
     assert cache_window_mask(3, 5, 2, prefill=True).all()
-    m = cache_window_mask(2, 6, 3)
-    assert m.tolist() == [[False] * 3 + [True] * 3] * 2
+    m = cache_window_mask(2, 6, 3)  # a chunk of 2 after 4 tokens: the old window (slots 1-3) and itself
+    assert m.tolist() == [[False] + [True] * 5] * 2
+    assert cache_window_mask(3, 4, 5).all()  # the cache held 1 token, all in the window
 
 
 # -- eager generate ------------------------------------------------------------------------------
@@ -201,11 +205,12 @@ def test_generate_tiny_checkpoint(shared_tiny_dir):
     ("vecinfer", 2, 2, 128),  # MHA
 ])
 def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads, kv_heads, head_dim):
-    """Eager chunks read only the valid slots (a chunk's K/V and HF's mask are L long) and an eager
-    1-token step reads the codes (``vecinfer_sdpa``: decode attention over codes and window); the
-    logits equal those of the static full-length dequantized read that compiled code sees (forced
-    here by making the cache believe it is being compiled), batch 2 with left padding, for a
-    prompt, a 5-token chunk and a 1-token step."""
+    """An eager chunk attends over the codes by the chunk rule (``vecinfer_sdpa``: the coded prefix
+    and the full-precision window and chunk) and an eager 1-token step reads the codes (decode
+    attention over codes and window); the logits equal those of the static full-length dequantized
+    read that compiled code sees (forced here by making the cache believe it is being compiled),
+    batch 2 with left padding, for a prompt, a 5-token chunk and a 1-token step. HF's mask is
+    ``max_cache_len`` long either way (``get_mask_sizes``)."""
     import vecinfer_compile.cache as cache_mod
 
     torch.manual_seed(0)
@@ -224,8 +229,7 @@ def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads
             for a, b in chunks:
                 pos = torch.arange(a, b)
                 if a:  # the mask length HF will build for this update
-                    want_len = 40 if static or b - a == 1 else b
-                    assert cache.layers[0].get_mask_sizes(b - a) == (want_len, 0)
+                    assert cache.layers[0].get_mask_sizes(b - a) == (40, 0)
                 with torch.no_grad():
                     out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], **cache_kwargs(cache),
                                           use_cache=True, cache_position=pos).logits)

@@ -86,41 +86,83 @@ def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, hkv,
                                rtol=1e-4, atol=1e-5)
 
 
+def _chunk_case(method, group, hkv, d, batch, residual, prompt, chunk, seed):
+    """A layer holding ``prompt`` tokens, its read before a chunk, the chunk's update and queries;
+    returns ``(layer, keys, before_k, before_v, k, v, q)``."""
+    torch.manual_seed(seed)
+    layer = _layer(batch, hkv, d, residual, 24, method, 2.0, seed)
+    layer.model_config = mock.Mock(_attn_implementation=eager_decode.ATTN_NAME)
+    layer.update(torch.randn(batch, hkv, prompt, d), torch.randn(batch, hkv, prompt, d))
+    before_k, before_v = (x[:, :, :prompt] for x in layer.dequantized())
+    k, v = torch.randn(batch, hkv, chunk, d), torch.randn(batch, hkv, chunk, d)
+    read_k, _ = layer.update(k, v)
+    keys = getattr(read_k, eager_decode._CHUNK)
+    return layer, keys, before_k, before_v, k, v, torch.randn(batch, hkv * group, chunk, d)
+
+
+def _chunk_mask(batch, prompt, chunk, pad):
+    n = prompt + chunk
+    slots = torch.arange(n)
+    causal = slots[None, :] <= slots[n - chunk:, None]
+    return (causal[None] & (slots[None, None, :] >= torch.tensor(pad)[:, None, None]))[:, None]
+
+
 @settings(max_examples=30, deadline=None)
 @given(
-    method=st.sampled_from(["vecinfer", "qaware"]),
+    method=st.sampled_from(["vecinfer", "qaware", "vq", "vecinfer-center"]),
     group=st.sampled_from([1, 2, 4]),
     hkv=st.sampled_from([1, 2]),
     d=st.sampled_from([16, 64, 128]),
     batch=st.integers(1, 4),
     residual=st.sampled_from([0, 3, 8]),
     prompt=st.integers(1, 9),
-    chunk=st.integers(2, 7),
+    chunk=st.integers(2, 11),
     explicit_mask=st.booleans(),
     one_row_at_a_time=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_attend_chunk_equals_sdpa_over_the_valid_slots(method, group, hkv, d, batch, residual, prompt, chunk,
-                                                       explicit_mask, one_row_at_a_time, seed):
-    """An eager chunk's attention, a few rows at a time (forced down to one row here), equals one
-    SDPA over the whole batch's valid slots dequantized, with HF's causal + left-padding mask or,
-    without a mask, bottom-right causal."""
-    torch.manual_seed(seed)
-    tmax = 24
-    layer = _layer(batch, hkv, d, residual, tmax, method, 2.0, seed)
-    layer.update(torch.randn(batch, hkv, prompt, d), torch.randn(batch, hkv, prompt, d))
-    layer.update(torch.randn(batch, hkv, chunk, d), torch.randn(batch, hkv, chunk, d))
-    n = prompt + chunk
-    slots = torch.arange(n)
-    causal = slots[None, :] <= slots[n - chunk:, None]
-    pad = torch.tensor([min(i, prompt - 1) for i in range(batch)])
-    mask = (causal[None] & (slots[None, None, :] >= pad[:, None, None]))[:, None]
-    q = torch.randn(batch, hkv * group, chunk, d)
-    k, v = (x[:, :, :n].repeat_interleave(group, 1) for x in layer.dequantized())
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if explicit_mask else causal)
-    with mock.patch("vecinfer_compile.cache.CHUNK_READ_BYTES", 1 if one_row_at_a_time else 1 << 30):
-        got = layer.attend_chunk(q, mask if explicit_mask else None, None, n)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+def test_attend_chunk_reads_the_old_cache_and_itself_in_full_precision(method, group, hkv, d, batch, residual,
+                                                                       prompt, chunk, explicit_mask,
+                                                                       one_row_at_a_time, seed):
+    """An eager chunk (a codes read) attends by the rule of ``ops.chunk_attention``: it equals one
+    SDPA over the layer's dequantized read *before* the chunk (codes and window, original key
+    domain) followed by the chunk's own K/V as given, with HF's causal + left-padding mask or,
+    without a mask, bottom-right causal; chunks shorter and longer than the window, every
+    transform family, MHA / GQA / MQA, rows forced down to one at a time."""
+    layer, keys, bk, bv, k, v, q = _chunk_case(method, group, hkv, d, batch, residual, prompt, chunk, seed)
+    assert keys.length == prompt + chunk and keys.n_coded == max(prompt - residual, 0)
+    mask = _chunk_mask(batch, prompt, chunk, [min(i, prompt - 1) for i in range(batch)])
+    if not explicit_mask:
+        mask = mask[:1].clone()
+        mask[:] = _chunk_mask(1, prompt, chunk, [0])
+    kk, vv = (torch.cat([a, b], 2).repeat_interleave(group, 1) for a, b in ((bk, k), (bv, v)))
+    want = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+    with mock.patch("vecinfer_compile.ops.chunk_attention.WORKSPACE_BYTES", 1 if one_row_at_a_time else 1 << 30):
+        got = layer.attend_chunk(q, mask if explicit_mask else None, None, keys)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["none", "hole", "per head", "bias"])
+def test_attend_chunk_applies_a_mask_it_cannot_reduce_to_left_padding(change):
+    """A chunk mask with more than causality and left padding in it (a hole, heads that differ, a
+    bias) is applied as it is, by the dense path; plain causal + left padding never takes it."""
+    layer, keys, bk, bv, k, v, q = _chunk_case("vecinfer", 2, 2, 16, 2, 4, 9, 6, 0)
+    mask = _chunk_mask(2, 9, 6, [0, 3]).expand(2, 4, 6, 15)
+    mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    if change == "hole":
+        mask[1, :, :, 6] = torch.finfo(torch.float32).min
+    elif change == "per head":
+        mask[0, 1, :, 2] = torch.finfo(torch.float32).min
+    elif change == "bias":
+        mask[0, :, :, :9] = -0.5 * torch.arange(9.0)
+    kk, vv = (torch.cat([a, b], 2).repeat_interleave(2, 1) for a, b in ((bk, k), (bv, v)))
+    from vecinfer_compile.ops import chunk_attention
+
+    with mock.patch.object(chunk_attention, "reference_by_rows", side_effect=chunk_attention.reference_by_rows) as dense:
+        got = layer.attend_chunk(q, mask, None, keys)
+    given = dense.call_args.args[4]
+    assert given is None if change == "none" else torch.equal(given, mask)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("change", ["none", "hole", "valid slot hidden", "per head", "bias"])
@@ -208,9 +250,12 @@ def test_codes_read_refuses_what_the_decode_op_cannot_do():
         eager_decode.codes_attention_forward(None, q, k, v, None, softcap=30.0)
     with pytest.raises(ValueError, match="4-d"):
         eager_decode.codes_attention_forward(None, q, k, v, torch.ones(1, 24, dtype=torch.bool))
-    k, v = eager_decode.codes_read(layer, (1, 2, 6, 16), torch.float32, torch.device("cpu"))  # a chunk's read
-    with pytest.raises(ValueError, match="valid slots"):  # a chunk's mask spans the 6 valid slots
-        eager_decode.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, torch.ones(1, 1, 3, 24, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="one-token codes read"):
+        eager_decode.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, None)
+    layer.model_config = mock.Mock(_attn_implementation=eager_decode.ATTN_NAME)
+    k, v = layer.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))  # a chunk's read: 9 valid slots of 24
+    with pytest.raises(ValueError, match="cache's slots"):
+        eager_decode.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, torch.ones(1, 1, 3, 23, dtype=torch.bool))
 
 
 @pytest.mark.cuda
@@ -236,3 +281,42 @@ def test_attend_on_cuda_equals_the_reference(group):
     got = layer.attend(q, mask, None)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ["vecinfer", "qaware"])
+def test_attend_chunk_on_cuda_takes_the_fast_path(method):
+    """On the GPU in bf16 a chunk after a left-padded prompt runs the chunk attention's fast path
+    (no dense read) and equals the float32 oracle; then an eager generate(prefill_chunk_size=...)
+    on a small model runs through it end to end (with a compile config, transformers compiles the
+    chunked prefill on CUDA: that path is the compiled one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vecinfer_compile.ops import chunk_attention
+
+    torch.manual_seed(0)
+    b, hkv, group, d, prompt, chunk = 3, 2, 4, 128, 301, 77
+    layer = _layer(b, hkv, d, 16, 512, method, 2.0, 0, device="cuda", dtype=torch.bfloat16)
+    layer.model_config = mock.Mock(_attn_implementation=eager_decode.ATTN_NAME)
+    layer.update(*(torch.randn(b, hkv, prompt, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
+    k, _ = layer.update(*(torch.randn(b, hkv, chunk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
+    keys = getattr(k, eager_decode._CHUNK)
+    start = torch.tensor([0, 5, 200], device="cuda")
+    mask = chunk_attention.standard_mask(b, chunk, prompt + chunk, start, "cuda")
+    q = torch.randn(b, hkv * group, chunk, d, device="cuda", dtype=torch.bfloat16)
+    with mock.patch.object(chunk_attention, "reference_by_rows", side_effect=AssertionError("dense path")):
+        got = layer.attend_chunk(q, mask, None, keys)
+    from vecinfer_compile.ops.decode_inputs import transform_queries
+
+    want = chunk_attention.reference(transform_queries(q, layer.lam, layer.rotation, layer.key_read).float(), keys,
+                                     start, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+    model = LlamaForCausalLM(tiny_config(head_dim=64, hidden_size=128)).eval().to("cuda", torch.bfloat16)
+    cache = VecInferCache(model, random_codebooks(model.config, 2.0, method), max_cache_len=80, residual=8)
+    ids, pad = left_padded(batch=2, length=40, pad=5)
+    fast = mock.patch.object(chunk_attention, "split_flash", side_effect=chunk_attention.split_flash)
+    with fast as split, mock.patch.object(chunk_attention, "reference_by_rows", side_effect=AssertionError("dense")):
+        out = generate(model, ids.cuda(), pad.cuda(), cache, max_new_tokens=5, do_sample=False, prefill_chunk_size=16,
+                       disable_compile=True)
+    assert out.shape == (2, 45) and split.call_count == 2 * model.config.num_hidden_layers  # chunks 2 and 3

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vecinfer_compile.ops as ops
-from test_ops_reference import SPECS, attention_case, decode_case, expected_attention, expected_decode
+from test_ops_reference import SPECS, attention_case, decode_case, expected_attention, expected_decode, make_codes
 from vecinfer_compile.quant import codebook, hadamard_matrix, unpack_codes
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -91,6 +91,36 @@ def test_interp_decode(score, seed, b, hkv, group, tmax, frac, r, wfrac, d, kspe
                        n_window=round(wfrac * r), d=d, kspec=kspec, vspec=vspec, with_start=with_start,
                        dtype=torch.float32)
     _fp32_tol(ops.decode_attention_triton(*args, score=score), expected_decode(args))
+
+
+@interp_only
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    h=st.integers(1, 3),
+    tmax=st.integers(1, 150),
+    frac=st.floats(0, 1),
+    d=st.sampled_from([16, 64, 128]),
+    spec=st.sampled_from(SPECS),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    strided=st.booleans(),
+)
+def test_interp_dequantize(seed, b, h, tmax, frac, d, spec, dtype, strided):
+    """The chunk attention's prefix dequantization: the first ``length`` positions of every preset's
+    stored codes (packed 12-bit too), a row slice of a larger buffer, into a position-major
+    workspace, equal to the reference gather; positions past ``length`` untouched."""
+    from vecinfer_compile.ops.triton_dequant import dequantize_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    codes, cent = make_codes(gen, (b + int(strided), h, tmax), *spec, d)
+    codes = codes[int(strided):]
+    length = round(frac * tmax)
+    out = torch.full((b, tmax, h, d), float("nan"), dtype=dtype)
+    dequantize_triton(codes, cent.to(dtype), length, out[:, :length])  # a strided view of out
+    want = ops.reference.dequantize(codes, cent.to(dtype).float())[:, :, :length].transpose(1, 2).to(dtype)
+    assert torch.equal(out[:, :length], want)
+    assert out[:, length:].isnan().all()
 
 
 ENCODE_CONFIGS = {

@@ -5,8 +5,11 @@
     model = torch.compile(model, backend="vecinfer")                            # same, by name
 
 Each Dynamo graph goes through the choice of each VecInferCache append's implementation
-(:func:`vecinfer_compile.passes.cache_append.rewrite_cache_append`), the decode rewrite over a
-VecInferCache (:func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention`), then
+(:func:`vecinfer_compile.passes.cache_append.rewrite_cache_append`), the attention over an empty
+VecInferCache's prefill kept in full precision
+(:func:`vecinfer_compile.passes.cache_decode.keep_prefill_in_full_precision`: transformers compiles
+a chunked prefill's forwards), the decode rewrite over a VecInferCache
+(:func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention`), then
 :func:`vecinfer_compile.passes.rewrite_sdpa` for every other SDPA, then Inductor's ``compile_fx``
 (``mode``/``options`` become Inductor config patches, per call).
 
@@ -39,7 +42,7 @@ from .methods import VQ_METHODS
 from .ops.decode_kernels import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
 from .passes.cache_append import rewrite_cache_append
-from .passes.cache_decode import rewrite_cache_attention
+from .passes.cache_decode import CACHE_READ_META, keep_prefill_in_full_precision, rewrite_cache_attention
 from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
@@ -197,7 +200,9 @@ class VecInferBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None):
         rewrite_cache_append(gm, self.config.decode_kernel)
+        keep_prefill_in_full_precision(gm)
         cache_reads = rewrite_cache_attention(gm, self.config.decode_kernel)
+        cache_reads += sum(bool(n.meta.get(CACHE_READ_META)) for n in gm.graph.nodes)  # left over the cache
         sites = find_sdpa_sites(gm)
         if sites:
             layers = self._layers(gm, example_inputs, sites)

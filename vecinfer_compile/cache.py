@@ -26,7 +26,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
 from .ops.cache_append import transform_keys
-from .ops.decode_inputs import kv_start_from_mask, mask_is_a_range, transform_queries
+from .ops import chunk_attention
+from .ops.chunk_attention import ChunkKeys
+from .ops.decode_inputs import chunk_mask_layout, kv_start_from_mask, mask_is_a_range, transform_queries
 from .quant.packing import packed_width
 from .tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 
@@ -65,24 +67,25 @@ def cache_window_mask(tq: int, tk: int, residual: int, *, prefill: bool = False,
     last ``Tq`` slots, bottom-right aligned, as in HF).
 
     - ``prefill=True`` (the first update of an empty cache): everything is full precision.
-    - otherwise: key ``j`` is full precision iff ``(Tk - 1) - j < residual``, i.e. it lies in the
-      last ``residual`` slots *after* the new tokens were appended. For one new token (decode) this
-      is the simulate rule ``i - j < residual``; for a chunk of several tokens appended to a
-      non-empty cache, every query of the chunk sees the same window (that of the chunk's last
-      token), which is what the cache can hold.
+    - one new token (decode): key ``j`` is full precision iff ``(Tk - 1) - j < residual``, the
+      simulate rule ``i - j < residual``.
+    - a chunk of ``Tq >= 2`` tokens appended to a non-empty cache: the window as it was before the
+      chunk and the chunk itself, i.e. iff ``j >= Tk - Tq - residual`` (the rule of
+      :mod:`vecinfer_compile.ops.chunk_attention`): at least the simulate rule's keys for every query.
 
     Causality is not part of this mask (combine with the causal/padding mask as usual).
     """
     if prefill:
         return torch.ones(tq, tk, dtype=torch.bool, device=device)
     j = torch.arange(tk, device=device)
-    return ((tk - 1 - j) < residual)[None, :].expand(tq, tk).clone()
+    full = (tk - 1 - j) < residual if tq == 1 else j >= tk - tq - residual
+    return full[None, :].expand(tq, tk).clone()
 
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
-CHUNK_READ_BYTES = 1 << 30  # dequantized + repeated K/V of one row group of an eager chunk's attention
+DECODE_READ_BYTES = 1 << 30  # dequantized + repeated K/V of one row group of an eager step whose mask the op cannot read
 
 
 class VecInferLayer(CacheLayerMixin):
@@ -279,44 +282,79 @@ class VecInferLayer(CacheLayerMixin):
         self.n_coded.fill_(n_code)
         self.n_window.fill_(n_win)
         self._empty = False
+        if _is_compiling():  # marked: the backend keeps this attention in full precision
+            return torch.ops.vecinfer.prefill_read(k, v)
         return k, v
 
     def _append(self, k: torch.Tensor, v: torch.Tensor):
         """Append ``T`` tokens with ``vecinfer::cache_append`` (:mod:`.ops.cache_append`: no
         data-dependent Python, so it compiles with fullgraph=True; one CUDA launch per decode
-        step where the kernel runs), then read the layer back."""
+        step where the kernel runs), then return what attention reads.
+
+        One token reads the layer after the append. A chunk of several reads what the rule of
+        :mod:`.ops.chunk_attention` says: the coded slots and the window as they were before the
+        append, then its own tokens in full precision; what it needs of the old state is taken
+        before the append (the append writes only code slots at or after ``n_coded``)."""
         t = k.shape[2]
-        total = None  # eager: the tokens held after this update (one host sync)
-        if not _is_compiling():
-            total = self._valid_length() + t
-            if total > self.max_cache_len:
-                raise self._overflow(total)
+        if _is_compiling():
+            before = self._read(torch.ops.vecinfer) if t > 1 else None
+            self._cache_append(k, v)
+            if before is None:
+                return self._read(torch.ops.vecinfer)
+            return self._with_chunk(before, k, v, self.max_cache_len)
+        n_coded, n_window = int(self.n_coded), int(self.n_window)  # host syncs: eager only
+        held = n_coded + n_window
+        if held + t > self.max_cache_len:
+            raise self._overflow(held + t)
+        codes = eager_decode.is_active(self.model_config)
+        chunk = before = None
+        if t > 1 and codes:
+            chunk = self._chunk_keys(k, v, n_coded, n_window)
+        elif t > 1:
+            before = self._read(torch.ops.vecinfer, held)
+        self._cache_append(k, v)
+        # every slot, as the compiled step's read (generate() may build the step's mask before it
+        # knows whether the step runs compiled: get_mask_sizes)
+        if codes:
+            shape = (self.batch_size, self.num_heads, self.max_cache_len, self.head_dim)
+            return eager_decode.codes_read(self, shape, self.dtype, self.device, chunk)
+        if before is not None:
+            return self._with_chunk(before, k, v, self.max_cache_len)
+        return self._read(torch.ops.vecinfer)
+
+    def _cache_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         torch.ops.vecinfer.cache_append(
             k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
             self.append_arrivals, self.key_centroids, self.value_centroids, self.key_mean, self.lam,
             self._key_matrix(),
         )
-        if total is None:
-            return self._read(torch.ops.vecinfer)
-        return self._eager_read(t, total)
+
+    def _chunk_keys(self, k: torch.Tensor, v: torch.Tensor, n_coded: int, n_window: int) -> ChunkKeys:
+        """What a chunk's attention over the codes needs, before the append: the window's
+        ``n_window`` slots then the chunk, position-major, keys transformed."""
+        kt = self.transform_keys(k)
+        k_full = torch.cat([self.k_window[:, :, :n_window].transpose(1, 2), kt.transpose(1, 2)], dim=1)
+        v_full = torch.cat([self.v_window[:, :, :n_window].transpose(1, 2), v.transpose(1, 2)], dim=1)
+        return ChunkKeys(self.k_codes, self.v_codes, self.key_centroids, self.value_centroids, n_coded,
+                         k_full, v_full)
+
+    def _with_chunk(self, before: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized read of a chunk (``[B, H, length, D]``, original key domain, zeros past
+        the valid slots): ``before`` (the layer's read before the append: its valid slots, or every
+        slot when compiling) with the chunk's own ``k``, ``v`` at the slots after the tokens held
+        before."""
+        held = self.n_coded + self.n_window - k.shape[2]  # after the append, less the chunk
+        rk, rv = before
+        if rk.shape[2] < length:
+            pad = (0, 0, 0, length - rk.shape[2])
+            rk, rv = F.pad(rk, pad), F.pad(rv, pad)
+        pos = (held + torch.arange(k.shape[2], device=k.device)).clamp(max=length - 1)
+        return rk.index_copy(2, pos, k), rv.index_copy(2, pos, v)
 
     def _valid_length(self) -> int:
         """Tokens held, as a Python int (a host sync: eager only)."""
         return int(self.n_coded) + int(self.n_window)
-
-    def _eager_read(self, t: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What an eager update of ``t`` tokens returns, ``n`` tokens held after it. When the
-        model attends with ``"vecinfer_sdpa"``, a codes read (:mod:`..eager_decode`: no memory;
-        the attention then runs :meth:`attend` or :meth:`attend_chunk`); otherwise K/V
-        dequantized. Their length: for a chunk (``t > 1``) the ``n`` valid slots, ``[B, H, n, D]``
-        (``get_mask_sizes`` gives HF's mask the same length); for one token every slot, as the
-        compiled step's read, because ``generate()`` builds that step's mask before it knows
-        whether the step runs compiled."""
-        length = n if t > 1 else self.max_cache_len
-        if eager_decode.is_active(self.model_config):
-            shape = (self.batch_size, self.num_heads, length, self.head_dim)
-            return eager_decode.codes_read(self, shape, self.dtype, self.device)
-        return self._read(torch.ops.vecinfer, n if t > 1 else None)
 
     def attend(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
         """Decode attention of one query token over this layer's codes and window:
@@ -345,29 +383,45 @@ class VecInferLayer(CacheLayerMixin):
         )
 
     def attend_chunk(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None,
-                     n: int) -> torch.Tensor:
-        """Attention of an eager chunk of ``T`` query tokens (the newest ``T`` of the ``n`` valid
-        slots, the length of the chunk's codes read) over the valid slots dequantized, as HF's SDPA path would compute it, but a few
-        batch rows at a time: the dequantized K/V, repeated per query head, stay near
-        :data:`CHUNK_READ_BYTES` whatever the batch (HF's path held ``B * (Hq + H) * n * D`` of
-        them at once: at 32 rows of 128k slots, 8B geometry, ~86 GiB). ``q: [B, Hq, T, D]``;
-        ``attn_mask``: HF's ``[B|1, 1|Hq, T, n]`` (bool True = attend, or additive float), or None
-        for causal attention bottom-right aligned; returns ``[B, Hq, T, D]``."""
-        t = q.shape[2]
-        if attn_mask is None:
-            slots = torch.arange(n, device=q.device)
-            attn_mask = (slots[None, :] <= slots[n - t:, None])[None, None]
-        elif attn_mask.dim() != 4 or attn_mask.shape[-1] != n:
-            raise ValueError(f"attn_mask must be [B, H, T, {n}] (the valid slots), got {tuple(attn_mask.shape)}")
-        return self._sdpa_by_rows(q, attn_mask, scale, n)
+                     keys: ChunkKeys) -> torch.Tensor:
+        """Attention of an eager chunk of ``C`` query tokens over this layer by the rule of
+        :mod:`.ops.chunk_attention` (``keys``: what :meth:`_chunk_keys` took before the append):
+        the coded prefix and the full-precision window and chunk, merged by log-sum-exp, on CUDA
+        without any dequantized copy of the whole batch. ``q: [B, Hq, C, D]``; ``attn_mask``: HF's
+        ``[B|1, 1|Hq, C, S]`` over the cache's ``S = max_cache_len`` slots (or the ``L =
+        keys.length`` valid ones; bool True = attend, or additive float), or None for bottom-right
+        causal over the ``L`` valid slots. Left padding is read from the mask; a mask that is more
+        than causal + left padding over the valid slots (checked once per mask, one host sync) is
+        applied as it is by the dense path. Returns ``[B, Hq, C, D]``."""
+        c, length = q.shape[2], keys.length
+        kv_start = explicit = None
+        if attn_mask is not None:
+            if attn_mask.dim() != 4 or attn_mask.shape[-1] not in (length, self.max_cache_len) \
+                    or attn_mask.shape[-2] != c:
+                raise ValueError(f"attn_mask must be [B, H, {c}, {self.max_cache_len}] (the chunk over the cache's "
+                                 f"slots), got {tuple(attn_mask.shape)}")
+            kv_start = kv_start_from_mask(attn_mask, q)
+            standard, padded = chunk_mask_layout(attn_mask, kv_start, length)
+            attn_mask = attn_mask[..., :length]
+            if not padded:
+                kv_start = None  # the fast path's prefix then runs cuDNN (no per-row key start)
+            if not standard:
+                explicit = attn_mask
+                if "chunk mask" not in _logged:
+                    _logged.add("chunk mask")
+                    log.info("vecinfer: an eager chunk's mask is more than causal + left padding: that chunk "
+                             "attends by the dense path (SDPA over its slots dequantized, a few rows at a time)")
+        q_t = transform_queries(q, self.lam, self.rotation, self.key_read)
+        scale = self.head_dim ** -0.5 if scale is None else float(scale)
+        return chunk_attention.attend(q_t, keys, kv_start, scale, explicit)
 
     def _sdpa_by_rows(self, q: torch.Tensor, attn_mask: torch.Tensor, scale: float | None, length: int) -> torch.Tensor:
         """SDPA of ``q: [B, Hq, T, D]`` over the first ``length`` slots dequantized, with
-        ``attn_mask: [B|1, 1|Hq, T, length]``, a row group at a time (:data:`CHUNK_READ_BYTES`)."""
+        ``attn_mask: [B|1, 1|Hq, T, length]``, a row group at a time (:data:`DECODE_READ_BYTES`)."""
         b, hq, t, d = q.shape
         group = hq // self.num_heads
         per_row = 2 * (1 + group) * self.num_heads * length * d * torch.finfo(self.dtype).bits // 8
-        rows = max(1, CHUNK_READ_BYTES // max(per_row, 1))
+        rows = max(1, DECODE_READ_BYTES // max(per_row, 1))
         out = q.new_empty((b, hq, t, d))
         for i in range(0, b, rows):
             j = min(i + rows, b)
@@ -416,9 +470,11 @@ class VecInferLayer(CacheLayerMixin):
             query_length = query_length.shape[0]
         if self._empty:  # prefill returns only the new tokens, in full precision
             return query_length, 0
-        if query_length > 1 and not _is_compiling():  # an eager chunk: the slots _eager_read returns
-            return self._valid_length() + query_length, 0
-        return self.max_cache_len, 0  # static: every slot (the mask hides the empty ones)
+        # every later step, one token or a chunk, eager or compiled: every slot (the mask hides the
+        # empty ones). Static because generate() may build the mask eagerly and run the step compiled
+        # (a chunked prefill with a compile config: a mask as long as the valid slots then met the
+        # compiled full-length read and failed)
+        return self.max_cache_len, 0
 
     def get_seq_length(self, *args, **kwargs):
         if self._empty:
@@ -520,9 +576,13 @@ class VecInferCache(Cache):
       window; tokens pushed out of it are encoded from their stored ``K~``/``V`` and moved to the
       codes. After each update exactly the last ``min(R, length)`` tokens are in full precision:
       the decode query at slot ``i`` reads key ``j`` in full precision iff ``i - j < R``, older
-      keys from codes (``keys_inverse(decode(codes))``). A chunk of several tokens appended to a
-      non-empty cache shares the window of its last token. :func:`cache_window_mask` states this
-      as a mask for the simulate path.
+      keys from codes (``keys_inverse(decode(codes))``).
+    - **A chunk** of several tokens appended to a non-empty cache (a chunked prefill, ``generate()``
+      with ``prefill_chunk_size``) attends over the coded slots, the window as it was before the
+      chunk and its own tokens, the last two in full precision, and is encoded only after: the
+      rule of :mod:`vecinfer_compile.ops.chunk_attention`, where it is written once. So no query
+      sees fewer than its last ``R`` keys in full precision. :func:`cache_window_mask` states
+      these rules as masks.
     - **What decode returns**: full-length ``[B, H_kv, max_cache_len, D]`` dequantized K
       (original domain) and V, zero beyond the valid length; HF's mask (``get_mask_sizes`` ->
       ``max_cache_len``, padding, cache position) makes attention exact over them. Compiled,
@@ -532,8 +592,9 @@ class VecInferCache(Cache):
       gets every slot and a chunk of several tokens just the ``L`` valid slots,
       ``[B, H_kv, L, D]`` (``get_mask_sizes`` -> ``L``): as a *codes read* when the model attends
       with ``"vecinfer_sdpa"`` (which ``VecInferCache(model, ...)`` switches an SDPA model to),
-      which holds no memory and makes the attention run the same decode op, or for a chunk SDPA
-      a few batch rows at a time (:mod:`vecinfer_compile.eager_decode`); otherwise dequantized.
+      which holds no memory and makes the attention run the same decode op, or for a chunk the
+      chunk attention over the codes (:mod:`vecinfer_compile.eager_decode`); otherwise dequantized
+      (a chunk's with its own tokens in place, by the same rule; compiled too).
     - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
       path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
       differ on near-ties).

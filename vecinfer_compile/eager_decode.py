@@ -15,15 +15,17 @@ attention function receives one it asks the layer instead: for one query token
 ``vecinfer::decode_attention`` over the codes and window (the query-side transform and ``kv_start``
 of :mod:`.ops.decode_inputs`), the op the compiled decode step runs (a mask that is more than
 left padding over the valid slots gets SDPA over the dequantized cache instead); for a chunk of several,
-:meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>` runs SDPA over
-the valid slots dequantized a few batch rows at a time. Every other call (the prefill of an empty
+:meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>` attends by the
+rule of :mod:`.ops.chunk_attention` (the coded prefix and the full-precision window and chunk, merged
+by log-sum-exp; on CUDA a few rows of the prefix at a time into FlashAttention-2). Every other call (the prefill of an empty
 cache, other caches, anything traced by Dynamo) goes to ``sdpa_attention_forward`` unchanged, so a
 model on this implementation compiles to the same graph. Whatever else receives a codes read
 computes NaN, never plausible numbers.
 
 ``VecInferCache(model, ...)`` switches a model on ``"sdpa"`` to this implementation
 (:func:`use_codes_attention`, logged once); a model on any other implementation keeps it and its
-eager steps get the dequantized read for the whole batch, as before.
+eager steps get the dequantized read for the whole batch (a chunk's with its own tokens in full
+precision, by the same rule).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTN_NAME = "vecinfer_sdpa"
 _LAYER = "_vecinfer_codes_layer"  # the attribute of a codes read that names its layer
+_CHUNK = "_vecinfer_chunk_keys"  # and, for a chunk, what its attention reads (ops.chunk_attention.ChunkKeys)
 _UNSUPPORTED_KWARGS = ("softcap", "position_bias", "sliding_window", "s_aux")
 
 log = logging.getLogger(__name__)
@@ -47,12 +50,14 @@ def is_active(config) -> bool:
 
 
 def codes_read(layer, shape: tuple[int, int, int, int], dtype: torch.dtype,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+               device: torch.device, chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for ``(K, V)`` of ``shape`` ``[B, H_kv, L, D]``: NaN, zero strides (no memory),
-    each naming ``layer`` for :func:`codes_attention_forward`."""
+    each naming ``layer`` for :func:`codes_attention_forward`; a chunk's also carry ``chunk``
+    (its :class:`~vecinfer_compile.ops.chunk_attention.ChunkKeys`)."""
     k, v = (torch.full((), float("nan"), dtype=dtype, device=device).expand(shape) for _ in range(2))
-    setattr(k, _LAYER, layer)
-    setattr(v, _LAYER, layer)
+    for t in (k, v):
+        setattr(t, _LAYER, layer)
+        setattr(t, _CHUNK, chunk)
     return k, v
 
 
@@ -75,10 +80,13 @@ def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
             f"vecinfer: attention over a VecInferCache does not support {', '.join(extra)}; "
             "this model cannot use VecInferCache"
         )
-    if query.shape[2] == 1:
+    chunk = getattr(key, _CHUNK, None)
+    if chunk is None:
+        if query.shape[2] != 1:
+            raise RuntimeError(f"vecinfer: {query.shape[2]} queries over a one-token codes read")
         out = layer.attend(query, attention_mask, scaling)
     else:
-        out = layer.attend_chunk(query, attention_mask, scaling, key.shape[2])  # the read spans the valid slots
+        out = layer.attend_chunk(query, attention_mask, scaling, chunk)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -124,3 +124,25 @@ def is_cache_kv(target) -> bool:
     """Whether an FX node target is this op (packet or overload)."""
     op = torch.ops.vecinfer.cache_kv
     return target is op or target is op.default
+
+
+@torch.library.custom_op(f"{NAMESPACE}::prefill_read", mutates_args=())
+def prefill_read(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the prefill of an empty cache layer returns when compiled: its own K/V (copies: an op
+    cannot return its inputs), marked so that :mod:`vecinfer_compile.passes.cache_decode` keeps
+    the attention over them in full precision, as the eager prefill does, instead of the generic
+    rewrite quantizing it (the pass then reads the inputs directly and this node is dead).
+    transformers compiles a chunked prefill's forwards when the cache is compileable, the first
+    chunk's included."""
+    return key.clone(), value.clone()
+
+
+@prefill_read.register_fake
+def _(key, value):
+    return torch.empty_like(key), torch.empty_like(value)
+
+
+def is_prefill_read(target) -> bool:
+    """Whether an FX node target is :func:`prefill_read` (packet or overload)."""
+    op = torch.ops.vecinfer.prefill_read
+    return target is op or target is op.default

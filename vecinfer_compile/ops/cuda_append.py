@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..quant.packing import is_packed, packed_width
-from .nvrtc import CudaBuildError, compile_source, load_kernels
+from .nvrtc import CudaBuildError, build_kernel
 
 SOURCE = Path(__file__).with_name("cuda_append.cu")
 COLS = 32  # channels per CTA: whole sub-vectors, an even number of them (packed nibbles stay in one CTA)
@@ -88,11 +88,8 @@ def unsupported_reason(key: torch.Tensor, k_window: torch.Tensor, k_centroids: t
 
 @functools.cache
 def _build(variant: AppendVariant, device_index: int):
-    device = torch.device("cuda", device_index)
-    major, minor = torch.cuda.get_device_capability(device)
-    source = SOURCE.read_text()
-    image, _ = compile_source(source, "vq_append", major * 10 + minor, ["--std=c++17", *variant.defines()])
-    return load_kernels(image, ["vq_append"], device)["vq_append"]
+    return build_kernel(SOURCE.read_text(), "vq_append", torch.device("cuda", device_index),
+                        ["--std=c++17", *variant.defines()])
 
 
 def build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix) -> str | None:

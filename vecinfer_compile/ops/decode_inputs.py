@@ -6,6 +6,8 @@ eager one-token step (:mod:`vecinfer_compile.eager_decode`)."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..quant.rows import rows_matmul
@@ -63,3 +65,41 @@ def mask_is_a_range(mask: torch.Tensor, kv_start: torch.Tensor, valid: torch.Ten
     want = (slots >= kv_start.to(slots.dtype)[:, None, None]) & (slots < valid)
     return plain & (attend == want).all()
 
+
+
+def chunk_mask_layout(mask: torch.Tensor, kv_start: torch.Tensor, length: int) -> tuple[bool, bool]:
+    """``(standard, padded)`` for a chunk's mask ``[B|1, H|1, C, S]`` over ``S >= length`` slots
+    of which the first ``length`` are valid, the chunk's ``C`` queries the last of them (bool True
+    = attend, or additive float with 0 = attend and at most ``finfo.min / 2`` elsewhere), and its
+    first attended slots ``kv_start [B]`` (:func:`kv_start_from_mask`). ``standard``: the mask is
+    causal with left padding ``kv_start`` and nothing else (every head, row ``i`` attends exactly
+    the slots ``kv_start[b] <= s <= length - C + i``): all that the chunk attention's fast path
+    reads of a mask. ``padded``: some row starts after slot 0. One host sync; HF passes
+    one mask object to every layer of a forward, so the answer for the last mask seen is kept (by
+    identity and version) and each forward checks once."""
+    global _last_chunk_mask
+    seen = _last_chunk_mask
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        return seen[2]
+    b, _, c, width = mask.shape
+    if mask.dtype == torch.bool:
+        attend, plain = mask, torch.ones((), dtype=torch.bool, device=mask.device)
+    else:
+        attend = mask == 0
+        plain = (attend | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    i = torch.arange(c, device=mask.device)[:, None]
+    j = torch.arange(width, device=mask.device)[None, :]
+    causal = j <= i + (length - c)
+    start = kv_start.to(mask.device).long()
+    rows = max(1, CHECK_ELEMENTS // max(attend[:1].numel(), 1))  # bounds the comparison's temporaries
+    ok = plain
+    for r in range(0, b, rows):
+        want = causal[None] & (j[None] >= start[r:r + rows, None, None])
+        ok = ok & (attend[r:r + rows] == want[:, None]).all()
+    standard, padded = (bool(x) for x in torch.stack([ok, (start > 0).any()]).tolist())
+    _last_chunk_mask = (weakref.ref(mask), mask._version, (standard, padded))
+    return standard, padded
+
+
+CHECK_ELEMENTS = 1 << 28  # mask elements compared at once by chunk_mask_layout
+_last_chunk_mask = None  # (weakref to the mask, its version, its layout)

@@ -213,3 +213,10 @@ def load_kernels(image: bytes, names: list[str], device: torch.device) -> dict[s
             _check_cu(driver().cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), f"cuModuleGetFunction({name})")
             kernels[name] = Kernel(name, fn, module)
     return kernels
+
+
+def build_kernel(source: str, name: str, device: torch.device, options: list[str]) -> Kernel:
+    """Compile ``source`` for ``device``'s architecture with ``options`` and load its kernel ``name``."""
+    major, minor = torch.cuda.get_device_capability(device)
+    image, _ = compile_source(source, name, major * 10 + minor, options)
+    return load_kernels(image, [name], device)[name]

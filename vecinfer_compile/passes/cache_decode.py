@@ -30,7 +30,8 @@ dequantized full-length K/V. The cache state nodes are the ``cache_kv`` argument
 no layer lookup is needed. Each rewrite bumps ``counters["vecinfer"]["cache_decode_rewrites"]``.
 
 Run it BEFORE the generic SDPA rewrite (:mod:`.sdpa`). SDPA nodes over ``cache_kv`` that are not
-rewritten (several query tokens, ``is_causal=True``, a mask that is not ``[B|1, *, 1, L]``) are
+rewritten (several query tokens, whose read is ``cache_kv`` before the append with the chunk's own
+tokens put in by ``index_copy``; ``is_causal=True``; a mask that is not ``[B|1, *, 1, L]``) are
 left as they are (correct, full-length dequantized K/V) and tagged
 ``node.meta["vecinfer_cache_read"] = True``: the generic rewrite must skip those (quantizing them
 again would quantize twice).
@@ -56,7 +57,7 @@ from torch._dynamo.utils import counters
 
 from ..ops import cache_ops  # noqa: F401  registers vecinfer::cache_kv
 from ..ops import decode_kernels
-from ..ops.cache_ops import is_cache_kv
+from ..ops.cache_ops import is_cache_kv, is_prefill_read
 from ..ops.decode_inputs import kv_start_from_mask, transform_queries
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 
@@ -121,6 +122,45 @@ def _key_read(key: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
     return x.args[0], matrix, chain + [x]
 
 
+def keep_prefill_in_full_precision(gm: fx.GraphModule) -> int:
+    """Every SDPA over an empty cache's prefill (``getitem(prefill_read(k, v), 0 | 1)``, through
+    HF's repeat_kv chain or not) is tagged ``vecinfer_cache_read``, so the generic rewrite leaves
+    it in full precision as the eager prefill is; then the marker's outputs are replaced by its
+    inputs and it is erased. Returns the number of tagged attentions."""
+    markers = [n for n in gm.graph.nodes if n.op == "call_function" and is_prefill_read(n.target)]
+    if not markers:
+        return 0
+    tagged = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not SDPA:
+            continue
+        key = unwrap_repeat_kv(node.kwargs.get("key", node.args[1] if len(node.args) > 1 else None))
+        if (isinstance(key, fx.Node) and key.target is operator.getitem and isinstance(key.args[0], fx.Node)
+                and key.args[0] in markers):
+            node.meta[CACHE_READ_META] = True
+            tagged += 1
+    for marker in markers:
+        for user in list(marker.users):  # the getitems of K and V
+            user.replace_all_uses_with(marker.args[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(marker)
+    counters["vecinfer"]["cache_prefill_full_precision"] += tagged
+    gm.graph.lint()
+    gm.recompile()
+    return tagged
+
+
+def _is_chunk_read(node) -> bool:
+    """Whether ``node`` is a chunk's read of the cache, ``index_copy(<cache read>, 2, pos, new)``
+    (:meth:`VecInferLayer._with_chunk <vecinfer_compile.cache.VecInferLayer._with_chunk>`: the read
+    before the append with the chunk's own tokens in place), for K (through the query-aware chain)
+    or V."""
+    if not (_is_method(node, "index_copy") or _is_call(node, torch.index_copy)):
+        return False
+    inner = node.args[0]
+    return _cache_output(_key_read(inner)[0], 0) is not None or _cache_output(inner, 1) is not None
+
+
 def _static_int(x) -> int | None:
     if isinstance(x, int):
         return x
@@ -172,6 +212,8 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
         key, key_read, read_chain = _key_read(key_outer)
         cache = _cache_output(key, 0)
         if cache is None:
+            if _is_chunk_read(key_outer) or _is_chunk_read(value):
+                _unfusable(node, "a chunk of several tokens reads the cache dequantized")
             continue
         if _cache_output(value, 1) is not cache:
             _unfusable(node, "key and value come from different cache reads")

@@ -7,9 +7,8 @@ sits at key position ``i + off``), key ``j`` is read in full precision (``K~``, 
 other key is read quantize-dequantized (``K^``, ``V^``): the older keys ``j <= i + off - R`` and
 the keys after the query's position ``j > i + off``, which only a non-causal mask can make
 visible (as :func:`vecinfer_compile.ops.reference.attention`). The two key sets are disjoint, so
-the softmax over all visible keys splits into two attentions merged by their log-sum-exp ``L``::
-
-    out = (exp(L1 - m) o1 + exp(L2 - m) o2) / (exp(L1 - m) + exp(L2 - m)),   m = max(L1, L2)
+the softmax over all visible keys splits into two attentions merged by their log-sum-exp
+(:func:`vecinfer_compile.ops.lse_merge.merge_by_lse`):
 
 - the quantized part ``(o1, L1)``, over ``K^``/``V^``: one fused attention kernel that returns
   its log-sum-exp. Without a tensor mask and with ``is_causal`` (and ``Tk >= Tq``) the rule is
@@ -72,6 +71,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..ops.flash_kernels import cudnn_serves as _cudnn_serves
+from ..ops.flash_kernels import flash_serves as _flash_serves
+from ..ops.lse_merge import merge_by_lse
+
 aten = torch.ops.aten
 
 BAND_BLOCK = 128  # query rows per band block at most (the block is min(R, BAND_BLOCK))
@@ -107,23 +110,6 @@ class WindowPlan:
     band_index: torch.Tensor | None
     band_bias: torch.Tensor | None
     flash_band: tuple | None
-
-
-@torch.compiler.assume_constant_result
-def _flash_serves(device: torch.device) -> bool:
-    """FlashAttention-2 (``aten._flash_attention_forward``) runs on ``device``: CUDA, sm80 or newer,
-    built into this torch and not switched off (``torch.backends.cuda.enable_flash_sdp(False)``).
-    Read once per trace (a constant to torch.compile)."""
-    return (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
-            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(device) >= (8, 0))
-
-
-@torch.compiler.assume_constant_result
-def _cudnn_serves(device: torch.device) -> bool:
-    """cuDNN attention runs on ``device`` and is SDPA's first choice there: CUDA, sm90 or newer,
-    cuDNN present and not switched off (``torch.backends.cuda.enable_cudnn_sdp(False)``)."""
-    return (device.type == "cuda" and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
-            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def _flash_shape(q: torch.Tensor, max_dim: int = 256) -> bool:
@@ -378,11 +364,4 @@ def windowed_attention(q: torch.Tensor, k_hat: torch.Tensor, k: torch.Tensor, v_
     if quantized is None:
         return o2.to(q.dtype)
     o1, l1 = quantized
-    acc = _acc_dtype(q.dtype)
-    m = torch.maximum(l1, l2)
-    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=m.dtype, device=m.device))
-    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
-    total = w1 + w2
-    out = (w1 * o1.to(acc) + w2 * o2.to(acc)) / torch.where(total > 0, total, torch.ones((), dtype=total.dtype,
-                                                                                             device=total.device))
-    return out.to(q.dtype)
+    return merge_by_lse(o1, l1, o2, l2, q.dtype)

@@ -1,0 +1,280 @@
+"""Attention of a chunk of new tokens entering a non-empty compressed cache layer.
+
+**The rule** (the one place it is written; :class:`~vecinfer_compile.cache.VecInferCache` and
+:func:`~vecinfer_compile.cache.cache_window_mask` refer here). A chunk of ``C >= 2`` tokens
+appended to a layer that holds ``n_coded`` coded slots and ``w`` window slots attends over::
+
+    [ the n_coded coded slots, dequantized ; the w window slots ; the chunk's own C keys ]
+
+the last ``w + C`` in full precision (the cache dtype), causal within the chunk (query ``i`` sees
+chunk keys ``j <= i``) and with left padding (slots before ``kv_start[b]``) masked; only then is
+the chunk appended (the tokens that leave the window are encoded). Every query therefore sees at
+least its last ``R`` keys in full precision (``w = min(R, held)``), and the whole chunk, so a
+chunked prompt is never less accurate than the simulate path at the same ``R``. One token (a
+decode step) is the other case: it is appended first and reads the window of the ``R`` newest
+tokens, itself included.
+
+Everything here is in the cache's *code domain*: queries ``q~`` (the query-side transform of
+:mod:`.decode_inputs`), keys ``K~`` as the window and the codebooks hold them. For the centring
+methods every score of a query is then shifted by the same ``-q . mu`` in both parts, which the
+softmax (and the merge by log-sum-exp) ignores.
+
+**How it runs.** The keys split into two disjoint sets, each an attention that returns its
+log-sum-exp, merged by :func:`.lse_merge.merge_by_lse`:
+
+- the coded prefix: every query sees all of it (only left padding masks it), so it is a
+  non-causal attention. On CUDA (fp16/bf16, FlashAttention-2 available, head dims that suit both
+  kernels) a few batch rows at a time (:data:`WORKSPACE_BYTES`) are dequantized by
+  :func:`.triton_dequant.dequantize_triton` into a position-major workspace and read by torch's
+  FlashAttention-2 in varlen mode (``aten._flash_attention_forward``): GQA in the kernel (no K/V
+  repeat), each row's keys starting at its ``kv_start`` (``cum_seq_k`` offset, ``seqused_k``
+  length), no mask tensor.
+- the full-precision window and chunk, ``[B, w + C, H, D]`` built before the append: the same
+  kernel, causal, bottom-right aligned per row (query ``i`` sees relative keys ``<= w + i``).
+
+Why dequantize-then-flash rather than a kernel that gathers codes inside the attention loop: the
+prefix attention of a chunk is compute-bound (``4 * G * C * T * D`` FLOPs per KV head against
+``T`` positions of codes), and the Triton kernel that gathers K/V tiles from the codebook inside
+its loop (``vecinfer::attention``) ran at a quarter of cuDNN's rate on the H200 (0.744 ms vs 0.180
+ms at B=1/T=8192, ``bench_simulate_attention.py``): the gathers, not the matrix units, bound it.
+The workspace costs one write of the prefix in the cache dtype per chunk and layer, a few percent
+of the attention's time at chunks of 1,024 tokens and more (``benchmarks/bench_prefill_attention.py``
+measures both against FP16 flash). Elsewhere (CPU, float32, other head dims, or a mask that is not
+causal + left padding) :func:`reference_by_rows` computes the same rule densely, a few rows at a
+time; :func:`reference` is the oracle the tests compare both with.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import cuda_dequant
+from .flash_kernels import cudnn_serves, flash_serves
+from .lse_merge import flash_lse, merge_by_lse
+from .reference import dequantize
+from .triton_dequant import dequantize_triton
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+WORKSPACE_BYTES = 1 << 30  # dequantized prefix K + V of one row group (fast path) / SDPA inputs (dense path)
+
+
+@dataclass
+class ChunkKeys:
+    """What a chunk attends besides its queries, taken from the layer before the append.
+
+    - ``k_codes``, ``v_codes``: the layer's code buffers ``[B, H, Tmax, W]`` uint8; slots below
+      ``n_coded`` are the prefix (the append writes only slots at or after it, so they stay valid).
+    - ``key_centroids``, ``value_centroids``: ``[E, d]`` float32.
+    - ``n_coded``: coded slots before the append (an int: the chunk step is eager).
+    - ``k_full``, ``v_full``: ``[B, w + C, H, D]`` position-major, the cache dtype: the window's
+      ``w`` slots then the chunk's ``C`` tokens, keys transformed (``K~``), values as they are.
+    """
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    key_centroids: torch.Tensor
+    value_centroids: torch.Tensor
+    n_coded: int
+    k_full: torch.Tensor
+    v_full: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """Slots a query of the chunk can see: ``n_coded + w + C``."""
+        return self.n_coded + self.k_full.shape[1]
+
+
+def standard_mask(batch: int, chunk: int, length: int, kv_start: torch.Tensor | None, device) -> torch.Tensor:
+    """The rule's visibility as a bool mask ``[B|1, 1, C, L]`` (True = attend) over the ``L``
+    slots: the chunk's queries are the last ``C`` slots (bottom-right causal), slots before
+    ``kv_start[b]`` (``[B]`` int, or None for no padding) hidden. HF's mask for a chunk with left
+    padding is exactly this."""
+    i = torch.arange(chunk, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    visible = (j <= i + (length - chunk))[None]
+    if kv_start is not None:
+        visible = visible & (j[None] >= kv_start.to(device).long()[:, None, None])
+    return visible[:, None]
+
+
+def _full_keys(keys: ChunkKeys, rows: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, H, L, D]`` keys and values of ``rows``: the prefix dequantized, then the full-precision part."""
+    n = keys.n_coded
+    k = torch.cat([dequantize(keys.k_codes[rows, :, :n], keys.key_centroids).to(dtype),
+                   keys.k_full[rows].transpose(1, 2).to(dtype)], dim=2)
+    v = torch.cat([dequantize(keys.v_codes[rows, :, :n], keys.value_centroids).to(dtype),
+                   keys.v_full[rows].transpose(1, 2).to(dtype)], dim=2)
+    return k, v
+
+
+def reference(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
+              attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle: float32 attention of ``q: [B, Hq, C, D]`` (``q~``) over all ``L`` slots of
+    ``keys`` with :func:`standard_mask` (or ``attn_mask``, bool True = attend or additive float,
+    broadcastable to ``[B, Hq, C, L]``). Rows with no visible key are zeros. Returns
+    ``[B, Hq, C, D]`` in q.dtype."""
+    b, hq, c, d = q.shape
+    k, v = _full_keys(keys, slice(None), torch.float32)
+    group = hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q.float() @ k.transpose(-1, -2)) * scale
+    mask = standard_mask(b, c, keys.length, kv_start, q.device) if attn_mask is None else attn_mask
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    top = scores.amax(-1, keepdim=True)
+    p = torch.exp(scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    total = p.sum(-1, keepdim=True)
+    out = (p @ v) / torch.where(total > 0, total, torch.ones_like(total))
+    return out.to(q.dtype)
+
+
+def reference_by_rows(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
+                      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The rule by torch SDPA over the ``L`` slots, a few batch rows at a time (K/V of a row group
+    near :data:`WORKSPACE_BYTES`, whatever the batch): the path off the fast kernels, and the one
+    for a mask that is more than causal + left padding (``attn_mask`` then replaces
+    :func:`standard_mask`). Arguments and result as :func:`reference`."""
+    b, hq, c, d = q.shape
+    h, length = keys.k_full.shape[2], keys.length
+    per_row = 2 * h * length * d * q.element_size()
+    rows = max(1, WORKSPACE_BYTES // max(per_row, 1))
+    out = q.new_empty((b, hq, c, d))
+    for i in range(0, b, rows):
+        j = min(i + rows, b)
+        k, v = _full_keys(keys, slice(i, j), q.dtype)
+        if attn_mask is None:
+            mask = standard_mask(j - i, c, length, None if kv_start is None else kv_start[i:j], q.device)
+        else:
+            mask = attn_mask if attn_mask.shape[0] == 1 else attn_mask[i:j]
+        out[i:j] = F.scaled_dot_product_attention(q[i:j], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        del k, v
+    return out
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 used_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float):
+    """torch's FlashAttention-2 in varlen mode: sequence ``s`` has queries ``q[cu_q[s]:cu_q[s + 1]]``
+    and keys ``k[cu_k[s]:cu_k[s] + used_k[s]]``; with ``causal`` its query ``i`` of ``n_q`` sees its
+    keys ``<= used_k[s] - n_q + i`` (bottom-right). ``q: [Nq, Hq, D]``, ``k``, ``v``: ``[Nk, H, D]``
+    (GQA in the kernel), ``cu_q``/``cu_k``: int32 ``[S + 1]``, ``used_k``: int32 ``[S]``. Returns
+    (out ``[Nq, Hq, D]`` q.dtype, lse ``[Hq, Nq]`` float32, ``+inf`` for a query that saw no key)."""
+    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                       scale=scale, seqused_k=used_k)[:2]
+    return out, lse
+
+
+def dequantize_into(codes: torch.Tensor, centroids: torch.Tensor, length: int, out: torch.Tensor) -> torch.Tensor:
+    """The prefix workspace: :func:`.cuda_dequant.dequantize_cuda` where it runs, else
+    :func:`.triton_dequant.dequantize_triton` (one log line says why, once per reason)."""
+    reason = cuda_dequant.unsupported_reason(codes, centroids, out) or cuda_dequant.build_error(codes, centroids, out)
+    if reason is None:
+        return cuda_dequant.dequantize_cuda(codes, centroids, length, out)
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("vecinfer: a chunk's prefix is dequantized by the Triton kernel: %s", reason)
+    return dequantize_triton(codes, centroids, length, out)
+
+
+def cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Non-causal cuDNN attention of ``q: [R, Hq, C, D]`` over ``k``, ``v``: ``[R, H, T, D]`` (views;
+    GQA in the kernel). Returns (out ``[R, Hq, C, D]`` q.dtype, lse ``[R, Hq, C]`` float32)."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False,
+                                                                  scale=scale)[:2]
+    return out, lse.reshape(q.shape[:3])
+
+
+def cudnn_prefix_serves(q: torch.Tensor) -> bool:
+    """cuDNN runs the prefix (rows without padding): sm90+, cuDNN on, fp16/bf16, head dim <= 128.
+    Measured on the H200 at 8B geometry: 1.9x FlashAttention-2 for this non-causal shape (684 vs
+    362 TFLOP/s at B=1/T=32k/C=2048), GQA read in the kernel."""
+    d = q.shape[-1]
+    return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 128 and cudnn_serves(q.device)
+
+
+def fast_path_serves(q: torch.Tensor) -> bool:
+    """Whether :func:`attend` runs the dequantize + FlashAttention-2 path for queries like ``q``:
+    CUDA, fp16/bf16, a power-of-two head dim of 16 to 256 (the dequantize kernel's and the flash
+    kernel's), FlashAttention-2 available and switched on."""
+    d = q.shape[-1]
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and 16 <= d <= 256
+            and d & (d - 1) == 0 and flash_serves(q.device))
+
+
+def _offsets(count: int, stride: int, start: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """varlen ``(cu_k, used_k)`` for ``count`` sequences stored ``stride`` rows apart, whose keys
+    start ``start`` rows in (clamped to ``[0, length]``) and end at ``length``."""
+    start = start.clamp(0, length).to(torch.int32)
+    base = torch.arange(count + 1, device=start.device, dtype=torch.int32) * stride
+    cu = torch.cat([base[:-1] + start, base[-1:]])
+    return cu, (length - start).to(torch.int32)
+
+
+def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
+                dequantize=None, prefix_kernel: str | None = None) -> torch.Tensor:
+    """The fast path (see the module docstring). ``q: [B, Hq, C, D]`` (``q~``), ``kv_start``
+    ``[B]`` int or None (no padding). Returns ``[B, Hq, C, D]`` in q.dtype (a transposed view of
+    a ``[B, C, Hq, D]`` tensor, the layout attention functions return). ``dequantize``:
+    :func:`dequantize_into`'s contract (default: it; the tests give a stand-in); ``prefix_kernel``:
+    ``"cudnn"`` or ``"flash"`` for the prefix (default: cuDNN without padding where
+    :func:`cudnn_prefix_serves`, else FlashAttention-2 varlen, which takes each row's start)."""
+    dequantize = dequantize_into if dequantize is None else dequantize
+    if prefix_kernel is None:
+        prefix_kernel = "cudnn" if kv_start is None and cudnn_prefix_serves(q) else "flash"
+    b, hq, c, d = q.shape
+    h, wc = keys.k_full.shape[2], keys.k_full.shape[1]
+    n = keys.n_coded
+    dev = q.device
+    start = torch.zeros(b, dtype=torch.int32, device=dev) if kv_start is None else kv_start.to(dev)
+    qv = q.transpose(1, 2).reshape(b * c, hq, d)
+    cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32) * c
+    # the window and the chunk: row b's keys start where its padding ends (relative to the prefix)
+    cu_k, used = _offsets(b, wc, start - n, wc)
+    o2, l2 = flash_varlen(qv, keys.k_full.reshape(b * wc, h, d), keys.v_full.reshape(b * wc, h, d),
+                          cu_q, cu_k, used, c, wc, True, scale)
+    l2 = flash_lse(l2)
+    if n == 0:  # nothing coded yet: the full-precision part is all (a query with no key is zeros)
+        return o2.view(b, c, hq, d).transpose(1, 2)
+    o1 = torch.empty_like(qv)
+    l1 = torch.empty((hq, b * c), dtype=torch.float32, device=dev)
+    rows = max(1, WORKSPACE_BYTES // (2 * n * h * d * q.element_size()))
+    rows = min(rows, b)
+    k_work = torch.empty((rows, n, h, d), dtype=q.dtype, device=dev)
+    v_work = torch.empty_like(k_work)
+    kc, vc = keys.key_centroids.to(q.dtype).contiguous(), keys.value_centroids.to(q.dtype).contiguous()
+    for i in range(0, b, rows):
+        j = min(i + rows, b)
+        r = j - i
+        dequantize(keys.k_codes[i:j], kc, n, k_work[:r])
+        dequantize(keys.v_codes[i:j], vc, n, v_work[:r])
+        if prefix_kernel == "cudnn":
+            o, lse = cudnn_prefix(qv[i * c:j * c].view(r, c, hq, d).transpose(1, 2), k_work[:r].transpose(1, 2),
+                                  v_work[:r].transpose(1, 2), scale)
+            o1[i * c:j * c] = o.transpose(1, 2).reshape(r * c, hq, d)
+            l1[:, i * c:j * c] = lse.permute(1, 0, 2).reshape(hq, r * c)
+        else:
+            cu_k, used = _offsets(r, n, start[i:j], n)
+            o1[i * c:j * c], l1[:, i * c:j * c] = flash_varlen(
+                qv[i * c:j * c], k_work[:r].view(r * n, h, d), v_work[:r].view(r * n, h, d), cu_q[:r + 1], cu_k,
+                used, c, n, False, scale)
+    del k_work, v_work
+    out = merge_by_lse(o1, flash_lse(l1).t(), o2, l2.t(), q.dtype)
+    return out.view(b, c, hq, d).transpose(1, 2)
+
+
+def attend(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
+           attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The chunk's attention: :func:`split_flash` where :func:`fast_path_serves` and there is no
+    ``attn_mask`` (the caller passes one only when it is more than causal + left padding), else
+    :func:`reference_by_rows`. ``q: [B, Hq, C, D]`` (``q~``), ``kv_start: [B]`` int or None;
+    returns ``[B, Hq, C, D]`` in q.dtype."""
+    if attn_mask is None and fast_path_serves(q):
+        return split_flash(q, keys, kv_start, scale)
+    return reference_by_rows(q, keys, kv_start, scale, attn_mask)
