@@ -11,6 +11,8 @@
 - :func:`random_codebooks` (re-exported from :mod:`vecinfer_compile.testing`): random codebooks for a config —
   fine for speed and memory, meaningless for accuracy.
 - :func:`bench_setup`: device / dtype / defaults for the normal run and for ``--smoke``.
+- :func:`graph_time_ms`: median ms per call of calls captured in one CUDA graph (the attention
+  benchmarks' timer), over :func:`copies_for` input copies that defeat the L2.
 - small formatting and CUDA-memory helpers.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -235,6 +238,42 @@ def short_error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     text = text.replace("|", "/")
     return f"{type(exc).__name__}: {text[:120]}"
+
+
+L2_DEFEAT_BYTES = 256 * 2**20  # input copies that together exceed the H200's 60 MB L2 several times
+MAX_COPIES = 128
+REPLAYS = 15
+
+
+def graph_time_ms(calls: list) -> float:
+    """Median ms per call of ``calls`` (one per input copy) captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # warm-up: compiles, autotunes, allocates outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(bytes_per_copy: int) -> int:
+    return max(1, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / max(bytes_per_copy, 1))))
 
 
 def write_json(path: str, rows: list[dict]) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout, not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import copies_for, graph_time_ms  # a sibling: benchmarks/ is on sys.path
 from vecinfer_compile.ops import cuda_decode, reference
 from vecinfer_compile.ops.triton_decode import decode_attention_triton
 from vecinfer_compile.presets import get_preset
@@ -38,40 +38,6 @@ from vecinfer_compile.quant.packing import pack_codes
 
 HQ, HKV, D, R = 32, 8, 128, 128
 CHECK_MAX_T = 32768  # the fp32 reference materialises K and V: checked on the smaller cases
-L2_DEFEAT_BYTES = 256 * 2**20
-MAX_COPIES = 128
-REPLAYS = 15
-
-
-def graph_time_ms(calls: list) -> float:
-    """Median ms per call of ``calls`` (one per input copy) captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # warm-up: compiles, autotunes, allocates outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
-def copies_for(bytes_per_copy: int) -> int:
-    return max(1, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / max(bytes_per_copy, 1))))
 
 
 def code_inputs(b: int, t: int, bits: float, g: torch.Generator):

@@ -17,16 +17,19 @@ Methods (greedy, ``min_new_tokens = max_new_tokens = N``, random input ids, no p
 
 For each (B, T) and method: one warm-up ``generate`` with a short prompt and the same cache size
 (compiles the decode step and records CUDA graphs; not timed), then ``generate`` with N new
-tokens and with 1 new token on the full T-token prompt. Prefill runs eagerly in all three and
-is excluded by the subtraction:
+tokens on the full T-token prompt, timed step by step: a stopping criterion records a CUDA event
+when each token is out (and, after a device sync, a host timestamp; HF synchronizes once per step
+anyway). The headline is **device-timed steps**::
 
-    decode tok/s = B x (N - 1) / (time(N new tokens) - time(1 new token))
+    tok/s = B / (mean time between consecutive tokens' CUDA events)        (host stamps on the CPU)
 
-(N - 1: the N-token run makes N - 1 decode forwards more than the 1-token run). The same N-token
-run is also timed step by step (a stopping criterion that synchronizes and takes a timestamp
-after each token; HF synchronizes once per step anyway): ``in-run tok/s = B x (N - 1) / (last
-stamp - first stamp)``, free of prefill noise. Each row is printed as soon as it is measured; a
-method that fails (e.g. out of memory) gets its error in its row and the run goes on.
+and next to it the **time to first token** (``prefill s``: the request's start to its first token,
+the prefill, chunked or not, included). Two cross-checks, labelled: ``in-run tok/s`` from the host
+timestamps, and ``tok/s by subtraction`` = ``B x (N - 1) / (time(N new tokens) - time(1 new
+token))``, which divides a few decode steps by the difference of two prefills and is noise when a
+prefill is long (at B=1/T=128k it printed 7.2 tok/s for steps of 8.9 ms); ``--in-run-only`` skips
+its 1-token run. Each row is printed as soon as it is measured; a method that fails (e.g. out of
+memory) gets its error in its row and the run goes on.
 
     python benchmarks/bench_generate.py [--cases 1x32768,1x131072,16x32768] [--new-tokens 32]
         [--methods ours,static,dynamic]
@@ -44,12 +47,13 @@ after another in one process and can inherit its memory (CUDA-graph pools, cache
 B=16, T=32k on an H200 both baselines ran out of memory that way, right after ours.
 
 ``--prefill-chunk N`` runs every method's prompt through the model in eager chunks of N tokens
-before ``generate``: at B=16, T=32k HF's static cache cannot prefill in one eager forward on an
-H200, and at the largest batches no method can (ours' chunks read older tokens from codes, so its
-prompt numerics change; the timed decode step does not). ``--until-error`` skips a method at larger batch sizes of a length
-once it failed at a smaller one, so a list of batch sizes finds the largest that fits;
-``--in-run-only`` skips the 1-token run there (its prefill is most of a large batch's time) and
-reports the in-run tok/s alone:
+before ``generate`` (``ours=128,fp16=1024``: per method): at B=16, T=32k HF's static cache cannot
+prefill in one eager forward on an H200, and at the largest batches no method can (ours' chunks
+read the older tokens from codes, by the rule of ``vecinfer_compile.ops.chunk_attention``, so its
+prompt numerics change; the timed decode step does not). ``--until-error`` skips a method at
+larger batch sizes of a length once it failed at a smaller one, so a list of batch sizes finds the
+largest that fits; ``--in-run-only`` skips the 1-token run there (its prefill is most of a large
+batch's time):
 
     python benchmarks/bench_generate.py --isolate --until-error --in-run-only --prefill-chunk 1024 \
         --methods ours,fp16 --cases 16x32768,24x32768,32x32768,64x32768,128x32768 --new-tokens 8
@@ -64,6 +68,15 @@ the decode step, not a prefill's activations. Rows say ``synthetic_prefill``:
 
     python benchmarks/bench_generate.py --isolate --until-error --in-run-only --synthetic-prefill 1024 \
         --methods ours --cases 128x32768,192x32768,256x32768 --new-tokens 8
+
+``--job P --job-batch fp16=28,ours=200`` serves P prompts of the ``--cases`` length with every
+method at its own batch (the largest that fits, found as above), a real prefill: one round per
+method is measured (TTFT, device-timed steps, peak memory), and the job table gives ``ceil(P / B)``
+rounds of ``TTFT + (N - 1) x step`` for N = 256, 2,048 and 8,192 new tokens, labelled as arithmetic
+from the measured rates, with ours' job throughput over each baseline's:
+
+    python benchmarks/bench_generate.py --isolate --in-run-only --job 224 --job-batch fp16=28,ours=200 \
+        --cases 1x32768 --prefill-chunk ours=128,fp16=1024 --new-tokens 64
 
 ``--geometry 70b --layers 8`` picks Llama-3.1-70B's geometry with 8 decoder layers (the default
 is the 8B geometry, all 32 layers).
@@ -110,15 +123,28 @@ LABELS = {"ours": "ours (VecInferCache, compiled)", "fp16": "full precision, val
 
 
 class StepTimer(StoppingCriteria):
-    """Never stops; records a timestamp (after a device sync) each time a token is produced."""
+    """Never stops. Each time a token is produced it records a CUDA event on the current stream
+    (on CUDA) and, after a device sync, a host timestamp; ``t0`` is the host time the request
+    started (before any chunked prefill), for the time to first token."""
 
     def __init__(self, device):
-        self.device, self.stamps = device, []
+        self.device, self.stamps, self.events, self.t0 = device, [], [], None
 
     def __call__(self, input_ids, scores, **kwargs):
+        if torch.device(self.device).type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
         C.sync(self.device)
         self.stamps.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def step_ms(self) -> list[float]:
+        """Milliseconds between consecutive tokens: CUDA-event (device) time on CUDA, host
+        timestamps elsewhere."""
+        if self.events:
+            return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
 
 
 class Runner:
@@ -163,7 +189,7 @@ class Runner:
             restore_attention(self.model, self.previous_attention)
             self.previous_attention = None
 
-    def generate(self, ids: torch.Tensor, new_tokens: int, extra_criteria=()) -> tuple[float, list[float], torch.Tensor]:
+    def generate(self, ids: torch.Tensor, new_tokens: int, extra_criteria=()) -> tuple[float, StepTimer, torch.Tensor]:
         if self.cache is None:
             cache = DynamicCache(config=self.model.config)
         else:
@@ -172,7 +198,7 @@ class Runner:
         timer = StepTimer(self.setup.device)
         kwargs = {} if self.compile_config is None else {"compile_config": self.compile_config}
         C.sync(self.setup.device)
-        t0 = time.perf_counter()
+        t0 = timer.t0 = time.perf_counter()
         self.prefill_s = None
         if self.synthetic_prefill and ids.shape[1] > self.synthetic_prefill + 1:
             synthetic_prefill(self.model, ids, cache, self.synthetic_prefill, self.prefill_chunk or self.synthetic_prefill)
@@ -194,7 +220,7 @@ class Runner:
         elapsed = time.perf_counter() - t0
         if out.shape[1] != ids.shape[1] + new_tokens:
             raise RuntimeError(f"generated {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
-        return elapsed, timer.stamps, out
+        return elapsed, timer, out
 
 
 @torch.no_grad()
@@ -311,7 +337,8 @@ def profile_decode(runner, ids, steps: int) -> dict:
         runner.chunk_profiler = chunk_prof = _profiler(runner)
     skip = 2
     try:
-        _, stamps, _ = runner.generate(ids, skip + steps + 1, extra_criteria=[ProfileWindow(prof, skip, steps)])
+        _, timer, _ = runner.generate(ids, skip + steps + 1, extra_criteria=[ProfileWindow(prof, skip, steps)])
+        stamps = timer.stamps
     finally:
         runner.chunk_profiler = None
     busy, kernels, launches = kernel_table(prof, steps)
@@ -375,20 +402,28 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
         row["warmup_compiles"] = _compiled_graphs() - graphs_before
         graphs_before = _compiled_graphs()
         C.reset_peak(dev)
-        t_n, stamps, _ = runner.generate(ids, new_tokens)
+        t_n, timer, _ = runner.generate(ids, new_tokens)
         row["peak_bytes"] = C.peak(dev)
-        row["time_n_s"], row["tok_s"] = t_n, None
+        row["time_n_s"], row["subtraction_tok_s"] = t_n, None
         if runner.prefill_s is not None:
             row["prefill_chunks_s"] = runner.prefill_s
-        if not in_run_only:
+        if timer.stamps:  # the first token ends the prefill (chunked or not) and generate()'s first step
+            row["ttft_s"] = timer.stamps[0] - timer.t0
+        steps = timer.step_ms()
+        if steps:  # the headline: device-timed decode steps (CUDA events; host stamps on the CPU)
+            row["step_ms"] = sum(steps) / len(steps)
+            row["step_ms_median"] = sorted(steps)[len(steps) // 2]
+            row["tok_s"] = batch * 1e3 / row["step_ms"]
+            row["step_timing"] = "cuda events" if timer.events else "host"
+        if len(timer.stamps) >= 2:  # cross-check: host timestamps after a sync per step
+            row["in_run_tok_s"] = batch * (len(timer.stamps) - 1) / (timer.stamps[-1] - timer.stamps[0])
+        if not in_run_only:  # cross-check: the t(N) - t(1) subtraction (two prefills' noise in it)
             t_1, _, _ = runner.generate(ids, 1)
             row["time_1_s"] = t_1
-            row["tok_s"] = batch * (new_tokens - 1) / (t_n - t_1) if t_n > t_1 else float("nan")
+            row["subtraction_tok_s"] = batch * (new_tokens - 1) / (t_n - t_1) if t_n > t_1 else float("nan")
         # Dynamo graphs compiled during the timed runs (should be 0: the warm-up compiled them)
         row["timed_compiles"] = _compiled_graphs() - graphs_before
-        if len(stamps) >= 2:
-            row["in_run_tok_s"] = batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])
-            row["step_ms"] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+        row["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         if hasattr(runner.cache, "kv_bytes"):  # ours and fp16; collectives under TP
             row["kv_bytes_per_rank"] = kv_bytes_per_rank(runner.cache)
             row["kv_bytes_total"] = total_kv_bytes(runner.cache)
@@ -404,17 +439,17 @@ def _num(x, fmt="{:.1f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
-HEADER = "| B | T | method | decode tok/s | in-run tok/s | ms/step | prefill s | warm-up s | peak |"
+HEADER = ("| B | T | method | tok/s (device-timed steps) | ms/step | prefill s (TTFT) | in-run tok/s (host) "
+          "| tok/s by subtraction | warm-up s | peak |")
 TP_HEADER = " KV/GPU | KV total | TP |"  # appended under tensor parallelism
 
 
 def _prefill_cell(row: dict) -> str:
-    """t(1); with --in-run-only, the N run's chunked (or synthetic) prefill, starred."""
-    if row.get("time_1_s") is not None:
-        return f"{row['time_1_s']:.2f}"
-    if row.get("prefill_chunks_s") is not None:
-        return f"{row['prefill_chunks_s']:.2f}*"
-    return "n/a"
+    """The time to first token (the prompt's prefill, chunked or not, and generate()'s first step);
+    ``*`` when a chunked or synthetic prefill was part of it."""
+    if row.get("ttft_s") is None:
+        return "n/a"
+    return f"{row['ttft_s']:.2f}" + ("*" if row.get("prefill_chunks_s") is not None else "")
 
 
 def format_row(row: dict) -> str:
@@ -422,12 +457,12 @@ def format_row(row: dict) -> str:
     tp = "" if "tp" not in row else (f" {C.human_bytes(row.get('kv_bytes_per_rank', [None])[0])} | "
                                      f"{C.human_bytes(row.get('kv_bytes_total'))} | {row['tp']} |")
     if "error" in row:
-        return f"{head} error: {row['error']} | | | | | |{tp}"
+        return f"{head} error: {row['error']} | | | | | | |{tp}"
     note = ""
     if row.get("timed_compiles"):
         note = f" (WARNING: {row['timed_compiles']} graph(s) compiled during the timed runs)"
-    return (f"{head} {_num(row['tok_s'])} | {_num(row.get('in_run_tok_s'))} | "
-            f"{_num(row.get('step_ms'), '{:.2f}')} | {_prefill_cell(row)} | {row['warmup_s']:.1f} | "
+    return (f"{head} {_num(row.get('tok_s'))} | {_num(row.get('step_ms'), '{:.2f}')} | {_prefill_cell(row)} | "
+            f"{_num(row.get('in_run_tok_s'))} | {_num(row.get('subtraction_tok_s'))} | {row['warmup_s']:.1f} | "
             f"{C.gib(row.get('peak_bytes'))}{note} |{tp}")
 
 
@@ -439,21 +474,74 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> str:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """tok/s per method and ours against each baseline (decode tok/s, then in-run tok/s)."""
+    """Per case: each method's headline tok/s and time to first token, and ours against each
+    baseline (tok/s: ours / baseline, higher is better; TTFT: baseline / ours, higher is better)."""
     others = [m for m in METHODS if m != "ours"]
     lines = [
         "| B | T | " + " | ".join(f"{m} tok/s" for m in METHODS) + " | "
-        + " | ".join(f"ours/{m}" for m in others) + " | " + " | ".join(f"in-run ours/{m}" for m in others) + " |",
-        "|---|---|" + "---|" * (len(METHODS) + 2 * len(others)),
+        + " | ".join(f"ours/{m} tok/s" for m in others) + " | " + " | ".join(f"{m} TTFT s" for m in METHODS)
+        + " | " + " | ".join(f"TTFT {m}/ours" for m in others) + " |",
+        "|---|---|" + "---|" * (2 * len(METHODS) + 2 * len(others)),
     ]
     cases = list(dict.fromkeys((r["B"], r["T"]) for r in rows))
     for b, t in cases:
         by = {r["method"]: r for r in rows if (r["B"], r["T"]) == (b, t) and "error" not in r}
-        cells = [_num(by[m]["tok_s"]) if m in by else "error/skipped" for m in METHODS]
+        cells = [_num(by[m].get("tok_s")) if m in by else "error/skipped" for m in METHODS]
         cells += [_ratio(by.get("ours"), by.get(m), "tok_s") for m in others]
-        cells += [_ratio(by.get("ours"), by.get(m), "in_run_tok_s") for m in others]
+        cells += [_num(by[m].get("ttft_s"), "{:.2f}") if m in by else "-" for m in METHODS]
+        cells += [_ratio(by.get(m), by.get("ours"), "ttft_s") for m in others]
         lines.append(f"| {b} | {t} | {' | '.join(cells)} |")
     return lines
+
+
+JOB_TOKENS = (256, 2048, 8192)  # new tokens per prompt the job table extrapolates to (arithmetic)
+
+
+def job_table(rows: list[dict], prompts: int) -> list[str]:
+    """``--job P``: P prompts served by each method at its own batch B, in ceil(P / B) rounds of a
+    real prefill then N decode steps. Measured per round: the time to first token and the
+    device-timed step; the job's time for N new tokens is their arithmetic,
+    ``rounds * (TTFT + (N - 1) * step)`` (the step measured at the prompt's length: longer
+    generations grow each step's context, which this does not count)."""
+    done = [r for r in rows if "error" not in r and r.get("ttft_s") and r.get("step_ms")]
+    lines = [f"# job: {prompts} prompts; measured per round: TTFT and device-timed step at N = "
+             f"{', '.join(sorted({str(r['new_tokens']) for r in done}) or ['-'])} new tokens; job times for other N are "
+             "arithmetic from those rates: rounds * (TTFT + (N - 1) * step)",
+             "| method | B | T | rounds | TTFT s (per round) | ms/step | peak - weights - KV | "
+             + " | ".join(f"job s, N={n} | tok/s, N={n}" for n in JOB_TOKENS) + " |",
+             "|---|---|---|---|---|---|---|" + "---|---|" * len(JOB_TOKENS)]
+    rates = {}
+    for r in done:
+        rounds = -(-prompts // r["B"])
+        cells = []
+        for n in JOB_TOKENS:
+            seconds = rounds * (r["ttft_s"] + (n - 1) * r["step_ms"] / 1e3)
+            rates[(r["method"], n)] = prompts * n / seconds
+            cells += [f"{seconds:.0f}", f"{prompts * n / seconds:.0f}"]
+        extra = None
+        if r.get("peak_bytes") is not None and r.get("kv_bytes_total") is not None:
+            extra = r["peak_bytes"] - r["weights_bytes"] - r["kv_bytes_total"]
+        lines.append(f"| {LABELS[r['method']]} | {r['B']} | {r['T']} | {rounds} | {r['ttft_s']:.1f} | "
+                     f"{r['step_ms']:.2f} | {C.gib(extra)} | {' | '.join(cells)} |")
+    for m in METHODS:
+        if m != "ours" and ("ours", JOB_TOKENS[0]) in rates and (m, JOB_TOKENS[0]) in rates:
+            lines.append(f"# job throughput ours / {m}: " + ", ".join(
+                f"N={n} {rates[('ours', n)] / rates[(m, n)]:.2f}x" for n in JOB_TOKENS))
+    return lines
+
+
+def per_method(text: str, methods: list[str], what: str) -> dict[str, int]:
+    """``"1024"`` (every method) or ``"ours=128,fp16=1024"`` -> {method: int} (0 for methods not named)."""
+    text = str(text).strip()
+    if "=" not in text:
+        return {m: int(text or 0) for m in methods}
+    out = dict.fromkeys(methods, 0)
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in METHODS:
+            raise SystemExit(f"{what}: unknown method {name.strip()!r} in {text!r}")
+        out[name.strip()] = int(value)
+    return out
 
 
 def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:
@@ -498,9 +586,9 @@ def main(argv=None) -> list[dict]:
                     help="prompt length of the untimed warm-up run (default 256; smoke 8)")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="also profile K decode steps per (case, method) and print the kernels by device time")
-    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+    ap.add_argument("--prefill-chunk", default="0", metavar="N",
                     help="every method prefills in eager chunks of N tokens before generate() (default 0: "
-                         "at once)")
+                         "at once); or per method, e.g. ours=128,fp16=1024")
     ap.add_argument("--synthetic-prefill", type=int, default=0, metavar="N",
                     help="ours and fp16: N real prompt tokens, then the cache set to hold the rest with random "
                          "content (for the largest batches; the decode step's work is the same)")
@@ -510,6 +598,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--in-run-only", action="store_true",
                     help="skip the 1-token run (one prefill less per row): only in-run tok/s, for the largest "
                          "batches, whose prefill is most of the time")
+    ap.add_argument("--job", type=int, default=0, metavar="P",
+                    help="serve P prompts: every method at its own batch (--job-batch), one real round measured, "
+                         "the job's time and tok/s for N = 256, 2048, 8192 new tokens from its rates")
+    ap.add_argument("--job-batch", default=None, metavar="M=B,...",
+                    help="with --job: each method's batch, e.g. fp16=28,ours=200 (the length is --cases')")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
@@ -534,15 +627,23 @@ def main(argv=None) -> list[dict]:
         print(f"# {C.save_random_model(setup, args.save_model)}", flush=True)
         return []
     cases = C.parse_cases(args.cases or ("2x24" if args.smoke else "1x32768,1x131072,16x32768"))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"unknown method {m!r}: pick from {', '.join(METHODS)}")
+    chunks = per_method(args.prefill_chunk, methods, "--prefill-chunk")
+    runs = [(b, t, m) for b, t in cases for m in methods]
+    if args.job:
+        if not args.job_batch or len({t for _, t in cases}) != 1:
+            raise SystemExit("--job needs --job-batch (e.g. fp16=28,ours=200) and one length in --cases (e.g. 1x32768)")
+        batches = per_method(args.job_batch, [], "--job-batch")
+        methods = [m for m in METHODS if batches.get(m)]
+        runs = [(batches[m], cases[0][1], m) for m in methods]
     new_tokens = args.new_tokens or (3 if args.smoke else 32)
     if new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (the 1-token run is subtracted)")
     residual = args.residual if args.residual is not None else (8 if args.smoke else 128)
     warmup_len = args.warmup_len or (8 if args.smoke else 256)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        if m not in METHODS:
-            raise SystemExit(f"unknown method {m!r}: pick from {', '.join(METHODS)}")
     tp, json_out = None, args.json
     if args.tp_model:
         if args.isolate:
@@ -561,42 +662,43 @@ def main(argv=None) -> list[dict]:
     codebooks = None if model is None else C.random_codebooks(setup.config, args.bits)
     print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
           f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
-          f"tok/s = B*(N-1)/(t(N)-t(1)); in-run = per-step timestamps of the N run; "
-          f"prefill s = t(1) (* with --in-run-only: the N run's chunked prefill alone); warm-up s includes "
-          f"compilation; peak = max allocated incl. weights"
+          f"tok/s = B / (mean decode step), steps timed by CUDA events (host stamps on the CPU); "
+          f"prefill s = time to first token of the N run (* chunked: prefill chunks "
+          f"{', '.join(f'{m} {c}' for m, c in chunks.items() if c) or 'none'}); cross-checks: in-run = host "
+          f"stamps after a sync per step, by subtraction = B*(N-1)/(t(N)-t(1)) (two prefills' noise in it); "
+          f"warm-up s includes compilation; peak = max allocated incl. weights"
           + (f"; SYNTHETIC prefill: {args.synthetic_prefill} real tokens, the rest random cache content"
              if args.synthetic_prefill else "")
           + ("; KV/GPU = rank 0's cache bytes, KV total = all ranks'" if tp else ""))
     print(HEADER + (TP_HEADER if tp else ""))
     print("|---" * (HEADER.count("|") - 1 + (3 if tp else 0)) + "|", flush=True)
     rows, failed_at = [], {}  # (method, T) -> smallest failing batch (--until-error)
-    for batch, length in cases:
-        for method in methods:
-            if args.until_error and batch > failed_at.get((method, length), batch):
-                continue
-            if args.isolate:
-                row = run_isolated(passthrough_args(args, new_tokens, residual, warmup_len), batch, length, method)
-            else:
-                try:
-                    row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
-                                     warmup_len, args.profile, args.prefill_chunk, args.in_run_only,
-                                     args.synthetic_prefill)
-                except Exception as exc:  # OOM, compile failure...: report and go on
-                    row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
-                    del exc
-                reset_compiled(model)
-            if tp:
-                row["tp"] = tp
-            if "error" in row:
-                failed_at[(method, length)] = min(batch, failed_at.get((method, length), batch))
-            rows.append(row)
-            print(format_row(row), flush=True)
-            if "profile" in row:
-                print_profile(row)
-            if json_out:  # rewritten after every row: partial results survive a kill
-                C.write_json(json_out, rows)
+    for batch, length, method in runs:
+        if args.until_error and batch > failed_at.get((method, length), batch):
+            continue
+        if args.isolate:
+            row = run_isolated(passthrough_args(args, new_tokens, residual, warmup_len), batch, length, method)
+        else:
+            try:
+                row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
+                                 warmup_len, args.profile, chunks[method], args.in_run_only,
+                                 args.synthetic_prefill)
+            except Exception as exc:  # OOM, compile failure...: report and go on
+                row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
+                del exc
+            reset_compiled(model)
+        if tp:
+            row["tp"] = tp
+        if "error" in row:
+            failed_at[(method, length)] = min(batch, failed_at.get((method, length), batch))
+        rows.append(row)
+        print(format_row(row), flush=True)
+        if "profile" in row:
+            print_profile(row)
+        if json_out:  # rewritten after every row: partial results survive a kill
+            C.write_json(json_out, rows)
     print()
-    print("\n".join(summary(rows)), flush=True)
+    print("\n".join(job_table(rows, args.job) if args.job else summary(rows)), flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return rows

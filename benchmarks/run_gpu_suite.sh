@@ -4,7 +4,8 @@
 # Five independent streams, spread over the GPUs (see STREAMS below):
 #   tests     -> OUT/tests.txt     every `cuda`-marked test, in four named groups (TEST_GROUPS below)
 #   kernels   -> OUT/kernels.txt   decode attention, CUDA and Triton kernels vs FP16 (OUT/decode.json;
-#                                  every preset at a few sizes); simulate attention with launch-shape
+#                                  every preset at a few sizes); a chunk's attention over codes vs FP16
+#                                  flash (OUT/prefill.json); simulate attention with launch-shape
 #                                  sweeps; the decode gather-ceiling probe; encode vs compiled torch
 #   memory    -> OUT/memory.txt    KV bytes and peak memory at 4k/32k/128k
 #   generate  -> OUT/generate.txt  end-to-end generate() tokens/s (OUT/generate.json at B=1,
@@ -23,18 +24,20 @@ sec() { echo; echo "=== $* ($(date +%T))"; }
 V="python -m vecinfer_compile"
 
 # The `cuda` tests in named groups, each measured under 5 minutes on an H200 (decode ~1 min,
-# triton ~1.7, cache ~2.7, windowed ~3.3); TEST_GROUPS picks some, e.g. TEST_GROUPS="decode windowed".
+# triton ~1.7, cache ~2.7, windowed ~3.3, chunk: the chunk attention over codes); TEST_GROUPS picks
+# some, e.g. TEST_GROUPS="decode windowed".
 declare -A TEST_GROUP=(
     [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py"
     [triton]="tests/test_ops_triton.py"
     [cache]="tests/test_eager_decode.py tests/test_cache_compile.py tests/test_qaware.py tests/test_needle.py tests/test_ops_library.py tests/test_benchmarks_smoke.py"
     [windowed]="tests/test_windowed.py"
+    [chunk]="tests/test_chunk_attention.py"
 )
 
 tests() {
     sec env; nvidia-smi --query-gpu=name,driver_version --format=csv
     python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-    for g in ${TEST_GROUPS:-decode triton cache windowed}; do
+    for g in ${TEST_GROUPS:-decode triton cache windowed chunk}; do
         # SIGINT first: pytest then still prints the failures so far (a falsifying example included)
         sec cuda tests: $g; timeout -s INT -k 20 ${TEST_TIMEOUT:-300} python -m pytest -q -m cuda -p no:cacheprovider -rf --tb=short \
             --durations=5 ${TEST_GROUP[$g]:?unknown test group $g}
@@ -45,6 +48,8 @@ kernels() {
     sec decode attention; timeout 230 python benchmarks/bench_decode_attention.py --bits 2 --json "$OUT/decode.json"
     sec decode attention, other presets; timeout 200 python benchmarks/bench_decode_attention.py --bits 4,3,1.5,1.25,1 \
         --batches 1,8 --lengths 4096,131072
+    sec chunk attention over codes vs FP16 flash; timeout 300 python benchmarks/bench_prefill_attention.py \
+        --json "$OUT/prefill.json"
     sec simulate attention; timeout 180 python benchmarks/bench_simulate_attention.py --sweep --profile
     sec decode ceiling probe; timeout 90 python benchmarks/bench_gather_ceiling.py
     sec encode; timeout 120 python benchmarks/bench_encode.py --sweep

@@ -65,9 +65,11 @@ def test_bench_generate_smoke(capsys):
     assert [r["method"] for r in rows] == ["ours", "fp16", "static", "dynamic"]
     for r in rows:
         assert "error" not in r, r
-        assert r["in_run_tok_s"] > 0 and r["time_n_s"] > 0 and r["time_1_s"] > 0
+        assert r["tok_s"] > 0 and r["in_run_tok_s"] > 0 and r["time_n_s"] > 0 and r["time_1_s"] > 0
+        assert r["step_timing"] == "host" and 0 < r["ttft_s"] < r["time_n_s"] and r["subtraction_tok_s"] is not None
         assert r["profile"]["wall_us"] > 0
     assert "| B | T | ours tok/s | fp16 tok/s |" in out and "HF dynamic, eager" in out
+    assert "tok/s (device-timed steps)" in out and "prefill s (TTFT)" in out
     assert "# profile 2x24 full precision, valid-length flash, compiled" in out
 
 
@@ -233,8 +235,9 @@ def test_bench_generate_profiles_the_last_prefill_chunk(capsys):
     assert profile["prefill_chunk"]["n_kernels"] == 0  # recorded; the CPU has no device kernels
     mod.print_profile({"B": 2, "T": 30, "method": "ours", "prefill_chunk": 7, "profile": profile})
     assert "the last prefill chunk of 7 tokens: GPU busy 0.00 ms" in capsys.readouterr().out
-    row = {"B": 2, "T": 30, "method": "ours", "tok_s": None, "warmup_s": 1.0, "prefill_chunks_s": 2.5}
-    assert "| 2.50* |" in mod.format_row(row)
+    row = {"B": 2, "T": 30, "method": "ours", "tok_s": None, "warmup_s": 1.0, "prefill_chunks_s": 2.5,
+           "ttft_s": 2.75}
+    assert "| 2.75* |" in mod.format_row(row)
 
 
 def test_bench_generate_until_error_skips_larger_batches(monkeypatch, capsys):
@@ -272,7 +275,35 @@ def test_bench_generate_in_run_only_skips_the_one_token_run(monkeypatch):
     rows = mod.main(["--smoke", "--in-run-only", "--methods", "dynamic", "--cases", "2x24", "--new-tokens", "3"])
     assert lengths == [(8, 3), (24, 3)]  # the warm-up, then the timed run; no (24, 1)
     (row,) = rows
-    assert row["in_run_only"] and row["tok_s"] is None and "time_1_s" not in row and row["in_run_tok_s"] > 0
+    assert row["in_run_only"] and row["subtraction_tok_s"] is None and "time_1_s" not in row
+    assert row["tok_s"] > 0 and row["in_run_tok_s"] > 0
+
+
+def test_bench_generate_job_serves_every_method_at_its_own_batch(monkeypatch, capsys):
+    """--job P --job-batch: one run per method at its own batch and per-method prefill chunks; the job
+    table is the arithmetic of the measured rates, rounds * (TTFT + (N - 1) * step), and ours' job
+    throughput over the baseline's."""
+    mod = load_script("generate", benchmarks_dir())
+    runs = []
+
+    def fake_run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
+                        profile, chunk, *args):
+        runs.append((method, batch, length, chunk))
+        step = {"ours": 50.0, "fp16": 40.0}[method]
+        return {"B": batch, "T": length, "method": method, "new_tokens": new_tokens, "tok_s": batch * 1e3 / step,
+                "step_ms": step, "ttft_s": {"ours": 100.0, "fp16": 10.0}[method], "warmup_s": 1.0,
+                "peak_bytes": 10 * 2**30, "weights_bytes": 2**30, "kv_bytes_total": 8 * 2**30}
+
+    monkeypatch.setattr(mod, "run_method", fake_run_method)
+    mod.main(["--smoke", "--job", "8", "--job-batch", "fp16=2,ours=8", "--cases", "1x24",
+              "--prefill-chunk", "ours=4,fp16=16"])
+    assert runs == [("ours", 8, 24, 4), ("fp16", 2, 24, 16)]
+    out = capsys.readouterr().out
+    ours_s, fp16_s = 1 * (100 + 255 * 0.05), 4 * (10 + 255 * 0.04)  # N=256: one round vs four
+    assert f"| {ours_s:.0f} | {8 * 256 / ours_s:.0f} |" in out and f"| {fp16_s:.0f} | {8 * 256 / fp16_s:.0f} |" in out
+    assert f"ours / fp16: N=256 {fp16_s / ours_s:.2f}x" in out and "| 1.00 GiB |" in out
+    with pytest.raises(SystemExit, match="--job-batch"):
+        mod.main(["--smoke", "--job", "8", "--cases", "1x24"])
 
 
 def test_gpu_suite_test_groups_cover_every_cuda_test_file():

@@ -1,4 +1,4 @@
-"""``vecinfer bench {decode,memory,generate,simulate} [ARGS...]``: run a benchmark script of the
+"""``vecinfer bench {decode,prefill,memory,generate,simulate,encode,ceiling} [ARGS...]``: run a benchmark script of the
 repository's ``benchmarks/`` folder (not part of the installed package) in this process.
 
 Everything after the benchmark's name goes to the script: ``vecinfer bench memory --smoke``,
@@ -15,12 +15,14 @@ import os
 import sys
 from pathlib import Path
 
-HELP = "run a benchmark of the source checkout: decode, memory, generate, simulate (GPU; --smoke on CPU)"
+HELP = ("run a benchmark of the source checkout: decode, prefill, memory, generate, simulate, encode, ceiling "
+        "(GPU; --smoke on CPU)")
 
 SCRIPTS: dict[str, tuple[str, str]] = {
     "decode": ("bench_decode_attention.py", "decode attention kernel vs FP16 SDPA (GPU)"),
     "memory": ("bench_memory.py", "KV bytes and peak memory vs HF dynamic/static caches (--smoke: CPU)"),
     "generate": ("bench_generate.py", "generate() decode tokens/s vs HF static compiled / dynamic eager (--smoke: CPU)"),
+    "prefill": ("bench_prefill_attention.py", "a prefill chunk's attention over codes vs FP16 flash (GPU)"),
     "simulate": ("bench_simulate_attention.py", "compiled simulate (prefill) attention vs SDPA (GPU)"),
     "encode": ("bench_encode.py", "encode / quantize kernels vs compiled PyTorch nearest centroid (GPU)"),
     "ceiling": ("bench_gather_ceiling.py", "Triton code-read and centroid-gather floors of decode vs FP16 SDPA (GPU)"),
