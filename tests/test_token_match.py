@@ -58,3 +58,28 @@ def test_match_cli_missing_codebooks_is_one_line(capsys, tiny_dir, sample_text_p
                  "--text", str(sample_text_path)])
     _, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "nope.safetensors" in err
+
+
+def test_match_cli_prefill_chunk(capsys, monkeypatch, tiny_dir, sample_text_path):
+    """--prefill-chunk: the cache's prompt goes through generate(prefill_chunk_size=...) (three
+    16-token chunks for a 48-token prompt, then the new tokens) and the simulate side reads the
+    prompt with the per-query window; the summary says so."""
+    from vecinfer_compile.evaluation import token_match as tm
+
+    seen = []
+    real = tm._generate
+    monkeypatch.setattr(tm, "_generate", lambda model, ids, n, **kw: seen.append(kw.get("prefill_chunk_size"))
+                        or real(model, ids, n, **kw))
+    fp_prefill = []
+    real_sim = tm.simulate_tokens
+    monkeypatch.setattr(tm, "simulate_tokens", lambda *a, **kw: fp_prefill.append(kw["full_precision_prefill"])
+                        or real_sim(*a, **kw))
+    cb = default_codebooks_dir() / "vecinfer-2bit.safetensors"
+    code = main(["match", "--model", str(tiny_dir), "--codebooks", str(cb), "--text", str(sample_text_path),
+                 "--prompts", "1", "--prompt-len", "48", "--new-tokens", "6", "--residual", "8", "--json",
+                 "--no-progress", "--device", "cpu", "--prefill-chunk", "16"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["prefill_chunk"] == 16 and len(result["results"][0]["cache"]) == 6
+    assert seen == [16, None] and fp_prefill == [False]

@@ -21,6 +21,10 @@ def register(subparsers) -> None:
     p.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens generated (default 64)")
     p.add_argument("--residual", type=int, default=128, metavar="R",
                    help="full-precision window of the cache (default 128)")
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                   help="the cache prefills the prompt in chunks of N tokens (generate()'s prefill_chunk_size); "
+                        "the simulate path then reads the prompt with the per-query window (default 0: "
+                        "one-shot prefill, both paths in full precision)")
     p.add_argument("--backend", choices=["eager", "compile"], default="eager",
                    help="cache path: eager, or generate() compiled with vecinfer_backend (default eager)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -36,6 +40,8 @@ def run(args) -> int:
     positive("--prompts", args.prompts)
     positive("--prompt-len", args.prompt_len)
     positive("--new-tokens", args.new_tokens)
+    if args.prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk must be >= 0, got {args.prefill_chunk}")
     check_model_dir(args.model)
     check_file(args.text)
     codebooks = load_codebooks(args.codebooks)
@@ -43,12 +49,14 @@ def run(args) -> int:
     codebooks.check_model(model.config)
     prompts = prompts_from_ids(tokenize(tokenizer, load_text(args.text)), args.prompts, args.prompt_len)
     results = token_match(model, prompts, codebooks, new_tokens=args.new_tokens, residual=args.residual,
-                          compiled=args.backend == "compile", progress=args.progress)
+                          compiled=args.backend == "compile", prefill_chunk=args.prefill_chunk,
+                          progress=args.progress)
     identical = sum(r.first_mismatch is None for r in results)
     summary = {
         "model": args.model, "codebooks": args.codebooks, "method": codebooks.method, "bits": codebooks.bits,
         "backend": args.backend, "dtype": args.dtype, "device": str(next(model.parameters()).device),
         "residual": args.residual, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "prefill_chunk": args.prefill_chunk,
         "identical_prompts": identical, "prompts": len(results),
         "results": [{"first_mismatch": r.first_mismatch, "matched": r.matched, "cache": r.cache_tokens,
                      "simulate": r.simulate_tokens} for r in results],
@@ -56,8 +64,10 @@ def run(args) -> int:
     if args.json:
         print_json(summary)
         return 0
+    chunked = (f", the cache's prompt in {args.prefill_chunk}-token chunks (simulate: per-query window)"
+               if args.prefill_chunk else "")
     print(f"{codebooks.method} {codebooks.bits:g}-bit, cache ({args.backend}) vs eager simulate, "
-          f"R={args.residual}, {args.prompt_len}-token prompts, {args.new_tokens} new tokens")
+          f"R={args.residual}, {args.prompt_len}-token prompts, {args.new_tokens} new tokens{chunked}")
     print("| prompt | matched tokens | first mismatch |")
     print("|---|---|---|")
     for i, r in enumerate(results):

@@ -9,6 +9,13 @@ Both paths use the same codebooks and the same window semantics:
 - simulate: HF's DynamicCache with the ``"vecinfer"`` attention in simulate mode,
   ``full_precision_prefill=True`` and the same ``residual``.
 
+With ``prefill_chunk`` the cache's prompt goes through ``generate(prefill_chunk_size=...)``: its
+first chunk attends in full precision, every later one over the codes of the tokens before it,
+the old window and itself in full precision (:mod:`vecinfer_compile.ops.chunk_attention`). The
+simulate side then reads the prompt with the per-query window (key ``j`` in full precision for
+query ``i`` iff ``i - j < R``), which no chunk sees less of: the two differ in how many prompt keys
+are read in full precision, so a late flip at a near-tie is possible and is reported as it is.
+
 Every prompt generates exactly ``new_tokens`` tokens (``min_new_tokens``: no early EOS in one
 path only). A result records the first position where the two disagree, if any.
 """
@@ -61,8 +68,10 @@ def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> list[int]:
 
 
 @torch.no_grad()
-def cache_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool) -> list[int]:
-    """Greedy new tokens of ``ids [T]`` through a fresh VecInferCache (eager or compiled)."""
+def cache_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool,
+                 prefill_chunk: int = 0) -> list[int]:
+    """Greedy new tokens of ``ids [T]`` through a fresh VecInferCache (eager or compiled), the prompt
+    prefilled at once or, with ``prefill_chunk``, in chunks of that many tokens."""
     from transformers import CompileConfig
 
     from ..backend import vecinfer_backend
@@ -78,17 +87,21 @@ def cache_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residu
                                fullgraph=True)
         config._compile_all_devices = dev.type != "cuda"  # generate() compiles on CUDA only otherwise
         kwargs["compile_config"] = config
+    if prefill_chunk:
+        kwargs["prefill_chunk_size"] = prefill_chunk
     return _generate(model, ids, new_tokens, **kwargs)
 
 
 @torch.no_grad()
-def simulate_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int) -> list[int]:
-    """Greedy new tokens of ``ids [T]`` in eager simulate mode with the cache's semantics."""
+def simulate_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int,
+                    full_precision_prefill: bool = True) -> list[int]:
+    """Greedy new tokens of ``ids [T]`` in eager simulate mode: the prompt in full precision (the
+    cache's one-shot prefill) or, without ``full_precision_prefill``, with the per-query window."""
     from ..simulate import disable_simulation, enable_simulation
 
     dev = next(model.parameters()).device
     enable_simulation(model, codebooks.method, bits=codebooks.bits, codebooks=codebooks, residual=residual,
-                      full_precision_prefill=True)
+                      full_precision_prefill=full_precision_prefill)
     try:
         return _generate(model, ids[None].to(dev), new_tokens)
     finally:
@@ -96,15 +109,18 @@ def simulate_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, res
 
 
 def token_match(model, prompts: list[torch.Tensor], codebooks, *, new_tokens: int = 64, residual: int = 128,
-                compiled: bool = False, progress: bool = True) -> list[MatchResult]:
-    """Run both paths on every prompt (``[T]`` int64 token ids); one :class:`MatchResult` each."""
+                compiled: bool = False, prefill_chunk: int = 0, progress: bool = True) -> list[MatchResult]:
+    """Run both paths on every prompt (``[T]`` int64 token ids); one :class:`MatchResult` each.
+    ``prefill_chunk``: the cache prefills in chunks of that many tokens (see the module docstring)."""
     from tqdm.auto import tqdm
 
     results = []
     for ids in tqdm(prompts, desc="prompts", disable=not progress):
         results.append(MatchResult(
             len(ids),
-            cache_tokens(model, ids, codebooks, new_tokens=new_tokens, residual=residual, compiled=compiled),
-            simulate_tokens(model, ids, codebooks, new_tokens=new_tokens, residual=residual),
+            cache_tokens(model, ids, codebooks, new_tokens=new_tokens, residual=residual, compiled=compiled,
+                         prefill_chunk=prefill_chunk),
+            simulate_tokens(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
+                            full_precision_prefill=not prefill_chunk),
         ))
     return results
