@@ -588,13 +588,13 @@ class VecInferCache(Cache):
       ``max_cache_len``, padding, cache position) makes attention exact over them. Compiled,
       that is ``vecinfer::cache_kv`` over every slot, which
       :func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention` replaces, with the
-      SDPA that reads it, by ``vecinfer::decode_attention`` over the codes. Eagerly, one token
-      gets every slot and a chunk of several tokens just the ``L`` valid slots,
-      ``[B, H_kv, L, D]`` (``get_mask_sizes`` -> ``L``): as a *codes read* when the model attends
-      with ``"vecinfer_sdpa"`` (which ``VecInferCache(model, ...)`` switches an SDPA model to),
-      which holds no memory and makes the attention run the same decode op, or for a chunk the
-      chunk attention over the codes (:mod:`vecinfer_compile.eager_decode`); otherwise dequantized
-      (a chunk's with its own tokens in place, by the same rule; compiled too).
+      SDPA that reads it, by ``vecinfer::decode_attention`` over the codes. Eagerly too, one token
+      or a chunk gets every slot (generate() may build a step's mask eagerly and run the step
+      compiled): as a *codes read* when the model attends with ``"vecinfer_sdpa"`` (which
+      ``VecInferCache(model, ...)`` switches an SDPA model to), which holds no memory and makes the
+      attention run the same decode op, or for a chunk the chunk attention over the codes
+      (:mod:`vecinfer_compile.eager_decode`); otherwise dequantized (a chunk's with its own tokens
+      in place, by the same rule; compiled too).
     - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
       path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
       differ on near-ties).
