@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
         docs = write_docs(Path(args.text).read_text(encoding="utf-8"), args.docs, args.doc_chars, Path(tmp) / "docs.jsonl")
         task = rolling_ppl_task(docs)
         results["full precision"] = word_perplexity(model, tokenizer, task)
-        with vc.simulation(model, "vecinfer", bits=codebooks.bits, codebooks=codebooks):
+        with vc.simulation(model, codebooks.method, bits=codebooks.bits, codebooks=codebooks):
             results["VecInfer, eager simulate"] = word_perplexity(model, tokenizer, task)
         compiled = torch.compile(model, backend=vc.vecinfer_backend.configure(codebooks=codebooks), dynamic=True)
         results["VecInfer, torch.compile"] = word_perplexity(compiled, tokenizer, task)

@@ -240,6 +240,24 @@ def test_configure_errors_name_the_fix(tmp_path):
         vecinfer_backend.configure(tmp_path / "missing.safetensors")
 
 
+@pytest.mark.parametrize("method", ["qaware", "vecinfer-center", "vq"])
+def test_configure_takes_the_method_from_the_codebooks(tmp_path, method):
+    """A codebook file says its method: ``configure(codebooks=...)`` runs it (qaware codebooks
+    used to fail every compiled path that configured the backend without a method: `match`,
+    `needle`, `gsm8k --backend compile`, the examples); an explicit method that contradicts the
+    file is still an error that names the fix."""
+    from vecinfer_compile.testing import random_codebooks
+
+    cb = random_codebooks(dict(num_layers=2, num_kv_heads=2, head_dim=16), 2.0, method)
+    cb.save(tmp_path / "cb.safetensors")
+    for given in (cb, tmp_path / "cb.safetensors", str(tmp_path / "cb.safetensors")):
+        assert vecinfer_backend.configure(codebooks=given).config.method == method
+    assert vecinfer_backend.configure(codebooks=cb, method=method).config.method == method
+    with pytest.raises(ValueError, match=f"for method '{method}', not 'vecinfer': leave method unset"):
+        vecinfer_backend.configure(codebooks=cb, method="vecinfer")
+    assert vecinfer_backend.configure().config.method == "vecinfer"  # zero-config fit
+
+
 def test_registered_by_name_and_reimport_is_safe():
     importlib.reload(backend_module)
     assert "vecinfer" in torch._dynamo.list_backends(exclude_tags=())

@@ -72,8 +72,12 @@ class BackendConfig:
     decode_kernel: str | None = None
 
 
-def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize: bool,
+def _resolve(codebooks, bits: float | None, method: str | None, residual: int, quantize: bool,
              decode_kernel: str | None = None) -> BackendConfig:
+    if isinstance(codebooks, (str, Path)):
+        codebooks = load_codebooks(codebooks)
+    if method is None:  # a codebook file says its method; a zero-config fit is VecInfer's
+        method = codebooks.method if isinstance(codebooks, VecInferCodebooks) else "vecinfer"
     if method not in VQ_METHODS:
         raise ValueError(
             f"vecinfer_backend runs the VQ methods {', '.join(VQ_METHODS)}; got method {method!r}"
@@ -82,8 +86,6 @@ def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize
         raise ValueError(f"residual must be >= 0, got {residual}")
     if decode_kernel is not None:
         check_kernel_name(decode_kernel)
-    if isinstance(codebooks, (str, Path)):
-        codebooks = load_codebooks(codebooks)
     if codebooks is not None and not isinstance(codebooks, VecInferCodebooks):
         raise TypeError(
             f"codebooks must be a path, a VecInferCodebooks or None, got {type(codebooks).__name__}"
@@ -105,8 +107,9 @@ def _resolve(codebooks, bits: float | None, method: str, residual: int, quantize
         )
     if method != codebooks.method:
         raise ValueError(
-            f"the codebooks are for method {codebooks.method!r}, not {method!r}: calibrate with "
-            f"method={method!r} (--method {method} on the command line) or pass method={codebooks.method!r}"
+            f"the codebooks are for method {codebooks.method!r}, not {method!r}: leave method unset (the "
+            f"backend takes the codebooks' method) or calibrate with method={method!r} (--method {method} "
+            "on the command line)"
         )
     return BackendConfig(codebooks, float(codebooks.bits), method, residual, quantize, decode_kernel)
 
@@ -174,14 +177,16 @@ class VecInferBackend:
         codebooks: str | Path | VecInferCodebooks | None = None,
         *,
         bits: float | None = None,
-        method: str = "vecinfer",
+        method: str | None = None,
         residual: int = 0,
         quantize: bool = True,
         decode_kernel: str | None = None,
     ) -> "VecInferBackend":
         """A new backend. codebooks: a file from ``vecinfer calibrate``, loaded codebooks, or None
         to fit them from the first call; bits: bit-width (default 2, or the codebooks'); method:
-        vecinfer/vq/smooth/hadamard; residual: most recent keys kept in full precision;
+        one of :data:`vecinfer_compile.methods.VQ_METHODS` (default: the codebooks' own, or
+        vecinfer for a zero-config fit; one that contradicts the codebooks is an error); residual:
+        most recent keys kept in full precision;
         quantize=False: apply the exact key transform only (for checks); decode_kernel: "cuda",
         "triton" or "auto" for decode attention over a VecInferCache on CUDA (default: the
         environment variable VECINFER_DECODE_KERNEL, else auto)."""
