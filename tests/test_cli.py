@@ -224,6 +224,16 @@ def test_damaged_model_directory_is_one_line(capsys, tmp_path, tiny_dir, sample_
     assert ("tokenizer" if damage == "no-tokenizer" else "truncated or damaged") in msg
 
 
+@pytest.mark.parametrize("content", [b"caf\xe9 au lait, " * 200, bytes(range(256)) * 8])
+def test_text_that_is_not_utf8_is_one_line(capsys, tmp_path, tiny_dir, content):
+    """A Latin-1 or binary file is refused with one line naming the fix (it used to be scored with
+    its bad bytes replaced, silently)."""
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(content)
+    msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(path), "--method", "fp16"])
+    assert "\n" not in msg.strip() and "not UTF-8" in msg and "iconv" in msg
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_device_without_cuda_is_one_line(capsys, tiny_dir, sample_text_path):
     msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),

@@ -76,6 +76,21 @@ def test_full_precision_prefill(random_llama):
         vc.disable_simulation(random_llama)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_simulation_block_restores_the_models_attention(impl):
+    """After ``with simulation(...)`` (or disable_simulation) the model attends as it did before:
+    a model loaded with attn_implementation="eager" used to come out on "sdpa"."""
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG.to_dict(), "attn_implementation": impl})).eval()
+    cb = make_codebooks(model.config, 2.0)
+    with vc.simulation(model, "vecinfer", bits=2, codebooks=cb):
+        assert model.config._attn_implementation == "vecinfer"
+        vc.enable_simulation(model, "vecinfer", bits=2, codebooks=cb, residual=4)  # re-enabled inside
+    assert model.config._attn_implementation == impl
+    vc.enable_simulation(model, "kivi", bits=2)
+    vc.disable_simulation(model)
+    assert model.config._attn_implementation == impl
+
+
 def test_simulation_errors(random_llama):
     with pytest.raises(ValueError, match="needs codebooks"):
         vc.enable_simulation(random_llama, "vecinfer", bits=2)

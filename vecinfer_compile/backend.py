@@ -15,7 +15,8 @@ a chunked prefill's forwards), the decode rewrite over a VecInferCache
 
 Zero-config: without codebooks, the first graph that reaches a layer fits that layer's smoothing
 factors and codebooks from the keys/values of the call being compiled (the graph is interpreted
-once on the real example inputs), logs one info line, and keeps them on the backend object, so
+once on the real example inputs), logs one warning (once per backend: it decides the accuracy),
+and keeps them on the backend object, so
 recompiles (new shapes, graph breaks) reuse them.
 
 Tensor parallelism (transformers' ``tp_plan="auto"``): the rank and TP size come from the graph's
@@ -170,7 +171,7 @@ class VecInferBackend:
     def __init__(self, config: BackendConfig | None = None):
         self.config = config or BackendConfig()
         self.fitted: dict[int, LayerCodebooks] = {}
-        self._warned_no_sdpa = False
+        self._warned_no_sdpa = self._warned_fit = False
 
     def configure(
         self,
@@ -274,7 +275,10 @@ class VecInferBackend:
             log.info("vecinfer: fitted smoothing factors for %d layer(s) from this call's %d token(s)",
                      len(by_layer), tokens)
             return
-        log.info(
+        if self._warned_fit:  # once per backend: a warning, since it decides the accuracy
+            return
+        self._warned_fit = True
+        log.warning(
             "vecinfer: no codebooks given; fitted %g-bit %s codebooks for %d layer(s) from this "
             "call's %d token(s) — calibrate for better accuracy: `vecinfer calibrate --model "
             "MODEL_DIR --text CALIBRATION.txt --bits %g --out cb.safetensors`, then "

@@ -129,10 +129,17 @@ def _one_line(exc: BaseException) -> str:
 
 
 def load_text(path: str | Path | None = None) -> str:
-    """Read a UTF-8 text file (default: the embedded sample); clear error if it is missing or
-    empty."""
+    """Read a UTF-8 text file (default: the embedded sample); clear error if it is missing, empty
+    or not UTF-8 (a binary or Latin-1 file used to be scored with its bad bytes replaced)."""
     path = check_file(default_text_path() if path is None else path)
-    text = path.read_text(encoding="utf-8", errors="replace")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"text file {path} is not UTF-8 (byte {exc.start}: 0x{data[exc.start]:02x}); convert it, e.g. "
+            f"`iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8.txt`, or pass a text file"
+        ) from None
     if not text.strip():
         raise ValueError(f"text file {path} is empty")
     return text

@@ -28,6 +28,7 @@ from .quant.codebook import quantize_dequantize
 from .quant.kivi import kivi_keys, kivi_values
 
 ATTN_NAME = "vecinfer"
+_PREVIOUS = "_vecinfer_attn_before_simulation"  # the model's implementation before enable_simulation
 
 
 @dataclass
@@ -156,6 +157,8 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
                 "load_codebooks(path)"
             )
         codebooks.check_model(model.config, bits=bits, method=method)
+    if not is_simulating(model):  # what disable_simulation goes back to (kept when re-enabled)
+        model.__dict__[_PREVIOUS] = getattr(model.config, "_attn_implementation", None)
     for module in attention_modules(model):
         module.vecinfer_simulator = LayerSimulator(
             method, float(bits), residual, codebooks, module.layer_idx, full_precision_prefill
@@ -168,7 +171,7 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
 def simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | None = None,
                residual: int = 0, full_precision_prefill: bool = False):
     """``with simulation(model, "vecinfer", bits=2, codebooks=cb): ...``: :func:`enable_simulation`
-    inside the block, plain SDPA again after it (also on an exception)."""
+    inside the block, the model's own attention again after it (also on an exception)."""
     enable_simulation(model, method, bits=bits, codebooks=codebooks, residual=residual,
                       full_precision_prefill=full_precision_prefill)
     try:
@@ -183,9 +186,11 @@ def is_simulating(model) -> bool:
 
 
 def disable_simulation(model):
-    """Back to full-precision SDPA attention; returns the model."""
+    """Back to full precision: the attention implementation the model had before
+    :func:`enable_simulation` (``"eager"`` stays eager), SDPA when that is unknown; returns the model."""
     for module in model.modules():
         if hasattr(module, "vecinfer_simulator"):
             del module.vecinfer_simulator
-    model.set_attn_implementation("sdpa")
+    previous = model.__dict__.pop(_PREVIOUS, None)
+    model.set_attn_implementation(previous if previous not in (None, ATTN_NAME) else "sdpa")
     return model
