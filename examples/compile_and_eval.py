@@ -18,8 +18,14 @@ from vecinfer_compile import vecinfer_backend
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 data = files("vecinfer_compile") / "data"
-model_dir = sys.argv[1] if len(sys.argv) > 1 else str(data / "tiny")
-codebooks = sys.argv[2] if len(sys.argv) > 2 else str(data / "tiny_codebooks" / "vecinfer-2bit.safetensors")
+tiny = str(data / "tiny")
+model_dir = sys.argv[1] if len(sys.argv) > 1 else tiny
+if len(sys.argv) > 2:
+    codebooks = sys.argv[2]
+elif model_dir == tiny:
+    codebooks = str(data / "tiny_codebooks" / "vecinfer-2bit.safetensors")
+else:  # the shipped codebooks are the tiny model's: fit from the first call instead (one warning)
+    codebooks = None
 
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()

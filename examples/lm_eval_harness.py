@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 import time
 from importlib.resources import files
@@ -48,7 +49,7 @@ def rolling_ppl_task(docs_path: Path, name: str = "vecinfer_local_rolling_ppl") 
 
 def write_docs(text: str, n: int, chars: int, path: Path) -> Path:
     """``n`` documents of about ``chars`` characters cut from ``text`` at paragraph breaks."""
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    paragraphs = [p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip()]  # WikiText: "\n \n"
     docs, current = [], ""
     for p in paragraphs:
         current = f"{current}\n\n{p}" if current else p
@@ -78,18 +79,29 @@ def word_perplexity(model, tokenizer, task: dict) -> tuple[float, float]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DATA / "tiny"))
-    ap.add_argument("--codebooks", default=str(DATA / "tiny_codebooks" / "vecinfer-2bit.safetensors"))
+    ap.add_argument("--codebooks", default=None,
+                    help="codebooks of --model from `vecinfer calibrate` (default: the shipped tiny model's, "
+                         "for the shipped tiny model only)")
     ap.add_argument("--text", default=str(DATA / "sample_public_domain.txt"))
     ap.add_argument("--docs", type=int, default=6)
     ap.add_argument("--doc-chars", type=int, default=3000)
     args = ap.parse_args(argv)
+    if args.codebooks is None:
+        if args.model != str(DATA / "tiny"):
+            ap.error(f"--codebooks FILE is needed for {args.model} (the shipped codebooks are the tiny "
+                     f"model's): make it with `vecinfer calibrate --model {args.model} --text CALIB.txt --out cb.safetensors`")
+        args.codebooks = str(DATA / "tiny_codebooks" / "vecinfer-2bit.safetensors")
+    docs_text = Path(args.text).read_text(encoding="utf-8")
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
     codebooks = vc.load_codebooks(args.codebooks)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        docs = write_docs(Path(args.text).read_text(encoding="utf-8"), args.docs, args.doc_chars, Path(tmp) / "docs.jsonl")
+        try:
+            docs = write_docs(docs_text, args.docs, args.doc_chars, Path(tmp) / "docs.jsonl")
+        except ValueError as exc:
+            ap.error(str(exc))
         task = rolling_ppl_task(docs)
         results["full precision"] = word_perplexity(model, tokenizer, task)
         with vc.simulation(model, codebooks.method, bits=codebooks.bits, codebooks=codebooks):

@@ -28,3 +28,26 @@ def test_lm_eval_harness_example(monkeypatch, capsys):
     assert 1 < full < eager  # 2-bit K/V cost perplexity
     assert abs(compiled - eager) / eager < 0.02  # the compiled model computes what simulation does
     assert "| VecInfer, torch.compile |" in capsys.readouterr().out
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("lm_eval_harness", ROOT / "examples" / "lm_eval_harness.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
+def test_wikitext_paragraphs_split(tmp_path):
+    """WikiText ends its paragraphs in "\\n \\n": they split into documents (it found none, and the
+    script died in a traceback)."""
+    text = "".join(f" = Section {i} = \n \n Paragraph {i} " + "word " * 60 + "\n \n" for i in range(8))
+    path = _example().write_docs(text, 3, 300, tmp_path / "docs.jsonl")
+    assert len(path.read_text().splitlines()) == 3
+
+
+def test_another_model_without_codebooks_is_one_line(tmp_path, capsys):
+    """A model other than the shipped one with no --codebooks: one usage line naming the fix (the
+    tiny model's codebooks were used and the run died deep inside)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _example().main(["--model", str(tmp_path)])
+    assert exit_info.value.code == 2 and "--codebooks FILE is needed" in capsys.readouterr().err
