@@ -7,7 +7,7 @@ import vecinfer_compile as vc
 
 path = str(files("vecinfer_compile") / "data" / "tiny")               # any local HF model directory
 text = (files("vecinfer_compile") / "data" / "sample_public_domain.txt").read_text()
-model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
 tok = AutoTokenizer.from_pretrained(path)
 ids = tok("It was a bright cold day in April, and", return_tensors="pt").input_ids
 
@@ -19,8 +19,10 @@ cb.save("cb-2bit.safetensors")
 compiled = torch.compile(model, backend=vc.vecinfer_backend.configure(codebooks="cb-2bit.safetensors"))
 with torch.no_grad():
     logits = compiled(ids).logits
-# ... or eager, inside a block (plain attention again after it)
-with vc.simulation(model, "vecinfer", bits=2, codebooks=cb, residual=128), torch.no_grad():
+# ... or eager, inside a block (the model's own attention again after it); the same numbers as the
+#     compiled call (float32: within ~1e-5), every token quantized. With residual=R the last R keys
+#     of each query stay in full precision (a prompt shorter than R is then not quantized at all)
+with vc.simulation(model, "vecinfer", bits=2, codebooks=cb), torch.no_grad():
     logits = model(ids).logits
 
 # 2b. generate with the compressed cache: codes + the last 128 tokens in full precision. The
