@@ -164,10 +164,10 @@ def load_tp_model(setup: Setup, folder: str):
     ``setup.device`` (no process group)."""
     place = {} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {"device_map": setup.device}
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tp_plan= deprecation note, once per rank
-        model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", attn_implementation="sdpa",
-                                                     dtype=setup.dtype, **place)
+    from vecinfer_compile.tensor_parallel import tp_load_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(folder, **tp_load_kwargs("auto"), attn_implementation="sdpa",
+                                                 dtype=setup.dtype, **place)
     model.eval().requires_grad_(False)
     sync(model.device)
     model._bench_build_s = time.perf_counter() - t0

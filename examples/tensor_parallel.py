@@ -46,7 +46,7 @@ def main() -> None:
     # one process it sets nothing up and would load on the CPU, so place the model there ourselves
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, tp_plan="auto", attn_implementation="sdpa", dtype=dtype,
+        args.model, **vc.tp_load_kwargs("auto"), attn_implementation="sdpa", dtype=dtype,
         **({"device_map": args.device} if one_process else {}),
     ).eval()
     codebooks = vc.load_codebooks(args.codebooks)

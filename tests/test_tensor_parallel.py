@@ -182,3 +182,21 @@ def test_bench_generate_tp_mode_two_ranks(tmp_path):
         per_rank = r["kv_bytes_per_rank"]
         assert len(per_rank) == 2 and min(per_rank) > 0 and sum(per_rank) == r["kv_bytes_total"]
     assert "| KV/GPU | KV total | TP |" in out and out.count("| 2 |\n") == 2  # rank 0 alone prints
+
+
+def test_tp_load_kwargs_follow_the_installed_transformers(monkeypatch):
+    """``distributed_config=DistributedConfig(tp_plan=...)`` where transformers takes it (5.24
+    deprecates ``tp_plan=`` in from_pretrained), ``tp_plan=`` where it does not."""
+    import transformers.distributed as td
+
+    from vecinfer_compile import tp_load_kwargs
+
+    kwargs = tp_load_kwargs("auto")
+    assert list(kwargs) == ["distributed_config"] and kwargs["distributed_config"].tp_plan == "auto"
+
+    class OldConfig:  # a DistributedConfig without tp_plan, as older transformers had
+        def __init__(self, enable_expert_parallel=False):
+            pass
+
+    monkeypatch.setattr(td, "DistributedConfig", OldConfig)
+    assert tp_load_kwargs("auto") == {"tp_plan": "auto"}

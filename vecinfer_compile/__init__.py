@@ -8,6 +8,8 @@ Public API (everything else is internal):
 - :data:`vecinfer_backend` — the torch.compile backend (``backend=vecinfer_backend``).
 - :class:`VecInferCache` — the compressed cache for ``generate()``; :func:`cache_kwargs` — its
   ``generate()`` keyword on the installed transformers (``cache=`` or ``past_key_values=``).
+- :func:`tp_load_kwargs` — ``from_pretrained`` keywords for tensor parallelism on the installed
+  transformers (``distributed_config=`` or ``tp_plan=``).
 - :mod:`vecinfer_compile.testing` — fuzz helpers and ``check_model`` for your own models.
 
 The backend, the cache and the testing helpers import Inductor and Triton, so they load on
@@ -34,6 +36,7 @@ __all__ = [
     "load_codebooks",
     "simulation",
     "testing",
+    "tp_load_kwargs",
     "vecinfer_backend",
 ]
 
@@ -42,6 +45,7 @@ _LAZY = {
     "VecInferCache": ("cache", "VecInferCache"),
     "cache_kwargs": ("cache", "cache_kwargs"),
     "testing": ("testing", None),
+    "tp_load_kwargs": ("tensor_parallel", "tp_load_kwargs"),
 }
 
 

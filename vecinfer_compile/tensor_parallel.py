@@ -25,9 +25,25 @@ import torch
 
 from .codebooks import LayerCodebooks
 
-__all__ = ["TPShard", "graph_shard", "local_kv_heads", "local_layer", "model_shard", "total_kv_bytes"]
+__all__ = ["TPShard", "graph_shard", "local_kv_heads", "local_layer", "model_shard", "total_kv_bytes",
+           "tp_load_kwargs"]
 
 _ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+def tp_load_kwargs(plan="auto") -> dict:
+    """``from_pretrained`` keywords for tensor parallelism with ``plan`` on the installed transformers:
+    ``distributed_config=DistributedConfig(tp_plan=plan)`` where it takes one (5.24 deprecates
+    ``tp_plan=``), else ``tp_plan=plan``."""
+    import inspect
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": plan}
+    if "tp_plan" not in inspect.signature(DistributedConfig).parameters:
+        return {"tp_plan": plan}
+    return {"distributed_config": DistributedConfig(tp_plan=plan)}
 
 
 @dataclass(frozen=True)
