@@ -23,25 +23,30 @@ softmax (and the merge by log-sum-exp) ignores.
 log-sum-exp, merged by :func:`.lse_merge.merge_by_lse`:
 
 - the coded prefix: every query sees all of it (only left padding masks it), so it is a
-  non-causal attention. On CUDA (fp16/bf16, FlashAttention-2 available, head dims that suit both
-  kernels) a few batch rows at a time (:data:`WORKSPACE_BYTES`) are dequantized by
-  :func:`.triton_dequant.dequantize_triton` into a position-major workspace and read by torch's
-  FlashAttention-2 in varlen mode (``aten._flash_attention_forward``): GQA in the kernel (no K/V
-  repeat), each row's keys starting at its ``kv_start`` (``cum_seq_k`` offset, ``seqused_k``
-  length), no mask tensor.
-- the full-precision window and chunk, ``[B, w + C, H, D]`` built before the append: the same
-  kernel, causal, bottom-right aligned per row (query ``i`` sees relative keys ``<= w + i``).
+  non-causal attention. On CUDA (fp16/bf16, FlashAttention-2 available, power-of-two head dims)
+  a few batch rows at a time (:data:`WORKSPACE_BYTES`) are dequantized into a position-major
+  workspace (:func:`dequantize_into`: the CUDA kernel of :mod:`.cuda_dequant`, the Triton one of
+  :mod:`.triton_dequant` where it cannot run) and read by cuDNN attention
+  (``aten._scaled_dot_product_cudnn_attention``, GQA in the kernel) when no row is padded, else
+  by torch's FlashAttention-2 in varlen mode (``aten._flash_attention_forward``: each row's keys
+  start at its ``kv_start`` through the ``cum_seq_k`` offset and ``seqused_k``; no mask tensor).
+- the full-precision window and chunk, ``[B, w + C, H, D]`` built before the append:
+  FlashAttention-2 varlen, causal, bottom-right aligned per row (query ``i`` sees relative keys
+  ``<= w + i``).
 
-Why dequantize-then-flash rather than a kernel that gathers codes inside the attention loop: the
-prefix attention of a chunk is compute-bound (``4 * G * C * T * D`` FLOPs per KV head against
-``T`` positions of codes), and the Triton kernel that gathers K/V tiles from the codebook inside
-its loop (``vecinfer::attention``) ran at a quarter of cuDNN's rate on the H200 (0.744 ms vs 0.180
-ms at B=1/T=8192, ``bench_simulate_attention.py``): the gathers, not the matrix units, bound it.
-The workspace costs one write of the prefix in the cache dtype per chunk and layer, a few percent
-of the attention's time at chunks of 1,024 tokens and more (``benchmarks/bench_prefill_attention.py``
-measures both against FP16 flash). Elsewhere (CPU, float32, other head dims, or a mask that is not
-causal + left padding) :func:`reference_by_rows` computes the same rule densely, a few rows at a
-time; :func:`reference` is the oracle the tests compare both with.
+Why a workspace and library kernels rather than a kernel that gathers codes inside the attention
+loop (measured on the H200, docs/results.md): the prefix attention of a chunk is compute-bound
+(``4 * G * C * T * D`` FLOPs per KV head against ``T`` positions of codes), and the Triton kernel
+that gathers K/V tiles from the codebook inside its loop (``vecinfer::attention``) ran at a
+quarter of cuDNN's rate (0.744 ms vs 0.180 ms at B=1/T=8192, ``bench_simulate_attention.py``):
+the gathers, not the matrix units, bound it. cuDNN ran this non-causal shape at 596-686 TFLOP/s
+against FlashAttention-2's 343-363. The workspace costs one write of the prefix in the cache
+dtype per chunk and layer (``benchmarks/bench_prefill_attention.py`` times ours against FP16
+flash, and the alternatives with ``--prefix-kernel`` / ``--dequantize``).
+
+Elsewhere (CPU, float32, other head dims, or a mask that is not causal + left padding)
+:func:`reference_by_rows` computes the same rule densely, a few rows at a time; :func:`reference`
+is the oracle the tests compare both with.
 """
 
 from __future__ import annotations
@@ -200,9 +205,10 @@ def cudnn_prefix_serves(q: torch.Tensor) -> bool:
 
 
 def fast_path_serves(q: torch.Tensor) -> bool:
-    """Whether :func:`attend` runs the dequantize + FlashAttention-2 path for queries like ``q``:
-    CUDA, fp16/bf16, a power-of-two head dim of 16 to 256 (the dequantize kernel's and the flash
-    kernel's), FlashAttention-2 available and switched on."""
+    """Whether :func:`attend` runs :func:`split_flash` for queries like ``q``: CUDA, fp16/bf16, a
+    power-of-two head dim of 16 to 256 (the dequantize kernels' and FlashAttention-2's),
+    FlashAttention-2 available and switched on (it runs the window + chunk, and the prefix of
+    padded rows)."""
     d = q.shape[-1]
     return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and 16 <= d <= 256
             and d & (d - 1) == 0 and flash_serves(q.device))
