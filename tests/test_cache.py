@@ -377,6 +377,7 @@ def test_cache_refuses_a_simulating_model(tiny_model):
     from vecinfer_compile import disable_simulation, enable_simulation, simulation
 
     cb = random_codebooks(tiny_model.config)
+    before = tiny_model.config._attn_implementation  # sdpa, or vecinfer_sdpa once a cache switched it
     enable_simulation(tiny_model, "vecinfer", bits=2, codebooks=cb)
     try:
         with pytest.raises(ValueError, match="disable_simulation"):
@@ -384,8 +385,8 @@ def test_cache_refuses_a_simulating_model(tiny_model):
     finally:
         disable_simulation(tiny_model)
     with simulation(tiny_model, "vecinfer", bits=2, codebooks=cb):
-        assert tiny_model.config._attn_implementation != "sdpa"
-    assert tiny_model.config._attn_implementation == "sdpa"
+        assert tiny_model.config._attn_implementation == "vecinfer"
+    assert tiny_model.config._attn_implementation == before
     VecInferCache(tiny_model, cb, max_cache_len=24)  # simulation is off again
 
 
