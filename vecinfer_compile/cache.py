@@ -352,10 +352,6 @@ class VecInferLayer(CacheLayerMixin):
         pos = (held + torch.arange(k.shape[2], device=k.device)).clamp(max=length - 1)
         return rk.index_copy(2, pos, k), rv.index_copy(2, pos, v)
 
-    def _valid_length(self) -> int:
-        """Tokens held, as a Python int (a host sync: eager only)."""
-        return int(self.n_coded) + int(self.n_window)
-
     def attend(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
         """Decode attention of one query token over this layer's codes and window:
         ``vecinfer::decode_attention`` (the compiled decode step's op). ``q: [B, Hq, 1, D]`` in the

@@ -17,7 +17,7 @@ of :mod:`.ops.decode_inputs`), the op the compiled decode step runs (a mask that
 left padding over the valid slots gets SDPA over the dequantized cache instead); for a chunk of several,
 :meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>` attends by the
 rule of :mod:`.ops.chunk_attention` (the coded prefix and the full-precision window and chunk, merged
-by log-sum-exp; on CUDA a few rows of the prefix at a time into FlashAttention-2). Every other call (the prefill of an empty
+by log-sum-exp; on CUDA the prefix a few rows at a time into cuDNN or FlashAttention-2). Every other call (the prefill of an empty
 cache, other caches, anything traced by Dynamo) goes to ``sdpa_attention_forward`` unchanged, so a
 model on this implementation compiles to the same graph. Whatever else receives a codes read
 computes NaN, never plausible numbers.
