@@ -78,6 +78,15 @@ from the measured rates, with ours' job throughput over each baseline's:
     python benchmarks/bench_generate.py --isolate --in-run-only --job 224 --job-batch fp16=28,ours=200 \
         --cases 1x32768 --prefill-chunk ours=128,fp16=1024 --new-tokens 64
 
+``--prefill-rows G`` prefills G rows at a time (``cache.filling_rows``: the rows' slice of the
+batch's own buffers) and then decodes the whole batch, as a serving engine prefills few and
+decodes many: the prefill's activations are sized for G rows, so ours can prefill its largest
+batch in long chunks (a 128-token chunk re-reads the coded prefix 32x as often as a 4096-token one).
+Per method, the same for both here:
+
+    python benchmarks/bench_generate.py --isolate --in-run-only --job 224 --job-batch fp16=28,ours=224 \
+        --cases 1x32768 --prefill-chunk 4096 --prefill-rows 4 --new-tokens 64
+
 ``--geometry 70b --layers 8`` picks Llama-3.1-70B's geometry with 8 decoder layers (the default
 is the 8B geometry, all 32 layers).
 
@@ -115,7 +124,8 @@ from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCrite
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attention, use_valid_length_attention
 from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
-from vecinfer_compile.tensor_parallel import total_kv_bytes  # noqa: E402
+from vecinfer_compile.codebooks import model_geometry  # noqa: E402
+from vecinfer_compile.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 
 METHODS = ("ours", "fp16", "static", "dynamic")
 LABELS = {"ours": "ours (VecInferCache, compiled)", "fp16": "full precision, valid-length flash, compiled",
@@ -152,12 +162,18 @@ class Runner:
     ``prefill_chunk``: the prompt goes through the model in eager chunks of this many tokens
     before ``generate`` (0: ``generate`` prefills the whole prompt at once). For ours a chunk
     appended to a non-empty VecInferCache reads the older tokens from codes, so the prompt's
-    numerics differ from a one-shot prefill; the decode step that is timed is the same."""
+    numerics differ from a one-shot prefill; the decode step that is timed is the same.
+    ``prefill_rows``: the prompt is prefilled that many rows at a time (``cache.filling_rows``), in
+    chunks of ``prefill_chunk`` (0: all but the last token at once), before ``generate`` decodes
+    the whole batch: a serving engine's small-batch prefill, large-batch decode."""
 
     def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual, prefill_chunk: int = 0,
-                 synthetic_prefill: int = 0):
+                 synthetic_prefill: int = 0, prefill_rows: int = 0):
         self.method, self.model, self.setup = method, model, setup
         self.prefill_chunk, self.synthetic_prefill = prefill_chunk, synthetic_prefill
+        self.prefill_rows = prefill_rows if 0 < prefill_rows < batch else 0
+        if self.prefill_rows and (synthetic_prefill or method not in ("ours", "fp16")):
+            raise ValueError("--prefill-rows fills the caches of ours and fp16 only, and not with --synthetic-prefill")
         self.prefill_s = None  # the last generate()'s chunked (or synthetic) prefill, seconds
         self.chunk_profiler = None  # when set, the next chunked prefill records its last chunk in it
         if synthetic_prefill and method not in ("ours", "fp16"):
@@ -175,6 +191,10 @@ class Runner:
             self.cache = ValidLengthCache(model.config, max_cache_len)
             self.compile_config = CompileConfig(fullgraph=True)
             self.previous_attention = use_valid_length_attention(model)
+            if self.prefill_rows:  # row views need the buffers before the first update
+                g = model_geometry(model.config)
+                _, heads = local_kv_heads(model_shard(model), g["num_kv_heads"])  # this rank's, under TP
+                self.cache.allocate(batch, heads, g["head_dim"], model.dtype, model.device)
         elif method == "static":
             self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
             self.compile_config = CompileConfig()  # HF's default: inductor, reduce-overhead
@@ -202,6 +222,10 @@ class Runner:
         self.prefill_s = None
         if self.synthetic_prefill and ids.shape[1] > self.synthetic_prefill + 1:
             synthetic_prefill(self.model, ids, cache, self.synthetic_prefill, self.prefill_chunk or self.synthetic_prefill)
+            C.sync(self.setup.device)
+            self.prefill_s = time.perf_counter() - t0
+        elif self.prefill_rows:
+            prefill_by_rows(self.model, ids, cache, self.prefill_rows, self.prefill_chunk, self.chunk_profiler)
             C.sync(self.setup.device)
             self.prefill_s = time.perf_counter() - t0
         elif self.prefill_chunk and ids.shape[1] > self.prefill_chunk:
@@ -245,6 +269,19 @@ def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int, last_chunk_pr
         if record:
             C.sync(ids.device)
             last_chunk_profiler.stop()
+
+
+@torch.no_grad()
+def prefill_by_rows(model, ids: torch.Tensor, cache, rows: int, chunk: int, last_chunk_profiler=None) -> None:
+    """All but the last of ``ids: [B, T]`` into ``cache``, ``rows`` rows at a time
+    (``cache.filling_rows``: each group's forwards are ``rows`` wide), each group in chunks of
+    ``chunk`` tokens (0: one forward). ``last_chunk_profiler`` records the last group's last chunk."""
+    batch, length = ids.shape
+    for start in range(0, batch, rows):
+        stop = min(start + rows, batch)
+        with cache.filling_rows(start, stop) as part:
+            prefill_in_chunks(model, ids[start:stop], part, chunk or length,
+                              last_chunk_profiler if stop == batch else None)
 
 
 @torch.no_grad()
@@ -379,13 +416,15 @@ def kv_bytes_per_rank(cache) -> list[int]:
 
 def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
                profile_steps: int = 0, prefill_chunk: int = 0, in_run_only: bool = False,
-               synthetic: int = 0) -> dict:
+               synthetic: int = 0, prefill_rows: int = 0) -> dict:
     dev = setup.device
     row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens}
     if prefill_chunk:
         row["prefill_chunk"] = prefill_chunk
     if synthetic:
         row["synthetic_prefill"] = synthetic
+    if 0 < prefill_rows < batch:
+        row["prefill_rows"] = prefill_rows
     if in_run_only:
         row["in_run_only"] = True
     reset_compiled(model)
@@ -393,7 +432,8 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
     gen = torch.Generator(device=dev).manual_seed(length * 131 + batch)
     ids = torch.randint(3, vocab, (batch, length), device=dev, generator=gen)
     cache_len = length + max(new_tokens, profile_steps + 3)  # the profiled run makes steps + 3 tokens
-    runner = Runner(method, model, setup, codebooks, batch, cache_len, residual, prefill_chunk, synthetic)
+    runner = Runner(method, model, setup, codebooks, batch, cache_len, residual, prefill_chunk, synthetic,
+                    prefill_rows)
     try:
         graphs_before = _compiled_graphs()
         t0 = time.perf_counter()
@@ -548,7 +588,8 @@ def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> l
     """The options a child process of ``--isolate`` needs to measure the same thing."""
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
            "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry,
-           "--prefill-chunk", str(args.prefill_chunk), "--synthetic-prefill", str(args.synthetic_prefill)]
+           "--prefill-chunk", str(args.prefill_chunk), "--synthetic-prefill", str(args.synthetic_prefill),
+           "--prefill-rows", str(args.prefill_rows)]
     if args.in_run_only:
         out.append("--in-run-only")
     if args.layers:
@@ -589,6 +630,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prefill-chunk", default="0", metavar="N",
                     help="every method prefills in eager chunks of N tokens before generate() (default 0: "
                          "at once); or per method, e.g. ours=128,fp16=1024")
+    ap.add_argument("--prefill-rows", default="0", metavar="G",
+                    help="ours and fp16: prefill G rows at a time (chunked by --prefill-chunk), then decode the "
+                         "whole batch; or per method, e.g. ours=8,fp16=8 (default 0: every row at once)")
     ap.add_argument("--synthetic-prefill", type=int, default=0, metavar="N",
                     help="ours and fp16: N real prompt tokens, then the cache set to hold the rest with random "
                          "content (for the largest batches; the decode step's work is the same)")
@@ -632,6 +676,7 @@ def main(argv=None) -> list[dict]:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}: pick from {', '.join(METHODS)}")
     chunks = per_method(args.prefill_chunk, methods, "--prefill-chunk")
+    row_groups = per_method(args.prefill_rows, methods, "--prefill-rows")
     runs = [(b, t, m) for b, t in cases for m in methods]
     if args.job:
         if not args.job_batch or len({t for _, t in cases}) != 1:
@@ -664,9 +709,11 @@ def main(argv=None) -> list[dict]:
           f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
           f"tok/s = B / (mean decode step), steps timed by CUDA events (host stamps on the CPU); "
           f"prefill s = time to first token of the N run (* chunked: prefill chunks "
-          f"{', '.join(f'{m} {c}' for m, c in chunks.items() if c) or 'none'}); cross-checks: in-run = host "
-          f"stamps after a sync per step, by subtraction = B*(N-1)/(t(N)-t(1)) (two prefills' noise in it); "
-          f"warm-up s includes compilation; peak = max allocated incl. weights"
+          f"{', '.join(f'{m} {c}' for m, c in chunks.items() if c) or 'none'}"
+          + "".join(f", {m} {g} rows at a time" for m, g in row_groups.items() if g)
+          + "); cross-checks: in-run = host "
+          "stamps after a sync per step, by subtraction = B*(N-1)/(t(N)-t(1)) (two prefills' noise in it); "
+          "warm-up s includes compilation; peak = max allocated incl. weights"
           + (f"; SYNTHETIC prefill: {args.synthetic_prefill} real tokens, the rest random cache content"
              if args.synthetic_prefill else "")
           + ("; KV/GPU = rank 0's cache bytes, KV total = all ranks'" if tp else ""))
@@ -682,7 +729,7 @@ def main(argv=None) -> list[dict]:
             try:
                 row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
                                  warmup_len, args.profile, chunks[method], args.in_run_only,
-                                 args.synthetic_prefill)
+                                 args.synthetic_prefill, row_groups[method])
             except Exception as exc:  # OOM, compile failure...: report and go on
                 row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
                 del exc

@@ -29,6 +29,9 @@ layers allocate their buffers from the first key states they see (the rank's KV 
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -107,7 +110,9 @@ class ValidLengthLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         b, h, _, d = key_states.shape
-        dev, dt = key_states.device, key_states.dtype
+        self.allocate(b, h, d, key_states.dtype, key_states.device)
+
+    def allocate(self, b: int, h: int, d: int, dt: torch.dtype, dev: torch.device) -> None:
         self.k_store = torch.zeros(b, self.max_cache_len, h, d, dtype=dt, device=dev)
         self.v_store = torch.zeros(b, self.max_cache_len, h, d, dtype=dt, device=dev)
         self.length = torch.zeros((), dtype=torch.int64, device=dev)
@@ -124,6 +129,13 @@ class ValidLengthLayer(CacheLayerMixin):
         self.v_store.index_copy_(1, pos, value_states.transpose(1, 2))
         self.length.add_(key_states.shape[2])
         return self.k_store, self.v_store
+
+    def row_view(self, start: int, stop: int) -> "ValidLengthLayer":
+        """An empty layer over rows ``[start, stop)`` of the buffers, with a length of its own."""
+        part = copy.copy(self)
+        part.k_store, part.v_store = self.k_store[start:stop], self.v_store[start:stop]
+        part.length = torch.zeros_like(self.length)
+        return part
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -159,6 +171,21 @@ class ValidLengthCache(Cache):
     @property
     def device(self) -> torch.device:
         return self.layers[0].device
+
+    def allocate(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """The buffers up front (for :meth:`filling_rows`), as the first update would."""
+        for layer in self.layers:
+            layer.allocate(batch, num_kv_heads, head_dim, dtype, torch.device(device))
+
+    @contextlib.contextmanager
+    def filling_rows(self, start: int, stop: int):
+        """Rows ``[start, stop)`` as a cache of their own (same storage), as
+        ``VecInferCache.filling_rows``: the cache takes their length on exit."""
+        part = copy.copy(self)
+        part.layers = [layer.row_view(start, stop) for layer in self.layers]
+        yield part
+        for layer, filled in zip(self.layers, part.layers):
+            layer.length.copy_(filled.length)
 
     def kv_bytes(self) -> int:
         """Bytes of the K/V buffers on this device (this rank's heads under tensor parallelism)."""

@@ -196,6 +196,34 @@ def test_bench_generate_chunked_prefill_gives_the_same_tokens(method):
     assert torch.equal(outs[0], outs[7])
 
 
+@pytest.mark.parametrize("method", ["fp16", "ours"])
+def test_bench_generate_prefill_by_rows_gives_the_same_tokens(method):
+    """--prefill-rows 1: each row's prompt prefilled on its own (filling_rows, 7-token chunks),
+    then the batch decoded together, gives the tokens of the whole-batch chunked prefill, with
+    twice the prefill forwards (2 rows x 5 chunks)."""
+    mod = load_script("generate", benchmarks_dir())
+    setup = mod.C.bench_setup(True)
+    model = mod.C.build_model(setup)
+    codebooks = mod.C.random_codebooks(setup.config, 2.0) if method == "ours" else None
+    ids = torch.randint(3, setup.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    outs = {}
+    try:
+        for rows in (0, 1):
+            calls.clear()
+            runner = mod.Runner(method, model, setup, codebooks, 2, 40, 8, prefill_chunk=7, prefill_rows=rows)
+            runner.compile_config = None
+            try:
+                outs[rows] = runner.generate(ids, 4)[2]
+            finally:
+                runner.close()
+            assert len(calls) == 4 + (10 if rows else 5), (rows, len(calls))
+    finally:
+        hook.remove()
+    assert torch.equal(outs[0], outs[1])
+
+
 def _eager_ours_runner(mod):
     """An eager (uncompiled) ``ours`` Runner of bench_generate on the smoke model, 7-token prefill
     chunks, batch 2, 40 slots; and a 30-token prompt for it."""
@@ -310,7 +338,6 @@ def test_gpu_suite_test_groups_cover_every_cuda_test_file():
     """benchmarks/run_gpu_suite.sh runs the `cuda` tests by named groups of files: every test file
     with a cuda-marked test is in one group (a new file must be added there to run on the GPU)."""
     import re
-    from pathlib import Path
 
     root = benchmarks_dir().parent
     script = (benchmarks_dir() / "run_gpu_suite.sh").read_text()

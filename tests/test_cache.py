@@ -399,3 +399,54 @@ def test_generate_keyword_is_not_deprecated(tiny_model):
         warnings.filterwarnings("error", message=".*past_key_values.*deprecated.*")
         tiny_model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=2,
                             do_sample=False, pad_token_id=0)
+
+
+def _prefill(model, ids, cache, chunk):
+    """All of ``ids`` into ``cache`` in chunks of ``chunk`` tokens (positions from 0)."""
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            end = min(start + chunk, ids.shape[1])
+            pos = torch.arange(start, end)
+            model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]),
+                  **cache_kwargs(cache), position_ids=pos[None].expand(ids.shape[0], -1), cache_position=pos)
+
+
+def test_filling_rows_equals_filling_the_batch(tiny_model):
+    """Rows prefilled a group at a time (filling_rows) leave the same codes, window and counters
+    as the whole batch prefilled at once, and generate() then gives the same tokens."""
+    ids = torch.randint(3, 128, (5, 13), generator=torch.Generator().manual_seed(4))
+    cb = random_codebooks(tiny_model.config)
+    whole = VecInferCache(tiny_model, cb, batch_size=5, max_cache_len=24, residual=3)
+    grouped = VecInferCache(tiny_model, cb, batch_size=5, max_cache_len=24, residual=3)
+    _prefill(tiny_model, ids[:, :-1], whole, chunk=5)
+    for start, stop in ((0, 2), (2, 4), (4, 5)):
+        with grouped.filling_rows(start, stop) as part:
+            _prefill(tiny_model, ids[start:stop, :-1], part, chunk=5)
+    for a, b in zip(whole.layers, grouped.layers):  # (a batch of 2 rows rounds its matmuls unlike 5)
+        for name in ("k_codes", "v_codes", "n_coded", "n_window"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        for name in ("k_window", "v_window"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
+    assert (int(grouped.layers[0].n_coded), int(grouped.layers[0].n_window)) == (9, 3)
+    mask = torch.ones_like(ids)
+    out_whole = generate(tiny_model, ids, mask, whole, max_new_tokens=4, do_sample=False)
+    out_grouped = generate(tiny_model, ids, mask, grouped, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out_whole, out_grouped)
+
+
+def test_filling_rows_refuses_groups_of_different_lengths(tiny_model):
+    ids = torch.randint(3, 128, (4, 9), generator=torch.Generator().manual_seed(5))
+    cache = VecInferCache(tiny_model, random_codebooks(tiny_model.config), batch_size=4, max_cache_len=16,
+                          residual=3)
+    with cache.filling_rows(0, 2) as part:
+        _prefill(tiny_model, ids[:2], part, chunk=4)
+    with pytest.raises(ValueError, match="fill every row group to the same length"):
+        with cache.filling_rows(2, 4) as part:
+            _prefill(tiny_model, ids[2:, :7], part, chunk=4)
+    with pytest.raises(ValueError, match="not inside the cache's 4 rows"):
+        with cache.filling_rows(3, 5):
+            pass
+    lazy = VecInferCache(tiny_model, random_codebooks(tiny_model.config), max_cache_len=16)
+    with pytest.raises(RuntimeError, match="build it with batch_size="):
+        with lazy.filling_rows(0, 1):
+            pass

@@ -16,6 +16,8 @@ semantics as a mask (used by the eager simulate path), and
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import logging
 
@@ -515,6 +517,33 @@ class VecInferLayer(CacheLayerMixin):
         for t in (self.k_codes, self.v_codes, self.k_window, self.v_window):
             t.copy_(t.index_select(0, idx))
 
+    def row_view(self, start: int, stop: int) -> "VecInferLayer":
+        """An empty layer over rows ``[start, stop)`` of this one's buffers (views: what it
+        stores lands here) with counters of its own; :meth:`VecInferCache.filling_rows` uses it."""
+        part = copy.copy(self)
+        part.batch_size = stop - start
+        for name in ("k_codes", "v_codes", "k_window", "v_window"):
+            setattr(part, name, getattr(self, name)[start:stop])
+        part.n_coded, part.n_window = torch.zeros_like(self.n_coded), torch.zeros_like(self.n_window)
+        part.append_arrivals = torch.zeros_like(self.append_arrivals)
+        part._empty = True
+        return part
+
+    def take_length(self, part: "VecInferLayer", rows: str) -> None:
+        """Adopt the counters of ``part`` (a filled :meth:`row_view`): the first group filled sets
+        them, every later one must end at the same length."""
+        got = (int(part.n_coded), int(part.n_window))
+        if self._empty:
+            self.n_coded.copy_(part.n_coded)
+            self.n_window.copy_(part.n_window)
+            self._empty = part._empty
+        elif got != (int(self.n_coded), int(self.n_window)):
+            raise ValueError(
+                f"VecInferCache layer {self.layer_idx}: rows {rows} hold {sum(got)} tokens but the rows filled "
+                f"before hold {int(self.n_coded) + int(self.n_window)}: fill every row group to the same length "
+                "(one length per cache; left-pad shorter prompts)"
+            )
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("VecInferCache has a fixed batch size: build it with the expanded batch_size")
 
@@ -686,6 +715,26 @@ class VecInferCache(Cache):
         self.residual, self.dtype, self.device = residual, dtype, _indexed(device)
         if isinstance(model_or_config, torch.nn.Module):
             eager_decode.use_codes_attention(model_or_config)
+
+    @contextlib.contextmanager
+    def filling_rows(self, start: int, stop: int):
+        """Prefill rows ``[start, stop)`` of this cache on their own: yields a cache over those
+        rows (the same storage, so nothing is copied) that a prefill fills like any empty cache,
+        e.g. ``model(ids[start:stop], past_key_values=part, ...)`` in chunks. So a batch whose
+        decode fits in memory is filled a few rows at a time, with each forward's activations
+        sized for those rows instead of the whole batch. On exit the cache takes the rows'
+        length; every group must end at the same length, and the cache must be empty before the
+        first (``reset()`` it). Needs ``batch_size=`` at construction (the buffers exist)."""
+        if not all(layer.is_initialized for layer in self.layers):
+            raise RuntimeError("filling_rows needs the cache's buffers: build it with batch_size=")
+        batch = self.layers[0].batch_size
+        if not 0 <= start < stop <= batch:
+            raise ValueError(f"rows [{start}, {stop}) are not inside the cache's {batch} rows")
+        part = copy.copy(self)
+        part.layers = [layer.row_view(start, stop) for layer in self.layers]
+        yield part
+        for layer, filled in zip(self.layers, part.layers):
+            layer.take_length(filled, f"[{start}, {stop})")
 
     def kv_bytes(self) -> int:
         """Bytes of everything the cache holds on its device (shared tensors counted once); under
