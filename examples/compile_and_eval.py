@@ -14,7 +14,7 @@ from importlib.resources import files
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vecinfer_compile import vecinfer_backend
+from vecinfer_compile import load_codebooks, vecinfer_backend
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 data = files("vecinfer_compile") / "data"
@@ -30,6 +30,9 @@ else:  # the shipped codebooks are the tiny model's: fit from the first call ins
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 ids = tok((data / "sample_public_domain.txt").read_text()[:4000], return_tensors="pt").input_ids[:, :512]
+if codebooks is not None:  # the backend sees graphs, not the model: check the file against it here
+    codebooks = load_codebooks(codebooks)
+    codebooks.check_weights(model)  # one warning if they were calibrated for another model
 
 with torch.no_grad():
     fp = model(input_ids=ids, labels=ids).loss.item()

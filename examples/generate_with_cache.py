@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vecinfer_compile as vc
+from vecinfer_compile.evaluation.kv_bytes import cache_bytes
 
 data = files("vecinfer_compile") / "data"
 model_dir = sys.argv[1] if len(sys.argv) > 1 else str(data / "tiny")
@@ -27,4 +28,7 @@ cache = vc.VecInferCache(model, cb, max_cache_len=ids.shape[1] + 48, residual=16
 # cache= on transformers >= 5.24 (past_key_values= before): cache_kwargs picks the keyword
 out = model.generate(ids, **vc.cache_kwargs(cache), max_new_tokens=48, do_sample=False)
 print(tok.decode(out[0]))
-print(f"cache holds {cache.kv_bytes():,} bytes; FP16 would hold {cache.fp_kv_bytes():,}")
+held = cache_bytes(cache)  # fixed state apart from what grows with tokens
+print(f"cache holds {cache.kv_bytes():,} bytes: {held.fixed:,} fixed (float32 codebooks and key transform, "
+      f"the same at any length) + {held.codes + held.window:,} of codes and window; a full-precision "
+      f"cache would hold {cache.fp_kv_bytes():,}")

@@ -96,6 +96,7 @@ def main(argv=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
     codebooks = vc.load_codebooks(args.codebooks)
+    codebooks.check_weights(model)  # one warning if they were calibrated for another model
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:

@@ -8,7 +8,8 @@ holds its own KV heads in the compressed cache, and runs the decode step compile
 ``vecinfer_backend``. N must divide the model's KV-head count. The codebook file is the one
 ``vecinfer calibrate`` wrote on one device: it is the same with or without TP. Rank 0 prints the
 generated token ids and the cache bytes (this rank's and, by an all-reduce, all ranks'); with
-``--json`` one JSON object: ``tokens``, ``kv_bytes_rank``, ``kv_bytes_total``, ``world_size``,
+``--json`` one JSON object: ``tokens``, ``kv_bytes_rank``, ``kv_fixed_bytes_rank`` (its codebooks
+and key-transform state: the same at any length), ``kv_bytes_total``, ``world_size``,
 ``decode_rewrites`` (attention calls the backend moved onto the codes).
 """
 
@@ -23,6 +24,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 
 import vecinfer_compile as vc
+from vecinfer_compile.evaluation.kv_bytes import cache_bytes
 
 PROMPT = "It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith,"
 
@@ -71,6 +73,7 @@ def main() -> None:
         report = {
             "tokens": tokens,
             "kv_bytes_rank": cache.kv_bytes(),
+            "kv_fixed_bytes_rank": cache_bytes(cache).fixed,
             "kv_bytes_total": total,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "decode_rewrites": counters["vecinfer"]["cache_decode_rewrites"],
@@ -79,8 +82,8 @@ def main() -> None:
             print(json.dumps(report))
         else:
             print("tokens:", tokens)
-            print(f"cache: {report['kv_bytes_rank']:,} bytes on rank 0, {total:,} on all "
-                  f"{report['world_size']} ranks")
+            print(f"cache: {report['kv_bytes_rank']:,} bytes on rank 0 ({report['kv_fixed_bytes_rank']:,} of "
+                  f"them fixed: codebooks and key transform, float32), {total:,} on all {report['world_size']} ranks")
     if dist.is_initialized():
         dist.destroy_process_group()
 

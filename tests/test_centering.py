@@ -108,12 +108,21 @@ def test_round_trip_keeps_the_mean(tmp_path, method):
     for a, b in zip(cb.layers, back.layers):
         assert b.transform.mean.shape == (2, 16) and torch.equal(a.transform.mean, b.transform.mean)
     uncentred = random_codebooks(CONFIG, 2.0, UNCENTRED[method])
-    assert cb.nbytes() - uncentred.nbytes() == 2 * 2 * 2 * 16  # fp16 [L, H_kv, D]
+    assert cb.nbytes() - uncentred.nbytes() == 4 * 2 * 2 * 16  # float32 [L, H_kv, D]
 
 
 @pytest.mark.parametrize("method", sorted(VQ_METHODS))
-def test_kv_bytes_fixed_cost_counts_what_the_codebooks_hold(method):
-    assert kv_bytes(method, 2, CONFIG).fixed_bytes == random_codebooks(CONFIG, 2.0, method).nbytes()
+def test_kv_bytes_fixed_cost_is_what_the_cache_holds(method):
+    """The accounting's fixed bytes are the float32 state a real cache holds (the codebooks' own
+    bytes plus the cache's rotation where it keeps one), for every method."""
+    from vecinfer_compile.cache import VecInferCache
+    from vecinfer_compile.evaluation.kv_bytes import cache_bytes
+
+    cb = random_codebooks(CONFIG, 2.0, method)
+    held = cache_bytes(VecInferCache(CONFIG, cb, batch_size=2, max_cache_len=8, residual=2))
+    assert kv_bytes(method, 2, CONFIG).fixed_bytes == held.fixed
+    rotation = 4 * 16 * 16 if VQ_METHODS[method].rotate and not VQ_METHODS[method].query_aware else 0
+    assert held.fixed == cb.nbytes() + rotation
 
 
 @pytest.mark.parametrize("method", CENTRED)

@@ -1,6 +1,8 @@
 """Calibration artifact: round trip, metadata, and every mismatch error."""
 
+import copy
 import json
+import logging
 import os
 import stat
 
@@ -145,3 +147,180 @@ def test_saved_file_honours_the_umask_and_repr_is_one_line(tmp_path):
     text = repr(cb)
     assert "\n" not in text and len(text) < 200
     assert text.startswith("VecInferCodebooks(method='vecinfer', bits=2, layers=3, kv_heads=2, head_dim=16")
+
+
+# -- the weights they were calibrated on (issue 28, item 5) ------------------------------------------
+CODEBOOKS_LOG = "vecinfer_compile.codebooks"
+
+
+@pytest.fixture(scope="module")
+def calibrated(shared_tiny_dir, tmp_path_factory):
+    """``(model, path)``: the shared tiny model (float32) and 2-bit codebooks calibrated on it."""
+    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.models import default_text_path, load_model
+
+    model, tokenizer = load_model(shared_tiny_dir, "float32", "cpu")
+    cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=256, seq_len=128,
+                   iters=1, progress=False)
+    return model, cb.save(tmp_path_factory.mktemp("calibrated") / "tiny-2bit.safetensors")
+
+
+@pytest.fixture(scope="module")
+def other_tiny(shared_tiny_dir, tmp_path_factory) -> str:
+    """A model directory of the tiny model's geometry with other (random) weights and its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("other") / "other-tiny"
+    LlamaForCausalLM(AutoConfig.from_pretrained(shared_tiny_dir)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(shared_tiny_dir).save_pretrained(path)
+    return str(path)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == CODEBOOKS_LOG and r.levelno >= logging.WARNING]
+
+
+def test_calibration_records_a_weight_fingerprint_its_model_matches_in_any_dtype(calibrated, shared_tiny_dir,
+                                                                                 caplog):
+    from vecinfer_compile.models import load_model
+
+    model, path = calibrated
+    cb = load_codebooks(path)
+    fingerprint = cb.metadata["weight_fingerprint"]
+    assert fingerprint["version"] == 1 and sorted(fingerprint["sketches"]) == sorted(
+        f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 3) for p in "qkv")
+    assert cb.metadata["model_name"] == str(shared_tiny_dir)
+    assert cb.check_weights(model) is True
+    assert cb.check_weights(load_model(shared_tiny_dir, "bfloat16", "cpu")[0]) is True
+    assert cb.check_weights(torch.compile(model)) is True  # parameters named "_orig_mod.model.layers..."
+    assert not _warnings(caplog)
+
+
+def test_codebooks_of_another_model_of_the_same_shape_warn_once(calibrated, other_tiny, shared_tiny_dir, caplog):
+    """The trap: the shape check passes, so they were used silently (perplexity 534 instead of 339)."""
+    from vecinfer_compile.models import load_model
+
+    cb = load_codebooks(calibrated[1])
+    other = load_model(other_tiny, "float32", "cpu")[0]
+    cb.check_model(other.config)  # same geometry: the shape check cannot tell
+    assert cb.check_weights(other) is False
+    assert cb.check_weights(other) is False
+    (message,) = _warnings(caplog)  # once per codebooks object
+    assert f"calibrated for '{shared_tiny_dir}' but are used with '{other_tiny}'" in message
+    assert f"vecinfer calibrate --model {other_tiny} --text CALIBRATION.txt --bits 2 --method vecinfer" in message
+
+
+def test_rescaled_key_channels_are_another_model(calibrated):
+    """``evalmodel-outliers``' construction (key channels scaled, queries divided back: the same
+    function, other keys to quantize) is caught too."""
+    model, path = calibrated
+    outliers = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in outliers.model.layers:
+            for proj, factor in ((layer.self_attn.k_proj, 8.0), (layer.self_attn.q_proj, 1 / 8.0)):
+                rows = proj.weight.view(-1, 64, proj.weight.shape[-1])  # [heads, head_dim, hidden]
+                rows[:, [3, 35, 10, 42]] *= factor  # two RoPE channel pairs per head
+    assert load_codebooks(path).check_weights(outliers) is False
+
+
+def test_files_without_a_fingerprint_still_work_without_a_warning(tiny_model, caplog):
+    """The shipped codebooks (and every file written before the fingerprint) load and pass, with
+    one info line."""
+    from vecinfer_compile.models import default_model_dir
+
+    caplog.set_level(logging.INFO, logger=CODEBOOKS_LOG)
+    cb = load_codebooks(default_model_dir().parent / "tiny_codebooks" / "vecinfer-2bit.safetensors")
+    assert "weight_fingerprint" not in cb.metadata
+    assert cb.check_weights(tiny_model[0]) is None and cb.check_weights(tiny_model[0]) is None
+    notes = [r for r in caplog.records if r.name == CODEBOOKS_LOG]
+    assert len(notes) == 1 and notes[0].levelno == logging.INFO and "no weight fingerprint" in notes[0].getMessage()
+
+
+def test_a_backend_checks_the_weights_among_its_graph_inputs(calibrated, other_tiny, caplog):
+    """What a torch.compile backend can call: it sees graphs, not the model."""
+    from vecinfer_compile.models import load_model
+
+    model, path = calibrated
+    verdicts = []
+    cb = load_codebooks(path)
+
+    def backend(gm, example_inputs, **_):
+        verdicts.append(cb.check_graph_weights(gm, example_inputs))
+        return gm
+
+    ids = torch.tensor([[1, 2, 3]])
+    for m in (model, load_model(other_tiny, "float32", "cpu")[0]):
+        torch._dynamo.reset()
+        torch.compile(m, backend=backend, fullgraph=True)(ids)
+    torch._dynamo.reset()
+    assert verdicts == [True, False]
+    (message,) = _warnings(caplog)
+    assert "used with the compiled model" in message and "--model MODEL_DIR" in message
+
+
+def test_fingerprinted_weights_are_the_first_and_last_layers_under_any_wrapper():
+    from vecinfer_compile.weight_fingerprint import attention_weights
+
+    w = torch.zeros(2, 2)
+    names = [f"base_model.model.model.layers.{i}.self_attn.{p}.base_layer.weight" for i in range(3)
+             for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += ["model.vision.blocks.0.attn.qkv_proj.weight", "model.vision.blocks.5.attn.qkv_proj.weight",
+              "model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"]
+    picked = attention_weights((n, w) for n in names)
+    assert sorted(picked) == sorted(
+        [f"base_model.model.model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 2) for p in "qkv"]
+        + ["model.vision.blocks.0.attn.qkv_proj.weight", "model.vision.blocks.5.attn.qkv_proj.weight"])
+
+
+def test_malformed_weight_fingerprint_is_a_corrupt_file(tmp_path):
+    from safetensors import safe_open
+
+    path = make_codebooks(CONFIG).save(tmp_path / "cb.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["vecinfer"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta["weight_fingerprint"] = {"version": 1, "sketches": {"model.layers.0.self_attn.k_proj.weight": [1.0]}}
+    save_file(tensors, str(path), metadata={"vecinfer": json.dumps(meta)})
+    with pytest.raises(ValueError, match="weight_fingerprint is malformed.*vecinfer calibrate"):
+        load_codebooks(path)
+
+
+def test_check_weights_needs_the_model_not_its_config():
+    with pytest.raises(TypeError, match="needs the model itself.*not a LlamaConfig"):
+        make_codebooks(CONFIG).check_weights(CONFIG)
+
+
+def test_the_command_line_warns_when_codebooks_belong_to_another_model(calibrated, other_tiny, caplog):
+    from vecinfer_compile.cli import main
+    from vecinfer_compile.models import default_text_path
+
+    assert main(["eval-ppl", "--model", other_tiny, "--text", str(default_text_path()), "--method", "vecinfer",
+                 "--codebooks", str(calibrated[1]), "--windows", "1", "--window-len", "32", "--no-progress"]) == 0
+    (message,) = _warnings(caplog)
+    assert f"used with '{other_tiny}'" in message
+
+
+@pytest.mark.parametrize("entry", ["cache", "simulation", "backend"])
+def test_every_entry_point_warns_about_another_models_codebooks(calibrated, other_tiny, caplog, entry):
+    """VecInferCache(model, ...), simulation and the compiled backend check the weights they are
+    given codebooks for (the cache/simulate/backend half of the trap)."""
+    import vecinfer_compile as vc
+    from vecinfer_compile.cache import VecInferCache
+    from vecinfer_compile.models import load_model
+
+    other = load_model(other_tiny, "float32", "cpu")[0]
+    cb = load_codebooks(calibrated[1])
+    if entry == "cache":
+        VecInferCache(other, cb, max_cache_len=8)
+    elif entry == "simulation":
+        with vc.simulation(other, method="vecinfer", bits=cb.bits, codebooks=cb):
+            pass
+    else:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(other, backend=vc.vecinfer_backend.configure(codebooks=cb), fullgraph=True)(
+                torch.tensor([[1, 2, 3]]))
+        torch._dynamo.reset()
+    (message,) = _warnings(caplog)
+    assert "vecinfer calibrate" in message

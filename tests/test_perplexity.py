@@ -73,10 +73,11 @@ def test_kv_bytes_vq_presets_tiny_geometry():
     b2 = kv_bytes("vecinfer", 2, TINY)
     assert (b2.nominal_bits, b2.physical_bits_per_element) == (2.0, 2.0)
     assert b2.bytes_per_token == 2 * elems / 4 == 256
-    # codebooks 4 layers x 256 x 4 fp16 for K and V, lam 4 x 2 x 64 fp16
-    assert b2.fixed_bytes == 2 * 4 * 256 * 4 * 2 + 4 * 2 * 64 * 2 == 17408
-    # plain VQ: no smoothing factors
-    assert kv_bytes("vq", 2, TINY).fixed_bytes == 16384
+    # float32, as the cache holds them: codebooks 4 layers x 256 x 4 for K and V, lam 4 x 2 x 64,
+    # one 64 x 64 rotation
+    assert b2.fixed_bytes == 4 * (2 * 4 * 256 * 4 + 4 * 2 * 64 + 64 * 64) == 51200
+    # plain VQ: no smoothing factors, no rotation
+    assert kv_bytes("vq", 2, TINY).fixed_bytes == 4 * 2 * 4 * 256 * 4 == 32768
     # 3-bit 4096x4: 16 12-bit codes per head vector packed in 24 bytes -> 3 physical bits,
     # 1.5x the 2-bit preset's bytes
     b3 = kv_bytes("vecinfer", 3, TINY)
@@ -86,7 +87,7 @@ def test_kv_bytes_vq_presets_tiny_geometry():
     b15 = kv_bytes("hadamard", 1.5, TINY)
     assert (b15.physical_bits_per_element, b15.bytes_per_token) == (1.5, 192)
     assert b15.bytes_per_token == 0.75 * b2.bytes_per_token
-    assert b15.fixed_bytes == 2 * 4 * 4096 * 8 * 2 == 524288
+    assert b15.fixed_bytes == 4 * (2 * 4 * 4096 * 8 + 64 * 64) == 1064960
     # 1.25-bit: 12-bit keys / 8 channels (12 bytes per head), 8-bit values / 8 (8 bytes)
     b125 = kv_bytes("vecinfer", 1.25, TINY)
     assert (b125.physical_bits_per_element, b125.bytes_per_token) == (1.25, 160)
@@ -97,7 +98,7 @@ def test_kv_bytes_vq_presets_tiny_geometry():
 def test_kv_bytes_residual_window_and_llama():
     acc = kv_bytes("vecinfer", 1.5, LLAMA8B, residual=128)
     assert acc.bytes_per_token == 2 * 32 * 8 * 128 * 1.5 / 8 == 12288
-    fixed = 2 * 32 * 4096 * 8 * 2 + 32 * 8 * 128 * 2
+    fixed = 4 * (2 * 32 * 4096 * 8 + 32 * 8 * 128 + 128 * 128)  # float32 codebooks, lam, rotation
     assert acc.fixed_bytes == fixed
     assert acc.total(100) == 100 * 131072 + fixed
     assert acc.total(1128) == 128 * 131072 + 1000 * 12288 + fixed
@@ -124,4 +125,4 @@ def test_kv_bytes_matches_codebook_nbytes(tiny_model, sample_text_path):
     layers = [LayerCodebooks(KeyTransform(64, torch.ones(2, 64), True), torch.zeros(256, 4), torch.zeros(256, 4))
               for _ in range(4)]
     cb = VecInferCodebooks("vecinfer", 2.0, layers, g)
-    assert kv_bytes("vecinfer", 2, g).fixed_bytes == cb.nbytes()
+    assert kv_bytes("vecinfer", 2, g).fixed_bytes == cb.nbytes() + 4 * 64 * 64  # + the cache's rotation

@@ -375,6 +375,61 @@ def test_cli_calibrate_then_eval_ppl_and_ridge_errors(capsys, tmp_path, tiny_dir
     assert "--ridge is for the query-aware methods" in capsys.readouterr().err
 
 
+def test_calibrate_states_the_real_precision_and_the_fixed_and_per_token_bytes(capsys, tmp_path, tiny_dir,
+                                                                               sample_text_path):
+    """It said "bytes as fp16" of a float32 file, and nothing of what a cache then holds."""
+    from vecinfer_compile.cli import main
+
+    out = tmp_path / "qa.safetensors"
+    assert main(["calibrate", "--model", str(tiny_dir), "--text", str(sample_text_path), "--bits", "2",
+                 "--method", "qaware", "--out", str(out), "--max-tokens", "512", "--seq-len", "256", "--iters",
+                 "2", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "fp16" not in printed
+    # tiny: 4 layers, 2 KV heads, head_dim 64; float32
+    matrices, codebooks, means = 4 * 2 * 2 * 64 * 64 * 4, 4 * 2 * 256 * 4 * 4, 4 * 2 * 64 * 4
+    assert (f"state: {matrices + codebooks + means:,} bytes of float32, the precision the cache uses it in "
+            f"(codebooks {codebooks:,}, query-aware matrices {matrices:,}, key means {means:,})") in printed
+    assert (f"a VecInferCache of this model: {matrices + codebooks + means:,} bytes fixed, whatever its length, "
+            "+ 256 bytes per token (full precision: 2,048)") in printed
+
+
+def test_the_file_stores_the_state_in_the_precision_the_cache_uses(tmp_path):
+    from vecinfer_compile.cache import VecInferCache
+
+    cb = random_codebooks(CONFIG, 2.0, "qaware")
+    path = cb.save(tmp_path / "qa.safetensors")
+    layer = VecInferCache(CONFIG, cb, batch_size=1, max_cache_len=8, residual=2, dtype=torch.bfloat16).layers[0]
+    with safe_open(str(path), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert {t.dtype for t in stored.values()} == {torch.float32}
+    assert layer.key_matrix.dtype == layer.key_read.dtype == layer.key_centroids.dtype == torch.float32
+    assert cb.nbytes() == sum(t.numel() * t.element_size() for t in stored.values())
+
+
+def test_cache_bytes_report_the_fixed_state_apart_from_the_tokens(tiny_dir):
+    """A small qaware cache holds more than full precision: its fixed state (the per-head
+    matrices) is reported apart, and the accounting says from how many tokens it pays off."""
+    from transformers import AutoConfig
+
+    from vecinfer_compile.cache import VecInferCache
+    from vecinfer_compile.evaluation.kv_bytes import cache_bytes, kv_bytes
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    cb = random_codebooks(config, 2.0, "qaware")
+    short, long = (cache_bytes(VecInferCache(config, cb, batch_size=b, max_cache_len=n, residual=16,
+                                             dtype=torch.bfloat16)) for b, n in ((1, 64), (3, 640)))
+    acc = kv_bytes("qaware", 2, config, residual=16)
+    assert short.fixed == long.fixed == acc.fixed_bytes == cb.nbytes() == 296_960
+    assert short.bytes_per_token == long.bytes_per_token == acc.bytes_per_token == 256
+    assert long.codes == 3 * 640 * 256
+    assert long.window == 3 * 4 * 2 * 2 * 16 * 64 * 2 + 4 * 2 * 8  # bf16 windows [B, H, R, D], K and V; counters
+    cache = VecInferCache(config, cb, batch_size=1, max_cache_len=64, residual=16, dtype=torch.bfloat16)
+    assert cache_bytes(cache).total == cache.kv_bytes() > cache.fp_kv_bytes()  # more than full precision
+    n = acc.break_even_tokens()
+    assert acc.total(n) < n * acc.fp16_bytes_per_token <= acc.total(n - 1) + acc.fp16_bytes_per_token
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_compiled_decode(dtype):

@@ -230,6 +230,8 @@ class VecInferBackend:
         codebooks = self.config.codebooks
         if codebooks is not None:
             shard = graph_shard(example_inputs)
+            if shard is None:  # under TP the cache checks (gathering weights here would be a collective)
+                codebooks.check_graph_weights(gm, example_inputs)
             return {s.layer: self._given_layer(codebooks, s, shard) for s in sites}
         stale = [s for s in sites if s.layer in self.fitted and not _fits(self.fitted[s.layer], s)]
         if stale:

@@ -664,6 +664,8 @@ class VecInferCache(Cache):
                 f"{type(codebooks).__name__}"
             )
         codebooks.check_model(config)
+        if isinstance(model_or_config, torch.nn.Module):  # warns once if calibrated on other weights
+            codebooks.check_weights(model_or_config)
         layer_types = getattr(config, "layer_types", None)
         if layer_types is not None:
             other = sorted({t for t in layer_types if t != "full_attention"})

@@ -19,6 +19,7 @@ from .quant.kmeans import kmeans
 from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
 from .quant.transform import KeyTransform, centre_keys, smoothing_factors
 from .recording import collect_kv
+from .weight_fingerprint import weight_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,9 @@ def calibrate(
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
     ``bits`` (:mod:`vecinfer_compile.allocate`; ``residual`` is the cache window it assumes).
     K-Means runs on ``device`` (default: the model's device) over at most ``max_fit_vectors``
-    sub-vectors per codebook. Returns a :class:`VecInferCodebooks`; ``.save(path)`` writes it.
+    sub-vectors per codebook. Returns a :class:`VecInferCodebooks`, with the model's name and
+    weight fingerprint in its metadata (:meth:`VecInferCodebooks.check_weights` compares another
+    model with it); ``.save(path)`` writes it.
     """
     if layer_bits is not None and allocate is not None:
         raise ValueError("give either layer_bits or allocate, not both")
@@ -141,8 +144,10 @@ def calibrate(
             value_cb = _fit_codebook(v, preset.value.entries, preset.value.dims, iters=iters,
                                      seed=layer_seed + 1, max_vectors=max_fit_vectors, device=device)
             fitted[layer][b] = LayerCodebooks(transform, key_cb, value_cb)
+    fingerprint = weight_fingerprint(model.named_parameters())
     metadata = {
         "model_name": getattr(model.config, "_name_or_path", "") or "",
+        **({"weight_fingerprint": fingerprint} if fingerprint is not None else {}),
         "calibration_text_hash": text_hash(texts),
         "calibration_tokens": int(token_ids.numel()),
         "seq_len": seq_len,

@@ -8,18 +8,24 @@ and ``query_matrix [L, H_kv, D, D]`` (``A`` and ``A^(-T)``, see
 centring methods ``key_mean [L, H_kv, D]`` (``mu``, subtracted from the keys before the rest of
 the transform, :mod:`vecinfer_compile.quant.transform`). The safetensors metadata key
 ``"vecinfer"`` holds a JSON object: method, bits (the average over layers), ``layer_bits`` (one
-preset per layer), the model fingerprint (geometry + a hash of it), calibration text hash and
-token count, and the package version. Older formats still load, with ``mu = 0`` (no centring: the
-codebooks were fitted to uncentred keys): format 3 (no ``key_mean``), format 2 (nor the
-matrices; no query-aware methods) and format 1 (one preset for all layers, stacked
-``key_centroids [L, E_k, d_k]`` and ``value_centroids [L, E_v, d_v]``). Loading checks the format;
-:meth:`VecInferCodebooks.check_model` checks that the file fits a model.
+preset per layer), the model fingerprint (geometry + a hash of it), the model name and, from
+:func:`vecinfer_compile.calibrate.calibrate`, the ``weight_fingerprint`` of the weights it was
+calibrated on (:mod:`vecinfer_compile.weight_fingerprint`; files written before it have none),
+calibration text hash and token count, and the package version. Older formats still load, with
+``mu = 0`` (no centring: the codebooks were fitted to uncentred keys): format 3 (no
+``key_mean``), format 2 (nor the matrices; no query-aware methods) and format 1 (one preset for
+all layers, stacked ``key_centroids [L, E_k, d_k]`` and ``value_centroids [L, E_v, d_v]``).
+Loading checks the format;
+:meth:`VecInferCodebooks.check_model` checks that the file fits a model's shape (an error),
+:meth:`VecInferCodebooks.check_weights` that it was calibrated on that model's weights (a warning).
+Every tensor is float32, the precision the cache and the kernels hold and use them in.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +37,16 @@ from safetensors.torch import save_file
 from .methods import VQ_METHODS
 from .presets import Preset, get_preset
 from .quant.transform import KeyTransform
+from .weight_fingerprint import TOLERANCE, check_fingerprint, fingerprint_distance, graph_weights, weight_fingerprint
+
+log = logging.getLogger(__name__)
 
 FORMAT = "vecinfer-codebooks/4"
 FORMAT_V3 = "vecinfer-codebooks/3"
 FORMAT_V2 = "vecinfer-codebooks/2"
 FORMAT_V1 = "vecinfer-codebooks/1"
 READS = (FORMAT, FORMAT_V3, FORMAT_V2, FORMAT_V1)
+STATE_BYTES = 4  # float32: every tensor of the file, as stored and as the cache holds it
 MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of a ridge-conditioned S)
 
 
@@ -91,6 +101,7 @@ class VecInferCodebooks:
     geometry: dict
     metadata: dict = field(default_factory=dict)
     layer_bits: list[float] | None = None
+    _reported: set = field(default_factory=set, init=False, repr=False, compare=False)  # once-only log lines
 
     def __post_init__(self) -> None:
         if self.layer_bits is None:
@@ -135,17 +146,26 @@ class VecInferCodebooks:
             raise IndexError(f"codebooks cover {len(self.layers)} layers, asked for layer {index}")
         return self.layers[index]
 
-    def nbytes(self) -> int:
-        """Bytes of the codebooks, smoothing factors, query-aware matrices and key means themselves
-        (fp16)."""
-        total = 0
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of each kind of state, float32 as the file stores it and a
+        :class:`~vecinfer_compile.cache.VecInferCache` holds it, whatever the cache's length:
+        ``{"codebooks", "smoothing factors", "query-aware matrices", "key means"}`` (kinds the
+        method has not are absent). The cache adds its Hadamard matrix (``D * D``) for the methods
+        that rotate and are not query-aware (:func:`~vecinfer_compile.evaluation.kv_bytes.kv_bytes`)."""
+        counts: dict[str, int] = {}
         for layer in self.layers:
             t = layer.transform
-            total += 2 * (layer.key_centroids.numel() + layer.value_centroids.numel())
-            for extra in (t.lam, t.key_matrix, t.query_matrix, t.mean):
-                if extra is not None:
-                    total += 2 * extra.numel()
-        return total
+            parts = (("codebooks", layer.key_centroids), ("codebooks", layer.value_centroids),
+                     ("smoothing factors", t.lam), ("query-aware matrices", t.key_matrix),
+                     ("query-aware matrices", t.query_matrix), ("key means", t.mean))
+            for kind, tensor in parts:
+                if tensor is not None:
+                    counts[kind] = counts.get(kind, 0) + STATE_BYTES * tensor.numel()
+        return counts
+
+    def nbytes(self) -> int:
+        """Bytes of all the state of :meth:`state_bytes` (float32)."""
+        return sum(self.state_bytes().values())
 
     # -- checks -----------------------------------------------------------------------------
     def check_model(self, config, *, bits: float | None = None, method: str | None = None) -> None:
@@ -174,6 +194,76 @@ class VecInferCodebooks:
                 f"these codebooks are for method {self.method!r}, not {method!r}: calibrate with "
                 f"method={method!r} (--method {method} on the command line)"
             )
+
+    def check_weights(self, model: torch.nn.Module) -> bool | None:
+        """Whether ``model`` (a torch module: a HF model, compiled or PEFT/DDP-wrapped too) has the
+        weights these codebooks were calibrated on, by the fingerprint of its attention projections
+        (:mod:`vecinfer_compile.weight_fingerprint`; a bf16 or fp16 load of the same checkpoint
+        matches). True: the same weights. False: another model's, and a warning naming both models
+        and how to recalibrate is logged, once per codebooks object (a warning, not an error:
+        codebooks of one model still run on another, e.g. its fine-tune, only less accurately).
+        None: cannot tell (the file has no fingerprint: written before fingerprints, or not
+        calibrated on a model; or the model has no recognisable q/k/v projection), with a one-time
+        info line."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"check_weights needs the model itself (a torch.nn.Module), not a "
+                            f"{type(model).__name__}: a config holds no weights")
+        name = getattr(getattr(model, "config", None), "_name_or_path", "") or None
+        return self._compare_weights(weight_fingerprint(model.named_parameters()), name)
+
+    def check_graph_weights(self, gm: torch.fx.GraphModule, example_inputs) -> bool | None:
+        """:meth:`check_weights` for a torch.compile backend, which sees a Dynamo graph and its
+        inputs rather than the model: the weights among ``example_inputs`` named by the graph's
+        placeholder sources (:func:`~vecinfer_compile.weight_fingerprint.graph_weights`). A graph
+        that holds none of the fingerprinted weights (a graph break cut them off) gives None."""
+        return self._compare_weights(weight_fingerprint(graph_weights(gm, example_inputs)), None)
+
+    def _compare_weights(self, current: dict | None, model_name: str | None) -> bool | None:
+        """The verdict of :meth:`check_weights` for the fingerprint ``current`` of a model named
+        ``model_name`` (None: unknown)."""
+        stored = self.metadata.get("weight_fingerprint")
+        if stored is None:
+            self._note("no-fingerprint", "these codebooks record no weight fingerprint (written before "
+                       "vecinfer_compile recorded one, or not calibrated on a model): whether they were "
+                       "calibrated for this model is not checked; recalibrate to have it checked")
+            return None
+        found = None if current is None else fingerprint_distance(stored, current)
+        if found is None:
+            self._note("not-comparable", f"cannot check these codebooks against the weights of "
+                       f"{model_name or 'the compiled model'} (none of the calibrated model's attention "
+                       "projections found in it)")
+            return None
+        distance, weight = found
+        if distance <= TOLERANCE:
+            return True
+        if "mismatch" not in self._reported:
+            self._reported.add("mismatch")
+            log.warning(self._mismatch_message(model_name, weight, distance))
+        return False
+
+    def _note(self, kind: str, message: str) -> None:
+        """Log ``message`` at info level, once per codebooks object and ``kind``."""
+        if kind not in self._reported:
+            self._reported.add(kind)
+            log.info("vecinfer: %s", message)
+
+    def _mismatch_message(self, model_name: str | None, weight: str, distance: float) -> str:
+        """The warning of :meth:`check_weights` for another model's weights (``model_name``:
+        its path or hub name; None when unknown)."""
+        calibrated = self.metadata.get("model_name") or "a model whose name was not recorded"
+        used = "the compiled model" if model_name is None else repr(model_name)
+        if self.layer_bits is not None:
+            bits = "--layer-bits " + ",".join(f"{b:g}" for b in self.layer_bits)
+        else:
+            bits = f"--bits {self.bits:g}"
+        return (
+            f"vecinfer: these codebooks were calibrated for {calibrated!r} but are used with {used}, whose "
+            f"attention weights differ ({weight}: relative distance {distance:.2f}; a bf16 or fp16 copy of "
+            f"one checkpoint is within {TOLERANCE:g}), so they quantize it much less accurately. Calibrate "
+            f"on this model: `vecinfer calibrate --model {model_name or 'MODEL_DIR'} --text CALIBRATION.txt "
+            f"{bits} --method {self.method} --out codebooks.safetensors` (or "
+            "vecinfer_compile.calibrate(model, tokenizer, text, ...) in Python)"
+        )
 
     # -- file format ------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -239,6 +329,8 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
             "recalibrate with this version (`vecinfer calibrate`) or install the version that wrote it"
         )
     geometry = meta["geometry"]
+    if "weight_fingerprint" in meta:
+        check_fingerprint(meta["weight_fingerprint"], str(path))
     if meta["fingerprint"] != geometry_fingerprint(geometry):
         raise ValueError(f"{path}: metadata fingerprint does not match its geometry (corrupt file)")
     method, bits = meta["method"], float(meta["bits"])

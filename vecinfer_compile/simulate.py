@@ -157,6 +157,7 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
                 "load_codebooks(path)"
             )
         codebooks.check_model(model.config, bits=bits, method=method)
+        codebooks.check_weights(model)  # warns once if calibrated on another model's weights
     if not is_simulating(model):  # what disable_simulation goes back to (kept when re-enabled)
         model.__dict__[_PREVIOUS] = getattr(model.config, "_attn_implementation", None)
     for module in attention_modules(model):

@@ -38,6 +38,22 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def memory_summary(cb) -> str:
+    """Two lines on what the codebooks cost: their float32 state by kind, and what a
+    VecInferCache of the model then holds, fixed and per token, against full precision."""
+    from ..evaluation.generation import DEFAULT_RESIDUAL
+    from ..evaluation.kv_bytes import kv_bytes
+
+    parts = ", ".join(f"{kind} {n:,}" for kind, n in cb.state_bytes().items())
+    acc = kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits)
+    windowed = kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, residual=DEFAULT_RESIDUAL)
+    return (f"state: {cb.nbytes():,} bytes of float32, the precision the cache uses it in ({parts})\n"
+            f"a VecInferCache of this model: {acc.fixed_bytes:,} bytes fixed, whatever its length, + "
+            f"{acc.bytes_per_token:g} bytes per token (full precision: {acc.fp16_bytes_per_token:,}); fewer "
+            f"bytes than full precision from {acc.break_even_tokens():,} tokens "
+            f"({windowed.break_even_tokens():,} with the default {DEFAULT_RESIDUAL}-token full-precision window)")
+
+
 def run(args) -> int:
     from ..evaluation.ablation import normalize_bits
     from ..methods import VQ_METHODS
@@ -73,7 +89,8 @@ def run(args) -> int:
     path = cb.save(args.out)
     per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"
     print(f"wrote {path}: {args.method} {cb.bits:g}-bit codebooks for {cb.geometry['num_layers']} layers"
-          f"{per_layer} ({cb.nbytes():,} bytes as fp16) in {time.perf_counter() - t0:.1f} s")
+          f"{per_layer} in {time.perf_counter() - t0:.1f} s")
+    print(memory_summary(cb))
     allocation = cb.metadata.get("allocation")
     if allocation is not None:
         scores = " ".join(f"{s:.3f}" for s in allocation["retrieval_scores"])

@@ -62,7 +62,8 @@ def run(args) -> int:
         f"{'; shipped with the package, made by `vecinfer demo --save-codebooks DIR`' if shipped else ''}); "
         f"perplexity is measured on {args.windows} windows x {args.window_len} tokens of the first half, "
         f"so calibration and evaluation text do not overlap. No residual window (every token quantized).\n"
-        f"KV bytes/token: all layers, keys and values, codes + scales; codebook bytes are paid once per model."
+        f"KV bytes/token: all layers, keys and values, codes + scales; fixed bytes (float32 codebooks and "
+        f"key-transform state) are paid once per model, whatever the length."
     )
     if args.json:
         print_json({

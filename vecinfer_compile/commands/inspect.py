@@ -56,6 +56,7 @@ def _codebooks_for(model, tokenizer, method, bits, cb_dir: Path, calib_text, arg
             cb.check_model(model.config, bits=bits, method=method)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
+        cb.check_weights(model)
         return cb, str(path)
     if calib_text is None:
         raise ValueError(f"no codebooks {path} for method {method!r}: pass --calib-text FILE to calibrate them")

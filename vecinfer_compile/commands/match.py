@@ -47,6 +47,7 @@ def run(args) -> int:
     codebooks = load_codebooks(args.codebooks)
     model, tokenizer = load_model(args.model, args.dtype, args.device)
     codebooks.check_model(model.config)
+    codebooks.check_weights(model)
     prompts = prompts_from_ids(tokenize(tokenizer, load_text(args.text)), args.prompts, args.prompt_len)
     results = token_match(model, prompts, codebooks, new_tokens=args.new_tokens, residual=args.residual,
                           compiled=args.backend == "compile", prefill_chunk=args.prefill_chunk,

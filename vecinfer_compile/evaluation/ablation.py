@@ -105,7 +105,7 @@ def get_codebooks(
     """Codebooks for a VQ method: from ``codebooks_path``, else from the first of
     ``search_dirs`` / ``cache_dir`` holding :func:`codebook_filename`, else calibrated on
     ``calib_text`` (and saved to ``cache_dir`` if given). Loaded files are checked against the
-    model, bits and method. ``None`` for fp16/kivi."""
+    model, bits and method (errors) and the model's weights (a warning). ``None`` for fp16/kivi."""
     if method not in VQ_METHODS:
         if codebooks_path is not None:
             raise ValueError(f"--codebooks is only for VQ methods ({', '.join(VQ_METHODS)}), not {method!r}")
@@ -123,6 +123,7 @@ def get_codebooks(
             cb.check_model(model.config, bits=bits, method=method)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
+        cb.check_weights(model)  # calibrated on another model of this shape: a warning
         return cb
     if calib_text is None:
         raise ValueError(
@@ -268,7 +269,7 @@ def _fmt_bytes(n: float) -> str:
 def format_table(rows: list[Row]) -> str:
     """A markdown table of the rows."""
     head = (
-        "| method | nominal bits | physical bits/elem | KV bytes/token | codebook bytes | ppl | ppl / full precision |\n"
+        "| method | nominal bits | physical bits/elem | KV bytes/token | fixed bytes | ppl | ppl / full precision |\n"
         "|---|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]

@@ -8,26 +8,35 @@ elements. What one element costs:
   channels is one code of ``log2(entries)`` bits, stored at that width
   (:mod:`vecinfer_compile.quant.packing`: one byte for <= 256 entries, two 12-bit codes in three
   bytes for 4096), so physical bits equal nominal bits: 3 for the 3-bit preset (4096x4), 1.5 for
-  1.5-bit (4096x8), 1.25 for 1.25-bit. Fixed cost, paid once
-  and not per token: the fp16 codebooks (``entries * dims`` per layer, keys and values) and, for
-  smoothing methods, the fp16 smoothing factors (``num_kv_heads * head_dim`` per layer); for the
-  query-aware methods, two fp16 matrices per KV head (``2 * num_kv_heads * head_dim**2`` per layer);
-  for the centring methods, the fp16 key mean (``num_kv_heads * head_dim`` per layer).
+  1.5-bit (4096x8), 1.25 for 1.25-bit. Fixed state, held whatever the cache's length and batch
+  (``fixed_bytes``), float32 as the cache holds and uses it (and as the codebook file stores it):
+  the codebooks (``entries * dims`` per layer, keys and values); for the smoothing methods the
+  smoothing factors (``num_kv_heads * head_dim`` per layer); for the query-aware methods two
+  matrices per KV head (``2 * num_kv_heads * head_dim**2`` per layer, the Hadamard folded in); for
+  the centring methods the key mean (``num_kv_heads * head_dim`` per layer); for the other methods
+  that rotate, one ``head_dim**2`` Hadamard matrix shared by all layers. The query-aware matrices
+  dominate on a small model: on ``evalmodel`` (6 layers, 2 KV heads, head_dim 128) 1.57 MB, as
+  much as 256 tokens of a full-precision cache.
 - ``kivi``: ``bits`` per element (packed) plus an fp16 scale and an fp16 zero-point per group of
   32 elements (keys: per channel over 32 tokens; values: per token over 32 channels), i.e.
   ``bits + 1`` physical bits per element.
 
 A residual window of the most recent ``R`` tokens stays in fp16 (:meth:`KVBytes.total`).
 ``bytes_per_token`` is the steady-state cost of one more quantized token (codes + scales).
+
+:func:`cache_bytes` measures a real :class:`~vecinfer_compile.cache.VecInferCache` the same way:
+its fixed state apart from the bytes that grow with tokens and batch (codes, window).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from ..methods import VQ_METHODS, check_method
 
 FP16_BYTES = 2
+STATE_BYTES = 4  # float32: codebooks, smoothing factors, matrices, key means, rotation
 KIVI_GROUP = 32
 
 
@@ -38,7 +47,7 @@ class KVBytes:
     physical_bits_per_element: float  # as stored: codes (+ scales), K and V averaged
     bytes_per_token: float  # all layers, K and V, one quantized token
     fp16_bytes_per_token: int  # all layers, K and V, one full-precision token
-    fixed_bytes: int  # codebooks + smoothing factors, matrices, key means (0 for fp16 / kivi)
+    fixed_bytes: int  # float32 codebooks, smoothing factors, matrices, key means, rotation (0 for fp16 / kivi)
     residual: int = 0  # most recent tokens kept in fp16
 
     def total(self, tokens: int) -> float:
@@ -49,6 +58,14 @@ class KVBytes:
     def per_token_at(self, tokens: int) -> float:
         """Average bytes per token for a cache of ``tokens`` tokens, everything included."""
         return self.total(tokens) / tokens
+
+    def break_even_tokens(self) -> int | None:
+        """The fewest tokens at which the cache (fixed state included) holds fewer bytes than a
+        full-precision one of as many tokens; None for fp16, or when a token costs no less."""
+        saving = self.fp16_bytes_per_token - self.bytes_per_token  # per token past the window
+        if self.method == "fp16" or saving <= 0:
+            return None
+        return self.residual + math.floor(self.fixed_bytes / saving) + 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,13 +110,8 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
         for spec in (preset.key, preset.value):
             spec.check_head_dim(head_dim)
             code_bytes += heads * packed_width(head_dim // spec.dims, spec.entries)  # per token, this layer
-            fixed += spec.entries * spec.dims * FP16_BYTES
-    if VQ_METHODS[method].smooth:
-        fixed += layers * heads * head_dim * FP16_BYTES
-    if VQ_METHODS[method].center:
-        fixed += layers * heads * head_dim * FP16_BYTES
-    if VQ_METHODS[method].query_aware:
-        fixed += 2 * layers * heads * head_dim * head_dim * FP16_BYTES
+            fixed += spec.entries * spec.dims * STATE_BYTES
+    fixed += _transform_bytes(VQ_METHODS[method], layers, heads, head_dim)
     return KVBytes(
         method,
         average_bits(per_layer),
@@ -111,6 +123,70 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
     )
 
 
+def _transform_bytes(spec, layers: int, heads: int, head_dim: int) -> int:
+    """Bytes of the key transform's state in a cache (float32): smoothing factors, key means and
+    query-aware matrices ``[layers, heads, ...]``, or one shared Hadamard matrix."""
+    per_head = 0
+    if spec.smooth:
+        per_head += head_dim
+    if spec.center:
+        per_head += head_dim
+    if spec.query_aware:
+        per_head += 2 * head_dim * head_dim  # A @ H and (B @ H)^T
+    rotation = head_dim * head_dim if spec.rotate and not spec.query_aware else 0
+    return STATE_BYTES * (layers * heads * per_head + rotation)
+
+
 def kv_bytes_per_token(method: str, bits: float | None, geometry) -> float:
     """Steady-state bytes of one quantized token (all layers, K and V)."""
     return kv_bytes(method, bits, geometry).bytes_per_token
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """The bytes a :class:`~vecinfer_compile.cache.VecInferCache` holds on its device (this rank's
+    under tensor parallelism), by how they grow; ``total`` equals ``cache.kv_bytes()``.
+
+    - ``fixed``: codebooks, smoothing factors, rotation, query-aware matrices, key means
+      (float32): the same whatever the length and batch.
+    - ``codes``: the code slots ``[B, H, max_cache_len, W]`` uint8, keys and values, every layer:
+      allocated for every slot up front.
+    - ``window``: the full-precision window ``[B, H, R, D]`` in the cache dtype and the counters.
+    - ``bytes_per_token``: ``codes`` per slot and batch row (all layers, K and V); None until the
+      cache has allocated (it allocates at its first update without ``batch_size``).
+    """
+
+    fixed: int
+    codes: int
+    window: int
+    bytes_per_token: float | None
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.codes + self.window
+
+
+_FIXED_STATE = ("key_centroids", "value_centroids", "lam", "rotation", "key_matrix", "key_read", "key_mean")
+_CODE_SLOTS = ("k_codes", "v_codes")
+_WINDOW_STATE = ("k_window", "v_window", "n_coded", "n_window")
+
+
+def cache_bytes(cache) -> CacheBytes:
+    """Measure ``cache`` (a VecInferCache) from its layers' buffers (:class:`CacheBytes`); a tensor
+    shared by layers (the rotation) counts once."""
+    seen: set[tuple[int, int]] = set()
+
+    def held(names: tuple[str, ...]) -> int:
+        total = 0
+        for layer in cache.layers:
+            for name in names:
+                t = getattr(layer, name)
+                if t is not None and (t.data_ptr(), t.numel()) not in seen:
+                    seen.add((t.data_ptr(), t.numel()))
+                    total += t.numel() * t.element_size()
+        return total
+
+    fixed, codes, window = held(_FIXED_STATE), held(_CODE_SLOTS), held(_WINDOW_STATE)
+    first = cache.layers[0]
+    per_token = codes / (first.batch_size * first.max_cache_len) if first.is_initialized else None
+    return CacheBytes(fixed, codes, window, per_token)
