@@ -36,6 +36,7 @@ import torch
 import torch._inductor
 import torch._inductor.compile_fx
 import torch.fx as fx
+from torch._dynamo.utils import counters
 
 from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
 from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
@@ -43,7 +44,8 @@ from .methods import VQ_METHODS
 from .ops.decode_kernels import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
 from .passes.cache_append import rewrite_cache_append
-from .passes.cache_decode import CACHE_READ_META, keep_prefill_in_full_precision, rewrite_cache_attention
+from .passes.cache_decode import (CACHE_READ_META, keep_prefill_in_full_precision, rewrite_cache_attention,
+                                   updates_a_cache)
 from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
@@ -205,15 +207,17 @@ class VecInferBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None):
+        with_cache = updates_a_cache(gm)  # then no attention of it is simulate-quantized
         rewrite_cache_append(gm, self.config.decode_kernel)
         keep_prefill_in_full_precision(gm)
         cache_reads = rewrite_cache_attention(gm, self.config.decode_kernel)
         cache_reads += sum(bool(n.meta.get(CACHE_READ_META)) for n in gm.graph.nodes)  # left over the cache
-        sites = find_sdpa_sites(gm)
+        all_sites = [] if with_cache else find_sdpa_sites(gm)
+        sites = self._coded(all_sites)
         if sites:
             layers = self._layers(gm, example_inputs, sites)
             rewrite_sdpa(gm, sites, layers, quantize=self.config.quantize, residual=self.config.residual)
-        elif not (cache_reads or self.fitted or self._warned_no_sdpa):
+        elif not (with_cache or all_sites or cache_reads or self.fitted or self._warned_no_sdpa):
             self._warned_no_sdpa = True
             log.warning(
                 "vecinfer: this graph has no F.scaled_dot_product_attention call, so nothing is "
@@ -224,6 +228,18 @@ class VecInferBackend:
         return torch._inductor.compile_fx.compile_fx(
             gm, example_inputs, config_patches=_config_patches(mode, options)
         )
+
+    def _coded(self, sites: list[SdpaSite]) -> list[SdpaSite]:
+        """The sites of layers a VecInferCache codes, as the codebooks record them (a model of
+        mixed attention kinds: :mod:`vecinfer_compile.layer_kinds`); the others stay full
+        precision, as in the cache and the eager simulate path. Zero-config (no record): every site."""
+        codebooks = self.config.codebooks
+        coded = None if codebooks is None else codebooks.metadata.get("coded_layers")
+        if coded is None:
+            return sites
+        kept = [s for s in sites if s.layer < len(coded) and coded[s.layer]]
+        counters["vecinfer"]["sdpa_uncoded_layer"] += len(sites) - len(kept)
+        return kept
 
     # -- codebooks per layer ------------------------------------------------------------------
     def _layers(self, gm, example_inputs, sites: list[SdpaSite]) -> dict[int, LayerCodebooks]:

@@ -23,10 +23,11 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, StaticCache
 
 from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
+from .layer_kinds import check_codable
 from .ops.cache_append import transform_keys
 from .ops import chunk_attention
 from .ops.chunk_attention import ChunkKeys
@@ -557,6 +558,14 @@ class VecInferLayer(CacheLayerMixin):
         pass
 
 
+def held_tensors(layer) -> list[torch.Tensor]:
+    """The tensors one layer of a VecInferCache holds: a VecInferLayer's static buffers and
+    codebook state, or the tensors of a transformers layer (its K/V once allocated, counters)."""
+    if isinstance(layer, VecInferLayer):
+        return layer._static_tensors()
+    return [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+
+
 def _indexed(device) -> torch.device:
     """``device`` with its index: ``"cuda"`` is the current CUDA device (``cuda:0``), so that states
     on it pass the device check."""
@@ -626,8 +635,11 @@ class VecInferCache(Cache):
 
     No full-precision copy of older tokens is kept anywhere. :meth:`kv_bytes` counts every byte
     held (codes, windows, codebooks, lam, rotation or query-aware matrices, key means, counters).
-    Not croppable (encoded tokens cannot be un-flushed); fixed batch size; all layers must be full
-    attention.
+    Not croppable (encoded tokens cannot be un-flushed); fixed batch size. Models that mix
+    attention kinds have codes in the layers :mod:`vecinfer_compile.layer_kinds` names (their
+    full-attention layers; every layer of a model whose every layer slides) and transformers' own
+    static layers elsewhere (sliding or chunked windows in full precision, linear-attention state);
+    :meth:`coded_layers` lists the coded ones, :meth:`kv_bytes` counts both kinds.
 
     Tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``): pass the
     model, not its config; the cache finds the rank's KV heads from the model's device mesh
@@ -666,13 +678,7 @@ class VecInferCache(Cache):
         codebooks.check_model(config)
         if isinstance(model_or_config, torch.nn.Module):  # warns once if calibrated on other weights
             codebooks.check_weights(model_or_config)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is not None:
-            other = sorted({t for t in layer_types if t != "full_attention"})
-            if other:
-                raise ValueError(
-                    f"VecInferCache supports full-attention layers only; this model has {other} layers"
-                )
+        coded = check_codable(config, residual)
         geometry = model_geometry(config)
         if dtype is None:
             dtype = _dtype_of(model_or_config, config)
@@ -684,8 +690,14 @@ class VecInferCache(Cache):
         self.tp_shard = model_shard(model_or_config)  # None unless the model is tensor parallel
         heads, num_kv_heads = local_kv_heads(self.tp_shard, geometry["num_kv_heads"])
         rotation_cache: dict[bool, torch.Tensor | None] = {}
+        # the layers that are not coded: transformers' own static layers for their kind (bounded
+        # sliding/chunked windows, linear-attention state), allocated at their first update
+        uncoded = StaticCache(config=config, max_cache_len=max_cache_len).layers if not all(coded) else None
         layers = []
         for i in range(geometry["num_layers"]):
+            if not coded[i]:
+                layers.append(uncoded[i])
+                continue
             lc = codebooks.layer(i) if self.tp_shard is None else local_layer(codebooks.layer(i), heads)
             rotate = bool(lc.transform.rotate)
             if rotate not in rotation_cache:  # one rotation tensor shared by all layers
@@ -727,6 +739,9 @@ class VecInferCache(Cache):
         sized for those rows instead of the whole batch. On exit the cache takes the rows'
         length; every group must end at the same length, and the cache must be empty before the
         first (``reset()`` it). Needs ``batch_size=`` at construction (the buffers exist)."""
+        if not all(isinstance(layer, VecInferLayer) for layer in self.layers):
+            raise NotImplementedError("filling_rows needs every layer coded; this model keeps some layers in "
+                                      "transformers' own cache layers: prefill the whole batch")
         if not all(layer.is_initialized for layer in self.layers):
             raise RuntimeError("filling_rows needs the cache's buffers: build it with batch_size=")
         batch = self.layers[0].batch_size
@@ -744,12 +759,17 @@ class VecInferCache(Cache):
         :meth:`total_kv_bytes`."""
         seen, total = set(), 0
         for layer in self.layers:
-            for t in layer._static_tensors():
+            for t in held_tensors(layer):
                 key = (t.data_ptr(), t.numel())
                 if key not in seen:
                     seen.add(key)
                     total += t.numel() * t.element_size()
         return total
+
+    def coded_layers(self) -> list[VecInferLayer]:
+        """The layers that hold codes (all of them unless the model mixes attention kinds:
+        :mod:`vecinfer_compile.layer_kinds`)."""
+        return [layer for layer in self.layers if isinstance(layer, VecInferLayer)]
 
     def total_kv_bytes(self, group=None) -> int:
         """:meth:`kv_bytes` summed over all ranks by an all-reduce (every rank of ``group`` must
@@ -758,10 +778,14 @@ class VecInferCache(Cache):
         return total_kv_bytes(self, group)
 
     def fp_kv_bytes(self) -> int:
-        """Bytes a full-precision static cache of the same shape would hold (for ratios)."""
-        l0 = self.layers[0]
-        if not l0.is_initialized:
+        """Bytes a full-precision static cache of the same shape would hold (for ratios): every
+        coded layer at ``max_cache_len`` in the cache dtype, the other layers as they are."""
+        coded = self.coded_layers()
+        if not coded[0].is_initialized:
             raise RuntimeError("the cache has no batch size yet: it allocates at its first update "
                                "(or build it with batch_size=)")
+        l0 = coded[0]
         per_layer = 2 * l0.batch_size * l0.num_heads * l0.max_cache_len * l0.head_dim
-        return len(self.layers) * per_layer * torch.empty((), dtype=self.dtype).element_size()
+        others = sum(t.numel() * t.element_size() for layer in self.layers if not isinstance(layer, VecInferLayer)
+                     for t in held_tensors(layer))
+        return len(coded) * per_layer * torch.empty((), dtype=self.dtype).element_size() + others

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from .allocate import allocation_choices, retrieval_allocation
 from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
+from .layer_kinds import coded_layers
 from .methods import VQ_METHODS, check_method
 from .presets import get_preset
 from .quant.codebook import subvectors
@@ -147,6 +148,7 @@ def calibrate(
     fingerprint = weight_fingerprint(model.named_parameters())
     metadata = {
         "model_name": getattr(model.config, "_name_or_path", "") or "",
+        "coded_layers": coded_layers(model.config),  # the layers a VecInferCache codes (layer_kinds)
         **({"weight_fingerprint": fingerprint} if fingerprint is not None else {}),
         "calibration_text_hash": text_hash(texts),
         "calibration_tokens": int(token_ids.numel()),

@@ -38,7 +38,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 ATTN_NAME = "vecinfer_sdpa"
 _LAYER = "_vecinfer_codes_layer"  # the attribute of a codes read that names its layer
 _CHUNK = "_vecinfer_chunk_keys"  # and, for a chunk, what its attention reads (ops.chunk_attention.ChunkKeys)
-_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "sliding_window", "s_aux")
+# (a sliding window is fine: transformers' SDPA path applies it through the mask, and so do the codes reads)
+_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux")
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()

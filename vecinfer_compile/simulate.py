@@ -9,6 +9,11 @@ residual window ``R`` key ``j`` stays in full precision for query ``i`` when ``0
 only a non-causal mask shows, are quantized). This is the reference
 that the compiled backend and the compressed cache are tested against.
 
+A model that mixes attention kinds (Gemma 3's sliding and full layers, Llama 4's chunked ones)
+has only the layers a VecInferCache codes quantized (:mod:`vecinfer_compile.layer_kinds`); the
+others attend in full precision (SDPA), as they do through the cache. Every attention honours
+the mask the model gives it, sliding windows included.
+
 ``full_precision_prefill=True`` reproduces :class:`~vecinfer_compile.VecInferCache`'s
 semantics during ``generate()``: a call with several queries (the prefill) attends in full
 precision; single-token decode calls see quantized keys beyond the window.
@@ -21,13 +26,16 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .codebooks import VecInferCodebooks
+from .layer_kinds import coded_layers
 from .methods import VQ_METHODS, check_method
 from .quant.codebook import quantize_dequantize
 from .quant.kivi import kivi_keys, kivi_values
 
 ATTN_NAME = "vecinfer"
+FULL_PRECISION = "full precision"  # the simulator of a layer the cache does not code
 _PREVIOUS = "_vecinfer_attn_before_simulation"  # the model's implementation before enable_simulation
 
 
@@ -98,7 +106,10 @@ def vecinfer_attention_forward(module, query, key, value, attention_mask, dropou
     """The ``"vecinfer"`` attention implementation (transformers' AttentionInterface
     signature). query ``[B, Hq, Tq, D]``, key/value ``[B, Hkv, Tk, D]``; returns
     ``([B, Tq, Hq, D], None)``."""
-    sim: LayerSimulator | None = getattr(module, "vecinfer_simulator", None)
+    sim: LayerSimulator | str | None = getattr(module, "vecinfer_simulator", None)
+    if sim == FULL_PRECISION:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
     if sim is None:
         raise RuntimeError(
             "attn_implementation='vecinfer' needs quantizers: call "
@@ -160,10 +171,11 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
         codebooks.check_weights(model)  # warns once if calibrated on another model's weights
     if not is_simulating(model):  # what disable_simulation goes back to (kept when re-enabled)
         model.__dict__[_PREVIOUS] = getattr(model.config, "_attn_implementation", None)
+    coded = coded_layers(model.config)
     for module in attention_modules(model):
         module.vecinfer_simulator = LayerSimulator(
             method, float(bits), residual, codebooks, module.layer_idx, full_precision_prefill
-        )
+        ) if coded[module.layer_idx] else FULL_PRECISION
     model.set_attn_implementation(ATTN_NAME)
     return model
 

@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 from .backend import vecinfer_backend
 from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
+from .layer_kinds import coded_layers
 from .methods import VQ_METHODS
 from .presets import get_preset
 from .quant.query_aware import query_aware_matrices, second_moment
@@ -145,7 +146,8 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
     """Random codebooks for every layer of a model (a HF config or a
     :func:`~vecinfer_compile.codebooks.model_geometry` dict): for tests and speed benchmarks,
     never for accuracy. Layer ``i`` uses seed ``seed + i`` and the preset ``layer_bits[i]``
-    (default: ``bits`` for every layer; given, ``bits`` is their average)."""
+    (default: ``bits`` for every layer; given, ``bits`` is their average). From a config they
+    record which layers a VecInferCache codes, as calibrated ones do."""
     geo = config_or_geometry if isinstance(config_or_geometry, dict) else model_geometry(config_or_geometry)
     spec = VQ_METHODS[method]
     per_layer = [float(bits)] * geo["num_layers"] if layer_bits is None else list(layer_bits)
@@ -155,7 +157,8 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
                                center=spec.center)
         for i, b in enumerate(per_layer)
     ]
-    return VecInferCodebooks(method, average_bits(per_layer), layers, geo, layer_bits=per_layer)
+    metadata = {} if isinstance(config_or_geometry, dict) else {"coded_layers": coded_layers(config_or_geometry)}
+    return VecInferCodebooks(method, average_bits(per_layer), layers, geo, metadata, layer_bits=per_layer)
 
 
 @dataclass

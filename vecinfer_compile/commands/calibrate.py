@@ -51,7 +51,19 @@ def memory_summary(cb) -> str:
             f"a VecInferCache of this model: {acc.fixed_bytes:,} bytes fixed, whatever its length, + "
             f"{acc.bytes_per_token:g} bytes per token (full precision: {acc.fp16_bytes_per_token:,}); fewer "
             f"bytes than full precision from {acc.break_even_tokens():,} tokens "
-            f"({windowed.break_even_tokens():,} with the default {DEFAULT_RESIDUAL}-token full-precision window)")
+            f"({windowed.break_even_tokens():,} with the default {DEFAULT_RESIDUAL}-token full-precision window)"
+            + _uncoded_note(cb))
+
+
+def _uncoded_note(cb) -> str:
+    """For a model of mixed attention kinds: the layers the cache keeps in full precision, which
+    the figures above count as coded."""
+    coded = cb.metadata.get("coded_layers") or []
+    if all(coded):
+        return ""
+    return (f"\n(this model's cache codes {sum(coded)} of its {len(coded)} layers: the others are sliding or "
+            "chunked windows kept in full precision, bounded by their window; the figures above count every "
+            "layer as coded)")
 
 
 def run(args) -> int:

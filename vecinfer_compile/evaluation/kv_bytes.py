@@ -154,16 +154,19 @@ class CacheBytes:
     - ``window``: the full-precision window ``[B, H, R, D]`` in the cache dtype and the counters.
     - ``bytes_per_token``: ``codes`` per slot and batch row (all layers, K and V); None until the
       cache has allocated (it allocates at its first update without ``batch_size``).
+    - ``full_precision_layers``: the layers of a model of mixed attention kinds that the cache keeps
+      in transformers' own layers (:mod:`vecinfer_compile.layer_kinds`), bounded by their window.
     """
 
     fixed: int
     codes: int
     window: int
     bytes_per_token: float | None
+    full_precision_layers: int = 0  # layers a model of mixed kinds keeps uncoded (sliding windows...)
 
     @property
     def total(self) -> int:
-        return self.fixed + self.codes + self.window
+        return self.fixed + self.codes + self.window + self.full_precision_layers
 
 
 _FIXED_STATE = ("key_centroids", "value_centroids", "lam", "rotation", "key_matrix", "key_read", "key_mean")
@@ -174,11 +177,14 @@ _WINDOW_STATE = ("k_window", "v_window", "n_coded", "n_window")
 def cache_bytes(cache) -> CacheBytes:
     """Measure ``cache`` (a VecInferCache) from its layers' buffers (:class:`CacheBytes`); a tensor
     shared by layers (the rotation) counts once."""
+    from ..cache import held_tensors
+
     seen: set[tuple[int, int]] = set()
+    coded = cache.coded_layers()
 
     def held(names: tuple[str, ...]) -> int:
         total = 0
-        for layer in cache.layers:
+        for layer in coded:
             for name in names:
                 t = getattr(layer, name)
                 if t is not None and (t.data_ptr(), t.numel()) not in seen:
@@ -187,6 +193,8 @@ def cache_bytes(cache) -> CacheBytes:
         return total
 
     fixed, codes, window = held(_FIXED_STATE), held(_CODE_SLOTS), held(_WINDOW_STATE)
-    first = cache.layers[0]
+    first = coded[0]
     per_token = codes / (first.batch_size * first.max_cache_len) if first.is_initialized else None
-    return CacheBytes(fixed, codes, window, per_token)
+    other = sum(t.numel() * t.element_size() for layer in cache.layers if layer not in coded
+                for t in held_tensors(layer))
+    return CacheBytes(fixed, codes, window, per_token, other)

@@ -122,6 +122,17 @@ def _key_read(key: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
     return x.args[0], matrix, chain + [x]
 
 
+def updates_a_cache(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` stores into or reads a VecInferCache (``vecinfer::cache_append``,
+    ``cache_kv`` or ``prefill_read`` nodes). In such a graph every attention over the cache is
+    the cache's business (rewritten to the decode op, or tagged to stay as it is), and the others
+    read layers the cache keeps in full precision (a hybrid model's sliding windows): the generic
+    simulate rewrite must quantize none of them."""
+    ops = [getattr(torch.ops.vecinfer, name) for name in ("cache_append", "cache_kv", "prefill_read")]
+    targets = {op for op in ops} | {op.default for op in ops}
+    return any(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
+
+
 def keep_prefill_in_full_precision(gm: fx.GraphModule) -> int:
     """Every SDPA over an empty cache's prefill (``getitem(prefill_read(k, v), 0 | 1)``, through
     HF's repeat_kv chain or not) is tagged ``vecinfer_cache_read``, so the generic rewrite leaves

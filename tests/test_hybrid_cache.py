@@ -1,0 +1,164 @@
+"""VecInferCache and the simulate path on models that mix attention kinds (issue 28, items 1-2):
+sliding-window layers beside full ones (Gemma 3, Cohere2, Qwen2 with max_window_layers), chunked
+ones (Llama 4), and a model whose every layer slides (Mistral with sliding_window). The rule of
+which layers hold codes is :mod:`vecinfer_compile.layer_kinds`; the oracle is the eager simulate
+path, which honours every layer's own mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Cohere2Config, Cohere2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Llama4ForCausalLM, Llama4TextConfig,
+    MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+)
+from transformers.cache_utils import StaticSlidingWindowLayer
+
+from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_kwargs
+from vecinfer_compile.evaluation.kv_bytes import cache_bytes
+from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
+from vecinfer_compile.layer_kinds import coded_layers, layer_kinds
+from vecinfer_compile.simulate import FULL_PRECISION, simulation
+from vecinfer_compile.testing import random_codebooks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WINDOW = 12  # the prompts are 40 tokens: every sliding layer drops keys
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=256, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+SLIDE, FULL = "sliding_attention", "full_attention"
+MODELS = {
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(sliding_window=WINDOW, num_hidden_layers=2, **COMMON)),
+    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(sliding_window=WINDOW, num_hidden_layers=3,
+                                                           layer_types=[SLIDE, FULL, SLIDE], **COMMON)),
+    "cohere2": (Cohere2ForCausalLM, lambda: Cohere2Config(sliding_window=WINDOW, num_hidden_layers=2,
+                                                          layer_types=[SLIDE, FULL], **COMMON)),
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                                    num_hidden_layers=2, **COMMON)),
+    "llama4": (Llama4ForCausalLM, lambda: Llama4TextConfig(
+        attention_chunk_size=WINDOW, num_hidden_layers=2, layer_types=["chunked_attention", FULL],
+        intermediate_size_mlp=128, num_local_experts=2, **COMMON)),
+}
+CODED = {"mistral": [True, True], "gemma3": [False, True, False], "cohere2": [False, True],
+         "qwen2": [True, False], "llama4": [False, True]}
+
+
+def build(name: str):
+    cls, config = MODELS[name]
+    torch.manual_seed(0)
+    return cls(config()).eval()
+
+
+def prompt() -> torch.Tensor:
+    return torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_which_layers_hold_codes(name):
+    """Full-attention layers are coded and the others keep transformers' own layers; a model
+    whose every layer slides codes them all (else nothing would shrink)."""
+    model = build(name)
+    assert coded_layers(model.config) == CODED[name]
+    cache = VecInferCache(model, random_codebooks(model.config), batch_size=1, max_cache_len=52, residual=6)
+    assert [isinstance(layer, VecInferLayer) for layer in cache.layers] == CODED[name]
+    for layer, kind in zip(cache.layers, layer_kinds(model.config)):
+        if not isinstance(layer, VecInferLayer):  # a bounded full-precision window
+            assert isinstance(layer, StaticSlidingWindowLayer) and layer.max_cache_len == WINDOW, kind
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_through_the_cache_equal_the_simulate_path(name):
+    """A 40-token prompt (longer than the 12-token windows), 12 new tokens, R=6: the cache and
+    the eager simulate path (sliding layers of a hybrid model in full precision there too, every
+    layer under its own mask) give the same greedy tokens."""
+    model = build(name)
+    cb, ids = random_codebooks(model.config), prompt()
+    cached = cache_tokens(model, ids, cb, new_tokens=12, residual=6, compiled=False)
+    assert cached == simulate_tokens(model, ids, cb, new_tokens=12, residual=6)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_compiled_decode_equals_the_simulate_path(name):
+    """The compiled decode (codes read by the decode op from the sliding mask's first slot for
+    Mistral; Gemma 3's sliding layers plain SDPA over their window, not simulate-quantized)."""
+    model = build(name)
+    cb, ids = random_codebooks(model.config), prompt()
+    torch._dynamo.reset()
+    try:
+        cached = cache_tokens(model, ids, cb, new_tokens=8, residual=6, compiled=True)
+    finally:
+        torch._dynamo.reset()
+    assert cached == simulate_tokens(model, ids, cb, new_tokens=8, residual=6)
+
+
+def test_the_sliding_window_is_honoured():
+    """Mistral's window changes what the cache reads: the same weights without the window give
+    other tokens (so the equality above is not the window ignored on both sides)."""
+    cb_tokens = {}
+    for window in (WINDOW, None):
+        torch.manual_seed(0)
+        model = MistralForCausalLM(MistralConfig(sliding_window=window, num_hidden_layers=2, **COMMON)).eval()
+        cb_tokens[window] = cache_tokens(model, prompt(), random_codebooks(model.config), new_tokens=4, residual=6,
+                                         compiled=False)
+    assert cb_tokens[WINDOW] != cb_tokens[None]
+
+
+def test_simulation_keeps_uncoded_layers_in_full_precision():
+    model = build("gemma3")
+    with simulation(model, "vecinfer", bits=2, codebooks=random_codebooks(model.config), residual=4):
+        sims = [layer.self_attn.vecinfer_simulator for layer in model.model.layers]
+    assert [s != FULL_PRECISION for s in sims] == CODED["gemma3"]
+
+
+def test_bytes_count_both_kinds_of_layer():
+    """kv_bytes() counts the coded layers and the full-precision windows; the FP16 equivalent
+    holds the coded layers at max_cache_len and the windows as they are."""
+    model = build("gemma3")
+    cache = VecInferCache(model, random_codebooks(model.config), batch_size=1, max_cache_len=52, residual=6)
+    with torch.no_grad():  # (transformers' layers allocate at their first update)
+        model(prompt()[None], **cache_kwargs(cache), use_cache=True)
+    windows = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
+                  if not isinstance(layer, VecInferLayer))
+    assert windows == 2 * 2 * (1 * 2 * WINDOW * 16 * 4)  # two sliding layers, K and V, float32
+    parts = cache_bytes(cache)
+    assert parts.total == cache.kv_bytes() and parts.full_precision_layers >= windows
+    assert cache.fp_kv_bytes() == 2 * (1 * 2 * 52 * 16 * 4) + parts.full_precision_layers
+
+
+def test_clear_refusals():
+    model = build("mistral")
+    with pytest.raises(ValueError, match="pass residual <= 12"):
+        VecInferCache(model, random_codebooks(model.config), max_cache_len=64, residual=16)
+    chunked = Llama4ForCausalLM(Llama4TextConfig(
+        attention_chunk_size=WINDOW, num_hidden_layers=2, layer_types=["chunked_attention"] * 2,
+        intermediate_size_mlp=128, num_local_experts=2, **COMMON))
+    with pytest.raises(ValueError, match="nothing to compress"):
+        VecInferCache(chunked, random_codebooks(chunked.config), max_cache_len=64)
+    hybrid = VecInferCache(build("gemma3"), random_codebooks(build("gemma3").config), batch_size=2, max_cache_len=64)
+    with pytest.raises(NotImplementedError, match="prefill the whole batch"):
+        with hybrid.filling_rows(0, 1):
+            pass
+
+
+def test_compiled_simulate_quantizes_the_coded_layers_only():
+    """The backend on a plain forward (no cache) rewrites the SDPA of the layers the codebooks
+    record as coded and leaves a hybrid model's sliding layers alone, so its logits equal the
+    eager simulate path's; codebooks without the record (zero-config fits) rewrite every layer."""
+    import vecinfer_compile as vc
+    from torch._dynamo.utils import counters
+
+    model, ids = build("gemma3"), prompt()[None]
+    cb = random_codebooks(model.config)
+    assert cb.metadata["coded_layers"] == CODED["gemma3"]
+    with torch.no_grad(), simulation(model, "vecinfer", bits=2, codebooks=cb, residual=4):
+        want = model(ids).logits
+    counters.clear()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = torch.compile(model, backend=vc.vecinfer_backend.configure(codebooks=cb, residual=4),
+                                fullgraph=True)(ids).logits
+    finally:
+        torch._dynamo.reset()
+    assert counters["vecinfer"]["sdpa_uncoded_layer"] == 2
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
