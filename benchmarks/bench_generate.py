@@ -647,6 +647,9 @@ def main(argv=None) -> list[dict]:
                          "the job's time and tok/s for N = 256, 2048, 8192 new tokens from its rates")
     ap.add_argument("--job-batch", default=None, metavar="M=B,...",
                     help="with --job: each method's batch, e.g. fp16=28,ours=200 (the length is --cases')")
+    ap.add_argument("--tables-from", metavar="A.json,...",
+                    help="measure nothing: print the tables (the job table with --job P) from rows that earlier "
+                         "runs wrote with --json, e.g. two methods measured in separate GPU calls")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
@@ -663,6 +666,11 @@ def main(argv=None) -> list[dict]:
                     help="tensor parallel: every rank loads DIR (from --save-model; its geometry is DIR's) "
                          "with tp_plan='auto'; run under torchrun --nproc-per-node N (N=1: TP=1)")
     args = ap.parse_args(argv)
+    if args.tables_from:
+        rows = [row for path in args.tables_from.split(",") for row in json.loads(Path(path).read_text())]
+        print(f"# from {args.tables_from} (rows of separate runs)")
+        print("\n".join(job_table(rows, args.job) if args.job else summary(rows)), flush=True)
+        return rows
     device = args.device
     if args.tp_model and not args.smoke and device is None:
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # rank r's GPU (never touch another rank's)

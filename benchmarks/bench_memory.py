@@ -8,13 +8,18 @@ cache alone. Measured per cache, in one process:
 
 - KV bytes: what the cache holds (ours: ``kv_bytes()`` = codes + windows + codebooks + smoothing
   + rotation + counters; HF: its K/V tensors); FP16 bytes = 2 x B x H x T x D x 2 B x layers.
+  Ours is also split (:func:`vecinfer_compile.evaluation.kv_bytes.cache_bytes`) into its fixed
+  state (float32 codebooks, smoothing factors, rotation, query-aware matrices, key means: the same
+  at every length; ``ours_fixed_bytes``) and what grows with tokens and batch (codes, window,
+  counters; ``ours_token_bytes``). ``--method qaware`` shows the query-aware matrices' cost (two
+  ``[D, D]`` per KV head and layer: 32 MiB at 8B geometry).
 - peak: ``torch.cuda.max_memory_allocated`` during construction + fill, minus what was allocated
   before (the random K/V chunk); it includes the transient tensors of the fill path (ours: the
   dequantized cache view that an eager ``update()`` returns, one layer at a time; dynamic: the
   ``torch.cat`` copy of one layer).
 - resident: ``torch.cuda.memory_allocated`` after the fill, minus the same base.
 
-    python benchmarks/bench_memory.py [--lengths 4096,32768,131072] [--batch 1] [--chunk 8192]
+    python benchmarks/bench_memory.py [--lengths 4096,32768,131072] [--batch 1] [--chunk 8192] [--method qaware]
     python benchmarks/bench_memory.py --smoke     # tiny config on the CPU (bytes only)
 
 Target (the issue): ours <= 0.14x FP16 for T >= 32k.
@@ -28,6 +33,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
+from vecinfer_compile.evaluation.kv_bytes import cache_bytes
+from vecinfer_compile.methods import VQ_METHODS
 
 TARGET_RATIO = 0.14
 METHODS = ("ours", "dynamic", "static")
@@ -77,6 +84,9 @@ def measure(method: str, setup, codebooks, keys, values, batch: int, length: int
     C.sync(dev)
     row = {"method": method}
     row["kv_bytes"] = cache.kv_bytes() if method == "ours" else hf_kv_bytes(cache)
+    if method == "ours":
+        split = cache_bytes(cache)
+        row["fixed_bytes"], row["token_bytes"] = split.fixed, split.codes + split.window
     seq = cache.get_seq_length(0)
     row["tokens"] = int(seq)
     if base is not None:
@@ -107,7 +117,7 @@ def run_length(setup, codebooks, batch: int, length: int, chunk: int, residual: 
             continue
         if r["tokens"] != length:
             row[f"{method}_error"] = f"holds {r['tokens']} tokens, expected {length}"
-        for key in ("kv_bytes", "peak_bytes", "resident_bytes"):
+        for key in ("kv_bytes", "fixed_bytes", "token_bytes", "peak_bytes", "resident_bytes"):
             if key in r:
                 row[f"{method}_{key}"] = r[key]
     del keys, values
@@ -131,6 +141,7 @@ def format_row(row: dict) -> str:
     if "ours_peak_bytes" in row and row.get("static_peak_bytes"):
         rel = f"{row['ours_peak_bytes'] / row['static_peak_bytes']:.3f}x"
     return (f"| {row['T']} | {row['B']} | {C.human_bytes(row.get('ours_kv_bytes'))} | "
+            f"{C.human_bytes(row.get('ours_fixed_bytes'))} | {C.human_bytes(row.get('ours_token_bytes'))} | "
             f"{C.human_bytes(row['fp16_bytes'])} | "
             f"{'n/a' if ratio is None else f'{ratio:.4f}x'}{ok} | "
             f"{' | '.join(peaks)} | {rel} | {_cell(row, 'ours', 'resident_bytes')} |")
@@ -142,6 +153,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=None, help="tokens per update() (default 8192; smoke 48)")
     ap.add_argument("--bits", type=float, default=2.0)
+    ap.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
+                    help="the codebooks' method (random codebooks: memory only); qaware adds two "
+                         "[D, D] matrices per KV head and layer to the fixed state")
     ap.add_argument("--residual", type=int, default=None, help="full-precision window R (default 128; smoke 16)")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not memory")
     ap.add_argument("--device", default=None)
@@ -151,13 +165,14 @@ def main(argv=None) -> list[dict]:
     lengths = C.parse_ints(args.lengths or ("64,200" if args.smoke else "4096,32768,131072"))
     chunk = args.chunk or (48 if args.smoke else 8192)
     residual = args.residual if args.residual is not None else (16 if args.smoke else 128)
-    codebooks = C.random_codebooks(setup.config, args.bits)
-    print(f"# KV cache memory, {setup.label}; ours = VecInferCache {args.bits:g}-bit, R={residual}; "
+    codebooks = C.random_codebooks(setup.config, args.bits, args.method)
+    print(f"# KV cache memory, {setup.label}; ours = VecInferCache {args.method} {args.bits:g}-bit, R={residual}; "
           f"filled through update() in chunks of {chunk} tokens; peak/resident = cache alone "
-          f"(max_memory_allocated / memory_allocated minus the base), no model weights")
-    print("| T | B | ours KV | FP16 KV | ours/FP16 | peak ours | peak dynamic | peak static | "
-          "peak ours/static | resident ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"(max_memory_allocated / memory_allocated minus the base), no model weights; ours KV = "
+          f"fixed (float32 codebooks and key-transform state, the same at every length) + codes and window")
+    print("| T | B | ours KV | ours fixed | ours codes+window | FP16 KV | ours/FP16 | peak ours | peak dynamic | "
+          "peak static | peak ours/static | resident ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for length in lengths:
         row = run_length(setup, codebooks, args.batch, length, chunk, residual)

@@ -3,6 +3,8 @@ and the `vecinfer bench` command that runs them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -35,7 +37,19 @@ def test_bench_memory_smoke(capsys):
         assert r["ours_kv_bytes"] > 0 and r["ratio"] == r["ours_kv_bytes"] / r["fp16_bytes"]
     # codes grow by 2 bits per element; the window and codebooks are fixed
     assert rows[1]["ours_kv_bytes"] - rows[0]["ours_kv_bytes"] < rows[1]["fp16_bytes"] - rows[0]["fp16_bytes"]
-    assert "| T | B | ours KV |" in out and "| 200 | 1 |" in out
+    assert "| T | B | ours KV | ours fixed | ours codes+window |" in out and "| 200 | 1 |" in out
+    for r in rows:  # the fixed state reported apart: the same at every length
+        assert r["ours_fixed_bytes"] + r["ours_token_bytes"] == r["ours_kv_bytes"]
+        assert r["ours_fixed_bytes"] == rows[0]["ours_fixed_bytes"]
+
+
+def test_bench_memory_reports_the_query_aware_fixed_state():
+    script = load_script("memory", benchmarks_dir())
+    plain, qaware = (script.main(["--smoke", "--lengths", "64", "--method", m])[0] for m in ("vecinfer", "qaware"))
+    assert qaware["ours_token_bytes"] == plain["ours_token_bytes"]
+    # tiny smoke config: 2 layers x 2 KV heads x two [16, 16] float32 matrices, the rotation folded in,
+    # the key mean instead of the smoothing factors
+    assert qaware["ours_fixed_bytes"] - plain["ours_fixed_bytes"] == 2 * 2 * 2 * 16 * 16 * 4 - 16 * 16 * 4
 
 
 def test_vecinfer_bench_memory_cli(capsys):
@@ -332,6 +346,20 @@ def test_bench_generate_job_serves_every_method_at_its_own_batch(monkeypatch, ca
     assert f"ours / fp16: N=256 {fp16_s / ours_s:.2f}x" in out and "| 1.00 GiB |" in out
     with pytest.raises(SystemExit, match="--job-batch"):
         mod.main(["--smoke", "--job", "8", "--cases", "1x24"])
+
+
+def test_bench_generate_tables_from_saved_rows(tmp_path, capsys):
+    """--tables-from: the job table of rows that separate runs wrote (measures nothing)."""
+    mod = load_script("generate", benchmarks_dir())
+    rows = {"ours": {"B": 8, "T": 24, "method": "ours", "new_tokens": 3, "step_ms": 50.0, "ttft_s": 100.0},
+            "fp16": {"B": 2, "T": 24, "method": "fp16", "new_tokens": 3, "step_ms": 40.0, "ttft_s": 10.0}}
+    paths = []
+    for method, row in rows.items():
+        paths.append(tmp_path / f"{method}.json")
+        paths[-1].write_text(json.dumps([row]))
+    assert mod.main(["--tables-from", ",".join(map(str, paths)), "--job", "8"]) == list(rows.values())
+    ours_s, fp16_s = 100 + 255 * 0.05, 4 * (10 + 255 * 0.04)
+    assert f"ours / fp16: N=256 {fp16_s / ours_s:.2f}x" in capsys.readouterr().out
 
 
 def test_gpu_suite_test_groups_cover_every_cuda_test_file():
