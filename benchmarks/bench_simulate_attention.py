@@ -83,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="also print the CUDA time of each kernel of the no-window and windowed forwards (torch.profiler)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
     preset = get_preset(args.bits)
     dev = "cuda"
     forms = {"r0": torch.compile(simulate_forward, fullgraph=True),

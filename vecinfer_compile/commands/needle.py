@@ -135,7 +135,7 @@ def run(args) -> int:
         title = None
         if gm.layer_bits_text is not None:
             title = (f"needle ({result.template}): {result.method} {result.bits:g}-bit average "
-                     f"({gm.layer_bits_text} per layer)\nmean {result.accuracy:.2f}, {result.trials} trials/cell")
+                     f"({gm.layer_bits_text} per layer)\nmean accuracy {result.accuracy:.2f}, {result.trials} trials/cell")
         plot_grid(result, args.plot, title)
         out["plot"] = str(args.plot)
     if args.out:

@@ -263,27 +263,38 @@ def format_grid(result: NeedleResult) -> str:
     return "\n".join(lines)
 
 
-def plot_grid(result: NeedleResult, path: str | Path, title: str | None = None) -> Path:
-    """Heatmap PNG of the accuracy grid (lengths x depths)."""
-    from .plots import _pyplot
+def grid_figure(result: NeedleResult, title: str | None = None):
+    """The figure of :func:`plot_grid` (not saved; the caller owns it)."""
+    from matplotlib.colors import Normalize
+
+    from .plots import _pyplot, wrap
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(result.depths), 1.4 + 0.6 * len(result.lengths)))
-    im = ax.imshow(result.grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(result.depths)), [f"{d:g}%" for d in result.depths])
-    ax.set_yticks(range(len(result.lengths)), [str(n) for n in result.lengths])
-    ax.set_xlabel("needle depth (fraction of filler)")
+    nd, nl = len(result.depths), len(result.lengths)
+    # at least ~5.6 x 3 inches: a 1x1 grid still has room for its title, axis labels and colorbar
+    width, height = max(5.6, 2.4 + 0.9 * nd), max(3.0, 1.9 + 0.6 * nl)
+    fig, ax = plt.subplots(figsize=(width, height), layout="constrained")
+    cmap, norm = plt.get_cmap("RdYlGn"), Normalize(0, 1)
+    im = ax.imshow(result.grid, norm=norm, cmap=cmap, aspect="auto")
+    ax.set_xticks(range(nd), [f"{d:g}%" for d in result.depths])
+    ax.set_yticks(range(nl), [str(n) for n in result.lengths])
+    ax.set_xlabel("needle depth (% of the filler before it)")
     ax.set_ylabel("context length (tokens)")
     for i, row in enumerate(result.grid):
         for j, c in enumerate(row):
-            ax.text(j, i, f"{c:.2f}", ha="center", va="center", fontsize=9)
+            r, g, b, _ = cmap(norm(c))  # white on the dark ends of the map, black on the light middle
+            ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"
+            ax.text(j, i, f"{c:.2f}", ha="center", va="center", fontsize=9, color=ink)
     bits = "" if result.method == "fp16" else f" {result.bits:g}-bit"
-    ax.set_title(title or f"needle ({result.template}): {result.method}{bits}, "
-                          f"mean {result.accuracy:.2f}, {result.trials} trials/cell", fontsize=10)
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    title = title or (f"needle ({result.template}): {result.method}{bits}\n"
+                      f"mean accuracy {result.accuracy:.2f}, {result.trials} trials/cell")
+    ax.set_title(wrap(title, width - 1.2, 10), fontsize=10)
+    fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03, label="share of trials with the key")
+    return fig
+
+
+def plot_grid(result: NeedleResult, path: str | Path, title: str | None = None) -> Path:
+    """Heatmap PNG of the accuracy grid (lengths x depths), each cell labelled."""
+    from .plots import save_figure
+
+    return save_figure(grid_figure(result, title), path, dpi=120)
