@@ -25,6 +25,7 @@ COMMANDS: list[str] = [
     "inspect",
     "gsm8k",
     "match",
+    "sweep",
     "bench",
 ]
 
