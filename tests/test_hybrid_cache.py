@@ -162,3 +162,28 @@ def test_compiled_simulate_quantizes_the_coded_layers_only():
         torch._dynamo.reset()
     assert counters["vecinfer"]["sdpa_uncoded_layer"] == 2
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+@pytest.mark.parametrize("method", ["vecinfer", "qaware", "vecinfer-center"])
+@pytest.mark.parametrize("kv_heads,head_dim", [(1, 16), (4, 16), (2, 64)])  # MQA, MHA, GQA at head_dim 64
+def test_batched_left_padded_generate_equals_the_simulate_path(name, method, kv_heads, head_dim):
+    """Two rows, the first left-padded by 5, through the cache and through the simulate path
+    (full-precision prefill, the cache's semantics): the same greedy tokens, for every method's
+    codebooks and MQA / MHA / GQA shapes."""
+    cls, config = MODELS[name]
+    cfg = config()
+    cfg.num_key_value_heads, cfg.head_dim = kv_heads, head_dim
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    cb = random_codebooks(model.config, method=method)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0
+    common = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cache = VecInferCache(model, cb, batch_size=2, max_cache_len=38, residual=6)
+        cached = model.generate(ids, **cache_kwargs(cache), **common)
+        with simulation(model, method, bits=2, codebooks=cb, residual=6, full_precision_prefill=True):
+            simulated = model.generate(ids, **common)
+    assert torch.equal(cached, simulated)
