@@ -2,7 +2,9 @@
 
 A temporary attention implementation (registered with transformers' ``AttentionInterface``)
 records its inputs (after RoPE, before any GQA repetition) and then runs SDPA, so any model whose
-attention goes through that interface can be recorded. Calibration (:mod:`.calibrate`), the
+attention goes through that interface can be recorded; a call that needs more than SDPA (attention
+sinks, logit softcapping, sparse indices, different query/key/value head dims) is refused first
+(:func:`~vecinfer_compile.attention_support.check_attention_call`). Calibration (:mod:`.calibrate`), the
 per-layer allocation (:mod:`.allocate`) and ``vecinfer inspect`` all read from here.
 """
 
@@ -12,6 +14,8 @@ import contextlib
 
 import torch
 from tqdm.auto import tqdm
+
+from .attention_support import check_attention_call, needs_unskipped_masks, unskipped_sdpa_mask
 
 RECORDER = "vecinfer_calibration_recorder"
 
@@ -34,6 +38,7 @@ class _Recorder:
                 f"{type(module).__name__} has no layer_idx: recording attention inputs needs a "
                 "transformers model whose attention modules carry their layer index"
             )
+        check_attention_call(module, query, key, value, kwargs)
         self.keys.setdefault(layer, []).append(key.detach().float().cpu())
         self.values.setdefault(layer, []).append(value.detach().float().cpu())
         if self.queries is not None:
@@ -48,13 +53,25 @@ def _recording(model, with_queries: bool):
 
     recorder = _Recorder(with_queries)
     AttentionInterface.register(RECORDER, recorder)
-    AttentionMaskInterface.register(RECORDER, sdpa_mask)
+    AttentionMaskInterface.register(RECORDER, unskipped_sdpa_mask if needs_unskipped_masks(model) else sdpa_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(RECORDER)
     try:
         yield recorder
     finally:
         model.set_attn_implementation(previous)
+
+
+def bos_token_id(model) -> int | None:
+    """The model's BOS token id: its text config's, its config's or its generation config's,
+    None when none has one (transformers 5 configs without the attribute raise on reading it)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for source in (text, config, getattr(model, "generation_config", None)):
+        bos = getattr(source, "bos_token_id", None)
+        if bos is not None:
+            return bos
+    return None
 
 
 @torch.no_grad()
@@ -65,7 +82,7 @@ def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = Tr
     ``{layer: [H_kv, N_tokens, D]}`` float32 on the CPU; with ``with_queries`` also
     ``{layer: [H_q, N_tokens, D]}`` queries as a third element."""
     device = next(model.parameters()).device
-    bos = model.config.bos_token_id
+    bos = bos_token_id(model)
     windows = token_ids.split(seq_len)
     with _recording(model, with_queries) as rec:
         for window in tqdm(windows, desc="recording attention inputs", disable=not progress):

@@ -12,7 +12,12 @@ that the compiled backend and the compressed cache are tested against.
 A model that mixes attention kinds (Gemma 3's sliding and full layers, Llama 4's chunked ones)
 has only the layers a VecInferCache codes quantized (:mod:`vecinfer_compile.layer_kinds`); the
 others attend in full precision (SDPA), as they do through the cache. Every attention honours
-the mask the model gives it, sliding windows included.
+the mask the model gives it, sliding windows included, and a T5-style ``position_bias`` (added to the
+scores, as transformers' SDPA does). A call that needs more than SDPA (attention sinks, logit
+softcapping, sparse indices, different query/key/value head dims) is refused
+(:func:`~vecinfer_compile.attention_support.check_attention_call`). An eager-only model (no SDPA
+attention in transformers) attends under the implementation ``"vecinfer_unskipped_masks"``, the same
+attention with every mask materialized (:func:`~vecinfer_compile.attention_support.needs_unskipped_masks`).
 
 ``full_precision_prefill=True`` reproduces :class:`~vecinfer_compile.VecInferCache`'s
 semantics during ``generate()``: a call with several queries (the prefill) attends in full
@@ -28,13 +33,15 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .attention_support import check_attention_call, needs_unskipped_masks, unskipped_sdpa_mask
 from .codebooks import VecInferCodebooks
-from .layer_kinds import coded_layers
+from .layer_kinds import some_coded_layers
 from .methods import VQ_METHODS, check_method
 from .quant.codebook import quantize_dequantize
 from .quant.kivi import kivi_keys, kivi_values
 
 ATTN_NAME = "vecinfer"
+UNSKIPPED_MASKS_NAME = "vecinfer_unskipped_masks"  # the same attention, for eager-only models
 FULL_PRECISION = "full precision"  # the simulator of a layer the cache does not code
 _PREVIOUS = "_vecinfer_attn_before_simulation"  # the model's implementation before enable_simulation
 
@@ -101,15 +108,30 @@ def simulated_attention(q, k, v, k_hat, v_hat, attn_mask, is_causal, scale, resi
     return out.to(q.dtype)
 
 
+def biased_mask(position_bias, attn_mask, is_causal, tq, tk):
+    """One additive float mask, as transformers' SDPA attention makes it: ``position_bias``
+    (broadcastable to ``[B, Hq, Tq, Tk]``) where ``attn_mask`` (None, bool or additive) and SDPA's
+    top-left causal mask (``is_causal``) let a query read, the dtype's minimum elsewhere."""
+    if is_causal:
+        attn_mask = torch.ones(tq, tk, dtype=torch.bool, device=position_bias.device).tril()
+    if attn_mask is None:
+        return position_bias
+    if attn_mask.dtype == torch.bool:
+        return position_bias.masked_fill(~attn_mask, torch.finfo(position_bias.dtype).min)
+    return position_bias + attn_mask
+
+
 def vecinfer_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
-                               scaling=None, is_causal=None, **kwargs):
+                               scaling=None, is_causal=None, position_bias=None, **kwargs):
     """The ``"vecinfer"`` attention implementation (transformers' AttentionInterface
-    signature). query ``[B, Hq, Tq, D]``, key/value ``[B, Hkv, Tk, D]``; returns
-    ``([B, Tq, Hq, D], None)``."""
+    signature). query ``[B, Hq, Tq, D]``, key/value ``[B, Hkv, Tk, D]``, position_bias None or
+    additive, broadcastable to ``[B, Hq, Tq, Tk]``; returns ``([B, Tq, Hq, D], None)``."""
+    check_attention_call(module, query, key, value, kwargs)
     sim: LayerSimulator | str | None = getattr(module, "vecinfer_simulator", None)
     if sim == FULL_PRECISION:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+                                      scaling=scaling, is_causal=is_causal, position_bias=position_bias,
+                                      **kwargs)
     if sim is None:
         raise RuntimeError(
             "attn_implementation='vecinfer' needs quantizers: call "
@@ -121,6 +143,8 @@ def vecinfer_attention_forward(module, query, key, value, attention_mask, dropou
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = bool(tq > 1 and attention_mask is None and (is_causal if is_causal is not None
                                                          else getattr(module, "is_causal", True)))
+    if position_bias is not None:
+        attention_mask, causal = biased_mask(position_bias, attention_mask, causal, tq, key.shape[2]), False
     if sim.full_precision_prefill and tq > 1:
         k_hat, v_hat, residual = key, value, 0
     else:
@@ -136,6 +160,8 @@ def _register() -> None:
 
     AttentionInterface.register(ATTN_NAME, vecinfer_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionInterface.register(UNSKIPPED_MASKS_NAME, vecinfer_attention_forward)
+    AttentionMaskInterface.register(UNSKIPPED_MASKS_NAME, unskipped_sdpa_mask)
 
 
 _register()
@@ -171,12 +197,12 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
         codebooks.check_weights(model)  # warns once if calibrated on another model's weights
     if not is_simulating(model):  # what disable_simulation goes back to (kept when re-enabled)
         model.__dict__[_PREVIOUS] = getattr(model.config, "_attn_implementation", None)
-    coded = coded_layers(model.config)
+    coded = some_coded_layers(model.config)
     for module in attention_modules(model):
         module.vecinfer_simulator = LayerSimulator(
             method, float(bits), residual, codebooks, module.layer_idx, full_precision_prefill
         ) if coded[module.layer_idx] else FULL_PRECISION
-    model.set_attn_implementation(ATTN_NAME)
+    model.set_attn_implementation(UNSKIPPED_MASKS_NAME if needs_unskipped_masks(model) else ATTN_NAME)
     return model
 
 
@@ -205,5 +231,5 @@ def disable_simulation(model):
         if hasattr(module, "vecinfer_simulator"):
             del module.vecinfer_simulator
     previous = model.__dict__.pop(_PREVIOUS, None)
-    model.set_attn_implementation(previous if previous not in (None, ATTN_NAME) else "sdpa")
+    model.set_attn_implementation(previous if previous not in (None, ATTN_NAME, UNSKIPPED_MASKS_NAME) else "sdpa")
     return model
