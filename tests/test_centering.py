@@ -104,7 +104,7 @@ CONFIG = tiny_config()
 def test_round_trip_keeps_the_mean(tmp_path, method):
     cb = random_codebooks(CONFIG, 2.0, method)
     back = load_codebooks(cb.save(tmp_path / "cb.safetensors"))
-    assert back.method == method and back.metadata["format"] == "vecinfer-codebooks/4"
+    assert back.method == method and back.metadata["format"] == "vecinfer-codebooks/5"
     for a, b in zip(cb.layers, back.layers):
         assert b.transform.mean.shape == (2, 16) and torch.equal(a.transform.mean, b.transform.mean)
     uncentred = random_codebooks(CONFIG, 2.0, UNCENTRED[method])

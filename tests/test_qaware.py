@@ -173,7 +173,7 @@ def test_query_aware_inputs_are_checked():
 def test_round_trip(tmp_path, method):
     cb = random_codebooks(CONFIG, 2.0, method)
     back = load_codebooks(cb.save(tmp_path / "cb.safetensors"))
-    assert back.method == method and back.metadata["format"] == "vecinfer-codebooks/4"
+    assert back.method == method and back.metadata["format"] == "vecinfer-codebooks/5"
     for a, b in zip(cb.layers, back.layers):
         assert torch.equal(a.transform.key_matrix, b.transform.key_matrix)
         assert torch.equal(a.transform.query_matrix, b.transform.query_matrix)
@@ -212,7 +212,7 @@ def test_broken_query_aware_files_name_the_fix(tmp_path):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "qaware2"}))
     with pytest.raises(ValueError, match="takes no query-aware matrices"):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "hadamard"}))
-    with pytest.raises(ValueError, match="reads vecinfer-codebooks/4, vecinfer-codebooks/3"):
+    with pytest.raises(ValueError, match="reads vecinfer-codebooks/5, vecinfer-codebooks/4, vecinfer-codebooks/3"):
         load_codebooks(_rewrite(path, tmp_path, meta={"format": "vecinfer-codebooks/9"}))
 
 

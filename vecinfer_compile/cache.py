@@ -23,11 +23,11 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin, StaticCache
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer, StaticCache
 
 from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
-from .layer_kinds import check_codable
+from .layer_kinds import HYBRID_KINDS, SLIDING, check_codable, kv_producers, layer_kinds
 from .ops.cache_append import transform_keys
 from .ops import chunk_attention
 from .ops.chunk_attention import ChunkKeys
@@ -155,6 +155,7 @@ class VecInferLayer(CacheLayerMixin):
                     f"head_dim {head_dim} is not divisible by the {what} sub-vector size {dims}: "
                     "these codebooks do not fit this model"
                 )
+        _check_transform_heads(layer_idx, num_kv_heads, lam=lam, key_matrix=key_matrix, key_mean=key_mean)
         dev = self.device
         self.key_centroids = key_centroids.to(dev, torch.float32).contiguous()
         self.value_centroids = value_centroids.to(dev, torch.float32).contiguous()
@@ -214,6 +215,12 @@ class VecInferLayer(CacheLayerMixin):
         self._check_states(key_states, key_states if value_states is None else value_states)
 
     def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.dim() == v.dim() == 4 and k.shape[-1] != v.shape[-1]:
+            raise NotImplementedError(
+                f"VecInferCache layer {self.layer_idx} gets keys of head dim {k.shape[-1]} and values of "
+                f"{v.shape[-1]}; VecInfer attention needs one head_dim (multi-head latent attention is not "
+                "supported)"
+            )
         for t, name in ((k, "key_states"), (v, "value_states")):
             if t.dim() != 4:
                 raise ValueError(f"{name} must be [B, H_kv, T, D], got {tuple(t.shape)}")
@@ -431,7 +438,8 @@ class VecInferLayer(CacheLayerMixin):
             del k, v
         return out
 
-    def _read(self, ops, length: int | None = None, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, ops, length: int | None = None, rows: slice = slice(None),
+              window: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``vecinfer::cache_kv`` (K in the original domain, V), then, for the query-aware
         methods, ``K = (K~.float() @ key_read).to(dtype)`` (a plain matmul that
         :mod:`~vecinfer_compile.passes.cache_decode` recognises and moves to the query side), and
@@ -439,13 +447,15 @@ class VecInferLayer(CacheLayerMixin):
         beyond the valid length then hold ``mu`` rather than zeros; the mask hides them.
 
         ``length``: read the first ``length`` slots only (``[B, H, length, D]``; eager);
-        ``rows``: these batch rows only (eager)."""
+        ``rows``: these batch rows only (eager); ``window``: ``(n_coded, k_window, v_window,
+        n_window)`` read in place of the layer's own (eager; windows ``[B, H, w, D]``, keys transformed)."""
         k_codes, v_codes = self.k_codes[rows], self.v_codes[rows]
         if length is not None:
             k_codes, v_codes = k_codes[:, :, :length], v_codes[:, :, :length]
+        n_coded, k_window, v_window, n_window = window or (self.n_coded, self.k_window, self.v_window, self.n_window)
         k, v = ops.cache_kv(
-            k_codes, v_codes, self.key_centroids, self.value_centroids, self.n_coded,
-            self.k_window[rows], self.v_window[rows], self.n_window, self.lam, self.rotation,
+            k_codes, v_codes, self.key_centroids, self.value_centroids, n_coded,
+            k_window[rows], v_window[rows], n_window, self.lam, self.rotation,
         )
         if self.key_read is None and self.key_mean is None:
             return k, v
@@ -463,6 +473,49 @@ class VecInferLayer(CacheLayerMixin):
         if not self.is_initialized:
             raise RuntimeError("this VecInferCache layer holds nothing yet (it allocates at its first update)")
         return self._read(_ops())
+
+    def dense_read(self, chunk: ChunkKeys | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager: the ``[B, H, max_cache_len, D]`` K (original domain) and V that an eager step's
+        codes read stands for (:mod:`.eager_decode`), zeros past the valid slots: after one token,
+        every slot (:meth:`dequantized`); after a chunk (``chunk``: what :meth:`_chunk_keys` took
+        before its append), the coded slots before it, then the old window and the chunk in full
+        precision, the rule of :mod:`.ops.chunk_attention`."""
+        if chunk is None:
+            return self.dequantized()
+        full = torch.tensor(chunk.k_full.shape[1], device=self.device)
+        window = (torch.tensor(chunk.n_coded, device=self.device), chunk.k_full.transpose(1, 2),
+                  chunk.v_full.transpose(1, 2), full)
+        return self._read(_ops(), window=window)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """What transformers code that reads a cache layer's K directly gets (Mllama asks whether a
+        layer holds anything; compiled, it reads nothing): eagerly a codes read
+        (:mod:`.eager_decode`: no memory; any op on it reads the layer dequantized), compiled
+        the dequantized K of every slot; None before the first update."""
+        return self._direct_read(0)
+
+    @keys.setter
+    def keys(self, value) -> None:  # CacheLayerMixin.__init__ sets None; the codes are the storage
+        if value is not None:
+            raise AttributeError("a VecInferCache layer's K/V are its codes: update() it instead")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """V as :attr:`keys` gives K."""
+        return self._direct_read(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        self.keys = value
+
+    def _direct_read(self, index: int) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        if _is_compiling():
+            return self._read(torch.ops.vecinfer)[index]
+        shape = (self.batch_size, self.num_heads, self.max_cache_len, self.head_dim)
+        return eager_decode.codes_read(self, shape, self.dtype, self.device)[index]
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older signature: cache_position
@@ -558,12 +611,89 @@ class VecInferLayer(CacheLayerMixin):
         pass
 
 
+class VecInferHybridLayer(VecInferLayer, LinearAttentionLayer):
+    """A coded layer of a hybrid model, attention beside a state-space mixer in one layer
+    (:mod:`.layer_kinds`; transformers' ``LinearAttentionAndStaticFullAttentionLayer`` otherwise):
+    the attention's K/V as codes (:class:`VecInferLayer`), the mixer's conv and recurrent states
+    as transformers' ``LinearAttentionLayer`` keeps them (``update_conv_state`` /
+    ``update_recurrent_state``, ``number_of_states`` of each, static addresses). Takes
+    VecInferLayer's arguments besides."""
+
+    def __init__(self, number_of_states: int = 1, **kwargs):
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        VecInferLayer.__init__(self, **kwargs)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if args:  # the attention's update: (key_states, value_states)
+            VecInferLayer.lazy_initialization(self, *args, **kwargs)
+        else:  # the mixer's: conv_states= / recurrent_states=, state_idx=
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        VecInferLayer.reset(self)
+        LinearAttentionLayer.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        VecInferLayer.reorder_cache(self, beam_idx)
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+
+    def row_view(self, start: int, stop: int) -> "VecInferLayer":
+        raise NotImplementedError("filling_rows needs every layer's state per row; this hybrid model's mixer "
+                                  "state is not: prefill the whole batch")
+
+
+def _check_generate_masks(config) -> None:
+    """Raise a NotImplementedError when transformers' ``generate()`` would mask a sliding layer of
+    ``config`` as full attention: with any static cache it builds the masks from
+    ``masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING``, which maps ``"hybrid_sliding"`` to a
+    full causal mask in transformers 5.24 (Inkling); such a mask, as long as the cache, meets the
+    layer's window (its own StaticCache fails alike)."""
+    from transformers import masking_utils
+
+    table = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    for kind in sorted(set(layer_kinds(config))):
+        mask = table.get(kind)
+        mask = mask.get(SLIDING) if isinstance(mask, dict) else mask
+        if HYBRID_KINDS.get(kind, kind) == SLIDING and mask is masking_utils.create_causal_mask:
+            raise NotImplementedError(
+                f"transformers' generate() masks this model's {kind} layers as full attention with any static "
+                "cache (its own StaticCache fails too): generate with transformers' DynamicCache"
+            )
+
+
+def _check_transform_heads(layer_idx: int, num_kv_heads: int, **state: torch.Tensor | None) -> None:
+    """Raise a ValueError unless the per-KV-head key transform (``lam [H, D]``, ``key_matrix
+    [H, D, D]``, ``key_mean [H, D]``) has the cache's ``num_kv_heads`` heads. Calibration records
+    the K/V attention receives: more heads there than the model caches means its attention reads
+    K/V built from the cache's after the update (JetMoE repeats them per expert), whose per-head
+    transform the cached heads cannot take."""
+    for name, t in state.items():
+        if t is not None and t.shape[0] != num_kv_heads:
+            raise ValueError(
+                f"VecInferCache layer {layer_idx}: the codebooks' {name} is for {t.shape[0]} KV heads but the "
+                f"model caches {num_kv_heads} (its attention repeats K/V after the cache): calibrate method='vq' "
+                "or 'hadamard'"
+            )
+
+
 def held_tensors(layer) -> list[torch.Tensor]:
     """The tensors one layer of a VecInferCache holds: a VecInferLayer's static buffers and
-    codebook state, or the tensors of a transformers layer (its K/V once allocated, counters)."""
-    if isinstance(layer, VecInferLayer):
-        return layer._static_tensors()
-    return [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    codebook state, then :func:`full_precision_tensors`."""
+    coded = layer._static_tensors() if isinstance(layer, VecInferLayer) else []
+    return coded + full_precision_tensors(layer)
+
+
+def full_precision_tensors(layer) -> list[torch.Tensor]:
+    """What one layer of a VecInferCache holds besides codes: a transformers layer's tensors (its
+    K/V once allocated, counters, linear-attention states), a hybrid layer's conv/recurrent states
+    (linear-attention layers keep those in dicts by state index)."""
+    found = []
+    for value in vars(layer).values():
+        if isinstance(value, dict):
+            found += [t for t in value.values() if isinstance(t, torch.Tensor)]
+        elif isinstance(value, torch.Tensor) and not isinstance(layer, VecInferLayer):
+            found.append(value)
+    return found
 
 
 def _indexed(device) -> torch.device:
@@ -578,6 +708,21 @@ def _indexed(device) -> torch.device:
 def _config_of(model_or_config):
     config = getattr(model_or_config, "config", model_or_config)
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _check_takes_a_generic_cache(model: torch.nn.Module) -> None:
+    """Raise a ValueError when ``model``'s transformers module defines a cache class of its own
+    (MiniMax's ``MiniMaxCache``): such a model refuses any other cache, a VecInferCache included."""
+    import inspect
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    own = [name for name, obj in (vars(module) if module else {}).items()
+           if inspect.isclass(obj) and issubclass(obj, Cache) and obj.__module__ == module.__name__]
+    if own:
+        raise ValueError(f"{type(model).__name__} keeps a cache class of its own ({', '.join(own)}) and accepts "
+                         "no other, so a VecInferCache cannot hold its K/V: use the simulate path "
+                         "(vecinfer_compile.simulation) to measure accuracy, or transformers' own cache")
 
 
 def _dtype_of(model_or_config, config) -> torch.dtype:
@@ -638,7 +783,9 @@ class VecInferCache(Cache):
     Not croppable (encoded tokens cannot be un-flushed); fixed batch size. Models that mix
     attention kinds have codes in the layers :mod:`vecinfer_compile.layer_kinds` names (their
     full-attention layers; every layer of a model whose every layer slides) and transformers' own
-    static layers elsewhere (sliding or chunked windows in full precision, linear-attention state);
+    static layers elsewhere (sliding or chunked windows in full precision, linear-attention state,
+    nothing for a layer that reads another layer's K/V); a coded hybrid layer (attention beside a
+    state-space mixer) also keeps the mixer's state (:class:`VecInferHybridLayer`).
     :meth:`coded_layers` lists the coded ones, :meth:`kv_bytes` counts both kinds.
 
     Tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``): pass the
@@ -664,6 +811,8 @@ class VecInferCache(Cache):
         if isinstance(model_or_config, torch.nn.Module):
             from .simulate import is_simulating
 
+            _check_takes_a_generic_cache(model_or_config)
+
             if is_simulating(model_or_config):
                 raise ValueError(
                     "this model has simulation on (enable_simulation): generating with a VecInferCache "
@@ -679,6 +828,7 @@ class VecInferCache(Cache):
         if isinstance(model_or_config, torch.nn.Module):  # warns once if calibrated on other weights
             codebooks.check_weights(model_or_config)
         coded = check_codable(config, residual)
+        _check_generate_masks(config)
         geometry = model_geometry(config)
         if dtype is None:
             dtype = _dtype_of(model_or_config, config)
@@ -690,20 +840,25 @@ class VecInferCache(Cache):
         self.tp_shard = model_shard(model_or_config)  # None unless the model is tensor parallel
         heads, num_kv_heads = local_kv_heads(self.tp_shard, geometry["num_kv_heads"])
         rotation_cache: dict[bool, torch.Tensor | None] = {}
-        # the layers that are not coded: transformers' own static layers for their kind (bounded
-        # sliding/chunked windows, linear-attention state), allocated at their first update
-        uncoded = StaticCache(config=config, max_cache_len=max_cache_len).layers if not all(coded) else None
+        # the layers that hold no codes: transformers' own static layers for their kind (bounded
+        # sliding/chunked windows, linear-attention state; nothing for a layer that reads another's
+        # K/V), allocated at their first update
+        kinds = layer_kinds(config)
+        stores = [c and p == i for i, (c, p) in enumerate(zip(coded, kv_producers(config)))]
+        static = StaticCache(config=config, max_cache_len=max_cache_len).layers
         layers = []
         for i in range(geometry["num_layers"]):
-            if not coded[i]:
-                layers.append(uncoded[i])
+            if not stores[i]:
+                layers.append(static[i])
                 continue
             lc = codebooks.layer(i) if self.tp_shard is None else local_layer(codebooks.layer(i), heads)
             rotate = bool(lc.transform.rotate)
             if rotate not in rotation_cache:  # one rotation tensor shared by all layers
                 rotation_cache[rotate] = lc.transform.rotation(torch.float32, device)
+            mixer = {"number_of_states": static[i].number_of_states} if kinds[i] in HYBRID_KINDS else {}
             layers.append(
-                VecInferLayer(
+                (VecInferHybridLayer if mixer else VecInferLayer)(
+                    **mixer,
                     batch_size=batch_size,
                     num_kv_heads=num_kv_heads,
                     head_dim=head_dim,
@@ -786,6 +941,5 @@ class VecInferCache(Cache):
                                "(or build it with batch_size=)")
         l0 = coded[0]
         per_layer = 2 * l0.batch_size * l0.num_heads * l0.max_cache_len * l0.head_dim
-        others = sum(t.numel() * t.element_size() for layer in self.layers if not isinstance(layer, VecInferLayer)
-                     for t in held_tensors(layer))
+        others = sum(t.numel() * t.element_size() for layer in self.layers for t in full_precision_tensors(layer))
         return len(coded) * per_layer * torch.empty((), dtype=self.dtype).element_size() + others

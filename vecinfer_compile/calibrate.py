@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .allocate import allocation_choices, retrieval_allocation
 from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
-from .layer_kinds import coded_layers
+from .layer_kinds import NO_KV_KINDS, coded_layers, kv_producers, layer_kinds
 from .methods import VQ_METHODS, check_method
 from .presets import get_preset
 from .quant.codebook import subvectors
@@ -53,6 +53,35 @@ def _fit_codebook(vectors: torch.Tensor, entries: int, dims: int, *, iters: int,
     if sub.shape[0] > max_vectors:
         sub = sub[torch.randperm(sub.shape[0], generator=gen)[:max_vectors]]
     return kmeans(sub.to(device), entries, iters=iters, seed=seed).centroids.cpu()
+
+
+def _check_recorded_layers(config, recorded: list[int], *, per_layer_bits: bool) -> None:
+    """Raise a ValueError unless the layers whose attention was recorded are the model's attention
+    layers: every decoder layer, or all but a hybrid model's linear-attention, convolution or
+    state-space layers (:func:`~vecinfer_compile.layer_kinds.layer_kinds`), which have no K/V and
+    get no codebooks. Per-layer bits (``per_layer_bits``) need every layer recorded."""
+    kinds = layer_kinds(config)
+    missing = [i for i in range(len(kinds)) if i not in recorded]
+    outside = [i for i in recorded if not 0 <= i < len(kinds)]
+    if any(i < 0 for i in outside):
+        raise ValueError(f"an attention module has layer index {min(outside)}: one attention block shared by "
+                         "several decoder layers, whose K/V per-layer codebooks cannot describe: this model is "
+                         "not supported")
+    if outside:
+        raise ValueError(f"recorded attention in layers {outside}, which the config's {len(kinds)} decoder "
+                         "layers do not have: the config does not describe this model")
+    attention = [i for i in missing if kinds[i] not in NO_KV_KINDS]
+    if attention:
+        raise ValueError(
+            f"recorded attention in {len(recorded)} of the model's {len(kinds)} layers: layers {attention} "
+            f"(kinds {sorted({kinds[i] for i in attention})}) ran no attention through transformers' "
+            "AttentionInterface (they share or reuse another layer's attention, or call their own kernel), "
+            "so their K/V cannot be calibrated: this model is not supported"
+        )
+    if missing and per_layer_bits:
+        raise ValueError(f"layers {missing} have no attention ({sorted({kinds[i] for i in missing})}): per-layer "
+                         "bits (layer_bits / allocate='retrieval') are for models whose every layer has "
+                         "attention; calibrate one preset (bits=...)")
 
 
 def calibrate(
@@ -123,8 +152,7 @@ def calibrate(
         raise ValueError(f"ridge must be > 0 (it keeps the query moment invertible), got {ridge}")
     recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=bool(spec.query_aware))
     keys, values = recorded[:2]
-    if len(keys) != num_layers:
-        raise ValueError(f"recorded {len(keys)} attention layers but the config has {num_layers}")
+    _check_recorded_layers(model.config, sorted(keys), per_layer_bits=layer_bits is not None or allocate == "retrieval")
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
@@ -166,8 +194,11 @@ def calibrate(
         metadata["allocation"] = {**allocation.as_dict(), "residual": residual}
         log.info("retrieval allocation: layer bits %s (retrieval scores %s)", layer_bits,
                  [round(s, 3) for s in allocation.retrieval])
+    for i, producer in enumerate(kv_producers(model.config)):  # a layer reading another's K/V: its codebooks
+        if producer != i and producer in fitted:
+            fitted[i] = fitted[producer]
     per_layer = [c[0] for c in candidates] if layer_bits is None else [float(b) for b in layer_bits]
-    layers = [fitted[i][b] for i, b in enumerate(per_layer)]
+    layers = [fitted[i][b] if i in fitted else None for i, b in enumerate(per_layer)]
     average = average_bits(per_layer)
     log.info("calibrated %g-bit %s codebooks on %d tokens", average, method, token_ids.numel())
     return VecInferCodebooks(method, average, layers, geometry, metadata, layer_bits=per_layer)

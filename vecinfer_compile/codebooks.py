@@ -1,17 +1,21 @@
 """The calibration artifact: per-layer key transform and key/value codebooks, with metadata.
 
-File format 4: one safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
-``layers.{i}.value_centroids [E_v, d_v]`` (float32; each layer has its own preset) and, when the
-method smooths, ``lam [L, H_kv, D]``; for the query-aware methods ``key_matrix [L, H_kv, D, D]``
-and ``query_matrix [L, H_kv, D, D]`` (``A`` and ``A^(-T)``, see
+File format 5: one safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
+``layers.{i}.value_centroids [E_v, d_v]`` (float32; each layer has its own preset) for every
+layer ``i`` of ``attention_layers`` (metadata: the decoder layers that have attention; a
+hybrid model's linear-attention, convolution or state-space layers hold no K/V and have no
+codebooks) and, stacked over those ``A`` layers: when the method smooths, ``lam [A, H_kv, D]``;
+for the query-aware methods ``key_matrix [A, H_kv, D, D]``
+and ``query_matrix [A, H_kv, D, D]`` (``A`` and ``A^(-T)``, see
 :mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` they were made with; for the
-centring methods ``key_mean [L, H_kv, D]`` (``mu``, subtracted from the keys before the rest of
+centring methods ``key_mean [A, H_kv, D]`` (``mu``, subtracted from the keys before the rest of
 the transform, :mod:`vecinfer_compile.quant.transform`). The safetensors metadata key
 ``"vecinfer"`` holds a JSON object: method, bits (the average over layers), ``layer_bits`` (one
 preset per layer), the model fingerprint (geometry + a hash of it), the model name and, from
 :func:`vecinfer_compile.calibrate.calibrate`, the ``weight_fingerprint`` of the weights it was
 calibrated on (:mod:`vecinfer_compile.weight_fingerprint`; files written before it have none),
-calibration text hash and token count, and the package version. Older formats still load, with
+calibration text hash and token count, and the package version. Older formats still load:
+format 4 (every layer has attention and codebooks), with
 ``mu = 0`` (no centring: the codebooks were fitted to uncentred keys): format 3 (no
 ``key_mean``), format 2 (nor the matrices; no query-aware methods) and format 1 (one preset for
 all layers, stacked ``key_centroids [L, E_k, d_k]`` and ``value_centroids [L, E_v, d_v]``).
@@ -41,25 +45,30 @@ from .weight_fingerprint import TOLERANCE, check_fingerprint, fingerprint_distan
 
 log = logging.getLogger(__name__)
 
-FORMAT = "vecinfer-codebooks/4"
+FORMAT = "vecinfer-codebooks/5"
+FORMAT_V4 = "vecinfer-codebooks/4"
 FORMAT_V3 = "vecinfer-codebooks/3"
 FORMAT_V2 = "vecinfer-codebooks/2"
 FORMAT_V1 = "vecinfer-codebooks/1"
-READS = (FORMAT, FORMAT_V3, FORMAT_V2, FORMAT_V1)
+READS = (FORMAT, FORMAT_V4, FORMAT_V3, FORMAT_V2, FORMAT_V1)
 STATE_BYTES = 4  # float32: every tensor of the file, as stored and as the cache holds it
 MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of a ridge-conditioned S)
 
 
 def model_geometry(config) -> dict:
-    """The attention geometry of a Hugging Face config (text config for multimodal models)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    """The attention geometry of a Hugging Face config (text config for multimodal models); a
+    ValueError naming why for a model without one geometry VecInfer can code (no attention layers,
+    several attention stacks, per-layer head dims: :mod:`.attention_support`)."""
+    from .attention_support import attention_config, uniform_attribute
+
+    cfg = attention_config(config)
+    heads = uniform_attribute(cfg, "num_attention_heads")
+    head_dim = uniform_attribute(cfg, "head_dim") or cfg.hidden_size // heads
     return {
         "model_type": getattr(cfg, "model_type", "unknown"),
         "num_layers": cfg.num_hidden_layers,
         "num_query_heads": heads,
-        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "num_kv_heads": uniform_attribute(cfg, "num_key_value_heads") or heads,
         "head_dim": head_dim,
         "hidden_size": cfg.hidden_size,
         "vocab_size": getattr(cfg, "vocab_size", None),
@@ -73,7 +82,7 @@ def geometry_fingerprint(geometry: dict) -> str:
 
 @dataclass
 class LayerCodebooks:
-    """One layer's quantizer. key_centroids: ``[E_k, d_k]``; value_centroids: ``[E_v, d_v]``
+    """One attention layer's quantizer. key_centroids: ``[E_k, d_k]``; value_centroids: ``[E_v, d_v]``
     (float32); transform: smoothing factors ``[H_kv, D]`` or query-aware matrices
     ``[H_kv, D, D]``, and/or rotation, after an optional key mean ``[H_kv, D]``."""
 
@@ -91,19 +100,23 @@ def average_bits(layer_bits: list[float]) -> float:
 class VecInferCodebooks:
     """Codebooks and transforms for every layer of one model.
 
+    ``layers`` has one entry per decoder layer: None for a layer without attention (a hybrid
+    model's linear-attention, convolution or state-space layer, which holds no K/V).
     ``bits`` is the nominal bits per element over the whole cache; ``layer_bits`` gives each
     layer's preset when the layers differ (a per-layer allocation, see
     :mod:`vecinfer_compile.allocate`) and is None when every layer uses the preset of ``bits``."""
 
     method: str
     bits: float
-    layers: list[LayerCodebooks]
+    layers: list[LayerCodebooks | None]
     geometry: dict
     metadata: dict = field(default_factory=dict)
     layer_bits: list[float] | None = None
     _reported: set = field(default_factory=set, init=False, repr=False, compare=False)  # once-only log lines
 
     def __post_init__(self) -> None:
+        if not self.attention_layers():
+            raise ValueError("codebooks need at least one attention layer; every entry of layers is None")
         if self.layer_bits is None:
             return
         self.layer_bits = [float(b) for b in self.layer_bits]
@@ -141,9 +154,18 @@ class VecInferCodebooks:
     def head_dim(self) -> int:
         return self.geometry["head_dim"]
 
+    def attention_layers(self) -> list[int]:
+        """The decoder layers that have attention, hence codebooks (all of them but a hybrid
+        model's linear-attention, convolution or state-space layers)."""
+        return [i for i, layer in enumerate(self.layers) if layer is not None]
+
     def layer(self, index: int) -> LayerCodebooks:
         if not 0 <= index < len(self.layers):
             raise IndexError(f"codebooks cover {len(self.layers)} layers, asked for layer {index}")
+        if self.layers[index] is None:
+            raise ValueError(f"layer {index} has no attention in the calibrated model (a linear-attention, "
+                             f"convolution or state-space layer), so it has no codebooks; its attention "
+                             f"layers are {self.attention_layers()}")
         return self.layers[index]
 
     def state_bytes(self) -> dict[str, int]:
@@ -153,7 +175,7 @@ class VecInferCodebooks:
         method has not are absent). The cache adds its Hadamard matrix (``D * D``) for the methods
         that rotate and are not query-aware (:func:`~vecinfer_compile.evaluation.kv_bytes.kv_bytes`)."""
         counts: dict[str, int] = {}
-        for layer in self.layers:
+        for layer in filter(None, self.layers):
             t = layer.transform
             parts = (("codebooks", layer.key_centroids), ("codebooks", layer.value_centroids),
                      ("smoothing factors", t.lam), ("query-aware matrices", t.key_matrix),
@@ -273,23 +295,26 @@ class VecInferCodebooks:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
-        for i, layer in enumerate(self.layers):
+        present = self.attention_layers()
+        layers = [self.layers[i] for i in present]
+        for i, layer in zip(present, layers):
             tensors[f"layers.{i}.key_centroids"] = layer.key_centroids.float().cpu()
             tensors[f"layers.{i}.value_centroids"] = layer.value_centroids.float().cpu()
-        if self.layers[0].transform.lam is not None:
-            tensors["lam"] = torch.stack([l.transform.lam.float().cpu() for l in self.layers])
-        if self.layers[0].transform.key_matrix is not None:
-            tensors["key_matrix"] = torch.stack([l.transform.key_matrix.float().cpu() for l in self.layers])
-            tensors["query_matrix"] = torch.stack([l.transform.query_matrix.float().cpu() for l in self.layers])
-        if self.layers[0].transform.mean is not None:
-            tensors["key_mean"] = torch.stack([l.transform.mean.float().cpu() for l in self.layers])
+        if layers[0].transform.lam is not None:
+            tensors["lam"] = torch.stack([l.transform.lam.float().cpu() for l in layers])
+        if layers[0].transform.key_matrix is not None:
+            tensors["key_matrix"] = torch.stack([l.transform.key_matrix.float().cpu() for l in layers])
+            tensors["query_matrix"] = torch.stack([l.transform.query_matrix.float().cpu() for l in layers])
+        if layers[0].transform.mean is not None:
+            tensors["key_mean"] = torch.stack([l.transform.mean.float().cpu() for l in layers])
         meta = {
             **{k: v for k, v in self.metadata.items() if k not in ("key_preset", "value_preset")},
             "format": FORMAT,
             "method": self.method,
             "bits": self.bits,
             "layer_bits": self.bits_per_layer(),
-            "rotate": self.layers[0].transform.rotate,
+            "attention_layers": present,
+            "rotate": layers[0].transform.rotate,
             "geometry": self.geometry,
             "fingerprint": geometry_fingerprint(self.geometry),
             "package_version": __version__,
@@ -345,16 +370,18 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
             raise ValueError(f"{path}: tensor {name!r} is missing (corrupt file)")
         return tensors[name]
 
+    present = _attention_layers(path, meta, num_layers)
     if meta.get("format") == FORMAT_V1:
         layer_bits = [bits] * num_layers
         key_c, value_c = list(tensor("key_centroids")), list(tensor("value_centroids"))
     else:
         layer_bits = [float(b) for b in meta["layer_bits"]]
-        key_c = [tensor(f"layers.{i}.key_centroids") for i in range(num_layers)]
-        value_c = [tensor(f"layers.{i}.value_centroids") for i in range(num_layers)]
-    if len(layer_bits) != num_layers or len(key_c) != num_layers:
+        key_c = [tensor(f"layers.{i}.key_centroids") for i in present]
+        value_c = [tensor(f"layers.{i}.value_centroids") for i in present]
+    if len(layer_bits) != num_layers or len(key_c) != len(present):
         raise ValueError(f"{path}: holds {len(key_c)} layers, its geometry says {num_layers} (corrupt file)")
-    for i, (b, kc, vc) in enumerate(zip(layer_bits, key_c, value_c)):
+    for i, kc, vc in zip(present, key_c, value_c):
+        b = layer_bits[i]
         preset = get_preset(b)
         expect_k = (preset.key.entries, preset.key.dims)
         expect_v = (preset.value.entries, preset.value.dims)
@@ -366,25 +393,40 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     lam = tensors.get("lam")
     if spec.smooth and lam is None:
         raise ValueError(f"{path}: method {method!r} needs smoothing factors but the file has none")
-    key_m, query_m = _query_aware_matrices(path, tensors, method, spec.query_aware, geometry)
-    mean = _key_mean(path, tensors, method, spec.center, meta.get("format") == FORMAT, geometry)
-    layers = [
-        LayerCodebooks(
-            KeyTransform(geometry["head_dim"], lam[i] if lam is not None else None, spec.rotate,
-                         None if key_m is None else key_m[i], None if query_m is None else query_m[i],
-                         mean=None if mean is None else mean[i]),
-            key_c[i],
-            value_c[i],
+    if lam is not None and tuple(lam.shape) != (len(present), geometry["num_kv_heads"], geometry["head_dim"]):
+        raise ValueError(f"{path}: lam has shape {tuple(lam.shape)}, its {len(present)} attention layers need "
+                         f"{(len(present), geometry['num_kv_heads'], geometry['head_dim'])} (corrupt file)")
+    key_m, query_m = _query_aware_matrices(path, tensors, method, spec.query_aware, geometry, len(present))
+    mean = _key_mean(path, tensors, method, spec.center, meta.get("format") in (FORMAT, FORMAT_V4), geometry,
+                     len(present))
+    layers: list[LayerCodebooks | None] = [None] * num_layers
+    for n, i in enumerate(present):  # n: the layer's row in the stacked tensors
+        layers[i] = LayerCodebooks(
+            KeyTransform(geometry["head_dim"], lam[n] if lam is not None else None, spec.rotate,
+                         None if key_m is None else key_m[n], None if query_m is None else query_m[n],
+                         mean=None if mean is None else mean[n]),
+            key_c[n],
+            value_c[n],
         )
-        for i in range(num_layers)
-    ]
-    keep = {k: v for k, v in meta.items() if k not in ("method", "bits", "geometry", "layer_bits")}
+    keep = {k: v for k, v in meta.items() if k not in ("method", "bits", "geometry", "layer_bits", "attention_layers")}
     return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
 
 
-def _query_aware_matrices(path: Path, tensors: dict, method: str, needed: bool, geometry: dict):
-    """``(key_matrix, query_matrix)`` ``[L, H_kv, D, D]`` of a query-aware file (None, None
-    otherwise), checked: present, shaped for the geometry, and inverse transposes of each other."""
+def _attention_layers(path: Path, meta: dict, num_layers: int) -> list[int]:
+    """The layers of a file that have codebooks, checked: format 5 lists them (a hybrid model's
+    layers without attention have none); in older formats every layer has them."""
+    present = meta.get("attention_layers", list(range(num_layers)))
+    if (not present or present != sorted(set(present))
+            or not all(isinstance(i, int) and 0 <= i < num_layers for i in present)):
+        raise ValueError(f"{path}: attention_layers {present} is not an increasing list of layers below "
+                         f"{num_layers} (corrupt file)")
+    return present
+
+
+def _query_aware_matrices(path: Path, tensors: dict, method: str, needed: bool, geometry: dict, layers: int):
+    """``(key_matrix, query_matrix)`` ``[A, H_kv, D, D]`` of a query-aware file (None, None
+    otherwise) for its ``A = layers`` attention layers, checked: present, shaped for the
+    geometry, and inverse transposes of each other."""
     present = [name for name in ("key_matrix", "query_matrix") if name in tensors]
     if not needed:
         if present:
@@ -396,7 +438,7 @@ def _query_aware_matrices(path: Path, tensors: dict, method: str, needed: bool, 
                          f"the file has {present or 'neither'}: recalibrate with `vecinfer calibrate "
                          f"--method {method}`")
     a, b = tensors["key_matrix"], tensors["query_matrix"]
-    expect = (geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"], geometry["head_dim"])
+    expect = (layers, geometry["num_kv_heads"], geometry["head_dim"], geometry["head_dim"])
     for name, t in (("key_matrix", a), ("query_matrix", b)):
         if tuple(t.shape) != expect:
             raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, its geometry needs {expect} "
@@ -411,8 +453,10 @@ def _query_aware_matrices(path: Path, tensors: dict, method: str, needed: bool, 
 
 
 
-def _key_mean(path: Path, tensors: dict, method: str, centred: bool, current: bool, geometry: dict):
-    """``key_mean [L, H_kv, D]`` float32 of a centring method's file, checked (shape, finite);
+def _key_mean(path: Path, tensors: dict, method: str, centred: bool, current: bool, geometry: dict,
+              layers: int):
+    """``key_mean [A, H_kv, D]`` float32 of a centring method's file for its ``A = layers``
+    attention layers, checked (shape, finite);
     None for the other methods, and for files of older formats (written before centring
     existed: their codebooks were fitted to uncentred keys, so ``mu = 0`` is what they mean)."""
     mean = tensors.get("key_mean")
@@ -426,7 +470,7 @@ def _key_mean(path: Path, tensors: dict, method: str, centred: bool, current: bo
             raise ValueError(f"{path}: method {method!r} needs tensor 'key_mean' but the file has none: "
                              f"recalibrate with `vecinfer calibrate --method {method}`")
         return None
-    expect = (geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"])
+    expect = (layers, geometry["num_kv_heads"], geometry["head_dim"])
     if tuple(mean.shape) != expect:
         raise ValueError(f"{path}: key_mean has shape {tuple(mean.shape)}, its geometry needs {expect} "
                          f"[layers, kv_heads, head_dim]: recalibrate with `vecinfer calibrate --method {method}`")

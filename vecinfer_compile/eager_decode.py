@@ -19,8 +19,16 @@ left padding over the valid slots gets SDPA over the dequantized cache instead);
 rule of :mod:`.ops.chunk_attention` (the coded prefix and the full-precision window and chunk, merged
 by log-sum-exp; on CUDA the prefix a few rows at a time into cuDNN or FlashAttention-2). Every other call (the prefill of an empty
 cache, other caches, anything traced by Dynamo) goes to ``sdpa_attention_forward`` unchanged, so a
-model on this implementation compiles to the same graph. Whatever else receives a codes read
-computes NaN, never plausible numbers.
+model on this implementation compiles to the same graph.
+
+A codes read is a :class:`CodesRead`: its metadata (shape, dtype, strides, ``numel``) answers
+without reading anything, and any torch op other than this attention (a model that splits,
+repeats or computes with its cached K/V before attention: DiffLlama's value halves, JetMoE's
+per-expert repeat, Doge's value-dependent mask) gets the layer's dequantized K/V in its place,
+read once per step for K and V together (:meth:`VecInferLayer.dense_read
+<vecinfer_compile.cache.VecInferLayer.dense_read>`): the read a compiled step or another attention
+implementation gets. So the eager codes path and the dequantized path compute the same thing; when
+attention then receives anything but the layer's own K and V reads, it attends over them by SDPA.
 
 ``VecInferCache(model, ...)`` switches a model on ``"sdpa"`` to this implementation
 (:func:`use_codes_attention`, logged once); a model on any other implementation keeps it and its
@@ -33,13 +41,15 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.utils._pytree import tree_map_only
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTN_NAME = "vecinfer_sdpa"
 _LAYER = "_vecinfer_codes_layer"  # the attribute of a codes read that names its layer
 _CHUNK = "_vecinfer_chunk_keys"  # and, for a chunk, what its attention reads (ops.chunk_attention.ChunkKeys)
-# (a sliding window is fine: transformers' SDPA path applies it through the mask, and so do the codes reads)
-_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux")
+# (a sliding window is fine: transformers' SDPA path applies it through the mask, and so do the codes reads;
+# a T5-style position_bias gets SDPA over the dequantized read, as transformers' SDPA adds it to the scores)
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux")
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -50,16 +60,69 @@ def is_active(config) -> bool:
     return config is not None and getattr(config, "_attn_implementation", None) == ATTN_NAME
 
 
+class CodesRead(torch.Tensor):
+    """K or V of a codes read: ``[B, H_kv, L, D]``, a 0-d NaN expanded (no memory), naming its
+    layer (``_vecinfer_codes_layer``), its chunk (``_vecinfer_chunk_keys``, None for one token)
+    and the :class:`_Pending` read it shares with its partner. Metadata answers as such; every
+    other torch op runs on the layer's dequantized K/V instead (a plain tensor comes out)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map_only(CodesRead, dense, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+_METADATA = frozenset(
+    [getattr(torch.Tensor, name).__get__ for name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda",
+                                                       "requires_grad")]
+    + [getattr(torch.Tensor, name) for name in ("size", "dim", "numel", "nelement", "stride", "element_size",
+                                                "is_floating_point", "is_contiguous", "untyped_storage", "__len__")]
+)
+
+
+class _Pending:
+    """The dequantized K/V a pair of codes reads stands for, read from ``layer`` on first use."""
+
+    def __init__(self, layer, chunk):
+        self.layer, self.chunk, self.kv = layer, chunk, None
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv is None:
+            self.kv = self.layer.dense_read(self.chunk)
+        return self.kv
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a :class:`CodesRead` the dequantized K or V it stands for."""
+    if not isinstance(t, CodesRead):
+        return t
+    return t._vecinfer_pending.dense()[t._vecinfer_index]
+
+
 def codes_read(layer, shape: tuple[int, int, int, int], dtype: torch.dtype,
                device: torch.device, chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stand-ins for ``(K, V)`` of ``shape`` ``[B, H_kv, L, D]``: NaN, zero strides (no memory),
-    each naming ``layer`` for :func:`codes_attention_forward`; a chunk's also carry ``chunk``
-    (its :class:`~vecinfer_compile.ops.chunk_attention.ChunkKeys`)."""
-    k, v = (torch.full((), float("nan"), dtype=dtype, device=device).expand(shape) for _ in range(2))
-    for t in (k, v):
+    """Stand-ins for ``(K, V)`` of ``shape`` ``[B, H_kv, L, D]``: :class:`CodesRead` s naming
+    ``layer`` for :func:`codes_attention_forward`; a chunk's also carry ``chunk`` (its
+    :class:`~vecinfer_compile.ops.chunk_attention.ChunkKeys`)."""
+    pending = _Pending(layer, chunk)
+    reads = []
+    for index in range(2):
+        t = torch.full((), float("nan"), dtype=dtype, device=device).expand(shape).as_subclass(CodesRead)
+        t._vecinfer_pending, t._vecinfer_index = pending, index
         setattr(t, _LAYER, layer)
         setattr(t, _CHUNK, chunk)
-    return k, v
+        reads.append(t)
+    return reads[0], reads[1]
+
+
+def _is_pair(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``key`` and ``value`` are the K and V of one codes read, as the layer returned them."""
+    return (isinstance(key, CodesRead) and isinstance(value, CodesRead) and key._vecinfer_index == 0
+            and value._vecinfer_index == 1 and key._vecinfer_pending is value._vecinfer_pending)
 
 
 def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -67,12 +130,10 @@ def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers' AttentionInterface signature. ``query: [B, Hq, Tq, D]``, ``key``/``value``:
     ``[B, H_kv, L, D]`` (or a codes read); returns ``([B, Tq, Hq, D], None)``."""
-    layer = None if torch.compiler.is_compiling() else getattr(key, _LAYER, None)
-    if layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+    if not _is_pair(key, value) or kwargs.get("position_bias") is not None:  # SDPA over what they hold
+        return sdpa_attention_forward(module, query, dense(key), dense(value), attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    if getattr(value, _LAYER, None) is not layer:
-        raise RuntimeError("vecinfer: the key is a VecInferCache codes read but the value is not the same layer's")
+    layer = getattr(key, _LAYER)
     if dropout:
         raise ValueError("vecinfer: attention over a VecInferCache has dropout > 0: call model.eval()")
     extra = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from .backend import vecinfer_backend
 from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
-from .layer_kinds import coded_layers
+from .layer_kinds import NO_KV_KINDS, coded_layers, layer_kinds
 from .methods import VQ_METHODS
 from .presets import get_preset
 from .quant.query_aware import query_aware_matrices, second_moment
@@ -147,11 +147,15 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
     :func:`~vecinfer_compile.codebooks.model_geometry` dict): for tests and speed benchmarks,
     never for accuracy. Layer ``i`` uses seed ``seed + i`` and the preset ``layer_bits[i]``
     (default: ``bits`` for every layer; given, ``bits`` is their average). From a config they
-    record which layers a VecInferCache codes, as calibrated ones do."""
+    record which layers a VecInferCache codes and have none for layers without attention
+    (linear-attention, convolution, state-space), as calibrated ones do."""
     geo = config_or_geometry if isinstance(config_or_geometry, dict) else model_geometry(config_or_geometry)
     spec = VQ_METHODS[method]
     per_layer = [float(bits)] * geo["num_layers"] if layer_bits is None else list(layer_bits)
+    no_kv = [False] * len(per_layer) if isinstance(config_or_geometry, dict) else \
+        [kind in NO_KV_KINDS for kind in layer_kinds(config_or_geometry)]
     layers = [
+        None if no_kv[i] else
         random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], bits=b, seed=seed + i,
                                smooth=spec.smooth, rotate=spec.rotate, query_aware=bool(spec.query_aware),
                                center=spec.center)

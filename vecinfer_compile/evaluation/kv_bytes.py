@@ -177,7 +177,7 @@ _WINDOW_STATE = ("k_window", "v_window", "n_coded", "n_window")
 def cache_bytes(cache) -> CacheBytes:
     """Measure ``cache`` (a VecInferCache) from its layers' buffers (:class:`CacheBytes`); a tensor
     shared by layers (the rotation) counts once."""
-    from ..cache import held_tensors
+    from ..cache import full_precision_tensors
 
     seen: set[tuple[int, int]] = set()
     coded = cache.coded_layers()
@@ -195,6 +195,5 @@ def cache_bytes(cache) -> CacheBytes:
     fixed, codes, window = held(_FIXED_STATE), held(_CODE_SLOTS), held(_WINDOW_STATE)
     first = coded[0]
     per_token = codes / (first.batch_size * first.max_cache_len) if first.is_initialized else None
-    other = sum(t.numel() * t.element_size() for layer in cache.layers if layer not in coded
-                for t in held_tensors(layer))
+    other = sum(t.numel() * t.element_size() for layer in cache.layers for t in full_precision_tensors(layer))
     return CacheBytes(fixed, codes, window, per_token, other)

@@ -116,11 +116,16 @@ def _example(node: fx.Node) -> torch.Tensor:
     return value
 
 
+def _below_root(path: str) -> str:
+    """``"L['self'].model.layers.3.self_attn"`` -> ``"model.layers.3.self_attn"``: a module path
+    without the Dynamo source of the compiled frame's root."""
+    return _MODULES_ITEM.sub(r".\1", _SOURCE_PREFIX.sub("", path))
+
+
 def layer_from_module_path(path: str) -> int | None:
     """``"L['self'].model.layers.3.self_attn"`` -> 3: the first integer component of the module
     path (after the Dynamo source prefix), or None."""
-    path = _MODULES_ITEM.sub(r".\1", _SOURCE_PREFIX.sub("", path))
-    match = _LAYER_INDEX.search(path)
+    match = _LAYER_INDEX.search(_below_root(path))
     return int(match.group(1)) if match else None
 
 
@@ -202,9 +207,23 @@ def _site(gm: fx.GraphModule, node: fx.Node, layer: int) -> SdpaSite:
 
 def find_sdpa_sites(gm: fx.GraphModule) -> list[SdpaSite]:
     """Every SDPA node of ``gm`` as a :class:`SdpaSite`, in graph order. Raises
-    NotImplementedError naming the fix for a form VecInfer cannot run (never silently skips)."""
+    NotImplementedError naming the fix for a form VecInfer cannot run (never silently skips).
+
+    A node's layer is the index in its module path. A node of a module (inside one, or in the
+    compiled frame's own module, whose parameters the graph reads) without one is refused: its
+    graph starts inside a decoder layer (a graph break there makes Dynamo compile the rest of the
+    layer's code on its own) and serves every layer, so no layer's codebooks may be placed in it.
+    Nodes of a compiled function are numbered by their order in the graph."""
     nodes = [n for n in gm.graph.nodes if is_sdpa(n)]
     layers = [_layer_of(n) for n in nodes]
+    for node, layer in zip(nodes, layers):
+        stack = node.meta.get("nn_module_stack")
+        if layer is None and (stack or getattr(gm, "_param_name_to_source", None)):
+            where = f"module {_below_root(list(stack.values())[-1][0])!r}" if stack else "a module's own forward"
+            raise NotImplementedError(
+                f"vecinfer: the attention in {where} has no layer index: a graph break inside a decoder layer "
+                "compiled one graph for every layer; remove it (fullgraph=True names it)"
+            )
     if any(layer is None for layer in layers):
         log.warning(
             "vecinfer: %d attention call(s) have no module path in node.meta['nn_module_stack']; "
