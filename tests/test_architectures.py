@@ -30,16 +30,17 @@ EXPECTED = {
     "mistral": ((WORKS, WORKS, WORKS), 2),  # sliding_window on every layer (all coded)
     "cohere2": ((WORKS, WORKS, WORKS), 4),  # 3 sliding + 1 full (the full one coded)
     "llama4_text": ((WORKS, WORKS, WORKS), 2),  # 1 chunked + 1 full (the full one coded)
-    "lfm2": ((WORKS, REFUSED, REFUSED), 1),  # 1 short convolution + 1 full attention
+    "lfm2": ((WORKS, WORKS, WORKS), 1),  # 1 short convolution (no codebooks) + 1 full attention
+    "gpt_oss": ((REFUSED, REFUSED, REFUSED), 0),  # attention sinks, eager attention only
 }
 # --- HYBRID: today's reasons (a substring of each refused path's note) and notes ---
 REFUSED_BECAUSE = {
-    "lfm2": {"simulate": "calibrate: recorded 1 attention layers but the config has 2",
-             "cache": "calibrate: recorded 1 attention layers but the config has 2"},
+    "gpt_oss": {"simulate": "attention sinks (s_aux) are not supported", "cache": "attention sinks (s_aux)"},
 }
 NOTES = {
     "cohere2": ["simulate quantizes 1 of 4 attention calls"],
     "llama4_text": ["simulate quantizes 1 of 2 attention calls"],
+    "gpt_oss": ["no SDPA attention in transformers (eager attention)"],
 }
 
 
@@ -149,3 +150,15 @@ def test_sweep_command_writes_the_document(tmp_path, capsys):
 def test_sweep_command_names_a_close_architecture(capsys):
     assert main(["sweep", "--only", "lama"]) == 2
     assert "'lama' is not an architecture of transformers' causal-LM mapping; did you mean llama" in capsys.readouterr().err
+
+
+def test_readme_quotes_the_sweep_it_was_generated_from():
+    """README's support paragraph is docs/architectures.md's summary, pasted (not written by hand):
+    after a new sweep, paste its "Of the ..." paragraph into README's Limitations."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    summary = next(line for line in (root / "docs" / "architectures.md").read_text().splitlines()
+                   if line.startswith("Of the "))
+    readme = " ".join((root / "README.md").read_text().split())
+    assert " ".join(summary.split()) in readme

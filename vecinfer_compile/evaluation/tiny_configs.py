@@ -111,6 +111,12 @@ OVERRIDES: dict[str, dict] = {
     "GraniteMoeHybridConfig": {"layer_types": ["linear_attention", "full_attention"]},
     # KV sharing: the last 5 of 10 layers reuse the caches of earlier layers of their kind
     "Gemma3nTextConfig": {"num_kv_shared_layers": 5},
+    # its input, recurrent and output layer counts must add up to the layers kept (the defaults,
+    # 8 + 8 of 4 layers, run every layer twice a forward, and transformers' own generate() fails)
+    "DoryConfig": {"n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
+    # a window no prompt reaches, as the released model's (3000 = its positions): with a shorter
+    # one, transformers' own StaticCache and DynamicCache give different logits for Moshi
+    "MoshiConfig": {"sliding_window": 32},
 }
 # Per config class: layers to keep (a prefix of the default pattern) where one of each kind is
 # not enough.
