@@ -71,8 +71,8 @@ def test_match_cli_prefill_chunk(capsys, monkeypatch, tiny_dir, sample_text_path
     monkeypatch.setattr(tm, "_generate", lambda model, ids, n, **kw: seen.append(kw.get("prefill_chunk_size"))
                         or real(model, ids, n, **kw))
     fp_prefill = []
-    real_sim = tm.simulate_tokens
-    monkeypatch.setattr(tm, "simulate_tokens", lambda *a, **kw: fp_prefill.append(kw["full_precision_prefill"])
+    real_sim = tm._simulate_run
+    monkeypatch.setattr(tm, "_simulate_run", lambda *a, **kw: fp_prefill.append(kw["full_precision_prefill"])
                         or real_sim(*a, **kw))
     cb = default_codebooks_dir() / "vecinfer-2bit.safetensors"
     code = main(["match", "--model", str(tiny_dir), "--codebooks", str(cb), "--text", str(sample_text_path),
@@ -83,3 +83,15 @@ def test_match_cli_prefill_chunk(capsys, monkeypatch, tiny_dir, sample_text_path
     result = json.loads(out)
     assert result["prefill_chunk"] == 16 and len(result["results"][0]["cache"]) == 6
     assert seen == [16, None] and fp_prefill == [False]
+    gaps = result["results"][0]["gaps_at_mismatch"]  # (cache, simulate) top-two gaps, where they part
+    assert (gaps is None) == (result["results"][0]["first_mismatch"] is None)
+
+
+def test_a_mismatch_reports_both_paths_top_two_gaps():
+    """The gaps at the first mismatch are the two paths' own: top-1 minus top-2 of the logits they
+    chose from at that step (so a tie is told apart from a wrong read)."""
+    from vecinfer_compile.evaluation.token_match import MatchResult
+
+    r = MatchResult(4, [5, 6, 7], [5, 6, 8], cache_gaps=[1.0, 2.0, 0.01], simulate_gaps=[1.1, 2.1, 0.02])
+    assert r.first_mismatch == 2 and r.gaps_at_mismatch() == (0.01, 0.02)
+    assert MatchResult(4, [5], [5], [1.0], [1.0]).gaps_at_mismatch() is None

@@ -17,7 +17,9 @@ query ``i`` iff ``i - j < R``), which no chunk sees less of: the two differ in h
 are read in full precision, so a late flip at a near-tie is possible and is reported as it is.
 
 Every prompt generates exactly ``new_tokens`` tokens (``min_new_tokens``: no early EOS in one
-path only). A result records the first position where the two disagree, if any.
+path only). A result records the first position where the two disagree, if any, and each path's
+top-two logit gap there: a gap of a rounding step or less (bf16: 1/64 of the logits' scale) is a
+tie that either path may break, not a wrong read.
 """
 
 from __future__ import annotations
@@ -35,10 +37,20 @@ class MatchResult:
     prompt_len: int
     cache_tokens: list[int]
     simulate_tokens: list[int]
+    cache_gaps: list[float] | None = None  # per new token: top-1 minus top-2 logit (float32)
+    simulate_gaps: list[float] | None = None
 
     @property
     def first_mismatch(self) -> int | None:
         return next((i for i, (a, b) in enumerate(zip(self.cache_tokens, self.simulate_tokens)) if a != b), None)
+
+    def gaps_at_mismatch(self) -> tuple[float, float] | None:
+        """``(cache, simulate)`` top-two logit gaps at the first mismatch (None without one, or
+        without recorded gaps)."""
+        m = self.first_mismatch
+        if m is None or self.cache_gaps is None or self.simulate_gaps is None:
+            return None
+        return self.cache_gaps[m], self.simulate_gaps[m]
 
     @property
     def matched(self) -> int:
@@ -58,20 +70,38 @@ def prompts_from_ids(ids: torch.Tensor, count: int, length: int) -> list[torch.T
     return [ids[i * stride: i * stride + length] for i in range(count)]
 
 
-def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> list[int]:
+def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[list[int], list[float]]:
+    """Greedy new tokens of ``ids [1, T]`` and, per token, its top-1 minus top-2 logit."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None,
-                             top_k=None, pad_token_id=model.config.pad_token_id or 0, **kwargs)
-    return out[0, ids.shape[1]:].tolist()
+                             top_k=None, pad_token_id=model.config.pad_token_id or 0,
+                             return_dict_in_generate=True, output_logits=True, **kwargs)
+    top2 = [logits[0].float().topk(2).values for logits in out.logits]
+    return out.sequences[0, ids.shape[1]:].tolist(), [(v[0] - v[1]).item() for v in top2]
 
 
-@torch.no_grad()
 def cache_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool,
                  prefill_chunk: int = 0) -> list[int]:
     """Greedy new tokens of ``ids [T]`` through a fresh VecInferCache (eager or compiled), the prompt
     prefilled at once or, with ``prefill_chunk``, in chunks of that many tokens."""
+    return _cache_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual, compiled=compiled,
+                      prefill_chunk=prefill_chunk)[0]
+
+
+def simulate_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int,
+                    full_precision_prefill: bool = True) -> list[int]:
+    """Greedy new tokens of ``ids [T]`` in eager simulate mode: the prompt in full precision (the
+    cache's one-shot prefill) or, without ``full_precision_prefill``, with the per-query window."""
+    return _simulate_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
+                         full_precision_prefill=full_precision_prefill)[0]
+
+
+@torch.no_grad()
+def _cache_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool,
+               prefill_chunk: int) -> tuple[list[int], list[float]]:
+    """:func:`cache_tokens` and each token's top-two logit gap."""
     from transformers import CompileConfig
 
     from ..backend import vecinfer_backend
@@ -93,10 +123,9 @@ def cache_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residu
 
 
 @torch.no_grad()
-def simulate_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int,
-                    full_precision_prefill: bool = True) -> list[int]:
-    """Greedy new tokens of ``ids [T]`` in eager simulate mode: the prompt in full precision (the
-    cache's one-shot prefill) or, without ``full_precision_prefill``, with the per-query window."""
+def _simulate_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int,
+                  full_precision_prefill: bool) -> tuple[list[int], list[float]]:
+    """:func:`simulate_tokens` and each token's top-two logit gap."""
     from ..simulate import disable_simulation, enable_simulation
 
     dev = next(model.parameters()).device
@@ -116,11 +145,9 @@ def token_match(model, prompts: list[torch.Tensor], codebooks, *, new_tokens: in
 
     results = []
     for ids in tqdm(prompts, desc="prompts", disable=not progress):
-        results.append(MatchResult(
-            len(ids),
-            cache_tokens(model, ids, codebooks, new_tokens=new_tokens, residual=residual, compiled=compiled,
-                         prefill_chunk=prefill_chunk),
-            simulate_tokens(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
-                            full_precision_prefill=not prefill_chunk),
-        ))
+        cached, cache_gaps = _cache_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
+                                        compiled=compiled, prefill_chunk=prefill_chunk)
+        simulated, simulate_gaps = _simulate_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
+                                                 full_precision_prefill=not prefill_chunk)
+        results.append(MatchResult(len(ids), cached, simulated, cache_gaps, simulate_gaps))
     return results
