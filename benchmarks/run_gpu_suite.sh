@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one go (a GPU lease is short: batch it):
 #   bash benchmarks/run_gpu_suite.sh OUT_DIR MODEL_DIR CALIB_TEXT EVAL_TEXT [CODEBOOK_DIR]
 # Five independent streams, spread over the GPUs (see STREAMS below):
-#   tests     -> OUT/tests.txt     every `cuda`-marked test, in four named groups (TEST_GROUPS below)
+#   tests     -> OUT/tests.txt     every `cuda`-marked test, in named groups (TEST_GROUPS below)
 #   kernels   -> OUT/kernels.txt   decode attention, CUDA and Triton kernels vs FP16 (OUT/decode.json;
 #                                  every preset at a few sizes); a chunk's attention over codes vs FP16
 #                                  flash (OUT/prefill.json); simulate attention with launch-shape
@@ -24,20 +24,21 @@ sec() { echo; echo "=== $* ($(date +%T))"; }
 V="python -m vecinfer_compile"
 
 # The `cuda` tests in named groups, each measured under 5 minutes on an H200 (decode ~1 min,
-# triton ~1.7, cache ~2.7, windowed ~3.3, chunk: the chunk attention over codes); TEST_GROUPS picks
-# some, e.g. TEST_GROUPS="decode windowed".
+# triton ~1.7, cache ~2.7, windowed ~3.3, chunk: the chunk attention over codes, hybrid ~1.4:
+# models that mix attention kinds); TEST_GROUPS picks some, e.g. TEST_GROUPS="decode windowed".
 declare -A TEST_GROUP=(
     [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py"
     [triton]="tests/test_ops_triton.py"
     [cache]="tests/test_eager_decode.py tests/test_cache_compile.py tests/test_qaware.py tests/test_needle.py tests/test_ops_library.py tests/test_benchmarks_smoke.py"
     [windowed]="tests/test_windowed.py"
     [chunk]="tests/test_chunk_attention.py"
+    [hybrid]="tests/test_hybrid_cache.py"
 )
 
 tests() {
     sec env; nvidia-smi --query-gpu=name,driver_version --format=csv
     python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-    for g in ${TEST_GROUPS:-decode triton cache windowed chunk}; do
+    for g in ${TEST_GROUPS:-decode triton cache windowed chunk hybrid}; do
         # SIGINT first: pytest then still prints the failures so far (a falsifying example included)
         sec cuda tests: $g; timeout -s INT -k 20 ${TEST_TIMEOUT:-300} python -m pytest -q -m cuda -p no:cacheprovider -rf --tb=short \
             --durations=5 ${TEST_GROUP[$g]:?unknown test group $g}
