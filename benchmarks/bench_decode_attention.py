@@ -133,7 +133,7 @@ def kernel_resources(bits: float) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--bits", default="2", help="comma-separated presets, e.g. 4,3,2,1.5,1.25,1")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")

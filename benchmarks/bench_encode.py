@@ -41,7 +41,7 @@ def nearest_excess(x: torch.Tensor, cent: torch.Tensor, ours: torch.Tensor, base
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--cases", default="1x8192,8x2048", help="BxT, comma-separated")
     ap.add_argument("--bits", default="2,1.5,1", help="presets, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="also time the kernel at other launch shapes")

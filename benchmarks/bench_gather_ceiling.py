@@ -82,7 +82,7 @@ def probe(codes: torch.Tensor, cent: torch.Tensor, bench) -> tuple[float, float]
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--cases", default="1x131072,8x131072,32x32768")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

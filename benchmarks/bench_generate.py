@@ -616,7 +616,7 @@ def run_isolated(extra: list[str], batch: int, length: int, method: str) -> dict
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--cases", default=None,
                     help="BxT list (default 1x32768,1x131072,16x32768; smoke 2x24)")
     ap.add_argument("--new-tokens", type=int, default=None, help="N new tokens per timed run (default 32; smoke 3)")

@@ -148,7 +148,7 @@ def format_row(row: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--lengths", default=None, help="context lengths T (default 4096,32768,131072; smoke 64,200)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=None, help="tokens per update() (default 8192; smoke 48)")

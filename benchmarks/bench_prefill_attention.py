@@ -148,7 +148,7 @@ def run_case(b: int, t: int, c: int, bits: float) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--chunks", default="512,2048,4096", help="chunk lengths C")
     ap.add_argument("--lengths", default="8192,32768,131072", help="coded prefix lengths T")
     ap.add_argument("--batches", default="1,8")

@@ -74,7 +74,7 @@ def _first_call(fn, *args) -> tuple[torch.Tensor, float]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--cases", default="1x8192,8x2048")
     ap.add_argument("--bits", type=float, default=2.0)
     ap.add_argument("--residual", type=int, default=128, help="window R of the second form (default 128)")
