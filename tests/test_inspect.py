@@ -63,3 +63,28 @@ def test_inspect_cli_errors(tiny_dir, sample_text_path, tmp_path, capsys):
     assert main(["inspect", "--model", str(tiny_dir), "--text", str(sample_text_path), "--out", str(tmp_path / "o"),
                  "--tokens", "64", "--seq-len", "64", "--no-ppl", "--methods", "vq"]) == 2
     assert "--calib-text" in capsys.readouterr().err
+
+
+def test_codebook_usage_with_presets_that_differ_by_layer():
+    """A per-layer allocation (256- and 4096-entry key books): usage is pooled from each layer's
+    own fractions, and the table names the mix instead of one size."""
+    from vecinfer_compile.evaluation.inspect import codebook_usage, format_summary
+    from vecinfer_compile.testing import random_codebooks
+
+    geometry = {"num_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
+                "model_type": "llama", "vocab_size": 128}
+    cb = random_codebooks(geometry, layer_bits=[2.0, 1.5])
+    gen = torch.Generator().manual_seed(0)
+    qkv = {l: (torch.randn(4, 64, 16, generator=gen), torch.randn(2, 64, 16, generator=gen), None) for l in (0, 1)}
+    u = codebook_usage(qkv, cb)
+    assert u["entries"] is None and [c.numel() for c in u["counts"]] == [256, 4096]
+    fractions = [r["used"] / r["entries"] for r in u["per_layer"]]
+    assert u["used_fraction"] == sum(fractions) / 2
+    assert "presets differ by layer" in format_summary({"key_absmax": [], "codebook_usage": {"vq": u}})
+    import matplotlib.pyplot as plt
+
+    from vecinfer_compile.evaluation.inspect import codebook_usage_figure
+
+    fig = codebook_usage_figure({"vq": u})
+    assert fig.axes[0].get_ylabel() == "% of the codes of each layer"
+    plt.close(fig)

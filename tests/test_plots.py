@@ -154,7 +154,7 @@ def fake_usage(dead: int, entries: int = 256, layers: int = 3):
             "entropy_bits": mean("entropy_bits"), "max_entropy_bits": math.log2(entries),
             "effective_entries": mean("effective_entries"), "effective_fraction": mean("effective_entries") / entries,
             "key_rel_mse": 0.1, "score_rel_err": mean("score_rel_err"), "score_rms": 0.5, "per_layer": per_layer,
-            "counts": counts}
+            "counts": list(counts)}
 
 
 def test_codebook_usage_says_what_is_wrong():

@@ -75,8 +75,9 @@ def codebook_usage(qkv: dict[int, tuple[torch.Tensor, ...]], codebooks, score_to
 
     Returns ``{"per_layer": [...], "used", "entries", "used_fraction", "dead_fraction",
     "entropy_bits", "effective_entries", "effective_fraction", "key_rel_mse", "score_rel_err",
-    "score_rms", "counts"}``; the pooled numbers are means over layers (``counts``: per-layer usage
-    counts ``[L, E]``; ``effective_entries`` is ``2^entropy_bits``). Score error uses the first
+    "score_rms", "counts"}``; the pooled numbers are means over layers (``counts``: per layer, its
+    usage counts ``[E_l]``; ``entries`` is None when layers' presets differ in size, the fractions
+    are then means of each layer's own; ``effective_entries`` is ``2^entropy_bits``). Score error uses the first
     ``score_tokens`` queries and keys of the text, causal pairs only, GQA as in the model."""
     from ..quant.codebook import decode, encode
     from ..quant.transform import expand_to_query_heads
@@ -107,17 +108,20 @@ def codebook_usage(qkv: dict[int, tuple[torch.Tensor, ...]], codebooks, score_to
             "score_rms": float(err.pow(2).mean().sqrt() / math.sqrt(d)),
         })
         all_counts.append(counts)
-    mean = lambda key: sum(r[key] for r in per_layer) / len(per_layer)  # noqa: E731
-    entries = per_layer[0]["entries"]
+    def mean(value) -> float:
+        return sum(value(r) for r in per_layer) / len(per_layer)
+
+    sizes = {r["entries"] for r in per_layer}
     return {
-        "method": codebooks.method, "bits": codebooks.bits, "entries": entries,
-        "used": mean("used"), "used_fraction": mean("used") / entries, "dead_fraction": mean("dead_fraction"),
-        "entropy_bits": mean("entropy_bits"), "max_entropy_bits": math.log2(entries),
-        "effective_entries": mean("effective_entries"),
-        "effective_fraction": mean("effective_entries") / entries,
-        "key_rel_mse": mean("key_rel_mse"), "score_rel_err": mean("score_rel_err"),
-        "score_rms": mean("score_rms"), "per_layer": per_layer,
-        "counts": torch.stack(all_counts),
+        "method": codebooks.method, "bits": codebooks.bits, "entries": sizes.pop() if len(sizes) == 1 else None,
+        "used": mean(lambda r: r["used"]), "used_fraction": mean(lambda r: r["used"] / r["entries"]),
+        "dead_fraction": mean(lambda r: r["dead_fraction"]), "entropy_bits": mean(lambda r: r["entropy_bits"]),
+        "max_entropy_bits": mean(lambda r: math.log2(r["entries"])),
+        "effective_entries": mean(lambda r: r["effective_entries"]),
+        "effective_fraction": mean(lambda r: r["effective_entries"] / r["entries"]),
+        "key_rel_mse": mean(lambda r: r["key_rel_mse"]), "score_rel_err": mean(lambda r: r["score_rel_err"]),
+        "score_rms": mean(lambda r: r["score_rms"]), "per_layer": per_layer,
+        "counts": all_counts,
     }
 
 
@@ -189,7 +193,8 @@ def codebook_usage_figure(usage: dict[str, dict], *, title: str = ""):
 
     plt = _pyplot()
     methods = list(usage)
-    entries = usage[methods[0]]["entries"]
+    sizes = {u["entries"] for u in usage.values()}
+    entries = f"{sizes.pop()} codes" if len(sizes) == 1 and None not in sizes else "codes of each layer"
     layers = [r["layer"] for r in usage[methods[0]]["per_layer"]]
     width_in = 15.0
     fig, axes = plt.subplots(1, 3, figsize=(width_in, 6.0), layout="constrained")
@@ -206,8 +211,7 @@ def codebook_usage_figure(usage: dict[str, dict], *, title: str = ""):
         axes[0].scatter(xs, used, marker="_", s=160, color="black", linewidths=1.6, zorder=3,
                         label="codes used at all (100% = no dead code)" if i == 0 else None)
         # per code: its share of the key sub-vectors over the uniform share 1/entries, every layer's codes
-        counts = u["counts"].double()
-        rel = (counts * counts.shape[1] / counts.sum(1, keepdim=True)).reshape(-1)
+        rel = torch.cat([c.double() * c.numel() / c.sum() for c in u["counts"]])
         live = rel[rel > 0].clamp(edges[0], edges[-1]).numpy()
         axes[1].hist(live, bins=edges, histtype="step", linewidth=1.5, color=color,
                      label=f"{m} ({int((rel == 0).sum())} dead of {rel.numel()})")
@@ -221,7 +225,7 @@ def codebook_usage_figure(usage: dict[str, dict], *, title: str = ""):
     ax.set_ylim(0, 118)
     ax.set_xticks(range(len(layers)), [str(l) for l in layers])
     ax.set_xlabel("layer")
-    ax.set_ylabel(f"% of the {entries} codes")
+    ax.set_ylabel(f"% of the {entries}")
     ax.set_title(wrap("effective codebook size 2^H / entries (bars; H = usage entropy) and codes used at "
                       "all (ticks)", width_in / 3 - 0.6, 10), fontsize=10)
     ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2)
@@ -283,8 +287,10 @@ def format_summary(summary: dict) -> str:
                   "| method | bits | centroids used | usage entropy H (bits) | effective size 2^H | key rel. MSE "
                   "| score rel. err | score RMS (logits) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for m, u in summary["codebook_usage"].items():
-            lines.append(f"| {m} | {u['bits']:g} | {u['used']:.1f}/{u['entries']} | {u['entropy_bits']:.2f}/"
-                         f"{u['max_entropy_bits']:.0f} | {u['effective_entries']:.0f} "
+            used = (f"{u['used']:.1f}/{u['entries']}" if u["entries"] is not None
+                    else f"{100 * u['used_fraction']:.0f}% (presets differ by layer)")
+            lines.append(f"| {m} | {u['bits']:g} | {used} | {u['entropy_bits']:.2f}/"
+                         f"{u['max_entropy_bits']:.1f} | {u['effective_entries']:.0f} "
                          f"({100 * u['effective_fraction']:.0f}%) | {u['key_rel_mse']:.4f} "
                          f"| {u['score_rel_err']:.4f} | {u['score_rms']:.4f} |")
     return "\n".join(lines)
