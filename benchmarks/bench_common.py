@@ -255,7 +255,7 @@ def graph_time_ms(calls: list) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # where it warmed up, as CUDA-graph runners capture
         for fn in calls:
             fn()
     graph.replay()

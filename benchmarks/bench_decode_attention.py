@@ -11,7 +11,9 @@ Timing: each method is captured in a CUDA graph (as the compiled decode step run
 enough independent copies of its inputs that together they exceed the 60 MB L2, and the replay
 time is divided by the number of copies (median of several replays). So launch overhead is the
 graph's and no method reads its inputs from a warm L2. Prints a markdown table with the ratio
-FP16 / ours for each kernel.
+FP16 / ours for each kernel. ``--versions v2,v1`` also times the previous CUDA kernel (issue 29,
+``VECINFER_CUDA_DECODE_VERSION``) in the same run, as its own column; ``--no-triton`` skips the
+Triton kernel.
 
     python benchmarks/bench_decode_attention.py [--bits 2,1.5] [--batches 1,8,32] [--lengths 4096,32768,131072]
 """
@@ -19,8 +21,10 @@ FP16 / ours for each kernel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -75,20 +79,44 @@ def sdpa_variants(q, k, v):
         yield f"{backend.name.lower()}-packed", packed
 
 
-def run_case(b: int, t: int, bits: float) -> dict:
+@contextlib.contextmanager
+def cuda_kernel_version(version: str | None):
+    """Within the block, the CUDA kernel is ``version`` (None: leave the environment alone)."""
+    old = os.environ.get(cuda_decode.VERSION_ENV)
+    if version is not None:
+        os.environ[cuda_decode.VERSION_ENV] = version
+    try:
+        yield
+    finally:
+        if version is not None:
+            os.environ.pop(cuda_decode.VERSION_ENV, None)
+            if old is not None:
+                os.environ[cuda_decode.VERSION_ENV] = old
+
+
+def kernel_names(versions: list[str], triton: bool) -> list[str]:
+    """Timed kernels: ``cuda`` (the first version), ``cuda_<version>`` for the others, ``triton``."""
+    return ["cuda"] + [f"cuda_{v}" for v in versions[1:]] + (["triton"] if triton else [])
+
+
+def run_case(b: int, t: int, bits: float, versions: list[str], triton: bool = True) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     row = {"B": b, "T": t, "bits": bits}
     first = code_inputs(b, t, bits, g)
     code_bytes = first[1].nbytes + first[2].nbytes + first[6].nbytes + first[7].nbytes
     sets = [first] + [code_inputs(b, t, bits, g) for _ in range(copies_for(code_bytes) - 1)]
     row["code_copies"] = len(sets)
-    kernels = {"cuda": cuda_decode.decode_attention_cuda, "triton": decode_attention_triton}
-    for name, fn in kernels.items():
-        row[f"{name}_ms"] = graph_time_ms([lambda a=a, fn=fn: fn(*a) for a in sets])
-        if t <= CHECK_MAX_T:
-            got = fn(*first)
-            want = reference.decode_attention(*first)
-            row[f"{name}_max_err"] = (got.float() - want.float()).abs().max().item()
+    kernels = {name: (cuda_decode.decode_attention_cuda, version)
+               for name, version in zip(kernel_names(versions, False), versions)}
+    if triton:
+        kernels["triton"] = (decode_attention_triton, None)
+    for name, (fn, version) in kernels.items():
+        with cuda_kernel_version(version):
+            row[f"{name}_ms"] = graph_time_ms([lambda a=a, fn=fn: fn(*a) for a in sets])
+            if t <= CHECK_MAX_T:
+                got = fn(*first)
+                want = reference.decode_attention(*first)
+                row[f"{name}_max_err"] = (got.float() - want.float()).abs().max().item()
     del sets, first
     torch.cuda.empty_cache()
     kv_bytes = 2 * b * HKV * t * D * 2
@@ -112,8 +140,8 @@ def run_case(b: int, t: int, bits: float) -> dict:
             best_name, best = name, ms
     row.update(baseline=best_name, baseline_ms=best, fp16_copies=len(fp16_sets))
     row["fp16_kv_gbps"] = kv_bytes / (best * 1e-3) / 1e9
-    row["cuda_speedup"] = best / row["cuda_ms"]
-    row["triton_speedup"] = best / row["triton_ms"]
+    for name in kernels:
+        row[f"{name}_speedup"] = best / row[f"{name}_ms"]
     del fp16_sets
     torch.cuda.empty_cache()
     return row
@@ -123,10 +151,10 @@ def err_text(err: float | None) -> str:
     return "-" if err is None else f"{err:.1e}"
 
 
-def kernel_resources(bits: float) -> str:
+def kernel_resources(bits: float, version: str) -> str:
     preset = get_preset(bits)
     variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
-                                  preset.value.dims, False)
+                                  preset.value.dims, False, version)
     built = cuda_decode.kernels_for(variant, torch.device("cuda", torch.cuda.current_device()))
     return (f"kernel: {built.kernel.registers} registers, {built.kernel.local_bytes} B local, "
             f"{variant.smem_bytes(built.nwarps) // 1024} KiB shared, {built.ctas_per_sm} CTAs/SM of {built.nwarps} warps")
@@ -137,6 +165,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bits", default="2", help="comma-separated presets, e.g. 4,3,2,1.5,1.25,1")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
+    ap.add_argument("--versions", default="v2",
+                    help="CUDA kernel versions to time, the first as 'cuda' (e.g. v2,v1; see ops/cuda_decode.py)")
+    ap.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -144,18 +175,23 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, bf16; "
           "ms per call, CUDA-graph replay over L2-defeating input copies, median")
+    versions = args.versions.split(",")
+    names = kernel_names(versions, not args.no_triton)
+    labels = {n: ("Triton" if n == "triton" else f"CUDA {v}") for n, v in zip(names, versions + ["triton"])}
     for bits in map(float, args.bits.split(",")):
-        print(f"\n{bits:g}-bit: {kernel_resources(bits)}")
-        print("| bits | B | T | ours CUDA | ours Triton | best FP16 SDPA | FP16 backend | CUDA vs FP16 | Triton vs FP16 "
-              "| CUDA max err | Triton max err |")
-        print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
+        for version in versions:
+            print(f"\n{bits:g}-bit CUDA {version}: {kernel_resources(bits, version)}")
+        print("| bits | B | T | " + " | ".join(f"ours {labels[n]} ms" for n in names) + " | best FP16 SDPA ms | FP16 backend | "
+              + " | ".join(f"{labels[n]} vs FP16" for n in names) + " | " + " | ".join(f"{labels[n]} max err" for n in names) + " |")
+        print("|---|---|---|" + "---:|" * len(names) + "---:|---|" + "---:|" * (2 * len(names)))
         for b in map(int, args.batches.split(",")):
             for t in map(int, args.lengths.split(",")):
-                r = run_case(b, t, bits)
+                r = run_case(b, t, bits, versions, not args.no_triton)
                 rows.append(r)
-                print(f"| {bits:g} | {b} | {t} | {r['cuda_ms']:.3f} | {r['triton_ms']:.3f} | {r['baseline_ms']:.3f} | "
-                      f"{r['baseline']} | {r['cuda_speedup']:.2f}x | {r['triton_speedup']:.2f}x | "
-                      f"{err_text(r.get('cuda_max_err'))} | {err_text(r.get('triton_max_err'))} |", flush=True)
+                print(f"| {bits:g} | {b} | {t} | " + " | ".join(f"{r[n + '_ms']:.4f}" for n in names)
+                      + f" | {r['baseline_ms']:.4f} | {r['baseline']} | "
+                      + " | ".join(f"{r[n + '_speedup']:.2f}x" for n in names) + " | "
+                      + " | ".join(err_text(r.get(n + "_max_err")) for n in names) + " |", flush=True)
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump(rows, f, indent=1)

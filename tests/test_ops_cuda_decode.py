@@ -1,12 +1,14 @@
 """The CUDA decode-attention kernel (``ops/cuda_decode.cu``) and the choice between it and Triton.
 
-- CPU: every preset's variant compiles with NVRTC to an sm_90 cubin (syntax and PTX errors are
-  caught without a GPU; NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel of the dev extras), and
-  the kernel-choice rules.
+- CPU: every preset's variant of both kernel versions compiles with NVRTC to an sm_90 cubin
+  (syntax and PTX errors are caught without a GPU; NVRTC comes from the ``nvidia-cuda-nvrtc``
+  wheel of the dev extras), and the kernel-choice rules.
 - ``cuda``: the kernel against the reference on random shapes (hypothesis: every preset, GQA
   groups 1-16, head_dim 64/128, lengths off every block size, empty/partial/full windows,
   left padding), with the rule ``err(ours) <= 2 * err(torch bf16 SDPA on the dequantized K/V) +
-  atol``; CUDA-graph capture with a length that changes between replays; the op's dispatch.
+  atol``; CUDA-graph capture with a length that changes between replays; the op's dispatch; the
+  persistent per-stream arrival counters (left zero, shared by shapes, graphs and streams) and the
+  previous kernel version.
 """
 
 from __future__ import annotations
@@ -36,23 +38,36 @@ def _nvrtc_or_skip():
         pytest.skip(str(exc))
 
 
+@pytest.mark.parametrize("version", sorted(cuda_decode.SOURCES))
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
-def test_cuda_source_compiles_for_sm90(kspec, vspec):
+def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
     """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA."""
     _nvrtc_or_skip()
     for head_dim, group, fp16, nwarps in ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4)):
-        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16)
-        image, is_cubin = compile_source(cuda_decode._source(), "vq_decode", 90,
+        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version)
+        image, is_cubin = compile_source(cuda_decode._source(version), "vq_decode", 90,
                                          ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), "-DMINB=1"])
         assert is_cubin and image[:4] == b"\x7fELF"
         assert b"vq_decode" in image
+
+
+def test_kernel_version_from_the_environment(monkeypatch):
+    monkeypatch.delenv(cuda_decode.VERSION_ENV, raising=False)
+    assert cuda_decode.kernel_version() == "v2"
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
+    assert cuda_decode.kernel_version() == "v1"
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v3")
+    with pytest.raises(ValueError, match="use one of v2, v1"):
+        cuda_decode.kernel_version()
 
 
 def test_variant_shared_memory_copies_and_launch_shapes():
     assert cuda_decode.Variant.copies(256, 4) == 16 and cuda_decode.Variant.copies(256, 8) == 8
     assert cuda_decode.Variant.copies(256, 2) == 32 and cuda_decode.Variant.copies(4096, 8) == 1
     two_bit = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False)
-    assert two_bit.smem_bytes(4) == 64 * 1024 and cuda_decode.launches_for(two_bit)[:2] == [(1, 12), (3, 4)]
+    assert two_bit.smem_bytes(4) == 64 * 1024 and cuda_decode.launches_for(two_bit)[:2] == [(1, 12), (1, 8)]
+    old = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v1")
+    assert cuda_decode.launches_for(old)[:2] == [(1, 12), (3, 4)]
     one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False)
     # 128 KiB of codebooks leave room for one CTA per SM: it gets 12 warps rather than 4
     assert one_and_half.smem_bytes(12) == 128 * 1024
@@ -207,3 +222,43 @@ def test_cuda_kernel_in_a_cuda_graph_follows_the_length():
             torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
         else:
             _check(args, out.clone())
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_persistent_arrival_counters_are_left_zero_across_shapes_graphs_and_streams():
+    """v2 launches share one counter buffer per stream (no memset): after calls of several grid
+    shapes, a captured graph's replays and calls on a second stream, every counter is zero again and
+    every output matches the reference."""
+    cases = [list(_decode(torch.bfloat16, 20 + i, b=b, hkv=hkv, group=4, tmax=t, n_coded=n, r=128, n_window=w, d=128,
+                          kspec=(256, 4), vspec=(256, 4), with_start=True))
+             for i, (b, hkv, t, n, w) in enumerate([(2, 8, 5000, 4900, 100), (1, 2, 300, 0, 7), (3, 4, 9000, 8999, 128)])]
+    for args in cases * 2:
+        _check(args, ops.decode_attention_cuda(*args))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs = [ops.decode_attention_cuda(*args) for args in cases]  # warm-up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            graph_outs = [ops.decode_attention_cuda(*args) for args in cases]
+        for _ in range(3):
+            graph.replay()
+    torch.cuda.synchronize()
+    for args, out, graph_out in zip(cases, outs, graph_outs):
+        _check(args, out)
+        _check(args, graph_out)
+    assert len([k for k in cuda_decode._COUNTERS if k[1] == side.cuda_stream]) == 1
+    for counters in cuda_decode._COUNTERS.values():
+        assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("specs", PRESET_SPECS)
+def test_previous_kernel_version_still_matches_the_reference(specs, monkeypatch):
+    """v1 (kept for the benchmark's side-by-side column) against the reference, memset counters."""
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v1")
+    args = _decode(torch.bfloat16, 9, b=2, hkv=4, group=4, tmax=3000, n_coded=2900, r=128, n_window=60,
+                   d=128, kspec=specs[0], vspec=specs[1], with_start=True)
+    _check(args, ops.decode_attention_cuda(*args))

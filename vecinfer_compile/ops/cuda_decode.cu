@@ -30,9 +30,9 @@
 // channels are already in that order). P^T reaches the value product's B fragment through four
 // warp shuffles per 16 positions.
 // Each CTA merges its warps' partials in shared memory and writes one partial; the CTA that
-// arrives last for its (batch row, KV head) (a per-row arrival counter, zeroed before the launch)
-// merges the splits + 1 partials by log-sum-exp, normalises and writes the output. Fully masked
-// rows give zeros.
+// arrives last for its (batch row, KV head) (a per-row arrival counter, zero at the launch, which
+// that CTA zeroes again for the next launch) merges the splits + 1 partials by log-sum-exp,
+// normalises and writes the output. Fully masked rows give zeros.
 
 #define BLOCK_T 64              // positions per warp iteration
 #define NT (BLOCK_T / 8)        // score n-tiles per iteration
@@ -156,20 +156,23 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
     return r;
 }
 
-// float32 centroids [entries, DIM] -> 16-bit book [entries][COPIES][DIM] in shared memory, the 32
-// entries of one task (32 task .. 32 task + 31) by one warp: each lane loads one centroid (one
-// global round trip per task), then store k writes slots 32 k + lane of the task's 32 x COPIES
-// (entry (32 k + lane) / COPIES, fetched from its lane by a shuffle), so that every store covers
-// consecutive addresses. (A lane writing its own entry's COPIES slots puts all 32 lanes of a store
-// on the same banks: a 32-way conflict that took 6 us of an 18 us call at B=1, T=4k; a flat
-// thread-per-slot loop avoids it but reloads centroids once per slot, 11 dependent round trips.)
-template <int DIM, int COPIES>
-__device__ __forceinline__ void fill_task(const float* __restrict__ cent, unsigned short* book, int entries, int task,
-                                          int lane) {
+// float32 centroids [entries, DIM] -> 16-bit book [entries][COPIES][DIM] in shared memory, by
+// "tasks" of 32 entries (32 task .. 32 task + 31), one warp per task: each lane loads one centroid
+// (load_task), then store k writes slots 32 k + lane of the task's 32 x COPIES (entry
+// (32 k + lane) / COPIES, fetched from its lane by a shuffle), so that every store covers
+// consecutive addresses (store_task). (A lane writing its own entry's COPIES slots puts all 32
+// lanes of a store on the same banks: a 32-way conflict that took 6 us of an 18 us call at B=1,
+// T=4k; a flat thread-per-slot loop avoids it but reloads centroids once per slot.)
+template <int DIM>
+__device__ __forceinline__ void load_task(const float* __restrict__ cent, int entries, int task, int lane,
+                                          unsigned* w) {
     const int e = task * 32 + lane;
-    unsigned w[DIM / 2];
 #pragma unroll
     for (int i = 0; i < DIM / 2; ++i) w[i] = e < entries ? pack2(cent[e * DIM + 2 * i], cent[e * DIM + 2 * i + 1]) : 0u;
+}
+
+template <int DIM, int COPIES>
+__device__ __forceinline__ void store_task(const unsigned* w, unsigned short* book, int entries, int task, int lane) {
 #pragma unroll
     for (int k = 0; k < COPIES; ++k) {
         const int s = 32 * k + lane, src = s / COPIES;
@@ -190,13 +193,33 @@ __device__ __forceinline__ void fill_task(const float* __restrict__ cent, unsign
     }
 }
 
-// Both codebooks, their tasks spread over the CTA's warps.
+#define KTASKS ((EK + 31) / 32)
+#define VTASKS ((EV + 31) / 32)
+#define FILL_BATCH 8  // tasks whose centroids a warp loads before it stores any
+#define WMAX (DK > DV ? DK / 2 : DV / 2)
+
+// Both codebooks: key tasks 0 .. KTASKS - 1, value tasks after them; warp w takes tasks w,
+// w + NWARPS, ..., FILL_BATCH of them per round: all of a round's loads are issued before its
+// stores, so a warp waits for one global round trip per round, not per task.
 __device__ __forceinline__ void fill_books(const float* __restrict__ kcent, const float* __restrict__ vcent,
                                            unsigned short* kbook, unsigned short* vbook, int warp, int lane) {
-    const int ktasks = (EK + 31) / 32, vtasks = (EV + 31) / 32;
-    for (int task = warp; task < ktasks + vtasks; task += NWARPS) {
-        if (task < ktasks) fill_task<DK, KCOPIES>(kcent, kbook, EK, task, lane);
-        else fill_task<DV, VCOPIES>(vcent, vbook, EV, task - ktasks, lane);
+    constexpr int per_warp = (KTASKS + VTASKS + NWARPS - 1) / NWARPS;
+    constexpr int batch = per_warp < FILL_BATCH ? per_warp : FILL_BATCH;
+#pragma unroll 1
+    for (int r0 = 0; r0 < per_warp; r0 += batch) {
+        unsigned w[batch][WMAX];
+#pragma unroll
+        for (int j = 0; j < batch; ++j) {
+            const int task = warp + (r0 + j) * NWARPS;
+            if (task < KTASKS) load_task<DK>(kcent, EK, task, lane, w[j]);
+            else if (task < KTASKS + VTASKS) load_task<DV>(vcent, EV, task - KTASKS, lane, w[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < batch; ++j) {
+            const int task = warp + (r0 + j) * NWARPS;
+            if (task < KTASKS) store_task<DK, KCOPIES>(w[j], kbook, EK, task, lane);
+            else if (task < KTASKS + VTASKS) store_task<DV, VCOPIES>(w[j], vbook, EV, task - KTASKS, lane);
+        }
     }
 }
 
@@ -407,7 +430,7 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
           float* __restrict__ part_m,                // [B * Hkv, splits + 1, G]
           float* __restrict__ part_l,                // [B * Hkv, splits + 1, G]
           float* __restrict__ part_acc,              // [B * Hkv, splits + 1, G, D]
-          unsigned* __restrict__ arrivals,           // [B * Hkv], zeros
+          unsigned* __restrict__ arrivals,           // [B * Hkv], zeros; left zero
           unsigned short* __restrict__ out,          // [B, Hkv * G, D]
           int hkv, int tmax, int r_slots, int n_coded_is64, int n_window_is64, int start_kind,
           float scale_log2) {
@@ -540,7 +563,10 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     // The last CTA of this (batch row, KV head) to arrive merges every CTA's partial.
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last_arrival = atomicAdd(arrivals + bh, 1u) == gridDim.y - 1;
+    if (threadIdx.x == 0) {
+        last_arrival = atomicAdd(arrivals + bh, 1u) == gridDim.y - 1;
+        if (last_arrival) arrivals[bh] = 0u;  // every CTA has counted: zero for the next launch
+    }
     __syncthreads();
     if (!last_arrival) return;
     __threadfence();

@@ -2,24 +2,32 @@
 
 The kernel is in ``cuda_decode.cu`` (read its header for the algorithm); this module picks a
 variant for the inputs, compiles it once per process with NVRTC (:mod:`.nvrtc`), sizes the split
-from shapes only, and launches it on torch's current stream with no host synchronisation and
-every buffer from torch's allocator (the per-row arrival counters are zeroed by a memset in the
-same stream, so calls on several streams never share them), so CUDA graphs capture it.
+from shapes only, and launches it on torch's current stream with no host synchronisation, so CUDA
+graphs capture it. The per-row arrival counters (which CTA merges the partials) are persistent
+and per stream: the merging CTA zeroes its row's counter for the next launch, so a call launches
+no memset (:func:`arrival_counters`).
+
+Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures both
+until the new one wins everywhere, issue 29): ``v2``, the default, fills the codebooks a batch of
+centroid loads at a time, uses the persistent counters and prefers one CTA of 8 warps per SM to
+two or three CTAs of 4 where 12 warps spill (:data:`LAUNCHES`); ``v1`` (``cuda_decode_v1.cu``)
+is the kernel before that, with counters zeroed by a memset before every launch.
 
 Variants are cached per (head_dim, group size, key/value codebook geometry, dtype, device
 architecture). Why a shared-memory codebook: the Triton kernel gathers 8-byte centroid rows
 through L1, and those random gathers bound it below FP16 SDPA (``bench_gather_ceiling.py``).
 Each 256-entry codebook is replicated ``64 // dims`` times (32 KiB) so that the lanes of one
 shared-memory wavefront read distinct copies and never collide on a bank; 4096-entry codebooks
-(32 or 64 KiB) are stored once. Resident warps per SM hide the gathers' latency: a variant
-runs 3 CTAs of 4 warps per SM where shared memory allows, else one CTA of up to 12 warps (the
-large 4096-entry books), whichever compiles without spilling registers first (:data:`LAUNCHES`).
+(32 or 64 KiB) are stored once. Resident warps per SM hide the gathers' latency: a variant runs
+the first launch shape of :data:`LAUNCHES` that fits shared memory and compiles without
+spilling registers.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +35,16 @@ import torch
 
 from ..quant.packing import is_packed
 from .checks import check_decode_args
-from .nvrtc import CudaBuildError, Kernel, compile_source, load_kernels
+from .nvrtc import CudaBuildError, Kernel, compile_source, device_zeros_int32, load_kernels
 
-SOURCE = Path(__file__).with_name("cuda_decode.cu")
-# (resident CTAs per SM, warps per CTA), in order of preference: twelve warps per SM, in one CTA
-# first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257 vs 0.286 at
-# B=8/T=128k against three CTAs of four), then fewer warps where registers spill
-LAUNCHES = ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))
+SOURCES = {"v2": Path(__file__).with_name("cuda_decode.cu"), "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
+VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
+# (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
+# per SM, in one CTA first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257
+# vs 0.286 at B=8/T=128k against three CTAs of four), then fewer warps where registers spill. v2
+# takes one CTA of 8 before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4,
+# B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
+LAUNCHES = {"v2": ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4)), "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
 MAX_SPLITS = 64  # code CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
 HEAD_DIMS = (64, 128)
@@ -56,6 +67,7 @@ class Variant:
     v_entries: int
     v_dims: int
     fp16: bool
+    version: str = "v2"
 
     @staticmethod
     def copies(entries: int, dims: int) -> int:
@@ -88,9 +100,17 @@ class Variant:
         return [f"-D{k}={v}" for k, v in values.items()]
 
 
+def kernel_version() -> str:
+    """``$VECINFER_CUDA_DECODE_VERSION`` (``v2`` unless set; see the module docstring)."""
+    version = os.environ.get(VERSION_ENV, "v2").strip().lower() or "v2"
+    if version not in SOURCES:
+        raise ValueError(f"{VERSION_ENV}={version!r}: use one of {', '.join(SOURCES)}")
+    return version
+
+
 def variant_for(q: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor, group: int) -> Variant:
     (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
-    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16)
+    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16, kernel_version())
 
 
 def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
@@ -116,14 +136,14 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
             return f"a {entries}x{dims} {name} codebook (the CUDA kernel takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
     variant = variant_for(q, k_centroids, v_centroids, group)
     if not launches_for(variant):
-        smem = min(variant.smem_bytes(w) for _, w in LAUNCHES)
+        smem = min(variant.smem_bytes(w) for _, w in LAUNCHES[variant.version])
         return f"the codebooks need {smem} bytes of shared memory, more than {SMEM_LIMIT}"
     return None
 
 
 @functools.cache
-def _source() -> str:
-    return SOURCE.read_text()
+def _source(version: str = "v2") -> str:
+    return SOURCES[version].read_text()
 
 
 @dataclass(frozen=True)
@@ -138,7 +158,7 @@ class Built:
 def launches_for(variant: Variant) -> list[tuple[int, int]]:
     """The (CTAs per SM, warps per CTA) of :data:`LAUNCHES` whose shared memory fits the SM, in
     order of preference; empty when none does (:func:`unsupported_reason` then names the need)."""
-    return [(c, w) for c, w in LAUNCHES
+    return [(c, w) for c, w in LAUNCHES[variant.version]
             if variant.smem_bytes(w) <= SMEM_LIMIT and c * (variant.smem_bytes(w) + 1024) <= 228 * 1024]
 
 
@@ -152,7 +172,7 @@ def _build(variant: Variant, device_index: int) -> Built:
     if not shapes:
         raise CudaBuildError(f"no launch shape of the CUDA decode kernel fits {variant} in shared memory")
     for ctas, nwarps in shapes:
-        image, _ = compile_source(_source(), "vq_decode", major * 10 + minor,
+        image, _ = compile_source(_source(variant.version), "vq_decode", major * 10 + minor,
                                   ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), f"-DMINB={ctas}"])
         kernel = load_kernels(image, ["vq_decode"], device)["vq_decode"]
         if kernel.local_bytes == 0:
@@ -180,6 +200,32 @@ def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int, nwarps: 
     wave = sms * ctas_per_sm
     by_length = math.ceil(max(tmax, 1) / (BLOCK_T * nwarps))
     return max(1, min(wave // batch_heads, by_length, MAX_SPLITS))
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[>= n]`` zeros: the arrival counters of a v2 launch on the current stream.
+
+    One buffer per (device, stream), so that launches sharing it are ordered by their stream; the
+    merging CTA of each row zeroes it again. It lives outside torch's allocator (never freed):
+    a CUDA graph that captured it keeps using it, and no graph pool can hand its memory to
+    another tensor. A buffer is made only outside a capture; a capture on a stream that has none
+    yet (its warm-up ran on another stream) gets zeros from torch's allocator, memset inside the
+    graph, as the v1 kernel always does. (A graph replayed on another stream at the same time as
+    eager calls on its capture stream would share counters; CUDA-graph runners replay where they
+    warmed up.)"""
+    key = (device.index if device.index is not None else torch.cuda.current_device(),
+           torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros((n,), dtype=torch.int32, device=device)
+    buf = device_zeros_int32(max(n, 1024, 2 * (0 if buf is None else buf.numel())), torch.device("cuda", key[0]))
+    _COUNTERS[key] = buf
+    return buf
 
 
 def _index_is64(t: torch.Tensor) -> int:
@@ -222,7 +268,10 @@ def decode_attention_cuda(
     part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((b * hkv, units, group, d), dtype=torch.float32, device=q.device)
-    arrivals = torch.zeros((b * hkv,), dtype=torch.int32, device=q.device)
+    if variant.version == "v1":
+        arrivals = torch.zeros((b * hkv,), dtype=torch.int32, device=q.device)
+    else:
+        arrivals = arrival_counters(b * hkv, q.device)
     out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
     scale_log2 = float(scale) * 1.4426950408889634
     start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)

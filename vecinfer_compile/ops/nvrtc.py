@@ -215,6 +215,27 @@ def load_kernels(image: bytes, names: list[str], device: torch.device) -> dict[s
     return kernels
 
 
+class _DeviceArray:
+    """``__cuda_array_interface__`` of int32 device memory, for :func:`torch.as_tensor`."""
+
+    def __init__(self, ptr: int, n: int):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i4", "data": (ptr, False), "version": 3}
+
+
+def device_zeros_int32(n: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[n]`` zeros in device memory allocated by the driver, outside torch's allocator, and
+    never freed: for scratch that CUDA graphs keep using and no graph memory pool may reuse. Zeroed
+    on torch's current stream (work launched after it on that stream sees the zeros)."""
+    _ensure_context(device)
+    ptr = ctypes.c_uint64()
+    with torch.cuda.device(device):
+        _check_cu(driver().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4 * n)), f"allocating {4 * n} bytes")
+        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        _check_cu(driver().cuMemsetD32Async(ctypes.c_uint64(ptr.value), ctypes.c_uint(0), ctypes.c_size_t(n), stream),
+                  "zeroing the allocation")
+        return torch.as_tensor(_DeviceArray(ptr.value, n), device=device)
+
+
 def build_kernel(source: str, name: str, device: torch.device, options: list[str]) -> Kernel:
     """Compile ``source`` for ``device``'s architecture with ``options`` and load its kernel ``name``."""
     major, minor = torch.cuda.get_device_capability(device)

@@ -1,0 +1,571 @@
+// Version v1 of cuda_decode.cu, kept unchanged so that bench_decode_attention.py can time it beside
+// v2 (VECINFER_CUDA_DECODE_VERSION=v1, issue 29); delete once v2 is at least as fast everywhere.
+//
+// Decode attention over VQ codes: flash-decoding with the codebooks in shared memory.
+//
+// Compiled at run time with NVRTC (see cuda_decode.py); no toolkit headers. Compile-time
+// parameters arrive as -D defines:
+//   D            head_dim (64 or 128)             G        query heads per KV head (1..16)
+//   DK, DV       channels per key / value centroid (2, 4 or 8)
+//   EK, EV       key / value codebook entries     KFMT, VFMT  code format: 0 one byte per code
+//                                                 (EK/EV <= 256), 2 packed 12-bit (see row_bytes)
+//   KCOPIES, VCOPIES  codebook copies in shared memory (lane l reads copy l % COPIES)
+//   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
+//   NWARPS       warps per CTA of the split kernel
+//   MINB         CTAs per SM the split kernel's register budget is sized for
+//
+// vq_decode: grid (B * Hkv, splits + 1), NWARPS warps; one launch per call. The window CTAs come
+// last in launch order, so that every code CTA starts in the first wave.
+// - CTAs y < splits: each warp is one "unit" of the flash-decoding split: it takes a contiguous
+//   range of the n_coded coded positions (the range is computed on the device from n_coded, so
+//   the launch does not depend on the cache length) and computes its partial (max, sum,
+//   unnormalised accumulator) for the G query heads of its KV head.
+// - CTA y = splits: the full-precision window (positions n_coded + s, s < n_window) by the same
+//   block step, its key and value fragments loaded from the K~ / V rows instead of gathered
+//   from a codebook.
+// Scores and the value accumulation run on the tensor cores (mma.sync m16n8k16, fp32
+// accumulators) in transposed form, so that the few query heads of a GQA group (G <= 8 per
+// n-tile of 8, G <= 16 in all) are the narrow N dimension: S^T = K Q^T (M = 16 positions) and
+// O^T = V^T P^T (M = 16 channels). Each thread gathers its A fragments straight from the
+// shared-memory codebook with one 4/8/16-byte load per centroid; the contraction dimension is
+// permuted so that a centroid's consecutive channels land in one fragment register pair (the
+// query fragment uses the same permutation, so the products are unchanged; a window row's
+// channels are already in that order). P^T reaches the value product's B fragment through four
+// warp shuffles per 16 positions.
+// Each CTA merges its warps' partials in shared memory and writes one partial; the CTA that
+// arrives last for its (batch row, KV head) (a per-row arrival counter, zeroed before the launch)
+// merges the splits + 1 partials by log-sum-exp, normalises and writes the output. Fully masked
+// rows give zeros.
+
+#define BLOCK_T 64              // positions per warp iteration
+#define NT (BLOCK_T / 8)        // score n-tiles per iteration
+#define KSTEPS (D / 16)         // k-steps of the score product
+#define SLICE_K (D / 4)         // key channels a thread gathers per position
+#define NCODE_K (SLICE_K / DK)  // key codes a thread reads per position
+#define SK (D / DK)              // key codes per position (sub-vectors)
+#define SLICE_V (D / 8)         // value channels a thread gathers per position (= value n-tiles)
+#define NCODE_V (SLICE_V / DV)
+#define SV (D / DV)
+#define KWORDS (code_words(NCODE_K, KFMT))
+#define VWORDS (code_words(NCODE_V, VFMT))
+#define KROW_BYTES (row_bytes(SK, KFMT))
+#define VROW_BYTES (row_bytes(SV, VFMT))
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+#if FP16
+#define MMA_TYPE "f16"
+#else
+#define MMA_TYPE "bf16"
+#endif
+
+struct __align__(8) vq_w2 { unsigned x, y; };
+struct __align__(16) vq_w4 { unsigned x, y, z, w; };
+struct __align__(16) vq_f4 { float x, y, z, w; };
+
+// Two floats -> one register of two 16-bit values, `lo` in the low half (round to nearest).
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+#if FP16
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ int read_index(const void* p, int i, int is64) {
+    return is64 ? (int)((const long long*)p)[i] : ((const int*)p)[i];
+}
+
+// Bytes of one position's codes: S codes as one byte each (FMT 0) or packed 12-bit (FMT 2): the S
+// low bytes, then ceil(S / 2) bytes of high nibbles (code 2i low nibble, 2i + 1 high nibble).
+__host__ __device__ constexpr int row_bytes(int s, int fmt) { return fmt == 0 ? s : s + (s + 1) / 2; }
+// Registers holding a thread's n codes of one position: the low bytes in the first (n + 3) / 4
+// words, packed nibbles after them.
+__host__ __device__ constexpr int low_words(int n) { return (n + 3) / 4; }
+__host__ __device__ constexpr int code_words(int n, int fmt) {
+    return low_words(n) + (fmt == 2 ? (n / 2 + 3) / 4 + (n == 1) : 0);
+}
+
+// NB bytes of codes at p (NB in 1, 2, 4, 8, 16; p aligned to NB) into words w[].
+template <int NB>
+__device__ __forceinline__ void load_code_bytes(const unsigned char* p, unsigned* w) {
+    if (NB == 16) {
+        vq_w4 v = *(const vq_w4*)p;
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if (NB == 8) {
+        vq_w2 v = *(const vq_w2*)p;
+        w[0] = v.x; w[1] = v.y;
+    } else if (NB == 4) {
+        w[0] = *(const unsigned*)p;
+    } else if (NB == 2) {
+        w[0] = *(const unsigned short*)p;
+    } else {
+        w[0] = *p;
+    }
+}
+
+// Codes s0 .. s0 + N of the position whose codes start at `row` (S codes per position; s0 a
+// multiple of N) into words w[]. Packed: the N low bytes, then the N / 2 nibble bytes (for N = 1
+// the one nibble, shifted down so that code_at reads it at bit 0).
+template <int N, int FMT, int S>
+__device__ __forceinline__ void load_codes(const unsigned char* row, int s0, unsigned* w) {
+    load_code_bytes<N>(row + s0, w);
+    if (FMT == 2) {
+        unsigned* wn = w + low_words(N);
+        if (N == 1) wn[0] = (unsigned)row[S + (s0 >> 1)] >> ((s0 & 1) * 4);
+        else load_code_bytes<N / 2>(row + S + (s0 >> 1), wn);
+    }
+}
+
+template <int N, int FMT>
+__device__ __forceinline__ void zero_codes(unsigned* w) {
+#pragma unroll
+    for (int i = 0; i < code_words(N, FMT); ++i) w[i] = 0u;
+}
+
+// Code j of the N loaded by load_codes.
+template <int N, int FMT>
+__device__ __forceinline__ unsigned code_at(const unsigned* w, int j) {
+    unsigned c = (w[j >> 2] >> ((j & 3) * 8)) & 0xffu;
+    if (FMT == 2) c |= ((w[low_words(N) + (j >> 3)] >> ((j & 7) * 4)) & 0xfu) << 8;
+    return c;
+}
+
+// The DIM/2 words (DIM 16-bit channels) at shared-memory address `addr`.
+template <int DIM>
+__device__ __forceinline__ void lds(unsigned addr, unsigned* out) {
+    if (DIM == 8) {
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3]) : "r"(addr));
+    } else if (DIM == 4) {
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(out[0]), "=r"(out[1]) : "r"(addr));
+    } else {
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(out[0]) : "r"(addr));
+    }
+}
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// float32 centroids [entries, DIM] -> 16-bit book [entries][COPIES][DIM] in shared memory, the 32
+// entries of one task (32 task .. 32 task + 31) by one warp: each lane loads one centroid (one
+// global round trip per task), then store k writes slots 32 k + lane of the task's 32 x COPIES
+// (entry (32 k + lane) / COPIES, fetched from its lane by a shuffle), so that every store covers
+// consecutive addresses. (A lane writing its own entry's COPIES slots puts all 32 lanes of a store
+// on the same banks: a 32-way conflict that took 6 us of an 18 us call at B=1, T=4k; a flat
+// thread-per-slot loop avoids it but reloads centroids once per slot, 11 dependent round trips.)
+template <int DIM, int COPIES>
+__device__ __forceinline__ void fill_task(const float* __restrict__ cent, unsigned short* book, int entries, int task,
+                                          int lane) {
+    const int e = task * 32 + lane;
+    unsigned w[DIM / 2];
+#pragma unroll
+    for (int i = 0; i < DIM / 2; ++i) w[i] = e < entries ? pack2(cent[e * DIM + 2 * i], cent[e * DIM + 2 * i + 1]) : 0u;
+#pragma unroll
+    for (int k = 0; k < COPIES; ++k) {
+        const int s = 32 * k + lane, src = s / COPIES;
+        unsigned x[DIM / 2];
+#pragma unroll
+        for (int i = 0; i < DIM / 2; ++i) x[i] = COPIES == 1 ? w[i] : __shfl_sync(0xffffffffu, w[i], src);
+        if (task * 32 + src >= entries) continue;
+        const int idx = task * 32 * COPIES + s;
+        if (DIM == 8) {
+            vq_w4 v; v.x = x[0]; v.y = x[1]; v.z = x[2]; v.w = x[3];
+            ((vq_w4*)book)[idx] = v;
+        } else if (DIM == 4) {
+            vq_w2 v; v.x = x[0]; v.y = x[1];
+            ((vq_w2*)book)[idx] = v;
+        } else {
+            ((unsigned*)book)[idx] = x[0];
+        }
+    }
+}
+
+// Both codebooks, their tasks spread over the CTA's warps.
+__device__ __forceinline__ void fill_books(const float* __restrict__ kcent, const float* __restrict__ vcent,
+                                           unsigned short* kbook, unsigned short* vbook, int warp, int lane) {
+    const int ktasks = (EK + 31) / 32, vtasks = (EV + 31) / 32;
+    for (int task = warp; task < ktasks + vtasks; task += NWARPS) {
+        if (task < ktasks) fill_task<DK, KCOPIES>(kcent, kbook, EK, task, lane);
+        else fill_task<DV, VCOPIES>(vcent, vbook, EV, task - ktasks, lane);
+    }
+}
+
+#define KROW_SMEM (KCOPIES * DK * 2)  // bytes between consecutive key centroids in shared memory
+#define VROW_SMEM (VCOPIES * DV * 2)
+
+// Codes of the block at t0, loaded into registers (zeros for positions >= hi unless FULL). Key
+// n-tile nt: position t0 + 8 nt + gid, this thread's SLICE_K channels. Value k-step i: positions
+// t0 + 16 i + {2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9}, this thread's SLICE_V channels.
+struct BlockCodes {
+    unsigned k[NT][KWORDS];
+    unsigned v[4][4][VWORDS];
+};
+
+template <bool FULL>
+__device__ __forceinline__ void load_block(BlockCodes& bc, int t0, int hi, const unsigned char* kc,
+                                           const unsigned char* vc, int gid, int tig) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int t = t0 + 8 * nt + gid;
+        if (FULL || t < hi) load_codes<NCODE_K, KFMT, SK>(kc + (long long)t * KROW_BYTES, tig * NCODE_K, bc.k[nt]);
+        else zero_codes<NCODE_K, KFMT>(bc.k[nt]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int t = t0 + 16 * i + 2 * tig + (r & 1) + 8 * (r >> 1);
+            if (FULL || t < hi) load_codes<NCODE_V, VFMT, SV>(vc + (long long)t * VROW_BYTES, gid * NCODE_V, bc.v[i][r]);
+            else zero_codes<NCODE_V, VFMT>(bc.v[i][r]);
+        }
+}
+
+#define NH ((G + 7) / 8)  // n-tiles of 8 query heads
+
+// Attention over the block at t0 whose codes are in bc (positions >= hi masked unless FULL).
+// Scores as S^T = K Q^T: M = 16 positions per m-tile, N = 8 heads per n-tile, K = channels.
+// Values as O^T = V^T P^T: M = 16 channels per m-tile, N = 8 heads, K = 16 positions.
+// Key and value A-fragment words of one block, gathered from the shared-memory codebooks by the
+// codes in registers.
+struct CodebookRows {
+    const BlockCodes& bc;
+    unsigned kbase, vbase;
+
+    // Positions t0 + 16 mt + gid (ka) and + 8 (kb): this thread's SLICE_K channels.
+    __device__ __forceinline__ void keys(int mt, unsigned* ka, unsigned* kb) const {
+#pragma unroll
+        for (int j = 0; j < NCODE_K; ++j) {
+            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt], j) * KROW_SMEM, ka + j * (DK / 2));
+            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt + 1], j) * KROW_SMEM, kb + j * (DK / 2));
+        }
+    }
+
+    // Value k-step i, position r of its four (see BlockCodes): this thread's SLICE_V channels.
+    __device__ __forceinline__ void values(int i, int r, unsigned* vv) const {
+#pragma unroll
+        for (int j = 0; j < NCODE_V; ++j)
+            lds<DV>(vbase + code_at<NCODE_V, VFMT>(bc.v[i][r], j) * VROW_SMEM, vv + j * (DV / 2));
+    }
+};
+
+// 16-byte words of n 16-bit channels at p (p 16-byte aligned), or zeros when !ok.
+template <int N>
+__device__ __forceinline__ void load_channels(const unsigned short* p, bool ok, unsigned* w) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+        vq_w4 v = ok ? ((const vq_w4*)p)[i] : vq_w4{0u, 0u, 0u, 0u};
+        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+}
+
+// The same fragment words read from full-precision rows (the window): row t of k_rows / v_rows
+// is position t0 + t; rows >= n are zeros.
+struct DenseRows {
+    const unsigned short* k_rows;
+    const unsigned short* v_rows;
+    int n, gid, tig;
+
+    __device__ __forceinline__ void keys(int mt, unsigned* ka, unsigned* kb) const {
+        const int t = 16 * mt + gid;
+        load_channels<SLICE_K>(k_rows + (long long)t * D + tig * SLICE_K, t < n, ka);
+        load_channels<SLICE_K>(k_rows + (long long)(t + 8) * D + tig * SLICE_K, t + 8 < n, kb);
+    }
+
+    __device__ __forceinline__ void values(int i, int r, unsigned* vv) const {
+        const int t = 16 * i + 2 * tig + (r & 1) + 8 * (r >> 1);
+        load_channels<SLICE_V>(v_rows + (long long)t * D + gid * SLICE_V, t < n, vv);
+    }
+};
+
+template <bool FULL, class Rows>
+__device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int lane,
+                                           const unsigned (&qf)[NH][KSTEPS][2], float scale_log2,
+                                           float (&m)[NH][2], float (&l)[NH][2], float (&acc)[D / 16][NH][4]) {
+    const int gid = lane >> 2, tig = lane & 3;
+    // Scores. m-tile mt holds positions t0 + 16 mt + gid (rows gid) and + 8 (rows gid + 8), whose
+    // key codes are bc.k[2 mt] and bc.k[2 mt + 1]. C fragment: positions gid / gid + 8, heads
+    // 8 nh + 2 tig + {0, 1}.
+    float sc[4][NH][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+        unsigned ka[SLICE_K / 2], kb[SLICE_K / 2];
+        rows.keys(mt, ka, kb);
+        const int t = t0 + 16 * mt + gid;
+        const bool ok0 = FULL || t < hi, ok1 = FULL || t + 8 < hi;
+#pragma unroll
+        for (int nh = 0; nh < NH; ++nh) {
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int s = 0; s < KSTEPS; ++s) mma16816(c, ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], qf[nh][s][0], qf[nh][s][1]);
+            sc[mt][nh][0] = ok0 ? c[0] * scale_log2 : NEG_INF;
+            sc[mt][nh][1] = ok0 ? c[1] * scale_log2 : NEG_INF;
+            sc[mt][nh][2] = ok1 ? c[2] * scale_log2 : NEG_INF;
+            sc[mt][nh][3] = ok1 ? c[3] * scale_log2 : NEG_INF;
+        }
+    }
+
+    // Online softmax per head (heads 8 nh + 2 tig + e); a head's positions are spread over the 8
+    // lanes of one tig (lane bits 2-4).
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float bm = NEG_INF;
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) bm = fmaxf(bm, fmaxf(sc[mt][nh][e], sc[mt][nh][2 + e]));
+            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 4));
+            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 8));
+            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 16));
+            const float mn = fmaxf(m[nh][e], bm), ms = mn == NEG_INF ? 0.f : mn;
+            const float al = exp2f(m[nh][e] - ms);
+            m[nh][e] = mn;
+            float rs = 0.f;
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                sc[mt][nh][e] = exp2f(sc[mt][nh][e] - ms);
+                sc[mt][nh][2 + e] = exp2f(sc[mt][nh][2 + e] - ms);
+                rs += sc[mt][nh][e] + sc[mt][nh][2 + e];
+            }
+            l[nh][e] = l[nh][e] * al + rs;
+#pragma unroll
+            for (int j = 0; j < D / 16; ++j) {
+                acc[j][nh][e] *= al;
+                acc[j][nh][2 + e] *= al;
+            }
+        }
+
+    // Values. k-step i = positions t0 + 16 i + r (r = 0..15). The B fragment (P^T) of thread
+    // (gid, tig) is head 8 nh + gid at r = 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9; the score C
+    // fragment holding them is in lanes (2 tig) * 4 + gid / 2 and (2 tig + 1) * 4 + gid / 2, each
+    // packing its (r, r + 8) pair per head parity. The A fragment (V^T): m-tile j, rows gid and
+    // gid + 8 are channels gid * SLICE_V + 2 j and + 1, at the same four positions (bc.v[i][0..3]).
+    const int src_a = (2 * tig) * 4 + (gid >> 1), src_b = src_a + 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        unsigned pb0[NH], pb1[NH];
+#pragma unroll
+        for (int nh = 0; nh < NH; ++nh) {
+            const unsigned pe = pack2(sc[i][nh][0], sc[i][nh][2]), po = pack2(sc[i][nh][1], sc[i][nh][3]);
+            const unsigned ea = __shfl_sync(0xffffffffu, pe, src_a), oa = __shfl_sync(0xffffffffu, po, src_a);
+            const unsigned eb = __shfl_sync(0xffffffffu, pe, src_b), ob = __shfl_sync(0xffffffffu, po, src_b);
+            const unsigned fa = (gid & 1) ? oa : ea, fb = (gid & 1) ? ob : eb;
+            pb0[nh] = __byte_perm(fa, fb, 0x5410);
+            pb1[nh] = __byte_perm(fa, fb, 0x7632);
+        }
+        unsigned vv[4][SLICE_V / 2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) rows.values(i, r, vv[r]);
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) {
+            const unsigned a0 = __byte_perm(vv[0][j], vv[1][j], 0x5410), a1 = __byte_perm(vv[0][j], vv[1][j], 0x7632);
+            const unsigned a2 = __byte_perm(vv[2][j], vv[3][j], 0x5410), a3 = __byte_perm(vv[2][j], vv[3][j], 0x7632);
+#pragma unroll
+            for (int nh = 0; nh < NH; ++nh) mma16816(acc[j][nh], a0, a1, a2, a3, pb0[nh], pb1[nh]);
+        }
+    }
+}
+
+// A float written by another CTA of this launch (after its fence): read past L1, which is not
+// coherent across SMs.
+__device__ __forceinline__ float load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned short to_half(float x) {
+    unsigned short h;
+#if FP16
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#endif
+    return h;
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB)
+vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
+          const unsigned char* __restrict__ kcodes,  // [B, Hkv, Tmax, D / DK] codes
+          const unsigned char* __restrict__ vcodes,  // [B, Hkv, Tmax, D / DV] codes
+          const float* __restrict__ kcent,           // [EK, DK]
+          const float* __restrict__ vcent,           // [EV, DV]
+          const unsigned short* __restrict__ kw,     // [B, Hkv, R, D] (K~), 16-byte aligned
+          const unsigned short* __restrict__ vw,     // [B, Hkv, R, D]
+          const void* __restrict__ n_coded_p,        // 0-d int32/int64
+          const void* __restrict__ n_window_p,       // 0-d int32/int64
+          const void* __restrict__ start_p,          // [B] int32/int64, or unused
+          float* __restrict__ part_m,                // [B * Hkv, splits + 1, G]
+          float* __restrict__ part_l,                // [B * Hkv, splits + 1, G]
+          float* __restrict__ part_acc,              // [B * Hkv, splits + 1, G, D]
+          unsigned* __restrict__ arrivals,           // [B * Hkv], zeros
+          unsigned short* __restrict__ out,          // [B, Hkv * G, D]
+          int hkv, int tmax, int r_slots, int n_coded_is64, int n_window_is64, int start_kind,
+          float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int last_arrival;
+    unsigned short* kbook = (unsigned short*)smem;
+    unsigned short* vbook = kbook + EK * KCOPIES * DK;
+    const bool window_cta = blockIdx.y == gridDim.y - 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int bh = blockIdx.x, b = bh / hkv, kvh = bh - b * hkv;
+    // The global reads a warp needs first (the lengths, the query, its first block of codes, the
+    // centroids) are all issued before the codebook fill's barrier, so that at short lengths
+    // their latencies overlap instead of adding up. The window CTA fills no codebook.
+    const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
+    const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
+
+    // Query fragments (B operand of the score product, N = heads): thread (gid, tig) holds head
+    // 8 nh + gid, channels tig * SLICE_K + 4 s + {0, 1} and {2, 3} for k-step s.
+    unsigned qf[NH][KSTEPS][2];
+    const unsigned short* qrow = q + ((long long)b * hkv * G + kvh * G) * D + tig * SLICE_K;
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) {
+        const int h = 8 * nh + gid;
+#pragma unroll
+        for (int s = 0; s < KSTEPS; ++s) {
+            qf[nh][s][0] = h < G ? *(const unsigned*)(qrow + h * D + 4 * s) : 0u;
+            qf[nh][s][1] = h < G ? *(const unsigned*)(qrow + h * D + 4 * s + 2) : 0u;
+        }
+    }
+
+    float m[NH][2], l[NH][2], acc[D / 16][NH][4];
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) {
+        m[nh][0] = m[nh][1] = NEG_INF;
+        l[nh][0] = l[nh][1] = 0.f;
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) acc[j][nh][0] = acc[j][nh][1] = acc[j][nh][2] = acc[j][nh][3] = 0.f;
+    }
+
+    if (window_cta) {
+        // Window slots s >= first (positions n_coded + s at or after the row's start), s < n_window;
+        // warp w takes the blocks w, w + NWARPS, ...
+        const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
+        const int first = max(0, start - n_coded);
+        const long long wrow = (long long)bh * r_slots * D;
+        for (int t0 = first + warp * BLOCK_T; t0 < n_window; t0 += NWARPS * BLOCK_T) {
+            const int n = min(BLOCK_T, n_window - t0);
+            const DenseRows rows{kw + wrow + (long long)t0 * D, vw + wrow + (long long)t0 * D, n, gid, tig};
+            block_step<false>(rows, 0, n, lane, qf, scale_log2, m, l, acc);
+        }
+    } else {
+        const int units = (gridDim.y - 1) * NWARPS, unit = blockIdx.y * NWARPS + warp;
+        int chunk = (n_coded + units - 1) / units;
+        chunk = (chunk + BLOCK_T - 1) / BLOCK_T * BLOCK_T;
+        const int lo = max(unit * chunk, start), hi = min(unit * chunk + chunk, n_coded);
+        const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES;
+        const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES;
+        // Software pipeline over blocks: the next block's codes load while this one computes.
+        int t0 = lo;
+        BlockCodes cur, nxt;
+        if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
+        fill_books(kcent, vcent, kbook, vbook, warp, lane);
+        __syncthreads();
+        // Lane l reads copy l % COPIES of each codebook.
+        const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
+        const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
+        for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
+            load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
+            block_step<true>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
+            cur = nxt;
+        }
+        if (t0 < hi) block_step<false>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
+    }
+
+    // Each warp's partial (head 8 nh + 2 tig + e; its sum spread over the lanes of one tig) goes
+    // to shared memory (the codebooks are no longer needed), then the CTA merges its NWARPS
+    // partials into one: the final merge reads one partial per CTA, not one per warp.
+    __syncthreads();
+    float* wm = (float*)smem;       // [NWARPS][G]
+    float* wl = wm + NWARPS * G;    // [NWARPS][G]
+    float* wacc = wl + NWARPS * G;  // [NWARPS][G][D]
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float ls = l[nh][e];
+            ls += __shfl_xor_sync(0xffffffffu, ls, 4);
+            ls += __shfl_xor_sync(0xffffffffu, ls, 8);
+            ls += __shfl_xor_sync(0xffffffffu, ls, 16);
+            const int h = 8 * nh + 2 * tig + e;
+            if (h < G) {
+                if (gid == 0) {
+                    wm[warp * G + h] = m[nh][e];
+                    wl[warp * G + h] = ls;
+                }
+                // Channels gid * SLICE_V + 2 j (C rows gid) and + 1 (rows gid + 8).
+                float* dst = wacc + (warp * G + h) * D + gid * SLICE_V;
+#pragma unroll
+                for (int j = 0; j < D / 16; j += 2) {
+                    vq_f4 v;
+                    v.x = acc[j][nh][e]; v.y = acc[j][nh][2 + e];
+                    v.z = acc[j + 1][nh][e]; v.w = acc[j + 1][nh][2 + e];
+                    *(vq_f4*)(dst + 2 * j) = v;
+                }
+            }
+        }
+    __syncthreads();
+    const long long prow = ((long long)bh * gridDim.y + blockIdx.y) * G;
+    for (int i = threadIdx.x; i < G * D; i += NWARPS * 32) {
+        const int h = i / D, c = i - h * D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, wm[w * G + h]);
+        const float ms = mx == NEG_INF ? 0.f : mx;
+        float a = 0.f, ls = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float wt = exp2f(wm[w * G + h] - ms);
+            a += wt * wacc[(w * G + h) * D + c];
+            ls += wt * wl[w * G + h];
+        }
+        part_acc[(prow + h) * D + c] = a;
+        if (c == 0) {
+            part_m[prow + h] = mx;
+            part_l[prow + h] = ls;
+        }
+    }
+
+    // The last CTA of this (batch row, KV head) to arrive merges every CTA's partial.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_arrival = atomicAdd(arrivals + bh, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last_arrival) return;
+    __threadfence();
+    // Online log-sum-exp over the partials, one output element per thread: every load of a
+    // partial is independent of the others, so a batch of them is in flight at once (one round
+    // trip per 8 partials rather than a max pass, a sum pass and an accumulator pass).
+    const int units = gridDim.y;
+    const long long row0 = (long long)bh * units * G;
+    unsigned short* orow = out + ((long long)b * hkv + kvh) * G * D;
+    for (int i = threadIdx.x; i < G * D; i += NWARPS * 32) {
+        const int h = i / D, c = i - h * D;
+        float mx = NEG_INF, ls = 0.f, a = 0.f;
+#pragma unroll 8
+        for (int u = 0; u < units; ++u) {
+            const long long p = row0 + u * G + h;
+            const float mu = load_cg(part_m + p), lu = load_cg(part_l + p), au = load_cg(part_acc + p * D + c);
+            const float mn = fmaxf(mx, mu), ms = mn == NEG_INF ? 0.f : mn;
+            const float s_old = exp2f(mx - ms), s_new = exp2f(mu - ms);
+            ls = ls * s_old + lu * s_new;
+            a = a * s_old + au * s_new;
+            mx = mn;
+        }
+        orow[i] = to_half(ls > 0.f ? a / ls : 0.f);
+    }
+}
