@@ -248,8 +248,10 @@ def test_codes_read_refuses_what_the_decode_op_cannot_do():
     q = torch.randn(1, 4, 1, 16)
     with pytest.raises(ValueError, match="model.eval"):
         eager_decode.codes_attention_forward(None, q, k, v, None, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        eager_decode.codes_attention_forward(None, q, k, v, None, softcap=30.0)
+    for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(4)), ("sinks", torch.zeros(4)),
+                        ("indices", torch.zeros(1, 4, 1, 2, dtype=torch.long)), ("block_indices", torch.zeros(1, 1))):
+        with pytest.raises(NotImplementedError, match=f"\\({name}\\).*run this model without VecInfer"):
+            eager_decode.codes_attention_forward(None, q, k, v, None, **{name: value})
     with pytest.raises(ValueError, match="4-d"):
         eager_decode.codes_attention_forward(None, q, k, v, torch.ones(1, 24, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="one-token codes read"):

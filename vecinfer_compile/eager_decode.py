@@ -44,12 +44,15 @@ import torch
 from torch.utils._pytree import tree_map_only
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .attention_support import check_attention_call
+
 ATTN_NAME = "vecinfer_sdpa"
 _LAYER = "_vecinfer_codes_layer"  # the attribute of a codes read that names its layer
 _CHUNK = "_vecinfer_chunk_keys"  # and, for a chunk, what its attention reads (ops.chunk_attention.ChunkKeys)
 # (a sliding window is fine: transformers' SDPA path applies it through the mask, and so do the codes reads;
-# a T5-style position_bias gets SDPA over the dequantized read, as transformers' SDPA adds it to the scores)
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux")
+# a T5-style position_bias gets SDPA over the dequantized read, as transformers' SDPA adds it to the scores;
+# what attention over codes cannot compute, sinks, softcap, sparse indices, is refused by
+# attention_support.check_attention_call, as the backend and the simulate path refuse it)
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -136,12 +139,7 @@ def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     layer = getattr(key, _LAYER)
     if dropout:
         raise ValueError("vecinfer: attention over a VecInferCache has dropout > 0: call model.eval()")
-    extra = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
-    if extra:
-        raise NotImplementedError(
-            f"vecinfer: attention over a VecInferCache does not support {', '.join(extra)}; "
-            "this model cannot use VecInferCache"
-        )
+    check_attention_call(module, query, key, value, kwargs)
     chunk = getattr(key, _CHUNK, None)
     if chunk is None:
         if query.shape[2] != 1:
