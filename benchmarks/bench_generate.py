@@ -37,7 +37,10 @@ memory) gets its error in its row and the run goes on.
 
 ``--profile K`` adds, per (case, method), one more ``generate`` of K new tokens under
 ``torch.profiler`` (the prefill and first step excluded): the kernels by device time per decode
-step, their sum ("GPU busy") next to the wall time per step, so host overhead shows as the gap.
+step, their sum ("GPU busy") next to the wall time per step, so host overhead shows as the gap;
+then one more such ``generate`` under ``cProfile``: the host time per step by who spends it (the
+compiled forward call, which holds the CUDA-graph replay and its checks; transformers' generate
+loop around it; vecinfer_compile's own Python).
 With ``--prefill-chunk`` the same run's last prefill chunk (the one over the longest context) is
 profiled too, and every row keeps the chunked prefill's own time (``prefill_chunks_s``; the table's
 prefill column shows it, starred, under ``--in-run-only``).
@@ -339,6 +342,49 @@ class ProfileWindow(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+class HostProfile:
+    """``cProfile`` with the ``start``/``stop`` of a ``torch.profiler`` run (for :class:`ProfileWindow`)."""
+
+    def __init__(self):
+        import cProfile
+
+        self.prof = cProfile.Profile()
+
+    def start(self):
+        self.prof.enable()
+
+    def stop(self):
+        self.prof.disable()
+
+
+# Host time of a decode step by who spends it: (label, file fragment, function name) whose cumulative
+# time is reported; "vecinfer_compile" sums the own time of every function in the package's files.
+HOST_PARTS = (
+    ("compiled forward (guards, CUDA-graph replay and its checks)", "torch/_dynamo/eval_frame.py", "compile_wrapper"),
+    ("transformers: prepare_inputs_for_generation", "transformers/generation/utils.py", "prepare_inputs_for_generation"),
+    ("transformers: create_masks_for_generate (in the above)", "transformers/masking_utils.py", "create_masks_for_generate"),
+    ("transformers: logits processors", "transformers/generation/logits_process.py", "__call__"),
+    ("transformers: stopping criteria", "transformers/generation/stopping_criteria.py", "__call__"),
+    ("transformers: _update_model_kwargs_for_generation", "transformers/generation/utils.py",
+     "_update_model_kwargs_for_generation"),
+)
+
+
+def host_table(host: HostProfile, per: int) -> dict:
+    """Milliseconds per step of the :data:`HOST_PARTS`, of vecinfer_compile's own functions and of
+    everything profiled, from a finished :class:`HostProfile`."""
+    import pstats
+
+    stats = pstats.Stats(host.prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    def cum(fragment, name):
+        return sum(v[3] for (f, _, n), v in stats.items() if n == name and fragment in f.replace("\\", "/"))
+    out = {label: 1e3 * cum(f, n) / per for label, f, n in HOST_PARTS}
+    out["vecinfer_compile's own Python"] = 1e3 * sum(v[2] for (f, _, _), v in stats.items()
+                                                    if "vecinfer_compile" in f) / per
+    out["everything the host ran in those steps"] = 1e3 * sum(v[2] for v in stats.values()) / per
+    return out
+
+
 def kernel_table(prof, per: int, top: int = 15) -> tuple[float, list[dict], float]:
     """``(busy_us, kernels, launches)`` of a finished ``torch.profiler`` run, divided by ``per``
     (steps or chunks): the device time summed over kernels, the ``top`` kernels by device time,
@@ -385,6 +431,9 @@ def profile_decode(runner, ids, steps: int) -> dict:
     if chunk_prof is not None and chunk_prof.profiler is not None:
         busy, kernels, launches = kernel_table(chunk_prof, 1)
         out["prefill_chunk"] = {"busy_us": busy, "kernels": kernels, "n_kernels": launches}
+    host = HostProfile()
+    runner.generate(ids, skip + steps + 1, extra_criteria=[ProfileWindow(host, skip, steps)])
+    out["host_ms"] = host_table(host, steps)
     return out
 
 
@@ -394,6 +443,10 @@ def print_profile(row: dict) -> None:
           f"{p['n_kernels']:.0f} kernel launches; wall {p['wall_us'] / 1e3:.2f} ms/step (profiler on)")
     for k in p["kernels"]:
         print(f"#   {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['name']}")
+    if "host_ms" in p:
+        print(f"# host time per step, {row['B']}x{row['T']} {LABELS[row['method']]} (cProfile on, one more run):")
+        for label, ms in p["host_ms"].items():
+            print(f"#   {ms:7.3f} ms  {label}")
     chunk = p.get("prefill_chunk")
     if chunk:
         print(f"# profile {row['B']}x{row['T']} {LABELS[row['method']]}, the last prefill chunk of "
