@@ -472,16 +472,13 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     }
 
     if (window_cta) {
-        // Window slots s >= first (positions n_coded + s at or after the row's start), s < n_window,
-        // spread over every warp in pieces of a multiple of 16 slots (at most a block): a block's
-        // rows are loaded m-tile by m-tile, so 16 slots per warp wait for one round trip where a
-        // whole block waits for four (the 128-slot window is 8 pieces, not 2 blocks).
+        // Window slots s >= first (positions n_coded + s at or after the row's start), s < n_window;
+        // warp w takes the blocks w, w + NWARPS, ...
         const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
         const int first = max(0, start - n_coded);
-        const int piece = min(BLOCK_T, max(16, (n_window - first + 16 * NWARPS - 1) / (16 * NWARPS) * 16));
         const long long wrow = (long long)bh * r_slots * D;
-        for (int t0 = first + warp * piece; t0 < n_window; t0 += NWARPS * piece) {
-            const int n = min(piece, n_window - t0);
+        for (int t0 = first + warp * BLOCK_T; t0 < n_window; t0 += NWARPS * BLOCK_T) {
+            const int n = min(BLOCK_T, n_window - t0);
             const DenseRows rows{kw + wrow + (long long)t0 * D, vw + wrow + (long long)t0 * D, n, gid, tig};
             block_step<false>(rows, 0, n, lane, qf, scale_log2, m, l, acc);
         }
