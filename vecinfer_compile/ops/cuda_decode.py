@@ -213,9 +213,9 @@ def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     a CUDA graph that captured it keeps using it, and no graph pool can hand its memory to
     another tensor. A buffer is made only outside a capture; a capture on a stream that has none
     yet (its warm-up ran on another stream) gets zeros from torch's allocator, memset inside the
-    graph, as the v1 kernel always does. (A graph replayed on another stream at the same time as
-    eager calls on its capture stream would share counters; CUDA-graph runners replay where they
-    warmed up.)"""
+    graph, as the v1 kernel always does. (A graph replayed while eager calls run on its capture
+    stream at the same time would share counters; torch's CUDA-graph trees warm up and capture on
+    a stream of their own and synchronize the device before each warm-up.)"""
     key = (device.index if device.index is not None else torch.cuda.current_device(),
            torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
