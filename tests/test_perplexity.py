@@ -126,3 +126,22 @@ def test_kv_bytes_matches_codebook_nbytes(tiny_model, sample_text_path):
               for _ in range(4)]
     cb = VecInferCodebooks("vecinfer", 2.0, layers, g)
     assert kv_bytes("vecinfer", 2, g).fixed_bytes == cb.nbytes() + 4 * 64 * 64  # + the cache's rotation
+
+
+def test_ablation_row_counts_a_per_layer_allocation_bytes(tiny_model, sample_text_path):
+    """An ablation row of codebooks with one preset per layer counts each layer's own code bytes,
+    not ``bits`` (their average) for every layer."""
+    from vecinfer_compile.evaluation.ablation import evaluate_row
+    from vecinfer_compile.testing import random_codebooks
+
+    model, tok = tiny_model
+    ids = tokenize(tok, load_text(sample_text_path))
+    layers = model.config.num_hidden_layers
+    assert layers % 2 == 0
+    layer_bits = [1.0, 3.0] * (layers // 2)  # 2 bits on average
+    cb = random_codebooks(model.config, layer_bits=layer_bits)
+    row = evaluate_row(model, tok, ids, "vecinfer", cb.bits, codebooks=cb, windows=1, window_len=32, progress=False)
+    want = kv_bytes("vecinfer", cb.bits, model.config, layer_bits=layer_bits)
+    assert row.kv_bytes_per_token == want.bytes_per_token and row.fixed_bytes == want.fixed_bytes
+    uniform = kv_bytes("vecinfer", 2.0, model.config)
+    assert (row.kv_bytes_per_token, row.fixed_bytes) != (uniform.bytes_per_token, uniform.fixed_bytes)

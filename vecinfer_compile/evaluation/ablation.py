@@ -200,7 +200,8 @@ def evaluate_row(
     model, tokenizer, token_ids, method: str, bits: float, *, codebooks=None, windows: int,
     window_len: int, residual: int = 0, backend: str = "eager", progress: bool = True,
 ) -> Row:
-    acc = kv_bytes(method, None if method == "fp16" else bits, model.config, residual=residual)
+    acc = kv_bytes(method, None if method == "fp16" else bits, model.config, residual=residual,
+                   layer_bits=getattr(codebooks, "layer_bits", None))  # a per-layer allocation's own presets
     t0 = time.perf_counter()
     with applied(model, method, bits, codebooks=codebooks, residual=residual, backend=backend) as m:
         res = perplexity(m, token_ids, windows=windows, window_len=window_len, progress=progress)
