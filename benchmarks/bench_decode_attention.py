@@ -21,12 +21,12 @@ Triton kernel.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,21 +79,6 @@ def sdpa_variants(q, k, v):
         yield f"{backend.name.lower()}-packed", packed
 
 
-@contextlib.contextmanager
-def cuda_kernel_version(version: str | None):
-    """Within the block, the CUDA kernel is ``version`` (None: leave the environment alone)."""
-    old = os.environ.get(cuda_decode.VERSION_ENV)
-    if version is not None:
-        os.environ[cuda_decode.VERSION_ENV] = version
-    try:
-        yield
-    finally:
-        if version is not None:
-            os.environ.pop(cuda_decode.VERSION_ENV, None)
-            if old is not None:
-                os.environ[cuda_decode.VERSION_ENV] = old
-
-
 def kernel_names(versions: list[str], triton: bool) -> list[str]:
     """Timed kernels: ``cuda`` (the first version), ``cuda_<version>`` for the others, ``triton``."""
     return ["cuda"] + [f"cuda_{v}" for v in versions[1:]] + (["triton"] if triton else [])
@@ -111,7 +96,7 @@ def run_case(b: int, t: int, bits: float, versions: list[str], triton: bool = Tr
     if triton:
         kernels["triton"] = (decode_attention_triton, None)
     for name, (fn, version) in kernels.items():
-        with cuda_kernel_version(version):
+        with mock.patch.dict(os.environ, {} if version is None else {cuda_decode.VERSION_ENV: version}):
             row[f"{name}_ms"] = graph_time_ms([lambda a=a, fn=fn: fn(*a) for a in sets])
             if t <= CHECK_MAX_T:
                 got = fn(*first)
