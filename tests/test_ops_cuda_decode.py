@@ -71,9 +71,15 @@ def test_variant_shared_memory_copies_and_launch_shapes():
     old = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v1")
     assert cuda_decode.launches_for(old)[:2] == [(1, 12), (3, 4)]
     one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False)
-    # 128 KiB of codebooks leave room for one CTA per SM: it gets 12 warps rather than 4
-    assert one_and_half.smem_bytes(12) == 128 * 1024
+    # 128 KiB of codebooks and their float32 staging leave room for one CTA per SM: it gets 12
+    # warps rather than 4. The 256 KiB of floats do not fit beside the books: two buffers of half
+    # the room left (227 KiB - 1 KiB - 128 KiB = 98 KiB, 12,544 floats each)
+    assert one_and_half.stage_floats() == 2 * 12544
+    assert one_and_half.smem_bytes(12) == 128 * 1024 + 4 * 2 * 12544
     assert cuda_decode.launches_for(one_and_half) == [(1, 12), (1, 8), (1, 4)]
+    three = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False)  # 2 x 64 KiB of floats fit at once
+    assert three.stage_floats() == 2 * 4096 * 4 and three.smem_bytes(8) == 64 * 1024 + 128 * 1024
+    assert two_bit.stage_floats() == 0  # 256-entry books are filled by the warps, in copies
     # the warps' partials reuse the codebook memory; it is grown when they need more
     assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False).smem_bytes(4) == 32 * 1024 + 32 * 1024
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(4) == 4 * 16 * 130 * 4

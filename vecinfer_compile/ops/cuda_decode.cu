@@ -193,8 +193,9 @@ __device__ __forceinline__ void store_task(const unsigned* w, unsigned short* bo
     }
 }
 
-#define KTASKS ((EK + 31) / 32)
-#define VTASKS ((EV + 31) / 32)
+// A single-copy (4096-entry) book is staged instead (stage_books); the tasks fill the others.
+#define KTASKS (KCOPIES == 1 ? 0 : (EK + 31) / 32)
+#define VTASKS (VCOPIES == 1 ? 0 : (EV + 31) / 32)
 #define FILL_BATCH 8  // tasks whose centroids a warp loads before it stores any
 #define WMAX (DK > DV ? DK / 2 : DV / 2)
 
@@ -204,7 +205,7 @@ __device__ __forceinline__ void store_task(const unsigned* w, unsigned short* bo
 __device__ __forceinline__ void fill_books(const float* __restrict__ kcent, const float* __restrict__ vcent,
                                            unsigned short* kbook, unsigned short* vbook, int warp, int lane) {
     constexpr int per_warp = (KTASKS + VTASKS + NWARPS - 1) / NWARPS;
-    constexpr int batch = per_warp < FILL_BATCH ? per_warp : FILL_BATCH;
+    constexpr int batch = per_warp < FILL_BATCH ? (per_warp > 0 ? per_warp : 1) : FILL_BATCH;
 #pragma unroll 1
     for (int r0 = 0; r0 < per_warp; r0 += batch) {
         unsigned w[batch][WMAX];
@@ -223,6 +224,65 @@ __device__ __forceinline__ void fill_books(const float* __restrict__ kcent, cons
     }
 }
 
+// Single-copy books (KCOPIES or VCOPIES 1: the 4096-entry ones, 32-64 KiB each) are copied as
+// float32 into a staging area of shared memory with cp.async (every 16-byte piece in flight at
+// once, no registers held), then converted in place to the 16-bit book, a chunk at a time: the
+// staged floats are the key book's EK * DK (if staged) followed by the value book's EV * DV, cut
+// into chunks of CHUNK floats in two alternating buffers of STAGE_FLOATS / 2 (one chunk when all
+// fit: STAGE_FLOATS then holds them all). A book's 16-bit layout with one copy is its float
+// layout, so float f of a book becomes channel f of its shared-memory book.
+// (The per-task fill above was 15 us of a 27 us call at 3 bits, B=1, T=4k on the H200.)
+#define KSTAGED (KCOPIES == 1 ? EK * DK : 0)
+#define VSTAGED (VCOPIES == 1 ? EV * DV : 0)
+#define NSTAGED (KSTAGED + VSTAGED)
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
+}
+
+template <int CHUNK>
+__device__ __forceinline__ void stage_issue(int c, const float* __restrict__ kcent, const float* __restrict__ vcent,
+                                            unsigned stage) {
+    const int f0 = c * CHUNK, f1 = min(f0 + CHUNK, NSTAGED);
+    const unsigned buf = stage + (c & 1) * CHUNK * 4;
+    for (int f = f0 + 4 * (int)threadIdx.x; f < f1; f += 4 * NWARPS * 32)
+        cp_async16(buf + (f - f0) * 4, f < KSTAGED ? kcent + f : vcent + (f - KSTAGED));
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int CHUNK>
+__device__ __forceinline__ void stage_convert(int c, const float* stage, unsigned short* kbook, unsigned short* vbook) {
+    const int f0 = c * CHUNK, f1 = min(f0 + CHUNK, NSTAGED);
+    const float* buf = stage + (c & 1) * CHUNK;
+    for (int f = f0 + 4 * (int)threadIdx.x; f < f1; f += 4 * NWARPS * 32) {
+        const vq_f4 x = *(const vq_f4*)(buf + (f - f0));
+        vq_w2 w;
+        w.x = pack2(x.x, x.y);
+        w.y = pack2(x.z, x.w);
+        *(vq_w2*)(f < KSTAGED ? kbook + f : vbook + (f - KSTAGED)) = w;
+    }
+}
+
+// The staged books, chunk c's copy in flight while chunk c - 1 converts. Ends with a barrier.
+__device__ __forceinline__ void stage_books(const float* __restrict__ kcent, const float* __restrict__ vcent,
+                                            float* stage, unsigned short* kbook, unsigned short* vbook) {
+    constexpr int chunk = STAGE_FLOATS >= NSTAGED ? (NSTAGED > 0 ? NSTAGED : 1) : STAGE_FLOATS / 2;
+    constexpr int chunks = (NSTAGED + chunk - 1) / chunk;
+    const unsigned sa = shared_address(stage);
+    stage_issue<chunk>(0, kcent, vcent, sa);
+    if (chunks > 1) stage_issue<chunk>(1, kcent, vcent, sa);
+#pragma unroll 1
+    for (int c = 0; c < chunks; ++c) {
+        if (c + 1 < chunks) asm volatile("cp.async.wait_group 1;" ::: "memory");
+        else asm volatile("cp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+        stage_convert<chunk>(c, stage, kbook, vbook);
+        __syncthreads();
+        if (c + 2 < chunks) stage_issue<chunk>(c + 2, kcent, vcent, sa);
+    }
+}
+
+#define BOOK_BYTES ((EK * KCOPIES * DK + EV * VCOPIES * DV) * 2)
 #define KROW_SMEM (KCOPIES * DK * 2)  // bytes between consecutive key centroids in shared memory
 #define VROW_SMEM (VCOPIES * DV * 2)
 
@@ -437,7 +497,7 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int last_arrival;
     unsigned short* kbook = (unsigned short*)smem;
-    unsigned short* vbook = kbook + EK * KCOPIES * DK;
+    unsigned short* vbook = kbook + EK * KCOPIES * DK;  // then the staging area (stage_books)
     const bool window_cta = blockIdx.y == gridDim.y - 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -493,6 +553,9 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         int t0 = lo;
         BlockCodes cur, nxt;
         if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
+#if NSTAGED
+        stage_books(kcent, vcent, (float*)(smem + BOOK_BYTES), kbook, vbook);
+#endif
         fill_books(kcent, vcent, kbook, vbook, warp, lane);
         __syncthreads();
         // Lane l reads copy l % COPIES of each codebook.

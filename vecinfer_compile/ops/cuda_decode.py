@@ -18,7 +18,8 @@ architecture). Why a shared-memory codebook: the Triton kernel gathers 8-byte ce
 through L1, and those random gathers bound it below FP16 SDPA (``bench_gather_ceiling.py``).
 Each 256-entry codebook is replicated ``64 // dims`` times (32 KiB) so that the lanes of one
 shared-memory wavefront read distinct copies and never collide on a bank; 4096-entry codebooks
-(32 or 64 KiB) are stored once. Resident warps per SM hide the gathers' latency: a variant runs
+(32 or 64 KiB) are stored once, copied in as float32 with ``cp.async`` through a staging area of
+shared memory (:meth:`Variant.stage_floats`) and converted there. Resident warps per SM hide the gathers' latency: a variant runs
 the first launch shape of :data:`LAUNCHES` that fits shared memory and compiles without
 spilling registers.
 """
@@ -52,6 +53,7 @@ CENTROID_DIMS = (2, 4, 8)
 MAX_GROUP = 16
 MAX_ENTRIES = 4096
 SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80/sm_90
+STATIC_SMEM = 1024  # room left beside the dynamic shared memory (the kernel's static variables)
 MIN_ARCH = 80  # mma.sync bf16 and cvt.bf16x2
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -75,13 +77,28 @@ class Variant:
         256-entry books (``64 // dims``), one for larger books."""
         return 64 // dims if entries <= 256 else 1
 
-    def smem_bytes(self, nwarps: int) -> int:
-        """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks,
-        reused at the end for the warps' partials (``nwarps x G x (D + 2)`` floats) when those
-        are larger."""
+    def book_bytes(self) -> int:
+        """Both 16-bit codebooks in shared memory, copies included."""
         k = self.k_entries * self.copies(self.k_entries, self.k_dims) * self.k_dims * 2
         v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
-        return max(k + v, nwarps * self.group * (self.head_dim + 2) * 4)
+        return k + v
+
+    def stage_floats(self) -> int:
+        """The source's STAGE_FLOATS: float32 staging for the single-copy books, which the kernel
+        copies with ``cp.async`` before converting them (``stage_books``): all of their floats if
+        they fit beside the books in :data:`SMEM_LIMIT`, else two buffers of half the room left
+        (a multiple of 8 floats, so that chunks are whole 16-byte pieces). 0 when no book has one
+        copy."""
+        staged = sum(e * d for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims))
+                     if self.copies(e, d) == 1)
+        room = (SMEM_LIMIT - STATIC_SMEM - self.book_bytes()) // 4
+        return staged if staged <= room else 2 * (room // 2 // 8 * 8)
+
+    def smem_bytes(self, nwarps: int) -> int:
+        """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks and the
+        staging area, reused at the end for the warps' partials (``nwarps x G x (D + 2)``
+        floats) when those are larger."""
+        return max(self.book_bytes() + 4 * self.stage_floats(), nwarps * self.group * (self.head_dim + 2) * 4)
 
     @staticmethod
     def code_format(entries: int) -> int:
@@ -95,7 +112,7 @@ class Variant:
             EV=self.v_entries, KFMT=self.code_format(self.k_entries),
             VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
-            FP16=int(self.fp16), NWARPS=nwarps,
+            FP16=int(self.fp16), NWARPS=nwarps, STAGE_FLOATS=self.stage_floats(),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -262,7 +279,7 @@ def decode_attention_cuda(
     q = q.contiguous()
     k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
     k_window, v_window = _aligned(k_window.to(q.dtype)), _aligned(v_window.to(q.dtype))
-    k_centroids, v_centroids = k_centroids.contiguous(), v_centroids.contiguous()
+    k_centroids, v_centroids = _aligned(k_centroids), _aligned(v_centroids)  # cp.async reads 16-byte pieces
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0), built.nwarps)
     units = splits + 1  # one partial per code CTA, one for the window
     part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
