@@ -80,6 +80,8 @@ def test_variant_shared_memory_copies_and_launch_shapes():
     three = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False)  # 2 x 64 KiB of floats fit at once
     assert three.stage_floats() == 2 * 4096 * 4 and three.smem_bytes(8) == 64 * 1024 + 128 * 1024
     assert two_bit.stage_floats() == 0  # 256-entry books are filled by the warps, in copies
+    three_v1 = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v1")  # v1 stages nothing
+    assert three_v1.stage_floats() == 0 and cuda_decode.launches_for(three_v1)[:3] == [(1, 12), (3, 4), (2, 4)]
     # the warps' partials reuse the codebook memory; it is grown when they need more
     assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False).smem_bytes(4) == 32 * 1024 + 32 * 1024
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(4) == 4 * 16 * 130 * 4

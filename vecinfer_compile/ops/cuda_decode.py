@@ -88,7 +88,9 @@ class Variant:
         copies with ``cp.async`` before converting them (``stage_books``): all of their floats if
         they fit beside the books in :data:`SMEM_LIMIT`, else two buffers of half the room left
         (a multiple of 8 floats, so that chunks are whole 16-byte pieces). 0 when no book has one
-        copy."""
+        copy, and for the v1 kernel, which fills every book from registers."""
+        if self.version == "v1":
+            return 0
         staged = sum(e * d for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims))
                      if self.copies(e, d) == 1)
         room = (SMEM_LIMIT - STATIC_SMEM - self.book_bytes()) // 4
