@@ -169,8 +169,8 @@ __device__ __forceinline__ void store_codes(unsigned char* row, int first, const
     }
 }
 
-// Window slots 1 .. R-1 move to 0 .. R-2 (this CTA's channels of both windows), as ITEMS 16-byte
-// pieces: key rows first, then value rows, in row order. Piece `it` of row r (r >= 1) moves to row
+// Window slots 1 .. R-1 move to 0 .. R-2 (this CTA's channels of both windows), as 2 (R - 1) ROW_QUADS
+// 16-byte pieces: key rows first, then value rows, in row order. Piece `it` of row r (r >= 1) moves to row
 // r - 1. The kernel loads the first pass (SHIFT_FIRST pieces per thread) at its start; any further
 // pass loads before it stores, and a pass's targets are its own sources or rows already moved.
 #define SHIFT_FIRST 8

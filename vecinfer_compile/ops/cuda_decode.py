@@ -19,9 +19,9 @@ through L1, and those random gathers bound it below FP16 SDPA (``bench_gather_ce
 Each 256-entry codebook is replicated ``64 // dims`` times (32 KiB) so that the lanes of one
 shared-memory wavefront read distinct copies and never collide on a bank; 4096-entry codebooks
 (32 or 64 KiB) are stored once, copied in as float32 with ``cp.async`` through a staging area of
-shared memory (:meth:`Variant.stage_floats`) and converted there. Resident warps per SM hide the gathers' latency: a variant runs
-the first launch shape of :data:`LAUNCHES` that fits shared memory and compiles without
-spilling registers.
+shared memory (:meth:`Variant.stage_floats`) and converted there. Resident warps per SM hide the
+gathers' latency: a variant runs the first launch shape of :data:`LAUNCHES` that fits shared
+memory and compiles without spilling registers.
 """
 
 from __future__ import annotations
