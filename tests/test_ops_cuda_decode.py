@@ -71,21 +71,38 @@ def test_variant_shared_memory_copies_and_launch_shapes():
     old = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v1")
     assert cuda_decode.launches_for(old)[:2] == [(1, 12), (3, 4)]
     one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False)
-    # 128 KiB of codebooks and their float32 staging leave room for one CTA per SM: it gets 12
-    # warps rather than 4. The 256 KiB of floats do not fit beside the books: two buffers of half
-    # the room left (227 KiB - 1 KiB - 128 KiB = 98 KiB, 12,544 floats each)
-    assert one_and_half.stage_floats() == 2 * 12544
-    assert one_and_half.smem_bytes(12) == 128 * 1024 + 4 * 2 * 12544
+    # 128 KiB of 16-bit codebooks leave room for one CTA per SM: it gets 12 warps rather than 4
+    assert one_and_half.smem_bytes(12) == 128 * 1024
     assert cuda_decode.launches_for(one_and_half) == [(1, 12), (1, 8), (1, 4)]
-    three = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False)  # 2 x 64 KiB of floats fit at once
-    assert three.stage_floats() == 2 * 4096 * 4 and three.smem_bytes(8) == 64 * 1024 + 128 * 1024
-    assert two_bit.stage_floats() == 0  # 256-entry books are filled by the warps, in copies
-    three_v1 = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v1")  # v1 stages nothing
-    assert three_v1.stage_floats() == 0 and cuda_decode.launches_for(three_v1)[:3] == [(1, 12), (3, 4), (2, 4)]
+    three = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False)  # 2 x 32 KiB
+    assert three.smem_bytes(8) == 64 * 1024 and cuda_decode.launches_for(three)[:3] == [(1, 12), (1, 8), (3, 4)]
+    three_v1 = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v1")
+    assert cuda_decode.launches_for(three_v1)[:3] == [(1, 12), (3, 4), (2, 4)]
     # the warps' partials reuse the codebook memory; it is grown when they need more
     assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False).smem_bytes(4) == 32 * 1024 + 32 * 1024
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(4) == 4 * 16 * 130 * 4
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(12) == 12 * 16 * 130 * 4
+
+
+def test_prepared_book_is_kept_until_its_codebook_changes():
+    """The v2 kernel's 16-bit codebooks: one conversion per codebook tensor and dtype, made again
+    after an in-place change, dropped with the codebook."""
+    cent = torch.randn(256, 4)
+    book = cuda_decode.prepared_book(cent, torch.bfloat16)
+    assert book.dtype == torch.bfloat16 and torch.equal(book, cent.to(torch.bfloat16))
+    assert cuda_decode.prepared_book(cent, torch.bfloat16) is book
+    half = cuda_decode.prepared_book(cent, torch.float16)
+    assert half.dtype == torch.float16 and half is not book
+    cent.mul_(2)  # an in-place change (e.g. load_state_dict) must not leave a stale copy
+    again = cuda_decode.prepared_book(cent, torch.bfloat16)
+    assert again is not book and torch.equal(again, cent.to(torch.bfloat16))
+    key = (id(cent), torch.bfloat16)
+    assert key in cuda_decode._BOOKS
+    del cent, book, half, again
+    assert key not in cuda_decode._BOOKS
+    with torch.inference_mode():
+        frozen = torch.randn(16, 8)
+        assert cuda_decode.prepared_book(frozen, torch.float16) is cuda_decode.prepared_book(frozen, torch.float16)
 
 
 def test_splits_depend_on_shapes_only():

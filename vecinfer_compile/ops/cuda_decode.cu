@@ -7,6 +7,8 @@
 //   EK, EV       key / value codebook entries     KFMT, VFMT  code format: 0 one byte per code
 //                                                 (EK/EV <= 256), 2 packed 12-bit (see row_bytes)
 //   KCOPIES, VCOPIES  codebook copies in shared memory (lane l reads copy l % COPIES)
+// The codebooks arrive as 16-bit centroids in the query's dtype (cuda_decode.py prepares them once
+// from the float32 ones).
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
@@ -31,8 +33,9 @@
 // warp shuffles per 16 positions.
 // Each CTA merges its warps' partials in shared memory and writes one partial; the CTA that
 // arrives last for its (batch row, KV head) (a per-row arrival counter, zero at the launch, which
-// that CTA zeroes again for the next launch) merges the splits + 1 partials by log-sum-exp,
-// normalises and writes the output. Fully masked rows give zeros.
+// that CTA zeroes again for the next launch; one release/acquire atomic per CTA) merges the
+// splits + 1 partials by log-sum-exp, normalises and writes the output. Fully masked rows give
+// zeros.
 
 #define BLOCK_T 64              // positions per warp iteration
 #define NT (BLOCK_T / 8)        // score n-tiles per iteration
@@ -156,7 +159,7 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
     return r;
 }
 
-// float32 centroids [entries, DIM] -> 16-bit book [entries][COPIES][DIM] in shared memory, by
+// 16-bit centroids [entries, DIM] -> book [entries][COPIES][DIM] in shared memory, by
 // "tasks" of 32 entries (32 task .. 32 task + 31), one warp per task: each lane loads one centroid
 // (load_task), then store k writes slots 32 k + lane of the task's 32 x COPIES (entry
 // (32 k + lane) / COPIES, fetched from its lane by a shuffle), so that every store covers
@@ -164,11 +167,11 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
 // lanes of a store on the same banks: a 32-way conflict that took 6 us of an 18 us call at B=1,
 // T=4k; a flat thread-per-slot loop avoids it but reloads centroids once per slot.)
 template <int DIM>
-__device__ __forceinline__ void load_task(const float* __restrict__ cent, int entries, int task, int lane,
+__device__ __forceinline__ void load_task(const unsigned short* __restrict__ cent, int entries, int task, int lane,
                                           unsigned* w) {
     const int e = task * 32 + lane;
 #pragma unroll
-    for (int i = 0; i < DIM / 2; ++i) w[i] = e < entries ? pack2(cent[e * DIM + 2 * i], cent[e * DIM + 2 * i + 1]) : 0u;
+    for (int i = 0; i < DIM / 2; ++i) w[i] = e < entries ? ((const unsigned*)cent)[e * (DIM / 2) + i] : 0u;
 }
 
 template <int DIM, int COPIES>
@@ -193,7 +196,7 @@ __device__ __forceinline__ void store_task(const unsigned* w, unsigned short* bo
     }
 }
 
-// A single-copy (4096-entry) book is staged instead (stage_books); the tasks fill the others.
+// A single-copy (4096-entry) book is copied in instead (copy_books); the tasks fill the others.
 #define KTASKS (KCOPIES == 1 ? 0 : (EK + 31) / 32)
 #define VTASKS (VCOPIES == 1 ? 0 : (EV + 31) / 32)
 #define FILL_BATCH 8  // tasks whose centroids a warp loads before it stores any
@@ -202,7 +205,7 @@ __device__ __forceinline__ void store_task(const unsigned* w, unsigned short* bo
 // Both codebooks: key tasks 0 .. KTASKS - 1, value tasks after them; warp w takes tasks w,
 // w + NWARPS, ..., FILL_BATCH of them per round: all of a round's loads are issued before its
 // stores, so a warp waits for one global round trip per round, not per task.
-__device__ __forceinline__ void fill_books(const float* __restrict__ kcent, const float* __restrict__ vcent,
+__device__ __forceinline__ void fill_books(const unsigned short* __restrict__ kcent, const unsigned short* __restrict__ vcent,
                                            unsigned short* kbook, unsigned short* vbook, int warp, int lane) {
     constexpr int per_warp = (KTASKS + VTASKS + NWARPS - 1) / NWARPS;
     constexpr int batch = per_warp < FILL_BATCH ? (per_warp > 0 ? per_warp : 1) : FILL_BATCH;
@@ -224,65 +227,26 @@ __device__ __forceinline__ void fill_books(const float* __restrict__ kcent, cons
     }
 }
 
-// Single-copy books (KCOPIES or VCOPIES 1: the 4096-entry ones, 32-64 KiB each) are copied as
-// float32 into a staging area of shared memory with cp.async (every 16-byte piece in flight at
-// once, no registers held), then converted in place to the 16-bit book, a chunk at a time: the
-// staged floats are the key book's EK * DK (if staged) followed by the value book's EV * DV, cut
-// into chunks of CHUNK floats in two alternating buffers of STAGE_FLOATS / 2 (one chunk when all
-// fit: STAGE_FLOATS then holds them all). A book's 16-bit layout with one copy is its float
-// layout, so float f of a book becomes channel f of its shared-memory book.
-// (The per-task fill above was 15 us of a 27 us call at 3 bits, B=1, T=4k on the H200.)
-#define KSTAGED (KCOPIES == 1 ? EK * DK : 0)
-#define VSTAGED (VCOPIES == 1 ? EV * DV : 0)
-#define NSTAGED (KSTAGED + VSTAGED)
+// Single-copy books (KCOPIES or VCOPIES 1: the 4096-entry ones, 32-64 KiB each) have the same
+// layout in shared memory as in global memory, so they are copied with cp.async, issued at the
+// kernel's start (every 16-byte piece in flight at once, no registers held) and awaited before the
+// fill's barrier. (A fill of float32 centroids converted in registers was 15 us of a 27 us call at
+// 3 bits, B=1, T=4k on the H200; staging the floats and converting them in shared memory, 4 us.)
+#define KCOPIED (KCOPIES == 1 ? EK * DK : 0)
+#define VCOPIED (VCOPIES == 1 ? EV * DV : 0)
 
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
 }
 
-template <int CHUNK>
-__device__ __forceinline__ void stage_issue(int c, const float* __restrict__ kcent, const float* __restrict__ vcent,
-                                            unsigned stage) {
-    const int f0 = c * CHUNK, f1 = min(f0 + CHUNK, NSTAGED);
-    const unsigned buf = stage + (c & 1) * CHUNK * 4;
-    for (int f = f0 + 4 * (int)threadIdx.x; f < f1; f += 4 * NWARPS * 32)
-        cp_async16(buf + (f - f0) * 4, f < KSTAGED ? kcent + f : vcent + (f - KSTAGED));
+__device__ __forceinline__ void copy_books(const unsigned short* __restrict__ kcent, const unsigned short* __restrict__ vcent,
+                                           unsigned short* kbook, unsigned short* vbook) {
+    const unsigned ka = shared_address(kbook), va = shared_address(vbook);
+    for (int f = 8 * (int)threadIdx.x; f < KCOPIED + VCOPIED; f += 8 * NWARPS * 32)
+        cp_async16(f < KCOPIED ? ka + 2 * f : va + 2 * (f - KCOPIED), f < KCOPIED ? kcent + f : vcent + (f - KCOPIED));
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-template <int CHUNK>
-__device__ __forceinline__ void stage_convert(int c, const float* stage, unsigned short* kbook, unsigned short* vbook) {
-    const int f0 = c * CHUNK, f1 = min(f0 + CHUNK, NSTAGED);
-    const float* buf = stage + (c & 1) * CHUNK;
-    for (int f = f0 + 4 * (int)threadIdx.x; f < f1; f += 4 * NWARPS * 32) {
-        const vq_f4 x = *(const vq_f4*)(buf + (f - f0));
-        vq_w2 w;
-        w.x = pack2(x.x, x.y);
-        w.y = pack2(x.z, x.w);
-        *(vq_w2*)(f < KSTAGED ? kbook + f : vbook + (f - KSTAGED)) = w;
-    }
-}
-
-// The staged books, chunk c's copy in flight while chunk c - 1 converts. Ends with a barrier.
-__device__ __forceinline__ void stage_books(const float* __restrict__ kcent, const float* __restrict__ vcent,
-                                            float* stage, unsigned short* kbook, unsigned short* vbook) {
-    constexpr int chunk = STAGE_FLOATS >= NSTAGED ? (NSTAGED > 0 ? NSTAGED : 1) : STAGE_FLOATS / 2;
-    constexpr int chunks = (NSTAGED + chunk - 1) / chunk;
-    const unsigned sa = shared_address(stage);
-    stage_issue<chunk>(0, kcent, vcent, sa);
-    if (chunks > 1) stage_issue<chunk>(1, kcent, vcent, sa);
-#pragma unroll 1
-    for (int c = 0; c < chunks; ++c) {
-        if (c + 1 < chunks) asm volatile("cp.async.wait_group 1;" ::: "memory");
-        else asm volatile("cp.async.wait_group 0;" ::: "memory");
-        __syncthreads();
-        stage_convert<chunk>(c, stage, kbook, vbook);
-        __syncthreads();
-        if (c + 2 < chunks) stage_issue<chunk>(c + 2, kcent, vcent, sa);
-    }
-}
-
-#define BOOK_BYTES ((EK * KCOPIES * DK + EV * VCOPIES * DV) * 2)
 #define KROW_SMEM (KCOPIES * DK * 2)  // bytes between consecutive key centroids in shared memory
 #define VROW_SMEM (VCOPIES * DV * 2)
 
@@ -466,22 +430,20 @@ __device__ __forceinline__ float load_cg(const float* p) {
     return v;
 }
 
-__device__ __forceinline__ unsigned short to_half(float x) {
-    unsigned short h;
-#if FP16
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-#else
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-#endif
-    return h;
+__device__ __forceinline__ vq_f4 load_cg4(const float* p) {
+    vq_f4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
 }
+
+#define MERGE_BATCH 16  // partials a merging thread loads before it combines them
 
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB)
 vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
           const unsigned char* __restrict__ kcodes,  // [B, Hkv, Tmax, D / DK] codes
           const unsigned char* __restrict__ vcodes,  // [B, Hkv, Tmax, D / DV] codes
-          const float* __restrict__ kcent,           // [EK, DK]
-          const float* __restrict__ vcent,           // [EV, DV]
+          const unsigned short* __restrict__ kcent,  // [EK, DK] 16-bit, 16-byte aligned
+          const unsigned short* __restrict__ vcent,  // [EV, DV] 16-bit, 16-byte aligned
           const unsigned short* __restrict__ kw,     // [B, Hkv, R, D] (K~), 16-byte aligned
           const unsigned short* __restrict__ vw,     // [B, Hkv, R, D]
           const void* __restrict__ n_coded_p,        // 0-d int32/int64
@@ -497,14 +459,17 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int last_arrival;
     unsigned short* kbook = (unsigned short*)smem;
-    unsigned short* vbook = kbook + EK * KCOPIES * DK;  // then the staging area (stage_books)
+    unsigned short* vbook = kbook + EK * KCOPIES * DK;
     const bool window_cta = blockIdx.y == gridDim.y - 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int bh = blockIdx.x, b = bh / hkv, kvh = bh - b * hkv;
-    // The global reads a warp needs first (the lengths, the query, its first block of codes, the
-    // centroids) are all issued before the codebook fill's barrier, so that at short lengths
+    // The global reads a warp needs first (the single-copy books, the lengths, the query, its first
+    // block of codes, the centroids) are all issued before the codebook fill's barrier, so that at short lengths
     // their latencies overlap instead of adding up. The window CTA fills no codebook.
+#if KCOPIED + VCOPIED
+    if (!window_cta) copy_books(kcent, vcent, kbook, vbook);
+#endif
     const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
     const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
 
@@ -553,8 +518,8 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         int t0 = lo;
         BlockCodes cur, nxt;
         if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
-#if NSTAGED
-        stage_books(kcent, vcent, (float*)(smem + BOOK_BYTES), kbook, vbook);
+#if KCOPIED + VCOPIED
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif
         fill_books(kcent, vcent, kbook, vbook, warp, lane);
         __syncthreads();
@@ -623,35 +588,54 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         }
     }
 
-    // The last CTA of this (batch row, KV head) to arrive merges every CTA's partial.
-    __threadfence();
+    // The last CTA of this (batch row, KV head) to arrive merges every CTA's partial. The barrier
+    // orders the CTA's partial writes before thread 0's atomic, whose release makes them visible to
+    // the CTA that acquires the last count (the split-K semaphore pattern).
     __syncthreads();
     if (threadIdx.x == 0) {
-        last_arrival = atomicAdd(arrivals + bh, 1u) == gridDim.y - 1;
+        unsigned before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(arrivals + bh) : "memory");
+        last_arrival = before == gridDim.y - 1;
         if (last_arrival) arrivals[bh] = 0u;  // every CTA has counted: zero for the next launch
     }
     __syncthreads();
     if (!last_arrival) return;
-    __threadfence();
-    // Online log-sum-exp over the partials, one output element per thread: every load of a
-    // partial is independent of the others, so a batch of them is in flight at once (one round
-    // trip per 8 partials rather than a max pass, a sum pass and an accumulator pass).
+    // Online log-sum-exp over the partials, 4 channels per thread: every load of a batch of
+    // MERGE_BATCH partials is issued before any is combined (one round trip per batch; a loop that
+    // loaded a partial per step paid one per partial, 1.5 us of a 12 us call at B=1, T=4k).
     const int units = gridDim.y;
     const long long row0 = (long long)bh * units * G;
     unsigned short* orow = out + ((long long)b * hkv + kvh) * G * D;
-    for (int i = threadIdx.x; i < G * D; i += NWARPS * 32) {
+    for (int i = 4 * threadIdx.x; i < G * D; i += 4 * NWARPS * 32) {
         const int h = i / D, c = i - h * D;
-        float mx = NEG_INF, ls = 0.f, a = 0.f;
-#pragma unroll 8
-        for (int u = 0; u < units; ++u) {
-            const long long p = row0 + u * G + h;
-            const float mu = load_cg(part_m + p), lu = load_cg(part_l + p), au = load_cg(part_acc + p * D + c);
-            const float mn = fmaxf(mx, mu), ms = mn == NEG_INF ? 0.f : mn;
-            const float s_old = exp2f(mx - ms), s_new = exp2f(mu - ms);
-            ls = ls * s_old + lu * s_new;
-            a = a * s_old + au * s_new;
-            mx = mn;
+        float mx = NEG_INF, ls = 0.f, a[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int u0 = 0; u0 < units; u0 += MERGE_BATCH) {
+            float mu[MERGE_BATCH], lu[MERGE_BATCH];
+            vq_f4 au[MERGE_BATCH];
+#pragma unroll
+            for (int j = 0; j < MERGE_BATCH; ++j) {
+                const long long p = row0 + min(u0 + j, units - 1) * G + h;  // past the last: reloads it, unused
+                mu[j] = load_cg(part_m + p);
+                lu[j] = load_cg(part_l + p);
+                au[j] = load_cg4(part_acc + p * D + c);
+            }
+#pragma unroll
+            for (int j = 0; j < MERGE_BATCH; ++j) {
+                if (u0 + j >= units) break;
+                const float mn = fmaxf(mx, mu[j]), ms = mn == NEG_INF ? 0.f : mn;
+                const float s_old = exp2f(mx - ms), s_new = exp2f(mu[j] - ms);
+                ls = ls * s_old + lu[j] * s_new;
+                a[0] = a[0] * s_old + au[j].x * s_new;
+                a[1] = a[1] * s_old + au[j].y * s_new;
+                a[2] = a[2] * s_old + au[j].z * s_new;
+                a[3] = a[3] * s_old + au[j].w * s_new;
+                mx = mn;
+            }
         }
-        orow[i] = to_half(ls > 0.f ? a / ls : 0.f);
+        const float inv = ls > 0.f ? 1.f / ls : 0.f;
+        vq_w2 o;
+        o.x = pack2(a[0] * inv, a[1] * inv);
+        o.y = pack2(a[2] * inv, a[3] * inv);
+        *(vq_w2*)(orow + i) = o;
     }
 }

@@ -18,10 +18,11 @@ architecture). Why a shared-memory codebook: the Triton kernel gathers 8-byte ce
 through L1, and those random gathers bound it below FP16 SDPA (``bench_gather_ceiling.py``).
 Each 256-entry codebook is replicated ``64 // dims`` times (32 KiB) so that the lanes of one
 shared-memory wavefront read distinct copies and never collide on a bank; 4096-entry codebooks
-(32 or 64 KiB) are stored once, copied in as float32 with ``cp.async`` through a staging area of
-shared memory (:meth:`Variant.stage_floats`) and converted there. Resident warps per SM hide the
-gathers' latency: a variant runs the first launch shape of :data:`LAUNCHES` that fits shared
-memory and compiles without spilling registers.
+(32 or 64 KiB) are stored once, copied straight in with ``cp.async``. The v2 kernel reads its
+codebooks as 16-bit centroids in the query's dtype, converted once per codebook tensor and kept
+(:func:`prepared_book`), so that a call moves half the bytes of the float32 ones and converts
+nothing. Resident warps per SM hide the gathers' latency: a variant runs the first launch shape
+of :data:`LAUNCHES` that fits shared memory and compiles without spilling registers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,24 +85,10 @@ class Variant:
         v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
         return k + v
 
-    def stage_floats(self) -> int:
-        """The source's STAGE_FLOATS: float32 staging for the single-copy books, which the kernel
-        copies with ``cp.async`` before converting them (``stage_books``): all of their floats if
-        they fit beside the books in :data:`SMEM_LIMIT`, else two buffers of half the room left
-        (a multiple of 8 floats, so that chunks are whole 16-byte pieces). 0 when no book has one
-        copy, and for the v1 kernel, which fills every book from registers."""
-        if self.version == "v1":
-            return 0
-        staged = sum(e * d for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims))
-                     if self.copies(e, d) == 1)
-        room = (SMEM_LIMIT - STATIC_SMEM - self.book_bytes()) // 4
-        return staged if staged <= room else 2 * (room // 2 // 8 * 8)
-
     def smem_bytes(self, nwarps: int) -> int:
-        """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks and the
-        staging area, reused at the end for the warps' partials (``nwarps x G x (D + 2)``
-        floats) when those are larger."""
-        return max(self.book_bytes() + 4 * self.stage_floats(), nwarps * self.group * (self.head_dim + 2) * 4)
+        """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks, reused
+        at the end for the warps' partials (``nwarps x G x (D + 2)`` floats) when those are larger."""
+        return max(self.book_bytes(), nwarps * self.group * (self.head_dim + 2) * 4)
 
     @staticmethod
     def code_format(entries: int) -> int:
@@ -114,7 +102,7 @@ class Variant:
             EV=self.v_entries, KFMT=self.code_format(self.k_entries),
             VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
-            FP16=int(self.fp16), NWARPS=nwarps, STAGE_FLOATS=self.stage_floats(),
+            FP16=int(self.fp16), NWARPS=nwarps,
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -221,6 +209,31 @@ def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int, nwarps: 
     return max(1, min(wave // batch_heads, by_length, MAX_SPLITS))
 
 
+_BOOKS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def prepared_book(centroids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 centroids ``[E, d]`` -> the same ``[E, d]`` in ``dtype`` (16-bit, 16-byte aligned), as
+    the v2 kernel reads them: converted once per codebook tensor and kept while that tensor lives,
+    so that a decode step launches no conversion. The copy is made again when the tensor has been
+    modified in place (its version counter moved) or moved in memory. Inside a CUDA-graph capture a
+    missing copy is converted in the graph and not kept (graph pools must not be held outside the
+    graph); torch's CUDA-graph trees and the benchmarks run every call once before capturing it.
+    (The kernel rounds to 16 bits either way: the float32 kernel converted each centroid with the
+    same round-to-nearest.) Inference tensors keep no version counter: theirs is read as 0, so a
+    codebook made under ``torch.inference_mode`` and then changed in place there would not be
+    seen; codebooks are constants after calibration."""
+    key = (id(centroids), dtype)
+    version = 0 if centroids.is_inference() else centroids._version
+    hit = _BOOKS.get(key)
+    if hit is not None and hit[0]() is centroids and hit[1] == version and hit[2] == centroids.data_ptr():
+        return hit[3]
+    book = _aligned(centroids.to(dtype))
+    if not (centroids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _BOOKS[key] = (weakref.ref(centroids, lambda _, key=key: _BOOKS.pop(key, None)), version, centroids.data_ptr(), book)
+    return book
+
+
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -281,7 +294,10 @@ def decode_attention_cuda(
     q = q.contiguous()
     k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
     k_window, v_window = _aligned(k_window.to(q.dtype)), _aligned(v_window.to(q.dtype))
-    k_centroids, v_centroids = _aligned(k_centroids), _aligned(v_centroids)  # cp.async reads 16-byte pieces
+    if variant.version == "v1":  # float32 centroids, converted by the kernel
+        k_centroids, v_centroids = _aligned(k_centroids), _aligned(v_centroids)
+    else:
+        k_centroids, v_centroids = prepared_book(k_centroids, q.dtype), prepared_book(v_centroids, q.dtype)
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0), built.nwarps)
     units = splits + 1  # one partial per code CTA, one for the window
     part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
