@@ -170,12 +170,14 @@ def _check(args, got):
     hkv=st.integers(1, 3),
     tmax=st.integers(1, 700),
     fill=st.floats(0.0, 1.0),
-    r=st.sampled_from([1, 16, 128]),
+    r=st.sampled_from([1, 16, 128, 300]),
     window=st.sampled_from(["empty", "partial", "full"]),
     with_start=st.booleans(),
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
 )
 def test_cuda_kernel_matches_reference(seed, specs, group, d, b, hkv, tmax, fill, r, window, with_start, dtype):
+    """Windows of up to 300 slots: a warp's run of 64-position blocks may end in the codes and go on
+    into the window, or hold window blocks only."""
     n_coded = round(fill * tmax)
     n_window = {"empty": 0, "partial": r // 2, "full": r}[window]
     args = _decode(dtype, seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=r, n_window=n_window,

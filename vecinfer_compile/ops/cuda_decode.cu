@@ -13,15 +13,13 @@
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
 //
-// vq_decode: grid (B * Hkv, splits + 1), NWARPS warps; one launch per call. The window CTAs come
-// last in launch order, so that every code CTA starts in the first wave.
-// - CTAs y < splits: each warp is one "unit" of the flash-decoding split: it takes a contiguous
-//   range of the n_coded coded positions (the range is computed on the device from n_coded, so
-//   the launch does not depend on the cache length) and computes its partial (max, sum,
-//   unnormalised accumulator) for the G query heads of its KV head.
-// - CTA y = splits: the full-precision window (positions n_coded + s, s < n_window) by the same
-//   block step, its key and value fragments loaded from the K~ / V rows instead of gathered
-//   from a codebook.
+// vq_decode: grid (B * Hkv, splits), NWARPS warps; one launch per call. Each warp is one "unit"
+// of the flash-decoding split: the row's positions, in blocks of BLOCK_T, are the coded ones
+// (0 .. n_coded) followed by the full-precision window's (slots 0 .. n_window), and unit u takes
+// a contiguous run of those blocks (computed on the device from n_coded and n_window, so the
+// launch does not depend on the cache length) and computes its partial (max, sum, unnormalised
+// accumulator) for the G query heads of its KV head: coded blocks gathered from the codebooks,
+// window blocks loaded from the K~ / V rows, through the same block step.
 // Scores and the value accumulation run on the tensor cores (mma.sync m16n8k16, fp32
 // accumulators) in transposed form, so that the few query heads of a GQA group (G <= 8 per
 // n-tile of 8, G <= 16 in all) are the narrow N dimension: S^T = K Q^T (M = 16 positions) and
@@ -34,7 +32,7 @@
 // Each CTA merges its warps' partials in shared memory and writes one partial; the CTA that
 // arrives last for its (batch row, KV head) (a per-row arrival counter, zero at the launch, which
 // that CTA zeroes again for the next launch; one release/acquire atomic per CTA) merges the
-// splits + 1 partials by log-sum-exp, normalises and writes the output. Fully masked rows give
+// splits partials by log-sum-exp, normalises and writes the output. Fully masked rows give
 // zeros.
 
 #define BLOCK_T 64              // positions per warp iteration
@@ -449,9 +447,9 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
           const void* __restrict__ n_coded_p,        // 0-d int32/int64
           const void* __restrict__ n_window_p,       // 0-d int32/int64
           const void* __restrict__ start_p,          // [B] int32/int64, or unused
-          float* __restrict__ part_m,                // [B * Hkv, splits + 1, G]
-          float* __restrict__ part_l,                // [B * Hkv, splits + 1, G]
-          float* __restrict__ part_acc,              // [B * Hkv, splits + 1, G, D]
+          float* __restrict__ part_m,                // [B * Hkv, splits, G]
+          float* __restrict__ part_l,                // [B * Hkv, splits, G]
+          float* __restrict__ part_acc,              // [B * Hkv, splits, G, D]
           unsigned* __restrict__ arrivals,           // [B * Hkv], zeros; left zero
           unsigned short* __restrict__ out,          // [B, Hkv * G, D]
           int hkv, int tmax, int r_slots, int n_coded_is64, int n_window_is64, int start_kind,
@@ -460,17 +458,17 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     __shared__ int last_arrival;
     unsigned short* kbook = (unsigned short*)smem;
     unsigned short* vbook = kbook + EK * KCOPIES * DK;
-    const bool window_cta = blockIdx.y == gridDim.y - 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int bh = blockIdx.x, b = bh / hkv, kvh = bh - b * hkv;
     // The global reads a warp needs first (the single-copy books, the lengths, the query, its first
-    // block of codes, the centroids) are all issued before the codebook fill's barrier, so that at short lengths
-    // their latencies overlap instead of adding up. The window CTA fills no codebook.
+    // block of codes, the centroids) are all issued before the codebook fill's barrier, so that at
+    // short lengths their latencies overlap instead of adding up.
 #if KCOPIED + VCOPIED
-    if (!window_cta) copy_books(kcent, vcent, kbook, vbook);
+    copy_books(kcent, vcent, kbook, vbook);
 #endif
     const int n_coded = min(read_index(n_coded_p, 0, n_coded_is64), tmax);
+    const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
     const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
 
     // Query fragments (B operand of the score product, N = heads): thread (gid, tig) holds head
@@ -496,42 +494,39 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         for (int j = 0; j < D / 16; ++j) acc[j][nh][0] = acc[j][nh][1] = acc[j][nh][2] = acc[j][nh][3] = 0.f;
     }
 
-    if (window_cta) {
-        // Window slots s >= first (positions n_coded + s at or after the row's start), s < n_window;
-        // warp w takes the blocks w, w + NWARPS, ...
-        const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
-        const int first = max(0, start - n_coded);
-        const long long wrow = (long long)bh * r_slots * D;
-        for (int t0 = first + warp * BLOCK_T; t0 < n_window; t0 += NWARPS * BLOCK_T) {
-            const int n = min(BLOCK_T, n_window - t0);
-            const DenseRows rows{kw + wrow + (long long)t0 * D, vw + wrow + (long long)t0 * D, n, gid, tig};
-            block_step<false>(rows, 0, n, lane, qf, scale_log2, m, l, acc);
-        }
-    } else {
-        const int units = (gridDim.y - 1) * NWARPS, unit = blockIdx.y * NWARPS + warp;
-        int chunk = (n_coded + units - 1) / units;
-        chunk = (chunk + BLOCK_T - 1) / BLOCK_T * BLOCK_T;
-        const int lo = max(unit * chunk, start), hi = min(unit * chunk + chunk, n_coded);
-        const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES;
-        const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES;
-        // Software pipeline over blocks: the next block's codes load while this one computes.
-        int t0 = lo;
-        BlockCodes cur, nxt;
-        if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
+    // This unit's blocks [b0, b1) of the coded blocks (cb of them, the last one partial) and then
+    // the window's: coded positions [lo, hi), window slots [wlo, whi), both from the row's start on.
+    const int units = gridDim.y * NWARPS, unit = blockIdx.y * NWARPS + warp;
+    const int cb = (n_coded + BLOCK_T - 1) / BLOCK_T, wb = (n_window + BLOCK_T - 1) / BLOCK_T;
+    const int per_unit = (cb + wb + units - 1) / units;
+    const int b0 = unit * per_unit, b1 = min(b0 + per_unit, cb + wb);
+    const int lo = max(b0 * BLOCK_T, start), hi = min(min(b1, cb) * BLOCK_T, n_coded);
+    const int wlo = max(max(b0 - cb, 0) * BLOCK_T, start - n_coded), whi = min(max(b1 - cb, 0) * BLOCK_T, n_window);
+    const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES;
+    const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES;
+    // Software pipeline over the coded blocks: the next block's codes load while this one computes.
+    int t0 = lo;
+    BlockCodes cur, nxt;
+    if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
 #if KCOPIED + VCOPIED
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif
-        fill_books(kcent, vcent, kbook, vbook, warp, lane);
-        __syncthreads();
-        // Lane l reads copy l % COPIES of each codebook.
-        const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
-        const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
-        for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
-            load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
-            block_step<true>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
-            cur = nxt;
-        }
-        if (t0 < hi) block_step<false>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
+    fill_books(kcent, vcent, kbook, vbook, warp, lane);
+    __syncthreads();
+    // Lane l reads copy l % COPIES of each codebook.
+    const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
+    const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
+    for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
+        load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
+        block_step<true>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
+        cur = nxt;
+    }
+    if (t0 < hi) block_step<false>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
+    const long long wrow = (long long)bh * r_slots * D;
+    for (int s0 = wlo; s0 < whi; s0 += BLOCK_T) {
+        const int n = min(BLOCK_T, whi - s0);
+        const DenseRows rows{kw + wrow + (long long)s0 * D, vw + wrow + (long long)s0 * D, n, gid, tig};
+        block_step<false>(rows, 0, n, lane, qf, scale_log2, m, l, acc);
     }
 
     // Each warp's partial (head 8 nh + 2 tig + e; its sum spread over the lanes of one tig) goes
@@ -603,25 +598,25 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     // Online log-sum-exp over the partials, 4 channels per thread: every load of a batch of
     // MERGE_BATCH partials is issued before any is combined (one round trip per batch; a loop that
     // loaded a partial per step paid one per partial, 1.5 us of a 12 us call at B=1, T=4k).
-    const int units = gridDim.y;
-    const long long row0 = (long long)bh * units * G;
+    const int parts = gridDim.y;
+    const long long row0 = (long long)bh * parts * G;
     unsigned short* orow = out + ((long long)b * hkv + kvh) * G * D;
     for (int i = 4 * threadIdx.x; i < G * D; i += 4 * NWARPS * 32) {
         const int h = i / D, c = i - h * D;
         float mx = NEG_INF, ls = 0.f, a[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int u0 = 0; u0 < units; u0 += MERGE_BATCH) {
+        for (int u0 = 0; u0 < parts; u0 += MERGE_BATCH) {
             float mu[MERGE_BATCH], lu[MERGE_BATCH];
             vq_f4 au[MERGE_BATCH];
 #pragma unroll
             for (int j = 0; j < MERGE_BATCH; ++j) {
-                const long long p = row0 + min(u0 + j, units - 1) * G + h;  // past the last: reloads it, unused
+                const long long p = row0 + min(u0 + j, parts - 1) * G + h;  // past the last: reloads it, unused
                 mu[j] = load_cg(part_m + p);
                 lu[j] = load_cg(part_l + p);
                 au[j] = load_cg4(part_acc + p * D + c);
             }
 #pragma unroll
             for (int j = 0; j < MERGE_BATCH; ++j) {
-                if (u0 + j >= units) break;
+                if (u0 + j >= parts) break;
                 const float mn = fmaxf(mx, mu[j]), ms = mn == NEG_INF ? 0.f : mn;
                 const float s_old = exp2f(mx - ms), s_new = exp2f(mu[j] - ms);
                 ls = ls * s_old + lu[j] * s_new;

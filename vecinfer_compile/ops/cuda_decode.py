@@ -9,7 +9,8 @@ no memset (:func:`arrival_counters`).
 
 Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures both
 until the new one wins everywhere, issue 29): ``v2``, the default, fills the codebooks a batch of
-centroid loads at a time, uses the persistent counters and prefers one CTA of 8 warps per SM to
+centroid loads at a time, gives the full-precision window's blocks to the warps that have codes
+(no CTA of its own), uses the persistent counters and prefers one CTA of 8 warps per SM to
 two or three CTAs of 4 where 12 warps spill (:data:`LAUNCHES`); ``v1`` (``cuda_decode_v1.cu``)
 is the kernel before that, with counters zeroed by a memset before every launch.
 
@@ -49,7 +50,7 @@ VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 # B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
 LAUNCHES = {"v2": ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4)), "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
-MAX_SPLITS = 64  # code CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
+MAX_SPLITS = 64  # CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
 HEAD_DIMS = (64, 128)
 CENTROID_DIMS = (2, 4, 8)
 MAX_GROUP = 16
@@ -199,11 +200,12 @@ def _sm_count(device_index: int) -> int:
 
 
 def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int, nwarps: int) -> int:
-    """Code CTAs per (batch row, KV head): as many as fill one wave of the SMs without starting a
-    second (the short window CTAs run after them) (a partial second wave doubles the time), but no more warps
-    than there are 64-position blocks in ``tmax``. Depends on shapes only (never on the cache's
-    fill), so CUDA graphs and compile do not specialise on the length; each warp's range is cut
-    from the actual ``n_coded`` on the device."""
+    """CTAs per (batch row, KV head): as many as fill one wave of the SMs without starting a second
+    (a partial second wave doubles the time), but no more warps than there are 64-position blocks
+    in ``tmax``, the codes' capacity (a cache's codes and window together hold at most that many
+    positions; v1's window CTAs come on top and run after the others). Depends on shapes only
+    (never on the cache's fill), so CUDA graphs and compile do not specialise on the length; each
+    warp's range is cut from the actual ``n_coded`` and ``n_window`` on the device."""
     wave = sms * ctas_per_sm
     by_length = math.ceil(max(tmax, 1) / (BLOCK_T * nwarps))
     return max(1, min(wave // batch_heads, by_length, MAX_SPLITS))
@@ -294,16 +296,17 @@ def decode_attention_cuda(
     q = q.contiguous()
     k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
     k_window, v_window = _aligned(k_window.to(q.dtype)), _aligned(v_window.to(q.dtype))
-    if variant.version == "v1":  # float32 centroids, converted by the kernel
+    v1 = variant.version == "v1"  # float32 centroids converted by the kernel, a CTA of its own for the window
+    if v1:
         k_centroids, v_centroids = _aligned(k_centroids), _aligned(v_centroids)
     else:
         k_centroids, v_centroids = prepared_book(k_centroids, q.dtype), prepared_book(v_centroids, q.dtype)
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0), built.nwarps)
-    units = splits + 1  # one partial per code CTA, one for the window
+    units = splits + 1 if v1 else splits  # one partial per CTA
     part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((b * hkv, units, group, d), dtype=torch.float32, device=q.device)
-    if variant.version == "v1":
+    if v1:
         arrivals = torch.zeros((b * hkv,), dtype=torch.int32, device=q.device)
     else:
         arrivals = arrival_counters(b * hkv, q.device)
