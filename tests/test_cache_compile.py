@@ -231,6 +231,9 @@ def test_cuda_compiled_decode(dtype, layer_bits):
     append = append_reference if dtype == torch.float32 else torch.ops.vecinfer.cache_append_cuda.default
     assert sum(n.target is append for n in backend.graphs[0].graph.nodes) == cfg.num_hidden_layers
     assert ReinplaceCounters.get_total_missed() == 0, dict(ReinplaceCounters._values)
+    # the CUDA kernel's 16-bit codebooks: made once per codebook tensor (2 caches x K and V x
+    # layers), not once per decode step (7 steps each)
+    assert counters["vecinfer"]["decode_book_conversions"] <= (0 if dtype == torch.float32 else 4 * cfg.num_hidden_layers)
     if dtype == torch.float32:
         assert torch.equal(compiled, eager)
     else:  # bf16 rounding differs between kernel and eager dequantize+SDPA: most tokens agree

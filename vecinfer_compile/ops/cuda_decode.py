@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from ..quant.packing import is_packed
 from .checks import check_decode_args
@@ -224,13 +225,15 @@ def prepared_book(centroids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (The kernel rounds to 16 bits either way: the float32 kernel converted each centroid with the
     same round-to-nearest.) Inference tensors keep no version counter: theirs is read as 0, so a
     codebook made under ``torch.inference_mode`` and then changed in place there would not be
-    seen; codebooks are constants after calibration."""
+    seen; codebooks are constants after calibration. Each conversion bumps
+    ``counters["vecinfer"]["decode_book_conversions"]`` (a compiled decode step should add none)."""
     key = (id(centroids), dtype)
     version = 0 if centroids.is_inference() else centroids._version
     hit = _BOOKS.get(key)
     if hit is not None and hit[0]() is centroids and hit[1] == version and hit[2] == centroids.data_ptr():
         return hit[3]
     book = _aligned(centroids.to(dtype))
+    counters["vecinfer"]["decode_book_conversions"] += 1
     if not (centroids.is_cuda and torch.cuda.is_current_stream_capturing()):
         _BOOKS[key] = (weakref.ref(centroids, lambda _, key=key: _BOOKS.pop(key, None)), version, centroids.data_ptr(), book)
     return book
