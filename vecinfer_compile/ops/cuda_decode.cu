@@ -7,11 +7,11 @@
 //   EK, EV       key / value codebook entries     KFMT, VFMT  code format: 0 one byte per code
 //                                                 (EK/EV <= 256), 2 packed 12-bit (see row_bytes)
 //   KCOPIES, VCOPIES  codebook copies in shared memory (lane l reads copy l % COPIES)
-// The codebooks arrive as 16-bit centroids in the query's dtype (cuda_decode.py prepares them once
-// from the float32 ones).
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
+// The codebooks arrive as 16-bit centroids in the query's dtype (cuda_decode.py prepares them once
+// from the float32 ones).
 //
 // vq_decode: grid (B * Hkv, splits), NWARPS warps; one launch per call. Each warp is one "unit"
 // of the flash-decoding split: the row's positions, in blocks of BLOCK_T, are the coded ones
