@@ -1,18 +1,19 @@
 """The CUDA decode-attention kernel (``ops/cuda_decode.cu``) and the choice between it and Triton.
 
-- CPU: every preset's variant of both kernel versions compiles with NVRTC to an sm_90 cubin
+- CPU: every preset's variant of every kernel version (v3's cluster build too) compiles with NVRTC to an sm_90 cubin
   (syntax and PTX errors are caught without a GPU; NVRTC comes from the ``nvidia-cuda-nvrtc``
   wheel of the dev extras), and the kernel-choice rules.
 - ``cuda``: the kernel against the reference on random shapes (hypothesis: every preset, GQA
   groups 1-16, head_dim 64/128, lengths off every block size, empty/partial/full windows,
   left padding), with the rule ``err(ours) <= 2 * err(torch bf16 SDPA on the dequantized K/V) +
   atol``; CUDA-graph capture with a length that changes between replays; the op's dispatch; the
-  persistent per-stream arrival counters (left zero, shared by shapes, graphs and streams) and the
-  previous kernel version.
+  persistent per-stream arrival counters (left zero, shared by shapes, graphs and streams), v3's
+  cluster merge against v2's global one at every cluster size, and the previous kernel versions.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -41,12 +42,12 @@ def _nvrtc_or_skip():
 @pytest.mark.parametrize("version", sorted(cuda_decode.SOURCES))
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
-    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA (v1, kept for
-    the benchmark, in one configuration)."""
+    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v3 in its
+    cluster build (v2 shares its source; v1, kept for the benchmark, in one configuration)."""
     _nvrtc_or_skip()
     configs = ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4))
-    for head_dim, group, fp16, nwarps in configs if version == "v2" else configs[:1]:
-        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version)
+    for head_dim, group, fp16, nwarps in configs if version == "v3" else configs[:1]:
+        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version, cluster=version == "v3")
         image, is_cubin = compile_source(cuda_decode._source(version), "vq_decode", 90,
                                          ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), "-DMINB=1"])
         assert is_cubin and image[:4] == b"\x7fELF"
@@ -55,11 +56,11 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
 
 def test_kernel_version_from_the_environment(monkeypatch):
     monkeypatch.delenv(cuda_decode.VERSION_ENV, raising=False)
-    assert cuda_decode.kernel_version() == "v2"
+    assert cuda_decode.kernel_version() == "v3"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
     assert cuda_decode.kernel_version() == "v1"
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v3")
-    with pytest.raises(ValueError, match="use one of v2, v1"):
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v4")
+    with pytest.raises(ValueError, match="use one of v3, v2, v1"):
         cuda_decode.kernel_version()
 
 
@@ -113,6 +114,31 @@ def test_splits_depend_on_shapes_only():
     assert cuda_decode.num_splits(8, 131072, 3, 132, 4) == 49
     assert cuda_decode.num_splits(512, 131072, 3, 132, 4) == 1
     assert cuda_decode.num_splits(8, 1, 3, 132, 4) == 1
+
+
+class _StubClusterKernel:
+    """Stands in for a loaded cluster build: answers the occupancy query, counts the queries."""
+
+    def __init__(self, active: int):
+        self.handle, self.active, self.queries = ctypes.c_void_p(id(self)), active, 0
+
+    def max_active_clusters(self, cluster, block):
+        self.queries += 1
+        return self.active
+
+
+def test_cluster_merge_only_where_every_row_fits_at_once():
+    """v3's rule: clusters up to 8 CTAs, only when all rows' clusters are resident together (else
+    the global merge), a split of one always, none without the cluster build (sm_80, v2)."""
+    stub = _StubClusterKernel(active=12)
+    built = cuda_decode.Built(kernel=None, nwarps=8, ctas_per_sm=1, cluster=stub)
+    assert cuda_decode.cluster_size(built, 8, 8) == 8
+    assert cuda_decode.cluster_size(built, 12, 8) == 8
+    assert cuda_decode.cluster_size(built, 13, 8) is None  # a second wave of clusters
+    assert cuda_decode.cluster_size(built, 8, 9) is None  # past the portable size
+    assert cuda_decode.cluster_size(built, 1000, 1) == 1
+    assert stub.queries == 1  # cached per (kernel, cluster size)
+    assert cuda_decode.cluster_size(cuda_decode.Built(kernel=None, nwarps=8, ctas_per_sm=1), 8, 8) is None
 
 
 def test_unsupported_reasons_name_the_limit():
@@ -255,10 +281,11 @@ def test_cuda_kernel_in_a_cuda_graph_follows_the_length():
 
 @pytest.mark.cuda
 @needs_cuda
-def test_persistent_arrival_counters_are_left_zero_across_shapes_graphs_and_streams():
+def test_persistent_arrival_counters_are_left_zero_across_shapes_graphs_and_streams(monkeypatch):
     """v2 launches share one counter buffer per stream (no memset): after calls of several grid
     shapes, a captured graph's replays and calls on a second stream, every counter is zero again and
     every output matches the reference."""
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v2")  # v3 merges short calls without counters
     cases = [list(_decode(torch.bfloat16, 20 + i, b=b, hkv=hkv, group=4, tmax=t, n_coded=n, r=128, n_window=w, d=128,
                           kspec=(256, 4), vspec=(256, 4), with_start=True))
              for i, (b, hkv, t, n, w) in enumerate([(2, 8, 5000, 4900, 100), (1, 2, 300, 0, 7), (3, 4, 9000, 8999, 128)])]
@@ -291,3 +318,36 @@ def test_previous_kernel_version_still_matches_the_reference(specs, monkeypatch)
     args = _decode(torch.bfloat16, 9, b=2, hkv=4, group=4, tmax=3000, n_coded=2900, r=128, n_window=60,
                    d=128, kspec=specs[0], vspec=specs[1], with_start=True)
     _check(args, ops.decode_attention_cuda(*args))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("specs", PRESET_SPECS)
+def test_cluster_merge_at_every_cluster_size(specs, monkeypatch):
+    """v3 on sm_90: one row's CTAs as clusters of 1 to 8 (the lengths set the split), in a CUDA graph
+    too; each output matches the reference and v2's global merge of the same partials to rounding."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need sm_90")
+    sizes = set()
+    for i, (b, hkv, tmax) in enumerate([(1, 1, 60), (1, 2, 700), (1, 1, 1400), (1, 1, 2500), (2, 1, 3500),
+                                        (1, 1, 4096), (1, 8, 4096)]):
+        args = list(_decode(torch.bfloat16, 40 + i, b=b, hkv=hkv, group=4, tmax=tmax, n_coded=tmax - 9, r=128,
+                            n_window=100, d=128, kspec=specs[0], vspec=specs[1], with_start=True))
+        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v3")
+        variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
+        built = cuda_decode.kernels_for(variant, args[0].device)
+        splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, cuda_decode._sm_count(0), built.nwarps)
+        sizes.add(cuda_decode.cluster_size(built, b * hkv, splits))
+        got = ops.decode_attention_cuda(*args)
+        _check(args, got)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            graph_out = ops.decode_attention_cuda(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(graph_out, got, rtol=0, atol=0)
+        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v2")
+        torch.testing.assert_close(ops.decode_attention_cuda(*args).float(), got.float(), rtol=1e-2, atol=1e-3)
+    assert None not in sizes and len(sizes) >= 5, sizes  # every case clustered; sizes 1-8 (8 warps), 1-6 (12)

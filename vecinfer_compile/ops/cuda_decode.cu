@@ -10,6 +10,8 @@
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
+//   CLUSTER      1: the splits CTAs of a (batch row, KV head) are one thread-block cluster (sm_90)
+//                and merge through distributed shared memory (see the end of this header)
 // The codebooks arrive as 16-bit centroids in the query's dtype (cuda_decode.py prepares them once
 // from the float32 ones).
 //
@@ -33,8 +35,14 @@
 // arrives last for its (batch row, KV head) (a per-row arrival counter, zero at the launch, which
 // that CTA zeroes again for the next launch; one release/acquire atomic per CTA) merges the
 // splits partials by log-sum-exp, normalises and writes the output. Fully masked rows give
-// zeros.
+// zeros. With CLUSTER, the launch makes each row's splits CTAs one cluster instead: every CTA
+// keeps its partial in its own shared memory, and after a cluster barrier each CTA merges a share
+// of the row's outputs from all of them (distributed shared memory): no partial goes through
+// global memory, no counter, and no CTA waits for a last one to arrive.
 
+#ifndef CLUSTER
+#define CLUSTER 0
+#endif
 #define BLOCK_T 64              // positions per warp iteration
 #define NT (BLOCK_T / 8)        // score n-tiles per iteration
 #define KSTEPS (D / 16)         // k-steps of the score product
@@ -436,6 +444,42 @@ __device__ __forceinline__ vq_f4 load_cg4(const float* p) {
 
 #define MERGE_BATCH 16  // partials a merging thread loads before it combines them
 
+#if CLUSTER
+#define MAX_CLUSTER 8  // the portable cluster size: the launch uses clusters only up to it
+
+// Distributed shared memory (sm_90): the barrier of every thread of the cluster (release/acquire:
+// shared-memory writes before it are seen by every CTA of the cluster after it), this CTA's rank,
+// and loads from another CTA's shared memory at the address of the same variable there.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ unsigned cluster_address(unsigned addr, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+
+__device__ __forceinline__ float load_cluster(unsigned addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ vq_f4 load_cluster4(unsigned addr) {
+    vq_f4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB)
 vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
           const unsigned char* __restrict__ kcodes,  // [B, Hkv, Tmax, D / DK] codes
@@ -455,7 +499,9 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
           int hkv, int tmax, int r_slots, int n_coded_is64, int n_window_is64, int start_kind,
           float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];
+#if !CLUSTER
     __shared__ int last_arrival;
+#endif
     unsigned short* kbook = (unsigned short*)smem;
     unsigned short* vbook = kbook + EK * KCOPIES * DK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -562,7 +608,13 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
             }
         }
     __syncthreads();
+#if CLUSTER
+    float* cacc = wacc + NWARPS * G * D;  // [G][D] this CTA's partial, read by the whole cluster
+    float* cm = cacc + G * D;             // [G]
+    float* cl = cm + G;                   // [G]
+#else
     const long long prow = ((long long)bh * gridDim.y + blockIdx.y) * G;
+#endif
     for (int i = threadIdx.x; i < G * D; i += NWARPS * 32) {
         const int h = i / D, c = i - h * D;
         float mx = NEG_INF;
@@ -576,12 +628,65 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
             a += wt * wacc[(w * G + h) * D + c];
             ls += wt * wl[w * G + h];
         }
+#if CLUSTER
+        cacc[i] = a;
+        if (c == 0) {
+            cm[h] = mx;
+            cl[h] = ls;
+        }
+#else
         part_acc[(prow + h) * D + c] = a;
         if (c == 0) {
             part_m[prow + h] = mx;
             part_l[prow + h] = ls;
         }
+#endif
     }
+#if CLUSTER
+    // Every CTA's partial is in its shared memory; CTA `rank` merges outputs 4 (rank * threads +
+    // thread) .. + 3, loading the cluster's partials (gridDim.y <= MAX_CLUSTER of them) before it
+    // combines any. The second barrier keeps each CTA's shared memory alive until all have read it.
+    cluster_sync();
+    {
+        const int parts = gridDim.y;
+        const unsigned rank = cluster_rank();
+        const unsigned acc_at = shared_address(cacc), m_at = shared_address(cm), l_at = shared_address(cl);
+        unsigned short* orow = out + ((long long)b * hkv + kvh) * G * D;
+        for (int i = 4 * (rank * NWARPS * 32 + threadIdx.x); i < G * D; i += 4 * NWARPS * 32 * parts) {
+            const int h = i / D;
+            float mu[MAX_CLUSTER], lu[MAX_CLUSTER];
+            vq_f4 au[MAX_CLUSTER];
+#pragma unroll
+            for (int j = 0; j < MAX_CLUSTER; ++j) {
+                if (j >= parts) break;
+                mu[j] = load_cluster(cluster_address(m_at + 4 * h, j));
+                lu[j] = load_cluster(cluster_address(l_at + 4 * h, j));
+                au[j] = load_cluster4(cluster_address(acc_at + 4 * i, j));
+            }
+            float mx = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < MAX_CLUSTER; ++j) if (j < parts) mx = fmaxf(mx, mu[j]);
+            const float ms = mx == NEG_INF ? 0.f : mx;
+            float ls = 0.f, a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < MAX_CLUSTER; ++j) {
+                if (j >= parts) break;
+                const float wt = exp2f(mu[j] - ms);
+                ls += wt * lu[j];
+                a[0] += wt * au[j].x;
+                a[1] += wt * au[j].y;
+                a[2] += wt * au[j].z;
+                a[3] += wt * au[j].w;
+            }
+            const float inv = ls > 0.f ? 1.f / ls : 0.f;
+            vq_w2 o;
+            o.x = pack2(a[0] * inv, a[1] * inv);
+            o.y = pack2(a[2] * inv, a[3] * inv);
+            *(vq_w2*)(orow + i) = o;
+        }
+    }
+    cluster_sync();
+#else
 
     // The last CTA of this (batch row, KV head) to arrive merges every CTA's partial. The barrier
     // orders the CTA's partial writes before thread 0's atomic, whose release makes them visible to
@@ -633,4 +738,5 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         o.y = pack2(a[2] * inv, a[3] * inv);
         *(vq_w2*)(orow + i) = o;
     }
+#endif
 }

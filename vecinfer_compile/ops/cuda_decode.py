@@ -7,12 +7,16 @@ graphs capture it. The per-row arrival counters (which CTA merges the partials) 
 and per stream: the merging CTA zeroes its row's counter for the next launch, so a call launches
 no memset (:func:`arrival_counters`).
 
-Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures both
-until the new one wins everywhere, issue 29): ``v2``, the default, fills the codebooks a batch of
+Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures them side
+by side until the new one wins everywhere, issue 29): ``v3``, the default, is ``v2`` whose CTAs
+of one (batch row, KV head) form a thread-block cluster on sm_90 when the split is at most
+:data:`MAX_CLUSTER` CTAs and every row's cluster fits on the GPU at once (short calls): they merge
+their partials through distributed shared memory, with no global partials, counter or last CTA
+(:func:`cluster_size`); elsewhere it launches ``v2``. ``v2`` fills the codebooks a batch of
 centroid loads at a time, gives the full-precision window's blocks to the warps that have codes
-(no CTA of its own), uses the persistent counters and prefers one CTA of 8 warps per SM to
-two or three CTAs of 4 where 12 warps spill (:data:`LAUNCHES`); ``v1`` (``cuda_decode_v1.cu``)
-is the kernel before that, with counters zeroed by a memset before every launch.
+(no CTA of its own), uses the persistent counters and prefers one CTA of 8 warps per SM to two or
+three CTAs of 4 where 12 warps spill (:data:`LAUNCHES`); ``v1`` (``cuda_decode_v1.cu``) is the
+kernel before that, with counters zeroed by a memset before every launch.
 
 Variants are cached per (head_dim, group size, key/value codebook geometry, dtype, device
 architecture). Why a shared-memory codebook: the Triton kernel gathers 8-byte centroid rows
@@ -28,6 +32,7 @@ of :data:`LAUNCHES` that fits shared memory and compiles without spilling regist
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -42,14 +47,16 @@ from ..quant.packing import is_packed
 from .checks import check_decode_args
 from .nvrtc import CudaBuildError, Kernel, compile_source, device_zeros_int32, load_kernels
 
-SOURCES = {"v2": Path(__file__).with_name("cuda_decode.cu"), "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
+SOURCES = {"v3": Path(__file__).with_name("cuda_decode.cu"), "v2": Path(__file__).with_name("cuda_decode.cu"),
+           "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 # (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
 # per SM, in one CTA first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257
 # vs 0.286 at B=8/T=128k against three CTAs of four), then fewer warps where registers spill. v2
 # takes one CTA of 8 before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4,
 # B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
-LAUNCHES = {"v2": ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4)), "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
+LAUNCHES = {"v3": ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4)), "v2": ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4)),
+            "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
 MAX_SPLITS = 64  # CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
 HEAD_DIMS = (64, 128)
@@ -59,6 +66,8 @@ MAX_ENTRIES = 4096
 SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80/sm_90
 STATIC_SMEM = 1024  # room left beside the dynamic shared memory (the kernel's static variables)
 MIN_ARCH = 80  # mma.sync bf16 and cvt.bf16x2
+CLUSTER_ARCH = 90  # thread-block clusters and distributed shared memory
+MAX_CLUSTER = 8  # the portable cluster size (MAX_CLUSTER in the source)
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
@@ -73,7 +82,8 @@ class Variant:
     v_entries: int
     v_dims: int
     fp16: bool
-    version: str = "v2"
+    version: str = "v3"
+    cluster: bool = False  # the CLUSTER build (v3 on sm_90): partials merged in distributed shared memory
 
     @staticmethod
     def copies(entries: int, dims: int) -> int:
@@ -89,8 +99,10 @@ class Variant:
 
     def smem_bytes(self, nwarps: int) -> int:
         """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks, reused
-        at the end for the warps' partials (``nwarps x G x (D + 2)`` floats) when those are larger."""
-        return max(self.book_bytes(), nwarps * self.group * (self.head_dim + 2) * 4)
+        at the end for the warps' partials (``nwarps x G x (D + 2)`` floats; one more for the CTA's
+        own partial in the cluster build) when those are larger."""
+        partials = nwarps + int(self.cluster)
+        return max(self.book_bytes(), partials * self.group * (self.head_dim + 2) * 4)
 
     @staticmethod
     def code_format(entries: int) -> int:
@@ -104,14 +116,14 @@ class Variant:
             EV=self.v_entries, KFMT=self.code_format(self.k_entries),
             VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
-            FP16=int(self.fp16), NWARPS=nwarps,
+            FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
 
 def kernel_version() -> str:
-    """``$VECINFER_CUDA_DECODE_VERSION`` (``v2`` unless set; see the module docstring)."""
-    version = os.environ.get(VERSION_ENV, "v2").strip().lower() or "v2"
+    """``$VECINFER_CUDA_DECODE_VERSION`` (``v3`` unless set; see the module docstring)."""
+    version = os.environ.get(VERSION_ENV, "v3").strip().lower() or "v3"
     if version not in SOURCES:
         raise ValueError(f"{VERSION_ENV}={version!r}: use one of {', '.join(SOURCES)}")
     return version
@@ -151,17 +163,19 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
 
 
 @functools.cache
-def _source(version: str = "v2") -> str:
+def _source(version: str = "v3") -> str:
     return SOURCES[version].read_text()
 
 
 @dataclass(frozen=True)
 class Built:
-    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM."""
+    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (v3 on
+    sm_90) its cluster build with the same launch shape."""
 
     kernel: Kernel
     nwarps: int
     ctas_per_sm: int
+    cluster: Kernel | None = None
 
 
 def launches_for(variant: Variant) -> list[tuple[int, int]]:
@@ -171,23 +185,34 @@ def launches_for(variant: Variant) -> list[tuple[int, int]]:
             if variant.smem_bytes(w) <= SMEM_LIMIT and c * (variant.smem_bytes(w) + 1024) <= 228 * 1024]
 
 
+def _compile(variant: Variant, device: torch.device, ctas: int, nwarps: int) -> Kernel:
+    major, minor = torch.cuda.get_device_capability(device)
+    image, _ = compile_source(_source(variant.version), "vq_decode", major * 10 + minor,
+                              ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), f"-DMINB={ctas}"])
+    return load_kernels(image, ["vq_decode"], device)["vq_decode"]
+
+
 @functools.cache
 def _build(variant: Variant, device_index: int) -> Built:
     """Compile the first launch shape of :func:`launches_for` whose register budget does not make
-    the compiler spill to local memory (the last one otherwise)."""
+    the compiler spill to local memory (the last one otherwise); for v3 on sm_90 also the cluster
+    build of that shape, if its shared memory fits."""
     device = torch.device("cuda", device_index)
-    major, minor = torch.cuda.get_device_capability(device)
     shapes = launches_for(variant)
     if not shapes:
         raise CudaBuildError(f"no launch shape of the CUDA decode kernel fits {variant} in shared memory")
     for ctas, nwarps in shapes:
-        image, _ = compile_source(_source(variant.version), "vq_decode", major * 10 + minor,
-                                  ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), f"-DMINB={ctas}"])
-        kernel = load_kernels(image, ["vq_decode"], device)["vq_decode"]
+        kernel = _compile(variant, device, ctas, nwarps)
         if kernel.local_bytes == 0:
             break
     kernel.set_dynamic_smem(variant.smem_bytes(nwarps))
-    return Built(kernel, nwarps, ctas)
+    cluster = None
+    clustered = dataclasses.replace(variant, cluster=True)
+    major, minor = torch.cuda.get_device_capability(device)
+    if variant.version == "v3" and major * 10 + minor >= CLUSTER_ARCH and (ctas, nwarps) in launches_for(clustered):
+        cluster = _compile(clustered, device, ctas, nwarps)
+        cluster.set_dynamic_smem(clustered.smem_bytes(nwarps))
+    return Built(kernel, nwarps, ctas, cluster)
 
 
 def kernels_for(variant: Variant, device: torch.device) -> Built:
@@ -210,6 +235,24 @@ def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int, nwarps: 
     wave = sms * ctas_per_sm
     by_length = math.ceil(max(tmax, 1) / (BLOCK_T * nwarps))
     return max(1, min(wave // batch_heads, by_length, MAX_SPLITS))
+
+
+_ACTIVE_CLUSTERS: dict[tuple[int, int], int] = {}
+
+
+def cluster_size(built: Built, batch_heads: int, splits: int) -> int | None:
+    """The cluster of a v3 launch: ``splits`` (each row's CTAs one cluster) when the cluster build
+    exists (sm_90), the split is at most :data:`MAX_CLUSTER` CTAs, and all ``batch_heads`` rows'
+    clusters fit on the GPU at once (a second wave of clusters would cost more than the merge
+    saves; a split of one CTA is a cluster of one, scheduled as any CTA); None for the global merge."""
+    if built.cluster is None or splits > MAX_CLUSTER:
+        return None
+    if splits == 1:
+        return 1
+    key = (built.cluster.handle.value, splits)
+    if key not in _ACTIVE_CLUSTERS:
+        _ACTIVE_CLUSTERS[key] = built.cluster.max_active_clusters((1, splits, 1), (built.nwarps * 32, 1, 1))
+    return splits if batch_heads <= _ACTIVE_CLUSTERS[key] else None
 
 
 _BOOKS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, int, torch.Tensor]] = {}
@@ -305,6 +348,19 @@ def decode_attention_cuda(
     else:
         k_centroids, v_centroids = prepared_book(k_centroids, q.dtype), prepared_book(v_centroids, q.dtype)
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0), built.nwarps)
+    scale_log2 = float(scale) * 1.4426950408889634
+    start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
+    out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
+    cluster = None if v1 else cluster_size(built, b * hkv, splits)
+    if cluster is not None:  # partials stay in shared memory: none in global memory, no counters
+        built.cluster.launch(
+            (b * hkv, splits, 1), (built.nwarps * 32, 1, 1),
+            [q, k_codes, v_codes, k_centroids, v_centroids, k_window, v_window, n_coded, n_window, kv_start,
+             None, None, None, None, out, hkv, tmax, k_window.shape[2], _index_is64(n_coded),
+             _index_is64(n_window), start_kind, scale_log2],
+            cluster=(1, cluster, 1),
+        )
+        return out
     units = splits + 1 if v1 else splits  # one partial per CTA
     part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -313,9 +369,6 @@ def decode_attention_cuda(
         arrivals = torch.zeros((b * hkv,), dtype=torch.int32, device=q.device)
     else:
         arrivals = arrival_counters(b * hkv, q.device)
-    out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
-    scale_log2 = float(scale) * 1.4426950408889634
-    start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
     built.kernel.launch(
         (b * hkv, units, 1), (built.nwarps * 32, 1, 1),
         [q, k_codes, v_codes, k_centroids, v_centroids, k_window, v_window, n_coded, n_window, kv_start,

@@ -137,6 +137,36 @@ def compile_source(source: str, name: str, arch: int, options: list[str]) -> tup
 CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    """``CUlaunchAttributeValue``: a 64-byte union; only ``clusterDim`` is used here."""
+
+    _fields_ = [("pad", ctypes.c_char * 64), ("cluster_dim", ctypes.c_uint * 3), ("align", ctypes.c_uint64)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, the value."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` of ``cuLaunchKernelEx`` (CUDA 12+)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _cluster_config(grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int,
+                    cluster: tuple[int, int, int]) -> tuple[_LaunchConfig, _LaunchAttribute]:
+    """A launch configuration with a cluster-dimension attribute (returned too: it must outlive the call)."""
+    attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attr.value.cluster_dim[:] = list(cluster)
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream,
+                           ctypes.pointer(attr), 1)
+    return config, attr
 
 
 @dataclass
@@ -168,7 +198,19 @@ class Kernel:
                       f"raising {self.name}'s dynamic shared memory to {nbytes} bytes")
         self.dynamic_smem = nbytes
 
-    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
+    def max_active_clusters(self, cluster: tuple[int, int, int], block: tuple[int, int, int]) -> int:
+        """Clusters of ``cluster`` CTAs (``block`` threads, this kernel's shared memory) that the
+        device holds at once (``cuOccupancyMaxActiveClusters``; 0 if it cannot place one)."""
+        config, _attr = _cluster_config(cluster, block, self.dynamic_smem, 0, cluster)
+        n = ctypes.c_int()
+        _check_cu(driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), self.handle, ctypes.byref(config)),
+                  f"cuOccupancyMaxActiveClusters({self.name}, cluster {cluster})")
+        return n.value
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
+               cluster: tuple[int, int, int] | None = None) -> None:
+        """Launch on torch's current stream; with ``cluster``, as thread-block clusters of that shape
+        (``cuLaunchKernelEx``; sm_90, each grid dimension a multiple of the cluster's)."""
         values = []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -182,9 +224,14 @@ class Kernel:
             else:
                 raise TypeError(f"cannot pass {type(a).__name__} to a CUDA kernel")
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check_cu(driver().cuLaunchKernel(self.handle, *grid, *block, self.dynamic_smem, stream, params, None),
-                  f"launching {self.name}")
+        stream = torch.cuda.current_stream().cuda_stream
+        if cluster is None:
+            _check_cu(driver().cuLaunchKernel(self.handle, *grid, *block, self.dynamic_smem, ctypes.c_void_p(stream),
+                                              params, None), f"launching {self.name}")
+            return
+        config, _attr = _cluster_config(grid, block, self.dynamic_smem, stream, cluster)
+        _check_cu(driver().cuLaunchKernelEx(ctypes.byref(config), self.handle, params, None),
+                  f"launching {self.name} in clusters of {cluster}")
 
 
 def _ensure_context(device: torch.device) -> None:
