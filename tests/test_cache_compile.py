@@ -206,6 +206,36 @@ def test_pass_ignores_sdpa_without_cache():
 
 
 @pytest.mark.cuda
+def test_cuda_graph_trees_decode_from_fresh_codebooks():
+    """The product's path: ``vecinfer_backend`` under generate()'s default compile mode
+    (reduce-overhead: CUDA-graph trees), bf16, with codebooks the CUDA kernel has never seen, so its
+    16-bit copies are made during the graph's warm-up. Those copies must live outside the graph's
+    memory pool: one left there failed the capture ("tensor(s) in the cudagraph pool not tracked as
+    outputs"). Tokens must agree with the eager cache, and the copies are made once."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vecinfer_compile.backend import vecinfer_backend
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512)
+    model = LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    cb = random_codebooks(cfg)
+    ids, mask = left_padded(length=40, pad=0)
+    ids, mask = ids.cuda(), mask.cuda()
+    eager = _generate(model, ids, mask, VecInferCache(model, cb, batch_size=ids.shape[0], max_cache_len=80,
+                                                      residual=8), max_new_tokens=8)
+    counters.clear()
+    config = CompileConfig(backend=vecinfer_backend.configure(codebooks=cb), fullgraph=True, mode="reduce-overhead")
+    cache = VecInferCache(model, cb, batch_size=ids.shape[0], max_cache_len=80, residual=8)
+    compiled = _generate(model, ids, mask, cache, max_new_tokens=8, compile_config=config)
+    assert 0 < counters["vecinfer"]["decode_book_conversions"] <= 2 * cfg.num_hidden_layers  # once per book
+    agree = (compiled[:, 40:] == eager[:, 40:]).float().mean().item()
+    assert agree >= 0.5, agree
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("layer_bits", [None, [1.5, 4.0]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_compiled_decode(dtype, layer_bits):

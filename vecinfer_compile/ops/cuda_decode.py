@@ -45,7 +45,7 @@ from torch._dynamo.utils import counters
 
 from ..quant.packing import is_packed
 from .checks import check_decode_args
-from .nvrtc import CudaBuildError, Kernel, compile_source, device_zeros_int32, load_kernels
+from .nvrtc import CudaBuildError, Kernel, compile_source, device_copy, device_zeros_int32, load_kernels
 
 SOURCES = {"v3": Path(__file__).with_name("cuda_decode.cu"), "v2": Path(__file__).with_name("cuda_decode.cu"),
            "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
@@ -265,6 +265,9 @@ def prepared_book(centroids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     modified in place (its version counter moved) or moved in memory. Inside a CUDA-graph capture a
     missing copy is converted in the graph and not kept (graph pools must not be held outside the
     graph); torch's CUDA-graph trees and the benchmarks run every call once before capturing it.
+    A kept CUDA copy lives outside torch's allocator (:func:`.nvrtc.device_copy`): made during a
+    CUDA-graph tree's warm-up, a copy from torch's allocator would sit in that graph's pool, and
+    the capture refuses live tensors there that it does not return.
     (The kernel rounds to 16 bits either way: the float32 kernel converted each centroid with the
     same round-to-nearest.) Inference tensors keep no version counter: theirs is read as 0, so a
     codebook made under ``torch.inference_mode`` and then changed in place there would not be
@@ -275,10 +278,11 @@ def prepared_book(centroids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     hit = _BOOKS.get(key)
     if hit is not None and hit[0]() is centroids and hit[1] == version and hit[2] == centroids.data_ptr():
         return hit[3]
-    book = _aligned(centroids.to(dtype))
     counters["vecinfer"]["decode_book_conversions"] += 1
-    if not (centroids.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _BOOKS[key] = (weakref.ref(centroids, lambda _, key=key: _BOOKS.pop(key, None)), version, centroids.data_ptr(), book)
+    if centroids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _aligned(centroids.to(dtype))
+    book = device_copy(centroids, dtype) if centroids.is_cuda else _aligned(centroids.to(dtype))
+    _BOOKS[key] = (weakref.ref(centroids, lambda _, key=key: _BOOKS.pop(key, None)), version, centroids.data_ptr(), book)
     return book
 
 

@@ -263,24 +263,56 @@ def load_kernels(image: bytes, names: list[str], device: torch.device) -> dict[s
 
 
 class _DeviceArray:
-    """``__cuda_array_interface__`` of int32 device memory, for :func:`torch.as_tensor`."""
+    """``__cuda_array_interface__`` of ``n`` elements (``typestr``, e.g. ``<i4``) of driver-allocated
+    device memory, for :func:`torch.as_tensor`. torch keeps this object alive as long as the
+    tensor's storage; with ``owned`` the memory is freed when both are gone."""
 
-    def __init__(self, ptr: int, n: int):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i4", "data": (ptr, False), "version": 3}
+    def __init__(self, ptr: int, n: int, typestr: str, owned: bool):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr, "data": (ptr, False), "version": 3}
+        self._ptr, self._owned = ptr, owned
+
+    def __del__(self):
+        if self._owned:
+            try:
+                driver().cuMemFree_v2(ctypes.c_uint64(self._ptr))
+            except Exception:  # interpreter shutdown: the driver may already be gone
+                pass
+
+
+def _driver_alloc(nbytes: int, device: torch.device) -> int:
+    _ensure_context(device)
+    ptr = ctypes.c_uint64()
+    with torch.cuda.device(device):
+        _check_cu(driver().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1))), f"allocating {nbytes} bytes")
+    return ptr.value
 
 
 def device_zeros_int32(n: int, device: torch.device) -> torch.Tensor:
     """int32 ``[n]`` zeros in device memory allocated by the driver, outside torch's allocator, and
     never freed: for scratch that CUDA graphs keep using and no graph memory pool may reuse. Zeroed
     on torch's current stream (work launched after it on that stream sees the zeros)."""
-    _ensure_context(device)
-    ptr = ctypes.c_uint64()
+    ptr = _driver_alloc(4 * n, device)
     with torch.cuda.device(device):
-        _check_cu(driver().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4 * n)), f"allocating {4 * n} bytes")
         stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-        _check_cu(driver().cuMemsetD32Async(ctypes.c_uint64(ptr.value), ctypes.c_uint(0), ctypes.c_size_t(n), stream),
+        _check_cu(driver().cuMemsetD32Async(ctypes.c_uint64(ptr), ctypes.c_uint(0), ctypes.c_size_t(n), stream),
                   "zeroing the allocation")
-        return torch.as_tensor(_DeviceArray(ptr.value, n), device=device)
+    return torch.as_tensor(_DeviceArray(ptr, n, "<i4", owned=False), device=device)
+
+
+def device_copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (a CUDA tensor) converted to 16-bit ``dtype`` (same shape, contiguous, 256-byte
+    aligned) in memory allocated by the driver, outside torch's allocator, and freed with the
+    returned tensor. For a constant kept across calls: an allocation from torch's allocator
+    made while a CUDA-graph tree warms a graph up comes from that graph's private pool, and a live
+    tensor there that the graph does not return fails its capture ("tensor(s) in the cudagraph
+    pool not tracked as outputs"). Converted on torch's current stream."""
+    if dtype.itemsize != 2:
+        raise ValueError(f"device_copy makes 16-bit copies, not {dtype}")
+    n = x.numel()
+    holder = _DeviceArray(_driver_alloc(2 * n, x.device), n, "<i2", owned=True)
+    out = torch.as_tensor(holder, device=x.device).view(dtype).view(x.shape)
+    out.copy_(x)
+    return out
 
 
 def build_kernel(source: str, name: str, device: torch.device, options: list[str]) -> Kernel:
