@@ -139,6 +139,10 @@ def test_cluster_merge_only_where_every_row_fits_at_once():
     assert cuda_decode.cluster_size(built, 1000, 1) == 1
     assert stub.queries == 1  # cached per (kernel, cluster size)
     assert cuda_decode.cluster_size(cuda_decode.Built(kernel=None, nwarps=8, ctas_per_sm=1), 8, 8) is None
+    unanswered = _StubClusterKernel(active=12)
+    unanswered.max_active_clusters = lambda cluster, block: (_ for _ in ()).throw(CudaBuildError("no query"))
+    built = cuda_decode.Built(kernel=None, nwarps=8, ctas_per_sm=1, cluster=unanswered)
+    assert cuda_decode.cluster_size(built, 8, 8) is None  # the same kernel's global merge, never a failed call
 
 
 def test_unsupported_reasons_name_the_limit():

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 import weakref
@@ -50,6 +51,7 @@ from .nvrtc import CudaBuildError, Kernel, compile_source, device_copy, device_z
 SOURCES = {"v3": Path(__file__).with_name("cuda_decode.cu"), "v2": Path(__file__).with_name("cuda_decode.cu"),
            "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
+_log = logging.getLogger(__name__)
 # (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
 # per SM, in one CTA first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257
 # vs 0.286 at B=8/T=128k against three CTAs of four), then fewer warps where registers spill. v2
@@ -251,7 +253,11 @@ def cluster_size(built: Built, batch_heads: int, splits: int) -> int | None:
         return 1
     key = (built.cluster.handle.value, splits)
     if key not in _ACTIVE_CLUSTERS:
-        _ACTIVE_CLUSTERS[key] = built.cluster.max_active_clusters((1, splits, 1), (built.nwarps * 32, 1, 1))
+        try:
+            _ACTIVE_CLUSTERS[key] = built.cluster.max_active_clusters((1, splits, 1), (built.nwarps * 32, 1, 1))
+        except (CudaBuildError, AttributeError) as exc:  # a driver without the query: the global merge
+            _log.info("no cluster launch for the CUDA decode kernel: %s", exc)
+            _ACTIVE_CLUSTERS[key] = 0
     return splits if batch_heads <= _ACTIVE_CLUSTERS[key] else None
 
 
