@@ -11,7 +11,8 @@
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
 //   CLUSTER      1: the splits CTAs of a (batch row, KV head) are one thread-block cluster (sm_90)
-//                and merge through distributed shared memory (see the end of this header)
+//                and merge through distributed shared memory (see the end of this header);
+//                MAX_CLUSTER, the largest cluster the launch makes
 // The codebooks arrive as 16-bit centroids in the query's dtype (cuda_decode.py prepares them once
 // from the float32 ones).
 //
@@ -445,7 +446,7 @@ __device__ __forceinline__ vq_f4 load_cg4(const float* p) {
 #define MERGE_BATCH 16  // partials a merging thread loads before it combines them
 
 #if CLUSTER
-#define MAX_CLUSTER 8  // the portable cluster size: the launch uses clusters only up to it
+// MAX_CLUSTER (a define): the largest cluster the launch makes, the portable size 8.
 
 // Distributed shared memory (sm_90): the barrier of every thread of the cluster (release/acquire:
 // shared-memory writes before it are seen by every CTA of the cluster after it), this CTA's rank,

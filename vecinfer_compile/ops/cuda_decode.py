@@ -48,8 +48,8 @@ from ..quant.packing import is_packed
 from .checks import check_decode_args
 from .nvrtc import CudaBuildError, Kernel, compile_source, device_copy, device_zeros_int32, load_kernels
 
-SOURCES = {"v3": Path(__file__).with_name("cuda_decode.cu"), "v2": Path(__file__).with_name("cuda_decode.cu"),
-           "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
+_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v3 and v2: v3 adds its CLUSTER build
+SOURCES = {"v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 _log = logging.getLogger(__name__)
 # (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
@@ -57,8 +57,8 @@ _log = logging.getLogger(__name__)
 # vs 0.286 at B=8/T=128k against three CTAs of four), then fewer warps where registers spill. v2
 # takes one CTA of 8 before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4,
 # B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
-LAUNCHES = {"v3": ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4)), "v2": ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4)),
-            "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
+_V2_LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
+LAUNCHES = {"v3": _V2_LAUNCHES, "v2": _V2_LAUNCHES, "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
 MAX_SPLITS = 64  # CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
 HEAD_DIMS = (64, 128)
@@ -69,7 +69,7 @@ SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80/sm_90
 STATIC_SMEM = 1024  # room left beside the dynamic shared memory (the kernel's static variables)
 MIN_ARCH = 80  # mma.sync bf16 and cvt.bf16x2
 CLUSTER_ARCH = 90  # thread-block clusters and distributed shared memory
-MAX_CLUSTER = 8  # the portable cluster size (MAX_CLUSTER in the source)
+MAX_CLUSTER = 8  # the portable cluster size; the source's MAX_CLUSTER define
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
@@ -118,7 +118,7 @@ class Variant:
             EV=self.v_entries, KFMT=self.code_format(self.k_entries),
             VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
-            FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster),
+            FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -358,32 +358,24 @@ def decode_attention_cuda(
     else:
         k_centroids, v_centroids = prepared_book(k_centroids, q.dtype), prepared_book(v_centroids, q.dtype)
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0), built.nwarps)
-    scale_log2 = float(scale) * 1.4426950408889634
-    start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
-    out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
     cluster = None if v1 else cluster_size(built, b * hkv, splits)
     if cluster is not None:  # partials stay in shared memory: none in global memory, no counters
-        built.cluster.launch(
-            (b * hkv, splits, 1), (built.nwarps * 32, 1, 1),
-            [q, k_codes, v_codes, k_centroids, v_centroids, k_window, v_window, n_coded, n_window, kv_start,
-             None, None, None, None, out, hkv, tmax, k_window.shape[2], _index_is64(n_coded),
-             _index_is64(n_window), start_kind, scale_log2],
-            cluster=(1, cluster, 1),
-        )
-        return out
-    units = splits + 1 if v1 else splits  # one partial per CTA
-    part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty((b * hkv, units, group, d), dtype=torch.float32, device=q.device)
-    if v1:
-        arrivals = torch.zeros((b * hkv,), dtype=torch.int32, device=q.device)
+        kernel, units, partials = built.cluster, splits, [None, None, None, None]
     else:
-        arrivals = arrival_counters(b * hkv, q.device)
-    built.kernel.launch(
+        kernel, units = built.kernel, splits + 1 if v1 else splits  # one partial per CTA
+        part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((b * hkv, units, group, d), dtype=torch.float32, device=q.device)
+        arrivals = (torch.zeros((b * hkv,), dtype=torch.int32, device=q.device) if v1
+                    else arrival_counters(b * hkv, q.device))
+        partials = [part_m, torch.empty_like(part_m), part_acc, arrivals]
+    out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
+    start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
+    kernel.launch(
         (b * hkv, units, 1), (built.nwarps * 32, 1, 1),
         [q, k_codes, v_codes, k_centroids, v_centroids, k_window, v_window, n_coded, n_window, kv_start,
-         part_m, part_l, part_acc, arrivals, out, hkv, tmax, k_window.shape[2], _index_is64(n_coded),
-         _index_is64(n_window), start_kind, scale_log2],
+         *partials, out, hkv, tmax, k_window.shape[2], _index_is64(n_coded), _index_is64(n_window), start_kind,
+         float(scale) * 1.4426950408889634],
+        cluster=None if cluster is None else (1, cluster, 1),
     )
     return out
 
