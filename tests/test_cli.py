@@ -192,12 +192,13 @@ def test_calibrate_then_eval_and_ablation(capsys, tmp_path, tiny_dir, sample_tex
     (cache / "vecinfer-2bit.safetensors").write_bytes(cb.read_bytes())  # reused, not recalibrated
     plot = tmp_path / "plot.png"
     res = run_json(capsys, ["ablation", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                            "--calib-text", str(sample_text_path), "--rows", "fp16:16,vecinfer:2,kivi:2",
+                            "--calib-text", str(sample_text_path), "--rows", "fp16:16,vecinfer:2,kivi:2,prerope:2",
                             "--windows", "1", "--window-len", "64", "--max-tokens", "512",
                             "--seq-len", "256", "--iters", "3", "--out-codebooks", str(cache),
                             "--plot", str(plot), "--json", "--no-progress"])
-    assert [r["method"] for r in res["rows"]] == ["fp16", "vecinfer", "kivi"]
+    assert [r["method"] for r in res["rows"]] == ["fp16", "vecinfer", "kivi", "prerope"]
     assert (cache / "vecinfer-2bit.safetensors").is_file() and plot.stat().st_size > 1000
+    assert (cache / "prerope-2bit.safetensors").is_file() and math.isfinite(res["rows"][3]["ppl"])
 
 
 def test_python_m_entry_point():

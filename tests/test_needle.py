@@ -118,6 +118,21 @@ def test_needle_cli_kivi_says_simulate(haystack, tiny_dir, capsys):
     assert rc == 0 and "SIMULATE" in capsys.readouterr().out
 
 
+def test_needle_cli_prerope_runs_in_simulate_mode(haystack, tiny_dir, sample_text_path, tmp_path, capsys):
+    """A method without a cache yet (keys before RoPE) generates in simulate mode, with its
+    codebooks, and says so."""
+    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.models import load_model
+
+    model, tok = load_model(tiny_dir, "float32", "cpu")
+    cb = calibrate(model, tok, sample_text_path.read_text(), bits=2, method="prerope", max_tokens=512,
+                   seq_len=128, iters=2, progress=False).save(tmp_path / "cb.safetensors")
+    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "64",
+               "--depths", "0", "--method", "prerope", "--codebooks", str(cb), "--residual", "8", "--trials", "1",
+               "--max-new-tokens", "2", "--no-progress"])
+    assert rc == 0 and "prerope 2-bit: runs in SIMULATE mode" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--haystack", "/nonexistent/hay"], "does not exist"),
     (["--lengths", "abc"], "integers"),

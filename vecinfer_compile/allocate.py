@@ -161,7 +161,7 @@ def pinned_layers(scores: list[float]) -> list[int]:
 class _ExactLayer(LayerSimulator):
     """A layer left in full precision while another layer's sensitivity is measured."""
 
-    def quantize_kv(self, k, v):
+    def quantize_kv(self, k, v, position_ids=None):
         return k, v
 
 

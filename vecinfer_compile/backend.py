@@ -40,7 +40,7 @@ from torch._dynamo.utils import counters
 
 from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
 from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
-from .methods import VQ_METHODS
+from .methods import VQ_METHODS, check_runs_over_codes
 from .ops.decode_kernels import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
 from .passes.cache_append import rewrite_cache_append
@@ -85,6 +85,7 @@ def _resolve(codebooks, bits: float | None, method: str | None, residual: int, q
         raise ValueError(
             f"vecinfer_backend runs the VQ methods {', '.join(VQ_METHODS)}; got method {method!r}"
         )
+    check_runs_over_codes(method)
     if residual < 0:
         raise ValueError(f"residual must be >= 0, got {residual}")
     if decode_kernel is not None:

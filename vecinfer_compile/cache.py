@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLaye
 from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
 from .layer_kinds import HYBRID_KINDS, SLIDING, check_codable, kv_producers, layer_kinds
+from .methods import check_runs_over_codes
 from .ops.cache_append import transform_keys
 from .ops import chunk_attention
 from .ops.chunk_attention import ChunkKeys
@@ -824,6 +825,7 @@ class VecInferCache(Cache):
                 f"codebooks must be a VecInferCodebooks (load_codebooks(path) or calibrate(...)), got "
                 f"{type(codebooks).__name__}"
             )
+        check_runs_over_codes(codebooks.method)
         codebooks.check_model(config)
         if isinstance(model_or_config, torch.nn.Module):  # warns once if calibrated on other weights
             codebooks.check_weights(model_or_config)

@@ -15,11 +15,13 @@ from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_ge
 from .layer_kinds import NO_KV_KINDS, coded_layers, kv_producers, layer_kinds
 from .methods import VQ_METHODS, check_method
 from .presets import get_preset
-from .quant.codebook import subvectors
+from .quant.codebook import quantize_dequantize, subvectors
 from .quant.kmeans import kmeans
 from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
+from .quant.rope import model_rope_frequencies, rotate
 from .quant.transform import KeyTransform, centre_keys, smoothing_factors
-from .recording import collect_kv
+from .quant.value_prediction import fit_value_predictor
+from .recording import collect_kv, recorded_positions
 from .weight_fingerprint import weight_fingerprint
 
 log = logging.getLogger(__name__)
@@ -110,7 +112,10 @@ def calibrate(
     ``smooth`` or ``hadamard``; ``qaware`` (ablations ``qaware-nohadamard``, ``qaware-sqrt``)
     replaces smoothing by a per-KV-head matrix fitted to the post-RoPE calibration queries (and
     keys), with ``ridge`` relative to their mean eigenvalue
-    (:mod:`vecinfer_compile.quant.query_aware`). By default every layer uses the preset of ``bits``;
+    (:mod:`vecinfer_compile.quant.query_aware`); ``prerope`` (ablation ``prerope-keys``) fits
+    ``vecinfer-center``'s transform to the keys with the model's RoPE undone (each key at its
+    position in its calibration window) and the value codebooks to the residuals of a linear
+    prediction from the dequantized keys (:mod:`vecinfer_compile.quant.value_prediction`). By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
     ``bits`` (:mod:`vecinfer_compile.allocate`; ``residual`` is the cache window it assumes).
@@ -150,29 +155,37 @@ def calibrate(
     token_ids = calibration_token_ids(tokenizer, texts, max_tokens)
     if spec.query_aware and not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it keeps the query moment invertible), got {ridge}")
+    inv_freq = model_rope_frequencies(model, head_dim) if spec.pre_rope else None
     recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=bool(spec.query_aware))
     keys, values = recorded[:2]
+    positions = recorded_positions(model, token_ids, seq_len) if spec.pre_rope else None
     _check_recorded_layers(model.config, sorted(keys), per_layer_bits=layer_bits is not None or allocate == "retrieval")
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
-        mean, centred = centre_keys(k[0], spec.center)  # lam and C: of the keys to quantize
+        k_stat = k if inv_freq is None else rotate(k, inv_freq, positions, inverse=True)  # the keys RoPE gets
+        mean, centred = centre_keys(k_stat[0], spec.center)  # lam and C: of the keys to quantize
         lam = smoothing_factors(centred.abs().amax(dim=1)) if spec.smooth else None
         matrices = (None, None)
         if spec.query_aware:
             key_moment = second_moment(centred, k.shape[1]) if spec.query_aware == "geomean" else None
             matrices = query_aware_matrices(second_moment(recorded[2][layer], k.shape[1]), key_moment, ridge)
-        transform = KeyTransform(head_dim, lam, spec.rotate, *matrices, mean=mean)
-        k_t = transform.keys(k)
+        transform = KeyTransform(head_dim, lam, spec.rotate, *matrices, mean=mean, rope_inv_freq=inv_freq)
+        k_t = transform.keys(k, positions)
         layer_seed = seed + 1000 * layer
         fitted[layer] = {}
         for b in candidates[layer]:
             preset = get_preset(b)
             key_cb = _fit_codebook(k_t, preset.key.entries, preset.key.dims, iters=iters,
                                    seed=layer_seed, max_vectors=max_fit_vectors, device=device)
-            value_cb = _fit_codebook(v, preset.value.entries, preset.value.dims, iters=iters,
+            predictor, v_fit = None, v
+            if spec.predict_values:  # fitted to the keys it will read: dequantized, not exact
+                kt_hat = quantize_dequantize(k_t.to(device), key_cb.to(device)).cpu()
+                predictor = fit_value_predictor(kt_hat[0], v[0])
+                v_fit = v - predictor(kt_hat)
+            value_cb = _fit_codebook(v_fit, preset.value.entries, preset.value.dims, iters=iters,
                                      seed=layer_seed + 1, max_vectors=max_fit_vectors, device=device)
-            fitted[layer][b] = LayerCodebooks(transform, key_cb, value_cb)
+            fitted[layer][b] = LayerCodebooks(transform, key_cb, value_cb, predictor)
     fingerprint = weight_fingerprint(model.named_parameters())
     metadata = {
         "model_name": getattr(model.config, "_name_or_path", "") or "",

@@ -9,7 +9,10 @@ for the query-aware methods ``key_matrix [A, H_kv, D, D]``
 and ``query_matrix [A, H_kv, D, D]`` (``A`` and ``A^(-T)``, see
 :mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` they were made with; for the
 centring methods ``key_mean [A, H_kv, D]`` (``mu``, subtracted from the keys before the rest of
-the transform, :mod:`vecinfer_compile.quant.transform`). The safetensors metadata key
+the transform, :mod:`vecinfer_compile.quant.transform`); for the pre-RoPE methods
+``rope_inv_freq [r/2]`` (the model's RoPE frequencies, :mod:`vecinfer_compile.quant.rope`) and,
+when values are predicted from keys, ``value_matrix [A, H_kv, D, D]`` and ``value_bias
+[A, H_kv, D]`` (:mod:`vecinfer_compile.quant.value_prediction`). The safetensors metadata key
 ``"vecinfer"`` holds a JSON object: method, bits (the average over layers), ``layer_bits`` (one
 preset per layer), the model fingerprint (geometry + a hash of it), the model name and, from
 :func:`vecinfer_compile.calibrate.calibrate`, the ``weight_fingerprint`` of the weights it was
@@ -41,6 +44,7 @@ from safetensors.torch import save_file
 from .methods import VQ_METHODS
 from .presets import Preset, get_preset
 from .quant.transform import KeyTransform
+from .quant.value_prediction import ValuePredictor
 from .weight_fingerprint import TOLERANCE, check_fingerprint, fingerprint_distance, graph_weights, weight_fingerprint
 
 log = logging.getLogger(__name__)
@@ -84,11 +88,15 @@ def geometry_fingerprint(geometry: dict) -> str:
 class LayerCodebooks:
     """One attention layer's quantizer. key_centroids: ``[E_k, d_k]``; value_centroids: ``[E_v, d_v]``
     (float32); transform: smoothing factors ``[H_kv, D]`` or query-aware matrices
-    ``[H_kv, D, D]``, and/or rotation, after an optional key mean ``[H_kv, D]``."""
+    ``[H_kv, D, D]``, and/or rotation, after an optional key mean ``[H_kv, D]`` (and RoPE undone
+    first for the pre-RoPE methods); value_predictor: the methods that code values as the residual
+    of a prediction from the dequantized key, None otherwise (value_centroids then quantize that
+    residual)."""
 
     transform: KeyTransform
     key_centroids: torch.Tensor
     value_centroids: torch.Tensor
+    value_predictor: ValuePredictor | None = None
 
 
 def average_bits(layer_bits: list[float]) -> float:
@@ -171,18 +179,25 @@ class VecInferCodebooks:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of each kind of state, float32 as the file stores it and a
         :class:`~vecinfer_compile.cache.VecInferCache` holds it, whatever the cache's length:
-        ``{"codebooks", "smoothing factors", "query-aware matrices", "key means"}`` (kinds the
-        method has not are absent). The cache adds its Hadamard matrix (``D * D``) for the methods
-        that rotate and are not query-aware (:func:`~vecinfer_compile.evaluation.kv_bytes.kv_bytes`)."""
+        ``{"codebooks", "smoothing factors", "query-aware matrices", "key means", "value predictors",
+        "RoPE frequencies"}`` (kinds the method has not are absent; the frequencies are one vector
+        for the model). The cache adds its Hadamard matrix (``D * D``) for the methods that rotate
+        and are not query-aware (:func:`~vecinfer_compile.evaluation.kv_bytes.kv_bytes`)."""
         counts: dict[str, int] = {}
         for layer in filter(None, self.layers):
             t = layer.transform
             parts = (("codebooks", layer.key_centroids), ("codebooks", layer.value_centroids),
                      ("smoothing factors", t.lam), ("query-aware matrices", t.key_matrix),
                      ("query-aware matrices", t.query_matrix), ("key means", t.mean))
+            if layer.value_predictor is not None:
+                parts += (("value predictors", layer.value_predictor.matrix),
+                          ("value predictors", layer.value_predictor.bias))
             for kind, tensor in parts:
                 if tensor is not None:
                     counts[kind] = counts.get(kind, 0) + STATE_BYTES * tensor.numel()
+        inv_freq = self.layer(self.attention_layers()[0]).transform.rope_inv_freq
+        if inv_freq is not None:
+            counts["RoPE frequencies"] = STATE_BYTES * inv_freq.numel()
         return counts
 
     def nbytes(self) -> int:
@@ -307,6 +322,11 @@ class VecInferCodebooks:
             tensors["query_matrix"] = torch.stack([l.transform.query_matrix.float().cpu() for l in layers])
         if layers[0].transform.mean is not None:
             tensors["key_mean"] = torch.stack([l.transform.mean.float().cpu() for l in layers])
+        if layers[0].transform.rope_inv_freq is not None:
+            tensors["rope_inv_freq"] = layers[0].transform.rope_inv_freq.float().cpu()
+        if layers[0].value_predictor is not None:
+            tensors["value_matrix"] = torch.stack([l.value_predictor.matrix.float().cpu() for l in layers])
+            tensors["value_bias"] = torch.stack([l.value_predictor.bias.float().cpu() for l in layers])
         meta = {
             **{k: v for k, v in self.metadata.items() if k not in ("key_preset", "value_preset")},
             "format": FORMAT,
@@ -399,14 +419,16 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     key_m, query_m = _query_aware_matrices(path, tensors, method, spec.query_aware, geometry, len(present))
     mean = _key_mean(path, tensors, method, spec.center, meta.get("format") in (FORMAT, FORMAT_V4), geometry,
                      len(present))
+    inv_freq, value_m, value_b = _pre_rope_state(path, tensors, method, spec, geometry, len(present))
     layers: list[LayerCodebooks | None] = [None] * num_layers
     for n, i in enumerate(present):  # n: the layer's row in the stacked tensors
         layers[i] = LayerCodebooks(
             KeyTransform(geometry["head_dim"], lam[n] if lam is not None else None, spec.rotate,
                          None if key_m is None else key_m[n], None if query_m is None else query_m[n],
-                         mean=None if mean is None else mean[n]),
+                         mean=None if mean is None else mean[n], rope_inv_freq=inv_freq),
             key_c[n],
             value_c[n],
+            None if value_m is None else ValuePredictor(value_m[n], value_b[n]),
         )
     keep = {k: v for k, v in meta.items() if k not in ("method", "bits", "geometry", "layer_bits", "attention_layers")}
     return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
@@ -451,6 +473,34 @@ def _query_aware_matrices(path: Path, tensors: dict, method: str, needed: bool, 
                          f"{err:.3g}; scores would change): recalibrate with `vecinfer calibrate --method {method}`")
     return a.float(), b.float()
 
+
+
+def _pre_rope_state(path: Path, tensors: dict, method: str, spec, geometry: dict, layers: int):
+    """``(rope_inv_freq [r/2], value_matrix [A, H_kv, D, D], value_bias [A, H_kv, D])`` of a file,
+    checked against its method (each None where the method has none) and geometry."""
+    needed = {"rope_inv_freq": spec.pre_rope, "value_matrix": spec.predict_values, "value_bias": spec.predict_values}
+    for name, wanted in needed.items():
+        if wanted and name not in tensors:
+            raise ValueError(f"{path}: method {method!r} needs tensor {name!r} but the file has none: "
+                             f"recalibrate with `vecinfer calibrate --method {method}`")
+        if not wanted and name in tensors:
+            raise ValueError(f"{path}: method {method!r} takes no {name!r} but the file has it (corrupt file): "
+                             "recalibrate with `vecinfer calibrate`")
+    h, d = geometry["num_kv_heads"], geometry["head_dim"]
+    inv_freq = tensors.get("rope_inv_freq")
+    if inv_freq is not None and not (inv_freq.dim() == 1 and 0 < 2 * inv_freq.shape[0] <= d):
+        raise ValueError(f"{path}: rope_inv_freq has shape {tuple(inv_freq.shape)}, head_dim {d} needs [r/2] with "
+                         f"r <= {d} (corrupt file)")
+    matrix, bias = tensors.get("value_matrix"), tensors.get("value_bias")
+    if matrix is not None and (tuple(matrix.shape) != (layers, h, d, d) or tuple(bias.shape) != (layers, h, d)):
+        raise ValueError(f"{path}: value_matrix / value_bias have shapes {tuple(matrix.shape)} / {tuple(bias.shape)}, "
+                         f"its geometry needs {(layers, h, d, d)} / {(layers, h, d)} (corrupt file)")
+    for name, t in (("rope_inv_freq", inv_freq), ("value_matrix", matrix), ("value_bias", bias)):
+        if t is not None and not torch.isfinite(t).all():
+            raise ValueError(f"{path}: {name} holds NaN or inf (corrupt file): recalibrate with "
+                             f"`vecinfer calibrate --method {method}`")
+    return (None if inv_freq is None else inv_freq.float(), None if matrix is None else matrix.float(),
+            None if bias is None else bias.float())
 
 
 def _key_mean(path: Path, tensors: dict, method: str, centred: bool, current: bool, geometry: dict,

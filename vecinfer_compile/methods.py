@@ -13,7 +13,13 @@ Ablation rows: ``qaware-nocenter`` (no centring), and, uncentred as they were me
 ``qaware-nohadamard`` (no Hadamard) and ``qaware-sqrt`` (``A = S^(1/2)``, the queries alone:
 k-means error = expected score error). ``vecinfer-center``: VecInfer with centred keys (smoothing
 factors of ``K - mu``), beyond the paper.
-Values are always plain VQ in the VQ methods.
+``prerope`` (beyond the paper, issue 30): keys quantized *before* RoPE (each key un-rotated by its
+position, then ``vecinfer-center``'s smoothing and Hadamard, rotated back after dequantization) and
+values coded as the residual of a linear prediction from their own token's dequantized key
+(:mod:`vecinfer_compile.quant.value_prediction`); ablation ``prerope-keys``: the same keys, values
+plain VQ. They run in simulate mode (eval-ppl, ablation, calibration); the cache and the compiled
+decode do not have them yet (:data:`SIMULATE_ONLY`).
+Values are plain VQ in the other VQ methods.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nocenter",
-           "qaware-nohadamard", "qaware-sqrt", "vecinfer-center")
+           "qaware-nohadamard", "qaware-sqrt", "vecinfer-center", "prerope", "prerope-keys")
 KIVI_BITS = (2, 4)
 
 
@@ -30,12 +36,16 @@ class KeyTransformSpec:
     """smooth: channel-wise smoothing; rotate: the Hadamard; query_aware: None, or the kind of
     query-aware matrix (``geomean`` or ``sqrt``, :mod:`vecinfer_compile.quant.query_aware`);
     center: subtract the calibration keys' mean per KV head first (exact for attention, see
-    :mod:`vecinfer_compile.quant.transform`)."""
+    :mod:`vecinfer_compile.quant.transform`); pre_rope: undo RoPE before the rest
+    (:mod:`vecinfer_compile.quant.rope`); predict_values: code values as the residual of a
+    prediction from the dequantized key (:mod:`vecinfer_compile.quant.value_prediction`)."""
 
     smooth: bool
     rotate: bool
     query_aware: str | None = None
     center: bool = False
+    pre_rope: bool = False
+    predict_values: bool = False
 
 
 VQ_METHODS: dict[str, KeyTransformSpec] = {
@@ -48,7 +58,20 @@ VQ_METHODS: dict[str, KeyTransformSpec] = {
     "qaware-nohadamard": KeyTransformSpec(smooth=False, rotate=False, query_aware="geomean"),
     "qaware-sqrt": KeyTransformSpec(smooth=False, rotate=True, query_aware="sqrt"),
     "vecinfer-center": KeyTransformSpec(smooth=True, rotate=True, center=True),
+    "prerope": KeyTransformSpec(smooth=True, rotate=True, center=True, pre_rope=True, predict_values=True),
+    "prerope-keys": KeyTransformSpec(smooth=True, rotate=True, center=True, pre_rope=True),
 }
+SIMULATE_ONLY = tuple(m for m, spec in VQ_METHODS.items() if spec.pre_rope)
+
+
+def check_runs_over_codes(method: str) -> None:
+    """Raise a ValueError naming the fix when ``method`` has no cache or compiled decode yet."""
+    if method in SIMULATE_ONLY:
+        raise ValueError(
+            f"method {method!r} runs in simulate mode only (vecinfer eval-ppl / ablation, enable_simulation): "
+            "the cache and the compiled decode do not yet rotate keys per position or predict values; use "
+            "--method qaware for VecInferCache, generate() and vecinfer_backend"
+        )
 
 
 def check_method(method: str, bits: float | None = None) -> None:

@@ -74,6 +74,19 @@ def bos_token_id(model) -> int | None:
     return None
 
 
+def _windows(model, token_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    """The ``[T]`` id windows :func:`collect_kv` runs: ``seq_len`` tokens each, after BOS when the
+    model has one."""
+    bos = bos_token_id(model)
+    return [w if bos is None else torch.cat([torch.tensor([bos]), w]) for w in token_ids.split(seq_len)]
+
+
+def recorded_positions(model, token_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[N_tokens]`` int64: the position of each token :func:`collect_kv` records (its index in
+    its window), aligned with the recorded keys' token axis."""
+    return torch.cat([torch.arange(w.numel()) for w in _windows(model, token_ids, seq_len)])
+
+
 @torch.no_grad()
 def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = True, *,
                with_queries: bool = False):
@@ -82,11 +95,9 @@ def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = Tr
     ``{layer: [H_kv, N_tokens, D]}`` float32 on the CPU; with ``with_queries`` also
     ``{layer: [H_q, N_tokens, D]}`` queries as a third element."""
     device = next(model.parameters()).device
-    bos = bos_token_id(model)
-    windows = token_ids.split(seq_len)
+    windows = _windows(model, token_ids, seq_len)
     with _recording(model, with_queries) as rec:
-        for window in tqdm(windows, desc="recording attention inputs", disable=not progress):
-            ids = window if bos is None else torch.cat([torch.tensor([bos]), window])
+        for ids in tqdm(windows, desc="recording attention inputs", disable=not progress):
             model(input_ids=ids[None].to(device), use_cache=False)
     if not rec.keys:
         raise ValueError(

@@ -57,17 +57,40 @@ class LayerSimulator:
     layer_idx: int = 0
     full_precision_prefill: bool = False
 
-    def quantize_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_kv(self, k: torch.Tensor, v: torch.Tensor,
+                    position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v: [B, H_kv, T, D]`` -> dequantized ``(k_hat, v_hat)`` in the original domain and
-        dtype."""
+        dtype. Pre-RoPE keys (:mod:`.quant.rope`) take their positions from the call's queries'
+        ``position_ids: [B|1, Tq]`` (:func:`key_positions`); predicted values are
+        ``P(k~_hat) + Q(v - P(k~_hat))`` (:mod:`.quant.value_prediction`)."""
         if self.method == "kivi":
             return kivi_keys(k, int(self.bits)), kivi_values(v, int(self.bits))
         layer = self.codebooks.layer(self.layer_idx)
         kc = layer.key_centroids.to(k.device)
         vc = layer.value_centroids.to(v.device)
-        kt = layer.transform.keys(k)
-        k_hat = layer.transform.keys_inverse(quantize_dequantize(kt, kc)).to(k.dtype)
-        return k_hat, quantize_dequantize(v, vc)
+        positions = None
+        if layer.transform.rope_inv_freq is not None:
+            positions = key_positions(position_ids, k.shape[2], k.device)
+        kt_hat = quantize_dequantize(layer.transform.keys(k, positions), kc)
+        k_hat = layer.transform.keys_inverse(kt_hat, positions).to(k.dtype)
+        if layer.value_predictor is None:
+            return k_hat, quantize_dequantize(v, vc)
+        predicted = layer.value_predictor(kt_hat)
+        v_hat = predicted + quantize_dequantize(v.to(predicted.dtype) - predicted, vc)
+        return k_hat, v_hat.to(v.dtype)
+
+
+def key_positions(position_ids: torch.Tensor | None, tk: int, device) -> torch.Tensor:
+    """The positions of an attention call's ``tk`` keys: ``[B|1, tk]``, bottom-right aligned under
+    its queries' ``position_ids: [B|1, Tq]`` (the newest key is at the last query's position, the
+    keys before it one step apart: a left-padded row's pad slots get negative positions, which
+    its mask hides), or ``[tk]`` = ``0 .. tk-1`` when the model passes none."""
+    if position_ids is None:
+        return torch.arange(tk, device=device)
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} (several position axes, as in "
+                         "multimodal RoPE): the pre-RoPE methods undo one rotary position per token; use --method qaware")
+    return position_ids[:, -1:].to(device) - (tk - 1) + torch.arange(tk, device=device)
 
 
 def window_mask(tq: int, tk: int, residual: int, device) -> torch.Tensor:
@@ -148,7 +171,7 @@ def vecinfer_attention_forward(module, query, key, value, attention_mask, dropou
     if sim.full_precision_prefill and tq > 1:
         k_hat, v_hat, residual = key, value, 0
     else:
-        k_hat, v_hat = sim.quantize_kv(key, value)
+        k_hat, v_hat = sim.quantize_kv(key, value, kwargs.get("position_ids"))
         residual = sim.residual
     out = simulated_attention(query, key, value, k_hat, v_hat, attention_mask, causal, scale, residual)
     return out.transpose(1, 2).contiguous(), None

@@ -22,6 +22,7 @@ from .methods import VQ_METHODS
 from .presets import get_preset
 from .quant.query_aware import query_aware_matrices, second_moment
 from .quant.transform import KeyTransform
+from .quant.value_prediction import ValuePredictor
 
 MASK_KINDS = ("none", "causal", "bool", "float")
 
@@ -119,11 +120,13 @@ def tiny_model(family: str = "llama", *, layers: int = 2, attn_implementation: s
 
 
 def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, seed: int = 0,
-                           smooth: bool = True, rotate: bool = True,
-                           query_aware: bool = False, center: bool = False) -> LayerCodebooks:
+                           smooth: bool = True, rotate: bool = True, query_aware: bool = False,
+                           center: bool = False, pre_rope: bool = False,
+                           predict_values: bool = False) -> LayerCodebooks:
     """Random smoothing factors in [0.5, 2) (or, ``query_aware``, the matrices of a random SPD
-    query moment), with ``center`` a Gaussian key mean of scale 3, and Gaussian centroids for one
-    layer."""
+    query moment), with ``center`` a Gaussian key mean of scale 3, with ``pre_rope`` Llama's
+    default RoPE frequencies (base 10000), with ``predict_values`` a random value predictor
+    (``W`` of scale 0.3, Gaussian ``c``), and Gaussian centroids for one layer."""
     gen = torch.Generator().manual_seed(seed)
     preset = get_preset(bits)
     lam = 0.5 + 1.5 * torch.rand(kv_heads, head_dim, generator=gen) if smooth else None
@@ -134,10 +137,16 @@ def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, s
         keys = torch.randn(kv_heads, 4 * head_dim, head_dim, generator=gen) @ torch.randn(head_dim, head_dim, generator=gen)
         matrices = query_aware_matrices(second_moment(queries, kv_heads), second_moment(keys, kv_heads))
     mean = 3 * torch.randn(kv_heads, head_dim, generator=gen) if center else None
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim) if pre_rope else None
+    predictor = None
+    if predict_values:
+        predictor = ValuePredictor(0.3 * torch.randn(kv_heads, head_dim, head_dim, generator=gen),
+                                   torch.randn(kv_heads, head_dim, generator=gen))
     return LayerCodebooks(
-        KeyTransform(head_dim, lam, rotate, *matrices, mean=mean),
+        KeyTransform(head_dim, lam, rotate, *matrices, mean=mean, rope_inv_freq=inv_freq),
         torch.randn(preset.key.entries, preset.key.dims, generator=gen),
         torch.randn(preset.value.entries, preset.value.dims, generator=gen),
+        predictor,
     )
 
 
@@ -158,7 +167,7 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
         None if no_kv[i] else
         random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], bits=b, seed=seed + i,
                                smooth=spec.smooth, rotate=spec.rotate, query_aware=bool(spec.query_aware),
-                               center=spec.center)
+                               center=spec.center, pre_rope=spec.pre_rope, predict_values=spec.predict_values)
         for i, b in enumerate(per_layer)
     ]
     metadata = {} if isinstance(config_or_geometry, dict) else {"coded_layers": coded_layers(config_or_geometry)}

@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
                    help="vecinfer (default), an ablation (vq, smooth, hadamard), the query-aware "
                         "transform (qaware; ablations qaware-nocenter, qaware-nohadamard, qaware-sqrt) "
-                        "or VecInfer with centred keys (vecinfer-center)")
+                        "VecInfer with centred keys (vecinfer-center), or keys quantized before RoPE with "
+                        "values predicted from them (prerope; ablation prerope-keys; simulate mode only)")
     p.add_argument("--ridge", type=float, default=None, metavar="R",
                    help="qaware methods: ridge added to the normalised query/key moments (default "
                         "0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
@@ -52,7 +53,17 @@ def memory_summary(cb) -> str:
             f"{acc.bytes_per_token:g} bytes per token (full precision: {acc.fp16_bytes_per_token:,}); fewer "
             f"bytes than full precision from {acc.break_even_tokens():,} tokens "
             f"({windowed.break_even_tokens():,} with the default {DEFAULT_RESIDUAL}-token full-precision window)"
-            + _uncoded_note(cb))
+            + _uncoded_note(cb) + _simulate_only_note(cb))
+
+
+def _simulate_only_note(cb) -> str:
+    """For a method without a cache yet: where its codebooks run today."""
+    from ..methods import SIMULATE_ONLY
+
+    if cb.method not in SIMULATE_ONLY:
+        return ""
+    return (f"\n({cb.method} has no VecInferCache yet: the figures above are what one would hold; its codebooks "
+            "run in simulate mode: vecinfer eval-ppl, ablation, needle, gsm8k)")
 
 
 def _uncoded_note(cb) -> str:

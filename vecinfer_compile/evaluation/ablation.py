@@ -32,6 +32,8 @@ LABELS = {
     "qaware-nohadamard": "query-aware, uncentred",
     "qaware-sqrt": "query-aware S^1/2 + Hadamard, uncentred",
     "vecinfer-center": "VecInfer, centred keys",
+    "prerope": "pre-RoPE keys (VecInfer, centred), values predicted from them",
+    "prerope-keys": "pre-RoPE keys (VecInfer, centred)",
 }
 
 DEMO_ROWS: list[tuple[str, float]] = [

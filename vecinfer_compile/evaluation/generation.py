@@ -7,9 +7,10 @@ How each method runs during ``generate()``:
 - ``vecinfer`` / ``vq`` / ``smooth`` / ``hadamard``: the real compressed
   :class:`~vecinfer_compile.cache.VecInferCache` (codes + a full-precision window of the last
   ``residual`` tokens), sized automatically to ``prompt + max_new_tokens``.
-- ``kivi``: there is no KIVI cache; it runs in **simulate mode** (quantize->dequantize inside
-  attention) with ``full_precision_prefill=True``, which gives it the cache's window semantics:
-  the prefill attends in full precision, and each decode step reads keys/values outside the last
+- ``kivi`` and the pre-RoPE methods (``prerope``, ``prerope-keys``): they have no cache yet; they
+  run in **simulate mode** (quantize->dequantize inside attention) with
+  ``full_precision_prefill=True``, which gives them the cache's window semantics: the prefill
+  attends in full precision, and each decode step reads keys/values outside the last
   ``residual`` tokens quantized. :func:`method_note` says so in every report.
 
 In every method the prompt (prefill) attends in full precision, as with a real quantized cache:
@@ -31,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from ..methods import VQ_METHODS, check_method
+from ..methods import SIMULATE_ONLY, VQ_METHODS, check_method
 
 DEFAULT_RESIDUAL = 128
+SIMULATED = ("kivi", *SIMULATE_ONLY)  # the methods generate() runs in simulate mode (no cache of their own)
 
 
 BACKENDS = ("eager", "compile")
@@ -43,7 +45,7 @@ BACKENDS = ("eager", "compile")
 class GenerationMethod:
     """A method ready to generate with: name, bits, codebooks (VQ methods), window size and how
     a VecInferCache's decode step runs (``backend``: eager, or compiled with vecinfer_backend;
-    fp16 and KIVI have no such cache and always run eagerly)."""
+    fp16 and the :data:`SIMULATED` methods have no such cache and always run eagerly)."""
 
     method: str
     bits: float
@@ -96,8 +98,8 @@ def method_note(method: str, bits: float | None, residual: int) -> str:
     """One line saying how ``method`` runs during generation."""
     if method == "fp16":
         return "fp16: full-precision DynamicCache (plain SDPA)"
-    if method == "kivi":
-        return (f"kivi {int(bits)}-bit: runs in SIMULATE mode (quantize->dequantize attention, "
+    if method in SIMULATED:
+        return (f"{method} {bits:g}-bit: runs in SIMULATE mode (quantize->dequantize attention, "
                 f"full_precision_prefill=True) with the cache's window semantics: prefill in full "
                 f"precision, decode reads K/V outside the last {residual} tokens quantized")
     return (f"{method} {bits:g}-bit: real VecInferCache (codes + full-precision window of the last "
@@ -182,11 +184,13 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 @contextlib.contextmanager
 def _attention_for(model, gm: GenerationMethod):
-    """Switch the model's attention for ``gm`` (KIVI: simulation) and restore it afterwards."""
+    """Switch the model's attention for ``gm`` (the :data:`SIMULATED` methods: simulation) and
+    restore it afterwards."""
     from ..simulate import disable_simulation, enable_simulation, is_simulating
 
-    if gm.method == "kivi":
-        enable_simulation(model, "kivi", bits=gm.bits, residual=gm.residual, full_precision_prefill=True)
+    if gm.method in SIMULATED:
+        enable_simulation(model, gm.method, bits=gm.bits, codebooks=gm.codebooks, residual=gm.residual,
+                          full_precision_prefill=True)
         try:
             yield
         finally:
@@ -199,8 +203,8 @@ def _attention_for(model, gm: GenerationMethod):
 
 def make_cache(model, gm: GenerationMethod, batch_size: int, max_cache_len: int):
     """The ``past_key_values`` for ``gm``: None (HF's default DynamicCache) for fp16/KIVI, a
-    :class:`VecInferCache` of ``max_cache_len`` slots for the VQ methods."""
-    if gm.method not in VQ_METHODS:
+    :class:`VecInferCache` of ``max_cache_len`` slots for the VQ methods that have one."""
+    if gm.method not in VQ_METHODS or gm.method in SIMULATED:
         return None
     from ..cache import VecInferCache
 

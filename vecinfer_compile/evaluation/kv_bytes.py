@@ -124,8 +124,9 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
 
 
 def _transform_bytes(spec, layers: int, heads: int, head_dim: int) -> int:
-    """Bytes of the key transform's state in a cache (float32): smoothing factors, key means and
-    query-aware matrices ``[layers, heads, ...]``, or one shared Hadamard matrix."""
+    """Bytes of the key transform's state in a cache (float32): smoothing factors, key means,
+    query-aware matrices and value predictors ``[layers, heads, ...]``, one shared Hadamard matrix
+    and, for the pre-RoPE methods, the RoPE frequencies."""
     per_head = 0
     if spec.smooth:
         per_head += head_dim
@@ -133,8 +134,11 @@ def _transform_bytes(spec, layers: int, heads: int, head_dim: int) -> int:
         per_head += head_dim
     if spec.query_aware:
         per_head += 2 * head_dim * head_dim  # A @ H and (B @ H)^T
+    if spec.predict_values:
+        per_head += (head_dim + 1) * head_dim  # W and c of the value prediction
     rotation = head_dim * head_dim if spec.rotate and not spec.query_aware else 0
-    return STATE_BYTES * (layers * heads * per_head + rotation)
+    rope = head_dim // 2 if spec.pre_rope else 0  # the RoPE frequencies (a full-width rotary embedding)
+    return STATE_BYTES * (layers * heads * per_head + rotation + rope)
 
 
 def kv_bytes_per_token(method: str, bits: float | None, geometry) -> float:

@@ -14,6 +14,11 @@ Scores then change by ``-q . mu``, the same for every key a query reads, and sof
 constant added to a row: attention is exact as long as *every* key of the row (quantized or
 full-precision window) is in the same shifted space. ``keys_inverse`` adds ``mu`` back.
 
+Pre-RoPE keys (``rope_inv_freq``, :mod:`.rope`): the key at position ``t`` is first un-rotated by
+RoPE, ``K~_t = ((R_t^-1 K_t - mu) / lam) @ H``, and ``keys_inverse`` rotates it back, so both need
+the keys' positions. No fixed query transform makes those scores exact (the rotation differs per
+key), so :meth:`KeyTransform.queries` refuses: such keys are attended in the original domain.
+
 ``lam: [H_kv, D]`` holds one factor per KV head and channel; with GQA each query head uses its
 KV head's factors (query head ``h`` belongs to KV head ``h // (H_q // H_kv)``, as in Hugging
 Face's ``repeat_kv``). Either part can be switched off (``lam=None`` or ``rotate=False``) for the
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .hadamard import hadamard_matrix
+from .rope import rotate as rope_rotate
 
 LAM_FLOOR = 1e-4
 
@@ -77,6 +83,8 @@ class KeyTransform:
     key_matrix / query_matrix: ``[H_kv, D, D]`` float32 ``A`` and ``B = A^(-T)`` of the
     query-aware method, or both None. Smoothing and the matrices exclude each other.
     mean: ``[H_kv, D]`` float32 ``mu`` subtracted from the keys first (centring), or None.
+    rope_inv_freq: ``[r/2]`` float32, the model's RoPE frequencies, undone before everything else
+    (the pre-RoPE methods), or None.
     """
 
     head_dim: int
@@ -85,6 +93,7 @@ class KeyTransform:
     key_matrix: torch.Tensor | None = None
     query_matrix: torch.Tensor | None = None
     mean: torch.Tensor | None = None
+    rope_inv_freq: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.key_matrix is None) != (self.query_matrix is None):
@@ -95,10 +104,18 @@ class KeyTransform:
     def rotation(self, dtype: torch.dtype, device) -> torch.Tensor | None:
         return hadamard_matrix(self.head_dim, dtype, device) if self.rotate else None
 
-    def keys(self, k: torch.Tensor) -> torch.Tensor:
+    def _positions(self, positions: torch.Tensor | None) -> torch.Tensor:
+        if positions is None:
+            raise ValueError("keys quantized before RoPE need their positions: pass positions=[T]")
+        return positions
+
+    def keys(self, k: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``k: [B, H_kv, T, D] -> K~`` of the same shape, computed in float32 (or k's dtype
-        if float64) and returned in float32/float64."""
+        if float64) and returned in float32/float64. ``positions: [T]`` int: the keys' positions,
+        needed (only) with ``rope_inv_freq``."""
         work = k.double() if k.dtype == torch.float64 else k.float()
+        if self.rope_inv_freq is not None:
+            work = rope_rotate(work, self.rope_inv_freq, self._positions(positions), inverse=True)
         if self.mean is not None:
             work = work - self.mean.to(work)[None, :, None, :]
         if self.lam is not None:
@@ -108,9 +125,9 @@ class KeyTransform:
         h = self.rotation(work.dtype, work.device)
         return work @ h if h is not None else work
 
-    def keys_inverse(self, kt: torch.Tensor) -> torch.Tensor:
-        """``K~ -> K``: ``(K~ @ H^T) * lam`` or ``(K~ @ H^T) @ B^T``, plus ``mu`` when centred;
-        ``kt: [B, H_kv, T, D]``."""
+    def keys_inverse(self, kt: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``K~ -> K``: ``(K~ @ H^T) * lam`` or ``(K~ @ H^T) @ B^T``, plus ``mu`` when centred, then
+        RoPE at ``positions: [T]`` for pre-RoPE keys; ``kt: [B, H_kv, T, D]``."""
         h = self.rotation(kt.dtype, kt.device)
         out = kt @ h.T if h is not None else kt
         if self.query_matrix is not None:
@@ -119,11 +136,17 @@ class KeyTransform:
             out = out * self.lam.to(out)[None, :, None, :]
         if self.mean is not None:
             out = out + self.mean.to(out)[None, :, None, :]
+        if self.rope_inv_freq is not None:
+            out = rope_rotate(out, self.rope_inv_freq, self._positions(positions))
         return out
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """``q: [B, H_q, T, D] -> q~`` in q's dtype: ``(q * lam_q) @ H`` or ``(q @ B_q) @ H`` (the
-        key mean plays no part: it shifts each query's scores by one constant)."""
+        key mean plays no part: it shifts each query's scores by one constant). Pre-RoPE keys have
+        no such query transform (a ValueError)."""
+        if self.rope_inv_freq is not None:
+            raise ValueError("keys quantized before RoPE have no query-side transform (their rotation differs "
+                             "per position): attend over keys_inverse(...) instead")
         out = q
         if self.lam is not None:
             lam_q = expand_to_query_heads(self.lam, q.shape[1]).to(q)
