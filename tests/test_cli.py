@@ -235,6 +235,20 @@ def test_text_that_is_not_utf8_is_one_line(capsys, tmp_path, tiny_dir, content):
     assert "\n" not in msg.strip() and "not UTF-8" in msg and "iconv" in msg
 
 
+def test_line_ends_do_not_change_the_text(tmp_path, sample_text_path):
+    """A text saved with Windows (or old Mac) line ends reads as the same text, so it scores the same
+    tokens: the shipped WikiText file has CRLF line ends, and reading them as bytes once put a
+    carriage-return token on every line and moved every perplexity on it."""
+    from vecinfer_compile.models import load_text
+
+    text = load_text(sample_text_path)
+    assert "\r" not in text
+    for ending in ("\r\n", "\r"):
+        path = tmp_path / "crlf.txt"
+        path.write_bytes(text.replace("\n", ending).encode("utf-8"))
+        assert load_text(path) == text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_device_without_cuda_is_one_line(capsys, tiny_dir, sample_text_path):
     msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),

@@ -129,12 +129,14 @@ def _one_line(exc: BaseException) -> str:
 
 
 def load_text(path: str | Path | None = None) -> str:
-    """Read a UTF-8 text file (default: the embedded sample); clear error if it is missing, empty
-    or not UTF-8 (a binary or Latin-1 file used to be scored with its bad bytes replaced)."""
+    r"""Read a UTF-8 text file (default: the embedded sample) with its line ends read as ``\n``
+    (Windows ``\r\n`` and old Mac ``\r`` too, as Python's text mode reads them: a file's line
+    ends must not change its tokens); clear error if it is missing, empty or not UTF-8 (a binary
+    or Latin-1 file used to be scored with its bad bytes replaced)."""
     path = check_file(default_text_path() if path is None else path)
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as exc:
         raise ValueError(
             f"text file {path} is not UTF-8 (byte {exc.start}: 0x{data[exc.start]:02x}); convert it, e.g. "
