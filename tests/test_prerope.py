@@ -110,20 +110,21 @@ def test_key_positions_follow_the_queries_position_ids():
 
 
 @pytest.mark.parametrize("method", ["prerope", "prerope-keys"])
-def test_simulate_is_the_oracle_built_from_transformers_rope(method):
+@pytest.mark.parametrize("kv_heads, head_dim", [(4, 16), (2, 64), (1, 128)])  # MHA, GQA, MQA of 4 query heads
+def test_simulate_is_the_oracle_built_from_transformers_rope(method, kv_heads, head_dim):
     """The eager simulate's ``(k_hat, v_hat)`` equal an oracle that undoes RoPE with transformers'
     own cos/sin (``apply_rotary_pos_emb`` with ``-sin``), quantizes ``((K - mu) / lam) H``, and
     predicts values from the dequantized code-domain keys."""
-    cb = random_codebooks(CONFIG, 2.0, method, seed=3)
+    cb = random_codebooks(tiny_config(num_key_value_heads=kv_heads, head_dim=head_dim), 2.0, method, seed=3)
     layer = cb.layer(1)
     t = layer.transform
     positions = torch.tensor([[0, 1, 2, 3, 4, 5], [-2, -1, 0, 1, 2, 3]])  # the second row left-padded by 2
-    (cos, sin), inv_freq = _hf_cos_sin(16, positions)
+    (cos, sin), inv_freq = _hf_cos_sin(head_dim, positions)
     assert torch.equal(inv_freq, t.rope_inv_freq)
     gen = torch.Generator().manual_seed(1)
-    k, v = (3 * torch.randn(2, 2, 6, 16, generator=gen) for _ in range(2))
+    k, v = (3 * torch.randn(2, kv_heads, 6, head_dim, generator=gen) for _ in range(2))
     k_pre, _ = apply_rotary_pos_emb(k, k, cos.float(), -sin.float())
-    h = hadamard_matrix(16, torch.float32, "cpu")
+    h = hadamard_matrix(head_dim, torch.float32, "cpu")
     kt = ((k_pre - t.mean[None, :, None]) / t.lam[None, :, None]) @ h
     kt_hat = quantize_dequantize(kt, layer.key_centroids)
     k_pre_hat = (kt_hat @ h.T) * t.lam[None, :, None] + t.mean[None, :, None]
@@ -193,6 +194,31 @@ def test_simulation_runs_the_model_and_quantizes(calibrated, tiny_model):
             windowed = model(ids).logits
     assert torch.isfinite(quantized).all() and not torch.allclose(quantized, exact, atol=1e-3)
     torch.testing.assert_close(windowed, exact, atol=1e-4, rtol=1e-4)  # every key inside the window
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_other_families_calibrate_and_simulate(family, sample_text_path):
+    """A sliding-window config (Mistral) and one with q/k norms before RoPE (Qwen3): calibration
+    finds their rotary embedding, and simulation with the window covering every key is exact."""
+    model = tiny_model(family, sliding_window=16) if family == "mistral" else tiny_model(family)
+    ids = torch.randint(3, 120, (1, 600), generator=torch.Generator().manual_seed(0))
+
+    class Tok:  # the random model's ids, as a tokenizer would give them
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": ids[0].tolist()}
+
+    cb = calibrate(model, Tok(), "ids", bits=2, method="prerope", max_tokens=600, seq_len=200, iters=2,
+                   progress=False)
+    assert torch.equal(cb.layer(0).transform.rope_inv_freq, model_rope_frequencies(model, 16))
+    x = ids[:, :40]
+    with torch.no_grad():
+        exact = model(x).logits
+        with simulation(model, "prerope", bits=2, codebooks=cb):
+            quantized = model(x).logits
+        with simulation(model, "prerope", bits=2, codebooks=cb, residual=64):
+            windowed = model(x).logits
+    assert torch.isfinite(quantized).all() and not torch.allclose(quantized, exact, atol=1e-3)
+    torch.testing.assert_close(windowed, exact, atol=1e-4, rtol=1e-4)
 
 
 def test_the_cache_and_the_backend_refuse_with_the_fix():

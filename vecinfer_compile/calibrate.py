@@ -115,7 +115,8 @@ def calibrate(
     (:mod:`vecinfer_compile.quant.query_aware`); ``prerope`` (ablation ``prerope-keys``) fits
     ``vecinfer-center``'s transform to the keys with the model's RoPE undone (each key at its
     position in its calibration window) and the value codebooks to the residuals of a linear
-    prediction from the dequantized keys (:mod:`vecinfer_compile.quant.value_prediction`). By default every layer uses the preset of ``bits``;
+    prediction from the dequantized keys (:mod:`vecinfer_compile.quant.value_prediction`).
+    By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
     ``bits`` (:mod:`vecinfer_compile.allocate`; ``residual`` is the cache window it assumes).
