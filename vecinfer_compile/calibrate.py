@@ -18,10 +18,11 @@ from .presets import get_preset
 from .quant.codebook import quantize_dequantize, subvectors
 from .quant.kmeans import kmeans
 from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
+from .quant.refine import LayerAttention, RefineConfig, refine_codebooks
 from .quant.rope import model_rope_frequencies, rotate
 from .quant.transform import KeyTransform, centre_keys, smoothing_factors
 from .quant.value_prediction import fit_value_predictor
-from .recording import collect_kv, recorded_positions
+from .recording import collect_kv, recorded_positions, window_lengths
 from .weight_fingerprint import weight_fingerprint
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,17 @@ def _fit_codebook(vectors: torch.Tensor, entries: int, dims: int, *, iters: int,
     if sub.shape[0] > max_vectors:
         sub = sub[torch.randperm(sub.shape[0], generator=gen)[:max_vectors]]
     return kmeans(sub.to(device), entries, iters=iters, seed=seed).centroids.cpu()
+
+
+def _attention_modules(model) -> dict:
+    """``{layer_idx: module}`` of the model's attention modules (those with an ``o_proj`` first)."""
+    found: dict = {}
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and (hasattr(m, "o_proj") or hasattr(m, "scaling")):
+            if idx not in found or (hasattr(m, "o_proj") and not hasattr(found[idx], "o_proj")):
+                found[idx] = m
+    return found
 
 
 def _check_recorded_layers(config, recorded: list[int], *, per_layer_bits: bool) -> None:
@@ -102,6 +114,7 @@ def calibrate(
     seed: int = 0,
     max_fit_vectors: int = 262144,
     ridge: float = DEFAULT_RIDGE,
+    refine: RefineConfig | None = RefineConfig(),
     device=None,
     progress: bool = True,
 ) -> VecInferCodebooks:
@@ -116,6 +129,9 @@ def calibrate(
     ``vecinfer-center``'s transform to the keys with the model's RoPE undone (each key at its
     position in its calibration window) and the value codebooks to the residuals of a linear
     prediction from the dequantized keys (:mod:`vecinfer_compile.quant.value_prediction`).
+    The methods that refine (``qaware``; not ``qaware-norefine``) then move each layer's k-means
+    centroids to lower its attention-output error on the calibration windows by ``refine``
+    (:mod:`vecinfer_compile.quant.refine`; None skips it).
     By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
@@ -157,11 +173,15 @@ def calibrate(
     if spec.query_aware and not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it keeps the query moment invertible), got {ridge}")
     inv_freq = model_rope_frequencies(model, head_dim) if spec.pre_rope else None
-    recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=bool(spec.query_aware))
+    refine = refine if spec.refine else None
+    recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=bool(spec.query_aware) or refine is not None)
     keys, values = recorded[:2]
     positions = recorded_positions(model, token_ids, seq_len) if spec.pre_rope else None
     _check_recorded_layers(model.config, sorted(keys), per_layer_bits=layer_bits is not None or allocate == "retrieval")
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
+    refined: dict[str, float] = {}  # "layer/bits" -> attention-output loss after / before refinement
+    if refine is not None:
+        lengths, modules = window_lengths(model, token_ids, seq_len), _attention_modules(model)
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
         k_stat = k if inv_freq is None else rotate(k, inv_freq, positions, inverse=True)  # the keys RoPE gets
@@ -186,6 +206,12 @@ def calibrate(
                 v_fit = v - predictor(kt_hat)
             value_cb = _fit_codebook(v_fit, preset.value.entries, preset.value.dims, iters=iters,
                                      seed=layer_seed + 1, max_vectors=max_fit_vectors, device=device)
+            if refine is not None:
+                q = recorded[2][layer]
+                attn = LayerAttention.of(modules.get(layer), q.shape[0], head_dim)
+                key_cb, value_cb, before, after = refine_codebooks(q, k[0], v[0], lengths, transform, key_cb, value_cb,
+                                                                   attn, refine, seed=layer_seed, device=device)
+                refined[f"{layer}/{b:g}"] = round(after / before, 4) if before > 0 else 1.0
             fitted[layer][b] = LayerCodebooks(transform, key_cb, value_cb, predictor)
     fingerprint = weight_fingerprint(model.named_parameters())
     metadata = {
@@ -198,6 +224,7 @@ def calibrate(
         "kmeans_iters": iters,
         "seed": seed,
         **({"qaware_ridge": ridge} if spec.query_aware else {}),
+        **({"refine": {**refine.as_dict(), "loss_ratio": refined}} if refine is not None else {}),
     }
     if allocate == "retrieval":
         text = texts if isinstance(texts, str) else "\n".join(texts)

@@ -9,7 +9,10 @@ layer and KV head from the second moments of the post-RoPE calibration queries a
 keys (their matrix geometric mean, see :mod:`vecinfer_compile.quant.query_aware`). Subtracting
 ``mu`` shifts every score of a query by the same ``-q . mu``, which softmax ignores; centring is
 on by default because it lowered the loss on held-out calibration text (docs/results.md).
-Ablation rows: ``qaware-nocenter`` (no centring), and, uncentred as they were measured,
+After k-means, ``qaware``'s centroids are refined against the layer's attention-output error on
+the calibration text (:mod:`vecinfer_compile.quant.refine`; no change at inference); ablation
+``qaware-norefine``: the k-means centroids as they were.
+Ablation rows: ``qaware-nocenter`` (no centring, no refinement), and, uncentred as they were measured,
 ``qaware-nohadamard`` (no Hadamard) and ``qaware-sqrt`` (``A = S^(1/2)``, the queries alone:
 k-means error = expected score error). ``vecinfer-center``: VecInfer with centred keys (smoothing
 factors of ``K - mu``), beyond the paper.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nocenter",
+METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-norefine", "qaware-nocenter",
            "qaware-nohadamard", "qaware-sqrt", "vecinfer-center", "prerope", "prerope-keys")
 KIVI_BITS = (2, 4)
 
@@ -38,7 +41,8 @@ class KeyTransformSpec:
     center: subtract the calibration keys' mean per KV head first (exact for attention, see
     :mod:`vecinfer_compile.quant.transform`); pre_rope: undo RoPE before the rest
     (:mod:`vecinfer_compile.quant.rope`); predict_values: code values as the residual of a
-    prediction from the dequantized key (:mod:`vecinfer_compile.quant.value_prediction`)."""
+    prediction from the dequantized key (:mod:`vecinfer_compile.quant.value_prediction`); refine: move
+    the k-means centroids to lower the attention-output error (:mod:`vecinfer_compile.quant.refine`)."""
 
     smooth: bool
     rotate: bool
@@ -46,6 +50,7 @@ class KeyTransformSpec:
     center: bool = False
     pre_rope: bool = False
     predict_values: bool = False
+    refine: bool = False
 
 
 VQ_METHODS: dict[str, KeyTransformSpec] = {
@@ -53,7 +58,8 @@ VQ_METHODS: dict[str, KeyTransformSpec] = {
     "vq": KeyTransformSpec(smooth=False, rotate=False),
     "smooth": KeyTransformSpec(smooth=True, rotate=False),
     "hadamard": KeyTransformSpec(smooth=False, rotate=True),
-    "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True),
+    "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True, refine=True),
+    "qaware-norefine": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True),
     "qaware-nocenter": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean"),
     "qaware-nohadamard": KeyTransformSpec(smooth=False, rotate=False, query_aware="geomean"),
     "qaware-sqrt": KeyTransformSpec(smooth=False, rotate=True, query_aware="sqrt"),

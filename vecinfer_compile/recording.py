@@ -81,6 +81,12 @@ def _windows(model, token_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]
     return [w if bos is None else torch.cat([torch.tensor([bos]), w]) for w in token_ids.split(seq_len)]
 
 
+def window_lengths(model, token_ids: torch.Tensor, seq_len: int) -> list[int]:
+    """The token count of each window :func:`collect_kv` runs, in order (they sum to the recorded
+    token axis)."""
+    return [w.numel() for w in _windows(model, token_ids, seq_len)]
+
+
 def recorded_positions(model, token_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``[N_tokens]`` int64: the position of each token :func:`collect_kv` records (its index in
     its window), aligned with the recorded keys' token axis."""

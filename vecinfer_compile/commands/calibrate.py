@@ -26,7 +26,8 @@ def register(subparsers) -> None:
                    help="one preset per layer instead of --bits, e.g. 2,2,1,2,1,4")
     p.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
                    help="vecinfer (default), an ablation (vq, smooth, hadamard), the query-aware "
-                        "transform (qaware; ablations qaware-nocenter, qaware-nohadamard, qaware-sqrt) "
+                        "transform (qaware, whose k-means centroids are then refined against the attention-output "
+                        "error; ablations qaware-norefine, qaware-nocenter, qaware-nohadamard, qaware-sqrt) "
                         "VecInfer with centred keys (vecinfer-center), or keys quantized before RoPE with "
                         "values predicted from them (prerope; ablation prerope-keys; simulate mode only)")
     p.add_argument("--ridge", type=float, default=None, metavar="R",
@@ -95,7 +96,7 @@ def run(args) -> int:
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
-        raise ValueError(f"--ridge is for the query-aware methods (qaware, qaware-nocenter, qaware-nohadamard, "
+        raise ValueError(f"--ridge is for the query-aware methods (qaware, qaware-norefine, qaware-nocenter, qaware-nohadamard, "
                          f"qaware-sqrt), not {args.method!r}")
     check_model_dir(args.model)
     check_file(args.text)
