@@ -373,3 +373,9 @@ def test_gpu_suite_test_groups_cover_every_cuda_test_file():
     marked = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if "pytest.mark.cuda" in p.read_text()}
     assert marked and marked <= grouped, sorted(marked - grouped)
     assert all((root / f).is_file() for f in grouped)
+
+
+def test_bench_mask_smoke(capsys):
+    rows = load_script("mask", benchmarks_dir()).main(["--smoke"])
+    assert len(rows) == 1 and rows[0]["sdpa_mask_us"] > 0 and rows[0]["ours_us"] > 0
+    assert "sdpa_mask / ours" in capsys.readouterr().out

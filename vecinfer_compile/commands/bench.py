@@ -26,6 +26,7 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "simulate": ("bench_simulate_attention.py", "compiled simulate (prefill) attention vs SDPA (GPU)"),
     "encode": ("bench_encode.py", "encode / quantize kernels vs compiled PyTorch nearest centroid (GPU)"),
     "ceiling": ("bench_gather_ceiling.py", "Triton code-read and centroid-gather floors of decode vs FP16 SDPA (GPU)"),
+    "mask": ("bench_decode_mask.py", "host time of a decode step's attention mask: transformers' sdpa_mask vs ours (--smoke: CPU)"),
 }
 ENV_DIR = "VECINFER_BENCHMARKS_DIR"
 
