@@ -111,12 +111,10 @@ def test_calibration_refines_qaware_only(tiny_model, sample_text_path):
     kw = dict(bits=2, max_tokens=384, seq_len=128, iters=3, progress=False)
     refined = calibrate(model, tokenizer, text, method="qaware", refine=SMALL, **kw)
     plain = calibrate(model, tokenizer, text, method="qaware-norefine", **kw)
-    off = calibrate(model, tokenizer, text, method="qaware", refine=None, **kw)
     ratios = refined.metadata["refine"]["loss_ratio"]
     assert set(ratios) == {f"{i}/2" for i in range(len(refined.layers))} and max(ratios.values()) <= 1.0
     assert min(ratios.values()) < 1.0
-    assert "refine" not in plain.metadata and "refine" not in off.metadata
-    for a, b, c in zip(refined.layers, plain.layers, off.layers):
-        assert torch.equal(b.key_centroids, c.key_centroids) and torch.equal(b.value_centroids, c.value_centroids)
+    assert "refine" not in plain.metadata
+    for a, b in zip(refined.layers, plain.layers):
         assert torch.equal(a.transform.key_matrix, b.transform.key_matrix)  # only the centroids move
     assert any(not torch.equal(a.key_centroids, b.key_centroids) for a, b in zip(refined.layers, plain.layers))
