@@ -47,15 +47,8 @@ def _setup(batch: int, length: int, device: str):
 def _make_call(model, cache, step_mask, embeds, position):
     from transformers.masking_utils import create_masks_for_generate
 
-    def call():
-        # cache=/past_key_values= and cache_position= differ between transformers 5.17 and 5.24
-        try:
-            return create_masks_for_generate(config=model.config, inputs_embeds=embeds, attention_mask=step_mask,
-                                             cache=cache, position_ids=position[None])
-        except TypeError:
-            return create_masks_for_generate(config=model.config, input_embeds=embeds, attention_mask=step_mask,
-                                             cache_position=position, past_key_values=cache,
-                                             position_ids=position[None])
+    def call():  # positional: transformers 5.17 names the cache past_key_values, 5.24 cache
+        return create_masks_for_generate(model.config, embeds, step_mask, cache, position[None])
     return call
 
 
