@@ -228,10 +228,19 @@ def test_hybrid_layers_hold_codes_beside_the_mixer_state():
 def test_sliding_hybrid_layers_that_generate_masks_as_full_are_refused():
     """transformers 5.24's generate() gives Inkling's hybrid_sliding layers a full causal mask as
     long as any static cache (its own StaticCache fails on it): one clear line instead of a crash
-    inside transformers' SDPA."""
+    inside transformers' SDPA. transformers 5.25 maps them to the sliding-window mask: the cache
+    then takes the model."""
+    from transformers import masking_utils
+
     config = InklingTextConfig(**COMMON, layer_types=["hybrid_sliding", "hybrid"], sliding_window=8)
-    with pytest.raises(NotImplementedError, match="hybrid_sliding layers as full attention"):
-        VecInferCache(config, random_codebooks(config), max_cache_len=PROMPT + NEW, residual=RESIDUAL)
+    table = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    if table.get("hybrid_sliding", {}).get("sliding_attention") is masking_utils.create_causal_mask:
+        with pytest.raises(NotImplementedError, match="hybrid_sliding layers as full attention"):
+            VecInferCache(config, random_codebooks(config), max_cache_len=PROMPT + NEW, residual=RESIDUAL)
+    else:
+        assert table["hybrid_sliding"]["sliding_attention"] is masking_utils.create_sliding_window_causal_mask
+        cache = VecInferCache(config, random_codebooks(config), max_cache_len=PROMPT + NEW, residual=RESIDUAL)
+        assert len(cache.layers) == 2
 
 
 # -- the backend: a graph break inside a decoder layer --------------------------------------------
