@@ -233,7 +233,7 @@ def test_generate_steps_read_codes(monkeypatch, method):
 
 
 def test_other_attention_implementations_are_left_alone():
-    model = LlamaForCausalLM(tiny_config(_attn_implementation="eager")).eval()
+    model = LlamaForCausalLM(tiny_config(attn_implementation="eager")).eval()
     cache = VecInferCache(model, random_codebooks(model.config, 2.0), max_cache_len=40, residual=4)
     assert model.config._attn_implementation == "eager"
     ids, mask = left_padded(batch=2, length=8, pad=2)
