@@ -23,6 +23,7 @@ from .quant.rope import model_rope_frequencies, rotate
 from .quant.transform import KeyTransform, centre_keys, smoothing_factors
 from .quant.value_prediction import fit_value_predictor
 from .recording import collect_kv, recorded_positions, window_lengths
+from .simulate import attention_modules
 from .weight_fingerprint import weight_fingerprint
 
 log = logging.getLogger(__name__)
@@ -58,15 +59,21 @@ def _fit_codebook(vectors: torch.Tensor, entries: int, dims: int, *, iters: int,
     return kmeans(sub.to(device), entries, iters=iters, seed=seed).centroids.cpu()
 
 
-def _attention_modules(model) -> dict:
-    """``{layer_idx: module}`` of the model's attention modules (those with an ``o_proj`` first)."""
-    found: dict = {}
-    for m in model.modules():
-        idx = getattr(m, "layer_idx", None)
-        if isinstance(idx, int) and (hasattr(m, "o_proj") or hasattr(m, "scaling")):
-            if idx not in found or (hasattr(m, "o_proj") and not hasattr(found[idx], "o_proj")):
-                found[idx] = m
-    return found
+def recipe_mismatch(codebooks: VecInferCodebooks, method: str,
+                    refine: RefineConfig | None = RefineConfig()) -> str | None:
+    """Why ``codebooks`` (a file of ``method``) differ from what :func:`calibrate` fits for
+    ``method`` with ``refine``, or None when they do not. A codebook cache checks it so that it
+    never hands back files of an older recipe (``qaware`` files from before its refinement)."""
+    want = refine.as_dict() if VQ_METHODS[method].refine and refine is not None else None
+    have = codebooks.metadata.get("refine")
+    have = None if have is None else {k: v for k, v in have.items() if k != "loss_ratio"}
+    if have == want:
+        return None
+    if want is None:
+        return f"its centroids were refined ({have}), which {method!r} does not do"
+    if have is None:
+        return f"its centroids are k-means', from before {method!r} refined them"
+    return f"its centroids were refined with {have}, not {want}"
 
 
 def _check_recorded_layers(config, recorded: list[int], *, per_layer_bits: bool) -> None:
@@ -181,7 +188,8 @@ def calibrate(
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
     refined: dict[str, float] = {}  # "layer/bits" -> attention-output loss after / before refinement
     if refine is not None:
-        lengths, modules = window_lengths(model, token_ids, seq_len), _attention_modules(model)
+        lengths = window_lengths(model, token_ids, seq_len)
+        modules = {m.layer_idx: m for m in attention_modules(model)}
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
         k_stat = k if inv_freq is None else rotate(k, inv_freq, positions, inverse=True)  # the keys RoPE gets

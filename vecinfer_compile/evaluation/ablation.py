@@ -8,15 +8,19 @@ quantize->dequantize attention (eager) or the compile backend.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..calibrate import recipe_mismatch
 from ..methods import VQ_METHODS, check_method
 from .kv_bytes import kv_bytes
 from .perplexity import perplexity
+
+log = logging.getLogger(__name__)
 
 LABELS = {
     # method "fp16" is the model unquantized, in the dtype it runs in (float32 on the CPU by
@@ -127,8 +131,14 @@ def get_codebooks(
             cb.check_model(model.config, bits=bits, method=method)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
-        cb.check_weights(model)  # calibrated on another model of this shape: a warning
-        return cb
+        stale = None if codebooks_path is not None else recipe_mismatch(cb, method)
+        if stale is None:
+            cb.check_weights(model)  # calibrated on another model of this shape: a warning
+            return cb
+        if calib_text is None:
+            raise ValueError(f"{path} is a cached {method!r} file, but {stale}: delete it to recalibrate "
+                             f"(with calibration text), or pass it as --codebooks to use it as it is")
+        log.warning("%s: %s; calibrating %s %g-bit again", path, stale, method, bits)
     if calib_text is None:
         raise ValueError(
             f"method {method!r} needs codebooks: pass --codebooks FILE (from `vecinfer calibrate`) "
