@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from vecinfer_compile.quant.codebook import quantize_dequantize
 from vecinfer_compile.quant.kmeans import kmeans
-from vecinfer_compile.quant.refine import LayerAttention, RefineConfig, _attend_mixed, _mask, refine_codebooks
+from vecinfer_compile.quant.refine import LayerAttention, RefineConfig, _mask, refine_codebooks
 from vecinfer_compile.quant.transform import KeyTransform
 
 SMALL = RefineConfig(rounds=2, steps=15, windows=3, lr=1e-2)
@@ -77,41 +77,6 @@ def test_refinement_is_deterministic_and_keeps_exact_books():
     grid = torch.cartesian_prod(*[torch.arange(3.0)] * 4)
     ck2, cv2, before, after = refine_codebooks(q, k_exact, v_exact, lengths, plain, grid, grid, attn, SMALL)
     assert before == after == 0.0 and torch.equal(ck2, grid) and torch.equal(cv2, grid)
-
-
-@settings(max_examples=30, deadline=None)
-@given(length=st.integers(1, 30), recent=st.integers(0, 35), window=st.one_of(st.none(), st.integers(1, 35)),
-       rep=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
-def test_mixed_attention_reads_the_recent_tokens_exactly(length, recent, window, rep, seed):
-    """Query i reads keys/values j with i - j < recent exact, older ones quantized: one query at a
-    time from the definition."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2 * rep, length, 8, generator=gen)
-    k, v, k_hat, v_hat = (torch.randn(2, length, 8, generator=gen) for _ in range(4))
-    attn = LayerAttention(None, 0.5, window)
-    got = _attend_mixed(q, k, v, k_hat, v_hat, attn, recent)
-    want = torch.empty(length, 2 * rep, 8)
-    for i in range(length):
-        lo = 0 if window is None else max(0, i - window + 1)
-        j = torch.arange(lo, i + 1)
-        near = (i - j < recent)[None, :, None]
-        kk, vv = torch.where(near, k[:, j], k_hat[:, j]), torch.where(near, v[:, j], v_hat[:, j])
-        p = (q[:, i:i + 1] @ kk.repeat_interleave(rep, 0).transpose(1, 2) * 0.5).softmax(-1)
-        want[i] = (p @ vv.repeat_interleave(rep, 0))[:, 0]
-    torch.testing.assert_close(got, want.reshape(length, -1), rtol=1e-5, atol=1e-5)
-
-
-def test_refinement_with_an_exact_window_quantizes_only_older_tokens():
-    q, k, v, lengths, transform, ck, cv, attn = _layer(seed=2)
-    # every token within the exact window: nothing is quantized, nothing to lower
-    whole = RefineConfig(rounds=1, steps=3, windows=3, exact_recent=max(lengths))
-    ck2, cv2, before, after = refine_codebooks(q, k, v, lengths, transform, ck, cv, attn, whole)
-    assert before == after == 0.0 and torch.equal(ck2, ck) and torch.equal(cv2, cv)
-    # a short window: the loss is below the every-token one, and refinement lowers it
-    part = RefineConfig(rounds=2, steps=15, windows=3, lr=1e-2, exact_recent=6)
-    _, _, all_before, _ = refine_codebooks(q, k, v, lengths, transform, ck, cv, attn, SMALL, seed=3)
-    _, _, before, after = refine_codebooks(q, k, v, lengths, transform, ck, cv, attn, part, seed=3)
-    assert 0 < before < all_before and after < before
 
 
 @settings(max_examples=30, deadline=None)

@@ -31,15 +31,12 @@ from .transform import KeyTransform
 class RefineConfig:
     """rounds x steps Adam steps, codes re-encoded after each round; ``windows`` calibration
     windows per step; ``lr`` relative to each codebook's RMS (so the step does not depend on the
-    layer's scale); ``exact_recent``: each query reads its most recent keys and values up to this
-    distance exactly (as the cache's full-precision window does), so only older ones are quantized
-    in the loss (0: every one)."""
+    layer's scale)."""
 
     rounds: int = 2
     steps: int = 40
     windows: int = 4
     lr: float = 3e-3
-    exact_recent: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,22 +81,6 @@ def _attend(q, k, v, attn: LayerAttention) -> torch.Tensor:
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0),
                                          attn_mask=mask, is_causal=mask is None, scale=attn.scaling)
     return out.transpose(0, 1).reshape(q.shape[1], -1)
-
-
-def _attend_mixed(q, k, v, k_hat, v_hat, attn: LayerAttention, recent: int) -> torch.Tensor:
-    """:func:`_attend` where query i reads key/value j exactly when ``i - j < recent`` and
-    ``k_hat``/``v_hat`` (all ``[Hkv, L, D]``) beyond that."""
-    rep, length = q.shape[0] // k.shape[0], q.shape[1]
-    i = torch.arange(length, device=q.device)
-    d = i[:, None] - i[None, :]
-    allowed = (d >= 0) if attn.sliding_window is None else (d >= 0) & (d < attn.sliding_window)
-    near = allowed & (d < recent)
-    kr, khr = k.repeat_interleave(rep, 0), k_hat.repeat_interleave(rep, 0)
-    scores = torch.where(near, q @ kr.transpose(1, 2), q @ khr.transpose(1, 2)) * attn.scaling
-    p = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    far = allowed & ~near
-    out = (p * near) @ v.repeat_interleave(rep, 0) + (p * far) @ v_hat.repeat_interleave(rep, 0)
-    return out.transpose(0, 1).reshape(length, -1)
 
 
 def refine_codebooks(
@@ -150,12 +131,7 @@ def refine_codebooks(
         for w in windows:
             s = spans[w]
             k_hat = transform.keys_inverse(decode(codes_k[None, :, s], ck))[0]
-            v_hat = decode(codes_v[:, s], cv)
-            if config.exact_recent > 0:
-                out = _attend_mixed(queries[:, s], keys[:, s], values[:, s], k_hat, v_hat, attn, config.exact_recent)
-            else:
-                out = _attend(queries[:, s], k_hat, v_hat, attn)
-            err = out - exact[w]
+            err = _attend(queries[:, s], k_hat, decode(codes_v[:, s], cv), attn) - exact[w]
             if out_w is not None:
                 err = err @ out_w.T
             total = total + err.pow(2).mean()
