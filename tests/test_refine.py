@@ -50,8 +50,9 @@ def _loss(q, k, v, lengths, transform, ck, cv, attn):
     return total / len(lengths)
 
 
-def test_refinement_lowers_the_attention_output_error_it_reports():
-    q, k, v, lengths, transform, ck, cv, attn = _layer()
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1)])  # GQA 2, MHA, MQA
+def test_refinement_lowers_the_attention_output_error_it_reports(hq, hkv):
+    q, k, v, lengths, transform, ck, cv, attn = _layer(hq=hq, hkv=hkv)
     ck2, cv2, before, after = refine_codebooks(q, k, v, lengths, transform, ck, cv, attn, SMALL, seed=3)
     assert ck2.shape == ck.shape and cv2.shape == cv.shape and ck2.dtype == cv2.dtype == torch.float32
     assert after < 0.9 * before
