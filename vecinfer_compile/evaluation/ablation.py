@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from ..calibrate import recipe_mismatch
 from ..methods import VQ_METHODS, check_method
 from .kv_bytes import kv_bytes
 from .perplexity import perplexity
@@ -118,6 +117,7 @@ def get_codebooks(
         if codebooks_path is not None:
             raise ValueError(f"--codebooks is only for VQ methods ({', '.join(VQ_METHODS)}), not {method!r}")
         return None
+    from ..calibrate import calibrate, recipe_mismatch
     from ..codebooks import load_codebooks
 
     path = Path(codebooks_path) if codebooks_path is not None else None
@@ -144,8 +144,6 @@ def get_codebooks(
             f"method {method!r} needs codebooks: pass --codebooks FILE (from `vecinfer calibrate`) "
             f"or --calib-text FILE to calibrate now"
         )
-    from ..calibrate import calibrate
-
     cb = calibrate(
         model, tokenizer, calib_text, bits=bits, method=method, max_tokens=max_tokens,
         seq_len=seq_len, iters=iters, seed=seed, progress=progress,
