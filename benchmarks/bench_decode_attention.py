@@ -11,7 +11,7 @@ Timing: each method is captured in a CUDA graph (as the compiled decode step run
 enough independent copies of its inputs that together they exceed the 60 MB L2, and the replay
 time is divided by the number of copies (median of several replays). So launch overhead is the
 graph's and no method reads its inputs from a warm L2. Prints a markdown table with the ratio
-FP16 / ours for each kernel. ``--versions v3,v2`` also times the previous CUDA kernel (issue 29,
+FP16 / ours for each kernel. ``--versions v4,v3`` also times the previous CUDA kernel (issue 29,
 ``VECINFER_CUDA_DECODE_VERSION``) in the same run, as its own column; ``--no-triton`` skips the
 Triton kernel.
 
@@ -150,8 +150,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bits", default="2", help="comma-separated presets, e.g. 4,3,2,1.5,1.25,1")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
-    ap.add_argument("--versions", default="v3",
-                    help="CUDA kernel versions to time, the first as 'cuda' (e.g. v3,v2; see ops/cuda_decode.py)")
+    ap.add_argument("--versions", default="v4",
+                    help="CUDA kernel versions to time, the first as 'cuda' (e.g. v4,v3; see ops/cuda_decode.py)")
     ap.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)

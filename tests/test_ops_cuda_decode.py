@@ -42,12 +42,13 @@ def _nvrtc_or_skip():
 @pytest.mark.parametrize("version", sorted(cuda_decode.SOURCES))
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
-    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v3 in its
-    cluster build (v2 shares its source; v1, kept for the benchmark, in one configuration)."""
+    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v4 and v3 in
+    their cluster builds (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
     _nvrtc_or_skip()
     configs = ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4))
-    for head_dim, group, fp16, nwarps in configs if version == "v3" else configs[:1]:
-        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version, cluster=version == "v3")
+    clustered = version in cuda_decode.CLUSTER_VERSIONS
+    for head_dim, group, fp16, nwarps in configs if clustered else configs[:1]:
+        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version, cluster=clustered)
         image, is_cubin = compile_source(cuda_decode._source(version), "vq_decode", 90,
                                          ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), "-DMINB=1"])
         assert is_cubin and image[:4] == b"\x7fELF"
@@ -56,33 +57,56 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
 
 def test_kernel_version_from_the_environment(monkeypatch):
     monkeypatch.delenv(cuda_decode.VERSION_ENV, raising=False)
-    assert cuda_decode.kernel_version() == "v3"
+    assert cuda_decode.kernel_version() == "v4"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
     assert cuda_decode.kernel_version() == "v1"
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v4")
-    with pytest.raises(ValueError, match="use one of v3, v2, v1"):
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v9")
+    with pytest.raises(ValueError, match="use one of v4, v3, v2, v1"):
         cuda_decode.kernel_version()
 
 
 def test_variant_shared_memory_copies_and_launch_shapes():
     assert cuda_decode.Variant.copies(256, 4) == 16 and cuda_decode.Variant.copies(256, 8) == 8
     assert cuda_decode.Variant.copies(256, 2) == 32 and cuda_decode.Variant.copies(4096, 8) == 1
-    two_bit = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False)
+    two_bit = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v3")
     assert two_bit.smem_bytes(4) == 64 * 1024 and cuda_decode.launches_for(two_bit)[:2] == [(1, 12), (1, 8)]
     old = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v1")
     assert cuda_decode.launches_for(old)[:2] == [(1, 12), (3, 4)]
-    one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False)
+    one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v3")
     # 128 KiB of 16-bit codebooks leave room for one CTA per SM: it gets 12 warps rather than 4
     assert one_and_half.smem_bytes(12) == 128 * 1024
     assert cuda_decode.launches_for(one_and_half) == [(1, 12), (1, 8), (1, 4)]
-    three = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False)  # 2 x 32 KiB
+    three = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v3")  # 2 x 32 KiB
     assert three.smem_bytes(8) == 64 * 1024 and cuda_decode.launches_for(three)[:3] == [(1, 12), (1, 8), (3, 4)]
     three_v1 = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v1")
     assert cuda_decode.launches_for(three_v1)[:3] == [(1, 12), (3, 4), (2, 4)]
+    # v4 interleaves two 256-entry books in 256-byte rows at a 64 KiB boundary: 128 KiB with that
+    # room, still one CTA of 12 warps; books of 4096 entries stay apart, as in v3
+    assert not two_bit.interleaved
+    for k, v in ((256, 4), (256, 4)), ((256, 2), (256, 2)), ((256, 8), (256, 8)):
+        interleaved = cuda_decode.Variant(128, 4, *k, *v, False, "v4")
+        assert interleaved.interleaved and interleaved.smem_bytes(12) == 128 * 1024
+        assert cuda_decode.launches_for(interleaved) == [(1, 12), (1, 8), (1, 4)]
+        assert "-DINTERLEAVE=1" in interleaved.defines(12)
+    for k, v in ((4096, 4), (4096, 4)), ((4096, 8), (256, 8)):
+        apart = cuda_decode.Variant(128, 4, *k, *v, False, "v4")
+        assert not apart.interleaved and "-DINTERLEAVE=0" in apart.defines(12)
+        assert apart.smem_bytes(12) == cuda_decode.Variant(128, 4, *k, *v, False, "v3").smem_bytes(12)
+    # the launch shapes follow the device's shared memory: on sm_86/89 (100 KiB an SM, 99 a CTA) v4
+    # keeps v3's 64 KiB layout, and 128 KiB of 4096-entry books fit no shape (the reason says so)
+    small = dict(smem_per_sm=100 * 1024)
+    consumer = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v4", **small)
+    assert not consumer.interleaved and consumer.smem_bytes(12) == 64 * 1024
+    assert cuda_decode.launches_for(consumer) == [(1, 12), (1, 8), (1, 4)]
+    assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v4", **small)) == []
+    a100 = dict(smem_per_sm=164 * 1024)
+    assert cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v4", **a100).interleaved
+    assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v4", **a100))[:3] == [
+        (1, 12), (1, 8), (2, 4)]
     # the warps' partials reuse the codebook memory; it is grown when they need more
-    assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False).smem_bytes(4) == 32 * 1024 + 32 * 1024
-    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(4) == 4 * 16 * 130 * 4
-    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False).smem_bytes(12) == 12 * 16 * 130 * 4
+    assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False, "v3").smem_bytes(4) == 32 * 1024 + 32 * 1024
+    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, "v3").smem_bytes(4) == 4 * 16 * 130 * 4
+    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, "v3").smem_bytes(12) == 12 * 16 * 130 * 4
 
 
 def test_prepared_book_is_kept_until_its_codebook_changes():
@@ -327,9 +351,10 @@ def test_previous_kernel_version_still_matches_the_reference(specs, monkeypatch)
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("specs", PRESET_SPECS)
-def test_cluster_merge_at_every_cluster_size(specs, monkeypatch):
-    """v3 on sm_90: one row's CTAs as clusters of 1 to 8 (the lengths set the split), in a CUDA graph
-    too; each output matches the reference and v2's global merge of the same partials to rounding."""
+@pytest.mark.parametrize("version", cuda_decode.CLUSTER_VERSIONS)
+def test_cluster_merge_at_every_cluster_size(specs, version, monkeypatch):
+    """v4 and v3 on sm_90: one row's CTAs as clusters of 1 to 8 (the lengths set the split), in a CUDA
+    graph too; each output matches the reference and v2's global merge of the same partials to rounding."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("thread-block clusters need sm_90")
     sizes = set()
@@ -337,7 +362,7 @@ def test_cluster_merge_at_every_cluster_size(specs, monkeypatch):
                                         (1, 1, 4096), (1, 8, 4096)]):
         args = list(_decode(torch.bfloat16, 40 + i, b=b, hkv=hkv, group=4, tmax=tmax, n_coded=tmax - 9, r=128,
                             n_window=100, d=128, kspec=specs[0], vspec=specs[1], with_start=True))
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v3")
+        monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
         variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
         built = cuda_decode.kernels_for(variant, args[0].device)
         splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, cuda_decode._sm_count(0), built.nwarps)
@@ -355,3 +380,21 @@ def test_cluster_merge_at_every_cluster_size(specs, monkeypatch):
         monkeypatch.setenv(cuda_decode.VERSION_ENV, "v2")
         torch.testing.assert_close(ops.decode_attention_cuda(*args).float(), got.float(), rtol=1e-2, atol=1e-3)
     assert None not in sizes and len(sizes) >= 5, sizes  # every case clustered; sizes 1-8 (8 warps), 1-6 (12)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("specs", PRESET_SPECS)
+def test_interleaved_books_give_v3s_output_exactly(specs, monkeypatch):
+    """v4 changes where the 256-entry books sit in shared memory and how a gather's address is
+    formed, not what is gathered or the order of the arithmetic: its output equals v3's bit for bit
+    (short and long rows, a window, left padding, GQA 4 and 8)."""
+    for seed, (b, hkv, group, tmax, n_coded) in enumerate([(2, 4, 4, 3000, 2900), (3, 2, 8, 9000, 8871), (1, 8, 4, 200, 70)]):
+        args = _decode(torch.bfloat16, 60 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
+                       n_window=77, d=128, kspec=specs[0], vspec=specs[1], with_start=True)
+        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v4")
+        assert cuda_decode.variant_for(args[0], args[3], args[4], group).interleaved == (max(specs[0][0], specs[1][0]) <= 256)
+        got = ops.decode_attention_cuda(*args)
+        _check(args, got)
+        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v3")
+        torch.testing.assert_close(got, ops.decode_attention_cuda(*args), rtol=0, atol=0)

@@ -7,6 +7,10 @@
 //   EK, EV       key / value codebook entries     KFMT, VFMT  code format: 0 one byte per code
 //                                                 (EK/EV <= 256), 2 packed 12-bit (see row_bytes)
 //   KCOPIES, VCOPIES  codebook copies in shared memory (lane l reads copy l % COPIES)
+//   INTERLEAVE   1: both books have <= 256 entries, each entry's copies 128 bytes; entry e's key
+//                copies and value copies share one 256-byte row of a 64 KiB-aligned region, so
+//                that a gather's shared address is one byte permute of its code word (see
+//                gather_address); 0: each book on its own, entry e at e * COPIES * DIM * 2
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
@@ -43,6 +47,9 @@
 
 #ifndef CLUSTER
 #define CLUSTER 0
+#endif
+#ifndef INTERLEAVE
+#define INTERLEAVE 0
 #endif
 #define BLOCK_T 64              // positions per warp iteration
 #define NT (BLOCK_T / 8)        // score n-tiles per iteration
@@ -181,7 +188,8 @@ __device__ __forceinline__ void load_task(const unsigned short* __restrict__ cen
     for (int i = 0; i < DIM / 2; ++i) w[i] = e < entries ? ((const unsigned*)cent)[e * (DIM / 2) + i] : 0u;
 }
 
-template <int DIM, int COPIES>
+// ROW: bytes from one entry's copies to the next entry's (COPIES * DIM * 2, or 256 interleaved).
+template <int DIM, int COPIES, int ROW>
 __device__ __forceinline__ void store_task(const unsigned* w, unsigned short* book, int entries, int task, int lane) {
 #pragma unroll
     for (int k = 0; k < COPIES; ++k) {
@@ -190,18 +198,30 @@ __device__ __forceinline__ void store_task(const unsigned* w, unsigned short* bo
 #pragma unroll
         for (int i = 0; i < DIM / 2; ++i) x[i] = COPIES == 1 ? w[i] : __shfl_sync(0xffffffffu, w[i], src);
         if (task * 32 + src >= entries) continue;
-        const int idx = task * 32 * COPIES + s;
+        const int idx = task * 32 * COPIES + s;  // copy idx % COPIES of entry idx / COPIES
+        unsigned char* at = (unsigned char*)book + (idx / COPIES) * ROW + (idx % COPIES) * (DIM * 2);
         if (DIM == 8) {
             vq_w4 v; v.x = x[0]; v.y = x[1]; v.z = x[2]; v.w = x[3];
-            ((vq_w4*)book)[idx] = v;
+            *(vq_w4*)at = v;
         } else if (DIM == 4) {
             vq_w2 v; v.x = x[0]; v.y = x[1];
-            ((vq_w2*)book)[idx] = v;
+            *(vq_w2*)at = v;
         } else {
-            ((unsigned*)book)[idx] = x[0];
+            *(unsigned*)at = x[0];
         }
     }
 }
+
+// Bytes between consecutive key / value entries in shared memory.
+#if INTERLEAVE
+static_assert(KCOPIES * DK * 2 == 128 && VCOPIES * DV * 2 == 128 && EK <= 256 && EV <= 256,
+              "interleaved books are two 128-byte halves of one 256-byte row per entry");
+#define KROW_SMEM 256
+#define VROW_SMEM 256
+#else
+#define KROW_SMEM (KCOPIES * DK * 2)
+#define VROW_SMEM (VCOPIES * DV * 2)
+#endif
 
 // A single-copy (4096-entry) book is copied in instead (copy_books); the tasks fill the others.
 #define KTASKS (KCOPIES == 1 ? 0 : (EK + 31) / 32)
@@ -228,8 +248,8 @@ __device__ __forceinline__ void fill_books(const unsigned short* __restrict__ kc
 #pragma unroll
         for (int j = 0; j < batch; ++j) {
             const int task = warp + (r0 + j) * NWARPS;
-            if (task < KTASKS) store_task<DK, KCOPIES>(w[j], kbook, EK, task, lane);
-            else if (task < KTASKS + VTASKS) store_task<DV, VCOPIES>(w[j], vbook, EV, task - KTASKS, lane);
+            if (task < KTASKS) store_task<DK, KCOPIES, KROW_SMEM>(w[j], kbook, EK, task, lane);
+            else if (task < KTASKS + VTASKS) store_task<DV, VCOPIES, VROW_SMEM>(w[j], vbook, EV, task - KTASKS, lane);
         }
     }
 }
@@ -253,9 +273,6 @@ __device__ __forceinline__ void copy_books(const unsigned short* __restrict__ kc
         cp_async16(f < KCOPIED ? ka + 2 * f : va + 2 * (f - KCOPIED), f < KCOPIED ? kcent + f : vcent + (f - KCOPIED));
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
-
-#define KROW_SMEM (KCOPIES * DK * 2)  // bytes between consecutive key centroids in shared memory
-#define VROW_SMEM (VCOPIES * DV * 2)
 
 // Codes of the block at t0, loaded into registers (zeros for positions >= hi unless FULL). Key
 // n-tile nt: position t0 + 8 nt + gid, this thread's SLICE_K channels. Value k-step i: positions
@@ -291,6 +308,19 @@ __device__ __forceinline__ void load_block(BlockCodes& bc, int t0, int hi, const
 // Values as O^T = V^T P^T: M = 16 channels per m-tile, N = 8 heads, K = 16 positions.
 // Key and value A-fragment words of one block, gathered from the shared-memory codebooks by the
 // codes in registers.
+// The shared address of code j (of the N in w) in a book at `base` (this lane's copy included)
+// with ROW bytes per entry. Interleaved, `base` has bits 8-15 zero (the region is 64 KiB-aligned,
+// the lane's copy and the value half are under 256 bytes), so base + code * 256 is `base` with its
+// byte 1 replaced by the code's byte: one byte permute instead of extract, multiply and add.
+template <int N, int FMT, int ROW>
+__device__ __forceinline__ unsigned gather_address(const unsigned* w, int j, unsigned base) {
+#if INTERLEAVE
+    return __byte_perm(w[j >> 2], base, 0x7604 | ((j & 3) << 4));
+#else
+    return base + code_at<N, FMT>(w, j) * ROW;
+#endif
+}
+
 struct CodebookRows {
     const BlockCodes& bc;
     unsigned kbase, vbase;
@@ -299,8 +329,8 @@ struct CodebookRows {
     __device__ __forceinline__ void keys(int mt, unsigned* ka, unsigned* kb) const {
 #pragma unroll
         for (int j = 0; j < NCODE_K; ++j) {
-            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt], j) * KROW_SMEM, ka + j * (DK / 2));
-            lds<DK>(kbase + code_at<NCODE_K, KFMT>(bc.k[2 * mt + 1], j) * KROW_SMEM, kb + j * (DK / 2));
+            lds<DK>(gather_address<NCODE_K, KFMT, KROW_SMEM>(bc.k[2 * mt], j, kbase), ka + j * (DK / 2));
+            lds<DK>(gather_address<NCODE_K, KFMT, KROW_SMEM>(bc.k[2 * mt + 1], j, kbase), kb + j * (DK / 2));
         }
     }
 
@@ -308,7 +338,7 @@ struct CodebookRows {
     __device__ __forceinline__ void values(int i, int r, unsigned* vv) const {
 #pragma unroll
         for (int j = 0; j < NCODE_V; ++j)
-            lds<DV>(vbase + code_at<NCODE_V, VFMT>(bc.v[i][r], j) * VROW_SMEM, vv + j * (DV / 2));
+            lds<DV>(gather_address<NCODE_V, VFMT, VROW_SMEM>(bc.v[i][r], j, vbase), vv + j * (DV / 2));
     }
 };
 
@@ -503,8 +533,19 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
 #if !CLUSTER
     __shared__ int last_arrival;
 #endif
+    // The books' region: the dynamic shared memory's start, or (INTERLEAVE) its first 64 KiB
+    // boundary, for which the launch gives 64 KiB more than the books take.
+#if INTERLEAVE
+    const unsigned smem_at = shared_address(smem), book_at = (smem_at + 0xffffu) & ~0xffffu;
+    unsigned dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+    if (book_at + 256 * 256 > smem_at + dynamic_bytes) __trap();  // the launch gave too little
+    unsigned short* kbook = (unsigned short*)(smem + (book_at - smem_at));
+    unsigned short* vbook = kbook + 64;  // the second half of each 256-byte row
+#else
     unsigned short* kbook = (unsigned short*)smem;
     unsigned short* vbook = kbook + EK * KCOPIES * DK;
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int bh = blockIdx.x, b = bh / hkv, kvh = bh - b * hkv;

@@ -8,7 +8,12 @@ and per stream: the merging CTA zeroes its row's counter for the next launch, so
 no memset (:func:`arrival_counters`).
 
 Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures them side
-by side until the new one wins everywhere, issue 29): ``v3``, the default, is ``v2`` whose CTAs
+by side until the new one wins everywhere, issue 29): ``v4``, the default, is ``v3`` with two
+256-entry codebooks (4-, 2- and 1-bit presets) interleaved in shared memory: entry e's key copies
+and value copies fill one 256-byte row of a 64 KiB-aligned region, so that a gather's address is
+its code byte dropped into byte 1 of a per-lane base, one byte permute instead of extracting,
+multiplying and adding (:attr:`Variant.interleaved`; books of 4096 entries, and GPUs with less than
+128 KiB of shared memory a CTA, keep v3's layout). ``v3`` is ``v2`` whose CTAs
 of one (batch row, KV head) form a thread-block cluster on sm_90 when the split is at most
 :data:`MAX_CLUSTER` CTAs and every row's cluster fits on the GPU at once (short calls): they merge
 their partials through distributed shared memory, with no global partials, counter or last CTA
@@ -48,8 +53,8 @@ from ..quant.packing import is_packed
 from .checks import check_decode_args
 from .nvrtc import CudaBuildError, Kernel, compile_source, device_copy, device_zeros_int32, load_kernels
 
-_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v3 and v2: v3 adds its CLUSTER build
-SOURCES = {"v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
+_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v4, v3 and v2: v3 adds its CLUSTER build, v4 INTERLEAVE
+SOURCES = {"v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 _log = logging.getLogger(__name__)
 # (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
@@ -58,15 +63,17 @@ _log = logging.getLogger(__name__)
 # takes one CTA of 8 before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4,
 # B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
 _V2_LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
-LAUNCHES = {"v3": _V2_LAUNCHES, "v2": _V2_LAUNCHES, "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
+LAUNCHES = {"v4": _V2_LAUNCHES, "v3": _V2_LAUNCHES, "v2": _V2_LAUNCHES, "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
+CLUSTER_VERSIONS = ("v4", "v3")  # versions with a cluster build on sm_90
+INTERLEAVED_BOOK_BYTES = 2 * 65536  # 64 KiB of rows at the first 64 KiB boundary of the allocation
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
 MAX_SPLITS = 64  # CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
 HEAD_DIMS = (64, 128)
 CENTROID_DIMS = (2, 4, 8)
 MAX_GROUP = 16
 MAX_ENTRIES = 4096
-SMEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_80/sm_90
-STATIC_SMEM = 1024  # room left beside the dynamic shared memory (the kernel's static variables)
+SMEM_PER_SM = 228 * 1024  # shared memory per SM on sm_90 (the default; variant_for reads the device's)
+RESERVED_SMEM = 1024  # per CTA, the driver's reservation (sm_80 on): a CTA may take the SM's rest
 MIN_ARCH = 80  # mma.sync bf16 and cvt.bf16x2
 CLUSTER_ARCH = 90  # thread-block clusters and distributed shared memory
 MAX_CLUSTER = 8  # the portable cluster size; the source's MAX_CLUSTER define
@@ -84,8 +91,14 @@ class Variant:
     v_entries: int
     v_dims: int
     fp16: bool
-    version: str = "v3"
-    cluster: bool = False  # the CLUSTER build (v3 on sm_90): partials merged in distributed shared memory
+    version: str = "v4"
+    cluster: bool = False  # the CLUSTER build (v3/v4 on sm_90): partials merged in distributed shared memory
+    smem_per_sm: int = SMEM_PER_SM  # the device's (228 KiB on sm_90, 164 on sm_80, 100 on sm_86/89)
+
+    @property
+    def smem_limit(self) -> int:
+        """Dynamic shared memory one CTA may take on the device."""
+        return self.smem_per_sm - RESERVED_SMEM
 
     @staticmethod
     def copies(entries: int, dims: int) -> int:
@@ -93,8 +106,20 @@ class Variant:
         256-entry books (``64 // dims``), one for larger books."""
         return 64 // dims if entries <= 256 else 1
 
+    @property
+    def interleaved(self) -> bool:
+        """v4 with two books of at most 256 entries (128 bytes of copies an entry): entry e's key
+        and value copies share a 256-byte row, so a gather's address is one byte permute of its
+        code (the source's INTERLEAVE). Not where the device's shared memory is too small for
+        the layout's 128 KiB (sm_86/89: 99 KiB a CTA): there v4 keeps v3's layout."""
+        return (self.version == "v4" and self.k_entries <= 256 and self.v_entries <= 256
+                and INTERLEAVED_BOOK_BYTES <= self.smem_limit)
+
     def book_bytes(self) -> int:
-        """Both 16-bit codebooks in shared memory, copies included."""
+        """Both 16-bit codebooks in shared memory, copies included (interleaved: with the room to
+        start them at a 64 KiB boundary)."""
+        if self.interleaved:
+            return INTERLEAVED_BOOK_BYTES
         k = self.k_entries * self.copies(self.k_entries, self.k_dims) * self.k_dims * 2
         v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
         return k + v
@@ -119,21 +144,28 @@ class Variant:
             VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
             FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
+            INTERLEAVE=int(self.interleaved),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
 
 def kernel_version() -> str:
-    """``$VECINFER_CUDA_DECODE_VERSION`` (``v3`` unless set; see the module docstring)."""
-    version = os.environ.get(VERSION_ENV, "v3").strip().lower() or "v3"
+    """``$VECINFER_CUDA_DECODE_VERSION`` (``v4`` unless set; see the module docstring)."""
+    version = os.environ.get(VERSION_ENV, "v4").strip().lower() or "v4"
     if version not in SOURCES:
         raise ValueError(f"{VERSION_ENV}={version!r}: use one of {', '.join(SOURCES)}")
     return version
 
 
+@functools.cache
+def _smem_per_sm(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
+
+
 def variant_for(q: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor, group: int) -> Variant:
     (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
-    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16, kernel_version())
+    smem = _smem_per_sm(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16, kernel_version(), smem_per_sm=smem)
 
 
 def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
@@ -160,12 +192,12 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
     variant = variant_for(q, k_centroids, v_centroids, group)
     if not launches_for(variant):
         smem = min(variant.smem_bytes(w) for _, w in LAUNCHES[variant.version])
-        return f"the codebooks need {smem} bytes of shared memory, more than {SMEM_LIMIT}"
+        return f"the codebooks need {smem} bytes of shared memory, more than this GPU's {variant.smem_limit} per block"
     return None
 
 
 @functools.cache
-def _source(version: str = "v3") -> str:
+def _source(version: str = "v4") -> str:
     return SOURCES[version].read_text()
 
 
@@ -184,7 +216,8 @@ def launches_for(variant: Variant) -> list[tuple[int, int]]:
     """The (CTAs per SM, warps per CTA) of :data:`LAUNCHES` whose shared memory fits the SM, in
     order of preference; empty when none does (:func:`unsupported_reason` then names the need)."""
     return [(c, w) for c, w in LAUNCHES[variant.version]
-            if variant.smem_bytes(w) <= SMEM_LIMIT and c * (variant.smem_bytes(w) + 1024) <= 228 * 1024]
+            if variant.smem_bytes(w) <= variant.smem_limit
+            and c * (variant.smem_bytes(w) + RESERVED_SMEM) <= variant.smem_per_sm]
 
 
 def _compile(variant: Variant, device: torch.device, ctas: int, nwarps: int) -> Kernel:
@@ -211,7 +244,7 @@ def _build(variant: Variant, device_index: int) -> Built:
     cluster = None
     clustered = dataclasses.replace(variant, cluster=True)
     major, minor = torch.cuda.get_device_capability(device)
-    if variant.version == "v3" and major * 10 + minor >= CLUSTER_ARCH and (ctas, nwarps) in launches_for(clustered):
+    if variant.version in CLUSTER_VERSIONS and major * 10 + minor >= CLUSTER_ARCH and (ctas, nwarps) in launches_for(clustered):
         cluster = _compile(clustered, device, ctas, nwarps)
         cluster.set_dynamic_smem(clustered.smem_bytes(nwarps))
     return Built(kernel, nwarps, ctas, cluster)
