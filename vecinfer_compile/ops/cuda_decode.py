@@ -53,7 +53,7 @@ from ..quant.packing import is_packed
 from .checks import check_decode_args
 from .nvrtc import CudaBuildError, Kernel, compile_source, device_copy, device_zeros_int32, load_kernels
 
-_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v4, v3 and v2: v3 adds its CLUSTER build, v4 INTERLEAVE
+_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v4, v3, v2: v4/v3 add CLUSTER builds, v4 INTERLEAVE
 SOURCES = {"v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 _log = logging.getLogger(__name__)
