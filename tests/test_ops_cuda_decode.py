@@ -8,7 +8,8 @@
   left padding), with the rule ``err(ours) <= 2 * err(torch bf16 SDPA on the dequantized K/V) +
   atol``; CUDA-graph capture with a length that changes between replays; the op's dispatch; the
   persistent per-stream arrival counters (left zero, shared by shapes, graphs and streams), v3's
-  cluster merge against v2's global one at every cluster size, and the previous kernel versions.
+  cluster merge against v2's global one at every cluster size, v5's lazy softmax on scores that
+  climb and fall across blocks by far more than its slack, and the previous kernel versions.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _nvrtc_or_skip():
 @pytest.mark.parametrize("version", sorted(cuda_decode.SOURCES))
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
-    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v4 and v3 in
-    their cluster builds (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
+    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v5, v4 and v3
+    in their cluster builds (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
     _nvrtc_or_skip()
     configs = ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4))
     clustered = version in cuda_decode.CLUSTER_VERSIONS
@@ -57,11 +58,11 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
 
 def test_kernel_version_from_the_environment(monkeypatch):
     monkeypatch.delenv(cuda_decode.VERSION_ENV, raising=False)
-    assert cuda_decode.kernel_version() == "v4"
+    assert cuda_decode.kernel_version() == "v5"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
     assert cuda_decode.kernel_version() == "v1"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "v9")
-    with pytest.raises(ValueError, match="use one of v4, v3, v2, v1"):
+    with pytest.raises(ValueError, match="use one of v5, v4, v3, v2, v1"):
         cuda_decode.kernel_version()
 
 
@@ -398,3 +399,48 @@ def test_interleaved_books_give_v3s_output_exactly(specs, monkeypatch):
         _check(args, got)
         monkeypatch.setenv(cuda_decode.VERSION_ENV, "v3")
         torch.testing.assert_close(got, ops.decode_attention_cuda(*args), rtol=0, atol=0)
+
+
+def _sawtooth(direction: int, n_window: int, dtype: torch.dtype):
+    """Rows (GQA 4, head_dim 128, 2-bit books) whose scores climb (direction 1) or fall (-1) by ~6
+    log2 units from one 64-position block to the next, ~118 over 20 blocks, then start again, with
+    a 2-unit spread inside a block: every key sub-vector of position t has code c(t) and centroid
+    ((c - 128) / 32) * ones (exact in 16 bits), and q is ones, so a score is
+    (c(t) - 128) / 32 * 128 * D**-0.5 (0.51 log2 units a code step). As many rows as the GPU has
+    SMs, so that the split is one CTA per row and each warp runs ~20 consecutive blocks (with fewer
+    rows each warp would take a single block and never reach the lazy path)."""
+    hkv = torch.cuda.get_device_properties(0).multi_processor_count
+    tmax = 64 * 20 * 12
+    args = list(_decode(dtype, 11, b=1, hkv=hkv, group=4, tmax=tmax, n_coded=tmax, r=128, n_window=n_window,
+                        d=128, kspec=(256, 4), vspec=(256, 4), with_start=False))
+    t = torch.arange(tmax, device="cuda")
+    step = 12 * ((t // 64) % 20) + t % 5
+    codes = step if direction > 0 else step.flip(0)
+    args[0] = torch.ones_like(args[0])
+    args[1] = codes.to(torch.uint8).view(1, 1, tmax, 1).expand(1, hkv, tmax, 32).contiguous()
+    args[3] = ((torch.arange(256, device="cuda", dtype=torch.float32) - 128) / 32)[:, None].expand(256, 4).contiguous()
+    return tuple(args)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("direction", [1, -1])
+@pytest.mark.parametrize("n_window", [0, 77])
+def test_lazy_softmax_follows_scores_that_climb_and_fall(dtype, direction, n_window, monkeypatch):
+    """v5 moves its running max only when a block's score passes it by more than 2^8: on rows whose
+    scores climb 6 log2 units a block (a rescale every other block, probabilities up to 2^8 in
+    between) or fall the same way (a max kept for many blocks), its output matches the reference and
+    v4 (which rescales at every block). A v5 that never moved its max would overflow float16's P
+    (2^16) here (checked by a mutation run on the H200, docs/results.md)."""
+    args = _sawtooth(direction, n_window, dtype)
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v5")
+    variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
+    built = cuda_decode.kernels_for(variant, args[0].device)
+    assert variant.lazy_softmax
+    assert cuda_decode.num_splits(args[1].shape[1], args[1].shape[2], built.ctas_per_sm,
+                                  cuda_decode._sm_count(0), built.nwarps) == 1
+    got = ops.decode_attention_cuda(*args)
+    _check(args, got)
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v4")
+    torch.testing.assert_close(got.float(), ops.decode_attention_cuda(*args).float(), rtol=1e-2, atol=2e-3)

@@ -14,6 +14,8 @@
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
+//   LAZY         1 (v5): the online softmax rescales only when the running max grows by more than
+//                RESCALE_SLACK (see block_step)
 //   CLUSTER      1: the splits CTAs of a (batch row, KV head) are one thread-block cluster (sm_90)
 //                and merge through distributed shared memory (see the end of this header);
 //                MAX_CLUSTER, the largest cluster the launch makes
@@ -51,6 +53,10 @@
 #ifndef INTERLEAVE
 #define INTERLEAVE 0
 #endif
+#ifndef LAZY
+#define LAZY 0
+#endif
+#define RESCALE_SLACK 8.0f  // LAZY: how far (log2 units) a score may pass the running max before it moves
 #define BLOCK_T 64              // positions per warp iteration
 #define NT (BLOCK_T / 8)        // score n-tiles per iteration
 #define KSTEPS (D / 16)         // k-steps of the score product
@@ -399,20 +405,52 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
     }
 
     // Online softmax per head (heads 8 nh + 2 tig + e); a head's positions are spread over the 8
-    // lanes of one tig (lane bits 2-4).
+    // lanes of one tig (lane bits 2-4). LAZY (v5): the running max m moves only when a score of the
+    // block exceeds it by more than RESCALE_SLACK (log2 units; the whole warp votes, so m stays
+    // the same in every lane of a head); otherwise the block's probabilities are taken against the
+    // old m (at most 2^RESCALE_SLACK: exact in fp32, and a 16-bit P keeps its relative precision)
+    // and neither the cross-lane max nor the accumulator's rescale runs. The result is the same
+    // function: each partial carries the m it was taken against, and the merges rescale by it.
+    float bm[NH][2];
 #pragma unroll
     for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            float bm = NEG_INF;
+            bm[nh][e] = NEG_INF;
 #pragma unroll
-            for (int mt = 0; mt < 4; ++mt) bm = fmaxf(bm, fmaxf(sc[mt][nh][e], sc[mt][nh][2 + e]));
-            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 4));
-            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 8));
-            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 16));
-            const float mn = fmaxf(m[nh][e], bm), ms = mn == NEG_INF ? 0.f : mn;
-            const float al = exp2f(m[nh][e] - ms);
-            m[nh][e] = mn;
+            for (int mt = 0; mt < 4; ++mt) bm[nh][e] = fmaxf(bm[nh][e], fmaxf(sc[mt][nh][e], sc[mt][nh][2 + e]));
+        }
+#if LAZY
+    bool grows = false;
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) grows |= bm[nh][0] > m[nh][0] + RESCALE_SLACK || bm[nh][1] > m[nh][1] + RESCALE_SLACK;
+    if (__any_sync(0xffffffffu, grows))
+#endif
+    {
+#pragma unroll
+        for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float x = bm[nh][e];
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+                const float mn = fmaxf(m[nh][e], x), ms = mn == NEG_INF ? 0.f : mn;
+                const float al = exp2f(m[nh][e] - ms);
+                m[nh][e] = mn;
+                l[nh][e] *= al;
+#pragma unroll
+                for (int j = 0; j < D / 16; ++j) {
+                    acc[j][nh][e] *= al;
+                    acc[j][nh][2 + e] *= al;
+                }
+            }
+    }
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float ms = m[nh][e] == NEG_INF ? 0.f : m[nh][e];
             float rs = 0.f;
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) {
@@ -420,12 +458,7 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
                 sc[mt][nh][2 + e] = exp2f(sc[mt][nh][2 + e] - ms);
                 rs += sc[mt][nh][e] + sc[mt][nh][2 + e];
             }
-            l[nh][e] = l[nh][e] * al + rs;
-#pragma unroll
-            for (int j = 0; j < D / 16; ++j) {
-                acc[j][nh][e] *= al;
-                acc[j][nh][2 + e] *= al;
-            }
+            l[nh][e] += rs;
         }
 
     // Values. k-step i = positions t0 + 16 i + r (r = 0..15). The B fragment (P^T) of thread
