@@ -366,7 +366,7 @@ def test_cluster_merge_at_every_cluster_size(specs, version, monkeypatch):
         monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
         variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
         built = cuda_decode.kernels_for(variant, args[0].device)
-        splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, cuda_decode._sm_count(0), built.nwarps)
+        splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, ops.nvrtc.sm_count(0), built.nwarps)
         sizes.add(cuda_decode.cluster_size(built, b * hkv, splits))
         got = ops.decode_attention_cuda(*args)
         _check(args, got)
@@ -439,7 +439,7 @@ def test_lazy_softmax_follows_scores_that_climb_and_fall(dtype, direction, n_win
     built = cuda_decode.kernels_for(variant, args[0].device)
     assert variant.lazy_softmax
     assert cuda_decode.num_splits(args[1].shape[1], args[1].shape[2], built.ctas_per_sm,
-                                  cuda_decode._sm_count(0), built.nwarps) == 1
+                                  ops.nvrtc.sm_count(0), built.nwarps) == 1
     got = ops.decode_attention_cuda(*args)
     _check(args, got)
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "v4")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..quant.packing import is_packed, packed_width
-from .nvrtc import CudaBuildError, build_kernel
+from .nvrtc import CudaBuildError, build_kernel, device_index
 
 SOURCE = Path(__file__).with_name("cuda_append.cu")
 COLS = 32  # channels per CTA: whole sub-vectors, an even number of them (packed nibbles stay in one CTA)
@@ -97,7 +97,7 @@ def build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix) -> str
     (compiles it as a side effect: call it before tracing, never inside a CUDA-graph capture)."""
     variant = variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix)
     try:
-        _build(variant, key.device.index if key.device.index is not None else torch.cuda.current_device())
+        _build(variant, device_index(key.device))
     except (CudaBuildError, OSError) as exc:
         return str(exc)
     return None
@@ -155,7 +155,7 @@ def cache_append_cuda(
     for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes"), (k_window, "k_window"), (v_window, "v_window")):
         _require_buffer(t, name)
     variant = variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix)
-    kernel = _build(variant, key.device.index if key.device.index is not None else torch.cuda.current_device())
+    kernel = _build(variant, device_index(key.device))
     contiguous = [None if t is None else t.float().contiguous() for t in (k_centroids, v_centroids, key_mean, lam, key_matrix)]
     kernel.launch(
         (b * h, d // COLS, 1), (THREADS, 1, 1),

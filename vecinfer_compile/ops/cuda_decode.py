@@ -55,7 +55,8 @@ from torch._dynamo.utils import counters
 
 from ..quant.packing import is_packed
 from .checks import check_decode_args
-from .nvrtc import CudaBuildError, Kernel, compile_source, device_copy, device_zeros_int32, load_kernels
+from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
+                    sm_count)
 
 _SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v5-v2: v5-v3 add CLUSTER builds, v5/v4 INTERLEAVE, v5 LAZY
 SOURCES = {"v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
@@ -174,7 +175,7 @@ def _smem_per_sm(device_index: int) -> int:
 
 def variant_for(q: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor, group: int) -> Variant:
     (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
-    smem = _smem_per_sm(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    smem = _smem_per_sm(device_index(q.device))
     return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16, kernel_version(), smem_per_sm=smem)
 
 
@@ -262,12 +263,7 @@ def _build(variant: Variant, device_index: int) -> Built:
 
 def kernels_for(variant: Variant, device: torch.device) -> Built:
     """The compiled kernel of ``variant`` on ``device`` (compiled on first use, then cached)."""
-    return _build(variant, device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _build(variant, device_index(device))
 
 
 def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int, nwarps: int) -> int:
@@ -349,7 +345,7 @@ def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     graph, as the v1 kernel always does. (A graph replayed while eager calls run on its capture
     stream at the same time would share counters; torch's CUDA-graph trees warm up and capture on
     a stream of their own and synchronize the device before each warm-up.)"""
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
+    key = (device_index(device),
            torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
     if buf is not None and buf.numel() >= n:
@@ -400,7 +396,7 @@ def decode_attention_cuda(
         k_centroids, v_centroids = _aligned(k_centroids), _aligned(v_centroids)
     else:
         k_centroids, v_centroids = prepared_book(k_centroids, q.dtype), prepared_book(v_centroids, q.dtype)
-    splits = num_splits(b * hkv, tmax, built.ctas_per_sm, _sm_count(q.device.index or 0), built.nwarps)
+    splits = num_splits(b * hkv, tmax, built.ctas_per_sm, sm_count(device_index(q.device)), built.nwarps)
     cluster = None if v1 else cluster_size(built, b * hkv, splits)
     if cluster is not None:  # partials stay in shared memory: none in global memory, no counters
         kernel, units, partials = built.cluster, splits, [None, None, None, None]

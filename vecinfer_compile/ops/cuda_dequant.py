@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..quant.packing import is_packed
-from .nvrtc import CudaBuildError, build_kernel
+from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count
 
 SOURCE = Path(__file__).with_name("cuda_dequant.cu")
 THREADS = 256
@@ -72,22 +72,13 @@ def _build(variant: DequantVariant, device_index: int):
     return kernel
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def build_error(codes: torch.Tensor, centroids: torch.Tensor, out: torch.Tensor) -> str | None:
     """None if this call's variant compiles and loads (compiling it as a side effect), else why not."""
     try:
-        _build(DequantVariant(int(out.shape[-1]), *(int(x) for x in centroids.shape)), _index(out.device))
+        _build(DequantVariant(int(out.shape[-1]), *(int(x) for x in centroids.shape)), device_index(out.device))
     except (CudaBuildError, OSError) as exc:
         return str(exc)
     return None
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def dequantize_cuda(codes: torch.Tensor, centroids: torch.Tensor, length: int, out: torch.Tensor) -> torch.Tensor:
@@ -101,11 +92,11 @@ def dequantize_cuda(codes: torch.Tensor, centroids: torch.Tensor, length: int, o
     if length == 0 or b == 0:
         return out
     variant = DequantVariant(int(out.shape[-1]), *(int(x) for x in centroids.shape))
-    kernel = _build(variant, _index(out.device))
+    kernel = _build(variant, device_index(out.device))
     codes = codes if codes.stride(-1) == 1 else codes.contiguous()
     book = centroids.to(out.dtype).contiguous()
     per_pass = THREADS // ((variant.head_dim // variant.dims) // (16 // variant.dims))
-    ctas = max(1, min(-(-length // per_pass), -(-CTAS_PER_SM * _sm_count(_index(out.device)) // (b * h))))
+    ctas = max(1, min(-(-length // per_pass), -(-CTAS_PER_SM * sm_count(device_index(out.device)) // (b * h))))
     kernel.launch((ctas, b * h, 1), (THREADS, 1, 1),
                   [codes, book, out, *codes.stride()[:3], *out.stride()[:3], h, length])
     return out

@@ -30,6 +30,17 @@ class CudaBuildError(RuntimeError):
     """NVRTC or the driver could not be found, or the source did not compile or load."""
 
 
+def device_index(device: torch.device) -> int:
+    """The index of the CUDA device ``device`` names (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (launch shapes are sized from it)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _nvrtc_candidates() -> list[str]:
     """Library names and paths to try, most specific first: the soname of torch's CUDA major
     version (already loaded with torch, or on the loader path), then the ``nvidia`` pip wheels'
