@@ -49,7 +49,8 @@ def test_match_cli_json(capsys, tiny_dir, sample_text_path):
     out, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out)
-    assert (result["prompts"], result["identical_prompts"], result["new_tokens"]) == (1, 1, 6)
+    assert (result["prompts"], result["identical_prompts"], result["tied_prompts"], result["new_tokens"]) == (1, 1, 0, 6)
+    assert result["results"][0]["parted_at_tie"] is False
     assert result["results"][0]["cache"] == result["results"][0]["simulate"]
 
 
@@ -95,3 +96,23 @@ def test_a_mismatch_reports_both_paths_top_two_gaps():
     r = MatchResult(4, [5, 6, 7], [5, 6, 8], cache_gaps=[1.0, 2.0, 0.01], simulate_gaps=[1.1, 2.1, 0.02])
     assert r.first_mismatch == 2 and r.gaps_at_mismatch() == (0.01, 0.02)
     assert MatchResult(4, [5], [5], [1.0], [1.0]).gaps_at_mismatch() is None
+
+
+def test_a_mismatch_within_one_rounding_step_is_a_tie():
+    """Paths that part where one of them had its top two logits within one step of the logits'
+    dtype (bf16 at ~10: 0.0625) parted at a tie; a wider gap in both, or float32's finer steps, is
+    not one."""
+    from vecinfer_compile.evaluation.token_match import MatchResult, logit_step
+
+    assert logit_step(torch.bfloat16, 10.0) == 0.0625 and logit_step(torch.float16, 10.0) == 2.0**-7
+    assert logit_step(torch.bfloat16, -12.0) == 0.0625 and logit_step(torch.float32, 1.5) == 2.0**-23
+
+    def result(cache_gap, simulate_gap, top=10.0):
+        return MatchResult(4, [5, 6], [5, 7], [1.0, cache_gap], [1.0, simulate_gap], [9.0, top], [9.0, top])
+
+    assert result(0.0625, 0.0).parted_at_tie(torch.bfloat16)
+    assert not result(0.125, 0.25).parted_at_tie(torch.bfloat16)
+    assert not result(0.0625, 0.0625, top=3.0).parted_at_tie(torch.bfloat16)  # the step at 3 is 1/64
+    assert not result(0.0625, 0.01).parted_at_tie(torch.float32)
+    assert not MatchResult(4, [5, 6], [5, 6], [1.0, 0.0], [1.0, 0.0], [9.0, 9.0], [9.0, 9.0]).parted_at_tie(torch.bfloat16)
+    assert not MatchResult(4, [5, 6], [5, 7]).parted_at_tie(torch.bfloat16)  # nothing recorded

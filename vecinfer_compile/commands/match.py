@@ -53,14 +53,17 @@ def run(args) -> int:
                           compiled=args.backend == "compile", prefill_chunk=args.prefill_chunk,
                           progress=args.progress)
     identical = sum(r.first_mismatch is None for r in results)
+    dtype = next(model.parameters()).dtype
+    tied = sum(r.parted_at_tie(dtype) for r in results)
     summary = {
         "model": args.model, "codebooks": args.codebooks, "method": codebooks.method, "bits": codebooks.bits,
         "backend": args.backend, "dtype": args.dtype, "device": str(next(model.parameters()).device),
         "residual": args.residual, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "prefill_chunk": args.prefill_chunk,
-        "identical_prompts": identical, "prompts": len(results),
+        "identical_prompts": identical, "tied_prompts": tied, "prompts": len(results),
         "results": [{"first_mismatch": r.first_mismatch, "matched": r.matched,
-                     "gaps_at_mismatch": r.gaps_at_mismatch(), "cache": r.cache_tokens,
+                     "gaps_at_mismatch": r.gaps_at_mismatch(), "parted_at_tie": r.parted_at_tie(dtype),
+                     "cache": r.cache_tokens,
                      "simulate": r.simulate_tokens} for r in results],
     }
     if args.json:
@@ -70,13 +73,15 @@ def run(args) -> int:
                if args.prefill_chunk else "")
     print(f"{codebooks.method} {codebooks.bits:g}-bit, cache ({args.backend}) vs eager simulate, "
           f"R={args.residual}, {args.prompt_len}-token prompts, {args.new_tokens} new tokens{chunked}")
-    print("| prompt | matched tokens | first mismatch | top-2 logit gap there: cache / simulate |")
-    print("|---|---|---|---|")
+    print("| prompt | matched tokens | first mismatch | top-2 logit gap there: cache / simulate | tie |")
+    print("|---|---|---|---|---|")
     for i, r in enumerate(results):
         gaps = r.gaps_at_mismatch()
         where = "-" if r.first_mismatch is None else r.first_mismatch
+        tie = "-" if r.first_mismatch is None else ("yes" if r.parted_at_tie(dtype) else "no")
         print(f"| {i} | {r.matched}/{len(r.cache_tokens)} | {where} | "
-              f"{'-' if gaps is None else f'{gaps[0]:.4f} / {gaps[1]:.4f}'} |")
-    print(f"{identical}/{len(results)} prompts identical (a mismatch at a gap of about one rounding step of the "
-          "dtype is a tie: bf16 rounds logits of magnitude ~10 to steps of 0.0625)")
+              f"{'-' if gaps is None else f'{gaps[0]:.4f} / {gaps[1]:.4f}'} | {tie} |")
+    print(f"{identical}/{len(results)} prompts identical; {tied} more parted at a tie (a top-2 logit gap of at "
+          f"most one rounding step of {str(dtype).removeprefix('torch.')} in one path: bf16 rounds logits of "
+          "magnitude ~10 to steps of 0.0625)")
     return 0

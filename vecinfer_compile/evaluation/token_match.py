@@ -18,12 +18,13 @@ are read in full precision, so a late flip at a near-tie is possible and is repo
 
 Every prompt generates exactly ``new_tokens`` tokens (``min_new_tokens``: no early EOS in one
 path only). A result records the first position where the two disagree, if any, and each path's
-top-two logit gap there: a gap of a rounding step or less (bf16: 1/64 of the logits' scale) is a
-tie that either path may break, not a wrong read.
+top-two logit gap there: a gap of a rounding step or less (bf16: 1/128 to 1/64 of the logits'
+magnitude) is a tie that either path may break, not a wrong read (:meth:`MatchResult.parted_at_tie`).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ class MatchResult:
     simulate_tokens: list[int]
     cache_gaps: list[float] | None = None  # per new token: top-1 minus top-2 logit (float32)
     simulate_gaps: list[float] | None = None
+    cache_tops: list[float] | None = None  # per new token: the top-1 logit
+    simulate_tops: list[float] | None = None
 
     @property
     def first_mismatch(self) -> int | None:
@@ -52,11 +55,26 @@ class MatchResult:
             return None
         return self.cache_gaps[m], self.simulate_gaps[m]
 
+    def parted_at_tie(self, dtype: torch.dtype) -> bool:
+        """Whether the paths part where one of them was within one rounding step of the logits'
+        ``dtype`` (at the larger top-1 logit's magnitude) of choosing the other's token. False
+        without a mismatch or without recorded gaps and tops."""
+        gaps = self.gaps_at_mismatch()
+        if gaps is None or self.cache_tops is None or self.simulate_tops is None:
+            return False
+        m = self.first_mismatch
+        return min(gaps) <= logit_step(dtype, max(abs(self.cache_tops[m]), abs(self.simulate_tops[m])))
+
     @property
     def matched(self) -> int:
         """Tokens equal before the first mismatch (all of them when none)."""
         m = self.first_mismatch
         return len(self.cache_tokens) if m is None else m
+
+
+def logit_step(dtype: torch.dtype, magnitude: float) -> float:
+    """Spacing of ``dtype``'s values at ``magnitude``, either sign (bf16 at ~10: 0.0625)."""
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(magnitude), torch.finfo(dtype).tiny)))
 
 
 def prompts_from_ids(ids: torch.Tensor, count: int, length: int) -> list[torch.Tensor]:
@@ -70,8 +88,8 @@ def prompts_from_ids(ids: torch.Tensor, count: int, length: int) -> list[torch.T
     return [ids[i * stride: i * stride + length] for i in range(count)]
 
 
-def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[list[int], list[float]]:
-    """Greedy new tokens of ``ids [1, T]`` and, per token, its top-1 minus top-2 logit."""
+def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[list[int], list[float], list[float]]:
+    """Greedy new tokens of ``ids [1, T]`` and, per token, its top-1 minus top-2 logit and its top-1 logit."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -79,7 +97,8 @@ def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[list
                              top_k=None, pad_token_id=model.config.pad_token_id or 0,
                              return_dict_in_generate=True, output_logits=True, **kwargs)
     top2 = [logits[0].float().topk(2).values for logits in out.logits]
-    return out.sequences[0, ids.shape[1]:].tolist(), [(v[0] - v[1]).item() for v in top2]
+    return (out.sequences[0, ids.shape[1]:].tolist(), [(v[0] - v[1]).item() for v in top2],
+            [v[0].item() for v in top2])
 
 
 def cache_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool,
@@ -100,8 +119,8 @@ def simulate_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, res
 
 @torch.no_grad()
 def _cache_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool,
-               prefill_chunk: int) -> tuple[list[int], list[float]]:
-    """:func:`cache_tokens` and each token's top-two logit gap."""
+               prefill_chunk: int) -> tuple[list[int], list[float], list[float]]:
+    """:func:`cache_tokens` and each token's top-two logit gap and top-1 logit."""
     from transformers import CompileConfig
 
     from ..backend import vecinfer_backend
@@ -124,8 +143,8 @@ def _cache_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual
 
 @torch.no_grad()
 def _simulate_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int,
-                  full_precision_prefill: bool) -> tuple[list[int], list[float]]:
-    """:func:`simulate_tokens` and each token's top-two logit gap."""
+                  full_precision_prefill: bool) -> tuple[list[int], list[float], list[float]]:
+    """:func:`simulate_tokens` and each token's top-two logit gap and top-1 logit."""
     from ..simulate import disable_simulation, enable_simulation
 
     dev = next(model.parameters()).device
@@ -145,9 +164,10 @@ def token_match(model, prompts: list[torch.Tensor], codebooks, *, new_tokens: in
 
     results = []
     for ids in tqdm(prompts, desc="prompts", disable=not progress):
-        cached, cache_gaps = _cache_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
-                                        compiled=compiled, prefill_chunk=prefill_chunk)
-        simulated, simulate_gaps = _simulate_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
-                                                 full_precision_prefill=not prefill_chunk)
-        results.append(MatchResult(len(ids), cached, simulated, cache_gaps, simulate_gaps))
+        cached, cache_gaps, cache_tops = _cache_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
+                                                    compiled=compiled, prefill_chunk=prefill_chunk)
+        simulated, simulate_gaps, simulate_tops = _simulate_run(model, ids, codebooks, new_tokens=new_tokens,
+                                                                residual=residual,
+                                                                full_precision_prefill=not prefill_chunk)
+        results.append(MatchResult(len(ids), cached, simulated, cache_gaps, simulate_gaps, cache_tops, simulate_tops))
     return results
