@@ -49,6 +49,22 @@ def test_opcheck_decode(device, with_start):
     torch.library.opcheck(torch.ops.vecinfer.decode_attention.default, to(args, device))
 
 
+@pytest.mark.parametrize("n_coded,with_start", [(0, False), (37, True), (37, False), (500, True)])
+def test_cpu_decode_reads_the_filled_codes_only(n_coded, with_start, monkeypatch):
+    """On a CPU the decode op hands the reference only the first n_coded positions of a 500-slot
+    cache (so an eager step costs what the cache holds, not its capacity) and returns what the
+    reference returns over every slot, masked."""
+    gen = torch.Generator().manual_seed(5)
+    args = decode_case(gen, b=2, hkv=2, group=4, tmax=500, n_coded=n_coded, r=16, n_window=9, d=32,
+                       kspec=(4096, 4), vspec=(256, 4), with_start=with_start, dtype=torch.float32)
+    want = ops.reference.decode_attention(*args)
+    seen = []
+    real = ops.reference.decode_attention
+    monkeypatch.setattr(ops.reference, "decode_attention", lambda *a: seen.append(a[1].shape[2]) or real(*a))
+    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), want, rtol=1e-6, atol=1e-6)
+    assert seen == [n_coded]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("entries", [256, 4096])
 def test_opcheck_encode(device, entries):

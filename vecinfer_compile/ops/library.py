@@ -96,6 +96,12 @@ def _decode_attention_triton(
     args = (q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start, scale)
     if q.device.type == "cuda":
         return decode_attention_triton(*args, wrap=True)
+    if q.device.type == "cpu" and type(q) is torch.Tensor and type(n_coded) is torch.Tensor:
+        # Plain CPU tensors (not a tracer's fake or functional ones): reading n_coded costs no
+        # synchronisation, so only the filled positions are dequantized and a step costs what the
+        # cache holds, not its capacity (the reference masks every one of the Tmax positions).
+        n = max(int(n_coded), 0)
+        args = (q, k_codes[:, :, :n], v_codes[:, :, :n], *args[3:])
     return reference.decode_attention(*args)
 
 
