@@ -310,11 +310,59 @@ def test_error_beyond_max_cache_len(tiny_model):
         generate(tiny_model, ids, mask, cache, max_new_tokens=8, do_sample=False)
 
 
+def _valid_state(layer) -> list[torch.Tensor]:
+    """What a layer's reads depend on: the counters, the filled code slots and window slots."""
+    c, w = int(layer.n_coded), int(layer.n_window)
+    return [layer.n_coded, layer.n_window, layer.k_codes[:, :, :c], layer.v_codes[:, :, :c],
+            layer.k_window[:, :, :w], layer.v_window[:, :, :w]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    r=st.integers(0, 5),
+    prefill=st.integers(1, 9),
+    steps=st.integers(1, 10),
+    data=st.data(),
+)
+def test_crop_undoes_the_last_one_token_step(b, r, prefill, steps, data):
+    """transformers' deferred stop check runs one decode step too many and undoes it with
+    ``crop(-1)``: a layer that took an extra token and cropped it holds exactly what a layer
+    that never took it holds, at once and after the steps that follow (window full or not, a
+    token pushed into the codes or not, R = 0)."""
+    h, d = 2, 16
+    undone_at = data.draw(st.integers(0, steps - 1))
+    undo, plain = (make_layer(b, h, d, r, prefill + steps + 1, seed=3) for _ in range(2))
+    gen = torch.Generator().manual_seed(prefill * 100 + steps)
+    tokens = [(torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen))
+              for t in [prefill] + [1] * steps]
+    extra = (torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen))
+    for layer in (undo, plain):
+        layer.update(*tokens[0])
+    undo.activate_past_recording()
+    for i, step in enumerate(tokens[1:]):
+        if i == undone_at:
+            undo.update(*extra)
+            undo.crop(-1)
+            assert all(torch.equal(x, y) for x, y in zip(_valid_state(undo), _valid_state(plain)))
+        undo.update(*step)
+        plain.update(*step)
+        assert all(torch.equal(x, y) for x, y in zip(_valid_state(undo), _valid_state(plain)))
+        assert torch.equal(undo.dequantized()[0], plain.dequantized()[0])
+
+
 def test_error_crop_and_sliding():
     layer = make_layer(1, 2, 16, 4, 8)
     layer.crop(0)
-    with pytest.raises(NotImplementedError, match="cropped"):
+    with pytest.raises(NotImplementedError, match="records its past"):  # not recording
         layer.crop(-1)
+    layer.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))
+    layer.activate_past_recording()
+    layer.update(torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16))
+    with pytest.raises(NotImplementedError, match="appended 2 tokens"):
+        layer.crop(-1)
+    with pytest.raises(NotImplementedError, match="drop only the last token"):
+        layer.crop(-2)
     cfg = tiny_config(layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(ValueError, match="sets no sliding_window"):  # (with a window it is a hybrid model)
         VecInferCache(cfg, random_codebooks(cfg), batch_size=1, max_cache_len=8)

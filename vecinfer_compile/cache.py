@@ -105,6 +105,9 @@ class VecInferLayer(CacheLayerMixin):
       model dtype: slot ``s < n_window`` holds position ``n_coded + s``.
     - ``n_coded``, ``n_window``: 0-d int64 tensors (never Python ints: no recompiles).
     - ``append_arrivals``: int32 ``[1]``, zero between updates: the CUDA append's arrival counter.
+    - while ``record_past`` (transformers' deferred stop check, :func:`vecinfer_compile.defer_stop_check`):
+      ``undo_n_coded``/``undo_n_window`` (0-d int64) and ``undo_k``/``undo_v`` ``[B, H, 1, D]``
+      (window slot 0), the state before the last update, so :meth:`crop` ``(-1)`` can undo it.
     - ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``, ``lam [H, D]`` (or None), float32;
       ``rotation [D, D]`` float32 (or None), shared by all layers of a cache.
     - query-aware methods: ``key_matrix [H, D, D] = A @ H`` (keys into the code domain) and
@@ -116,7 +119,7 @@ class VecInferLayer(CacheLayerMixin):
     """
 
     is_compileable = True
-    is_croppable = False
+    is_croppable = True  # the last one-token step only, while recording its past (crop)
     is_sliding = False
 
     def __init__(
@@ -174,6 +177,8 @@ class VecInferLayer(CacheLayerMixin):
         self.is_initialized = False
         self.k_codes = self.v_codes = self.k_window = self.v_window = self.n_coded = self.n_window = None
         self.append_arrivals = None
+        self.record_past = False  # Python flag, guarded by Dynamo: record the undo of each update
+        self.undo_n_coded = self.undo_n_window = self.undo_k = self.undo_v = None
         if batch_size is not None:
             self._allocate(batch_size)
 
@@ -206,7 +211,7 @@ class VecInferLayer(CacheLayerMixin):
     def _static_tensors(self) -> list[torch.Tensor]:
         ts = [self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
               self.key_centroids, self.value_centroids, self.lam, self.rotation, self.key_matrix, self.key_read,
-              self.key_mean]
+              self.key_mean, self.undo_n_coded, self.undo_n_window, self.undo_k, self.undo_v]
         return [t for t in ts if t is not None]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
@@ -307,6 +312,8 @@ class VecInferLayer(CacheLayerMixin):
         append, then its own tokens in full precision; what it needs of the old state is taken
         before the append (the append writes only code slots at or after ``n_coded``)."""
         t = k.shape[2]
+        if self.record_past:
+            self._record_undo()
         if _is_compiling():
             before = self._read(torch.ops.vecinfer) if t > 1 else None
             self._cache_append(k, v)
@@ -557,13 +564,53 @@ class VecInferLayer(CacheLayerMixin):
                 t.zero_()
         self._empty = True
 
+    # -- undoing the last step (transformers' deferred stop check) -----------------------------
+    def activate_past_recording(self, **kwargs) -> None:
+        """From now on every update first records what :meth:`crop` ``(-1)`` needs to undo it: the
+        counters and window slot 0 (the token a full window moves into the codes), a copy of a
+        few bytes. ``generate()`` calls this (through ``Cache.activate_past_recording``) when it
+        defers its stop check by a step, and sets ``record_past`` back to False when it is done."""
+        if not self.is_initialized:
+            raise RuntimeError(f"VecInferCache layer {self.layer_idx} records its past only once it holds a prompt")
+        if self.undo_n_coded is None:
+            b, h, d = self.batch_size, self.num_heads, self.head_dim
+            self.undo_n_coded, self.undo_n_window = torch.zeros_like(self.n_coded), torch.zeros_like(self.n_window)
+            self.undo_k = torch.zeros(b, h, 1, d, dtype=self.dtype, device=self.device)
+            self.undo_v = torch.zeros_like(self.undo_k)
+            for t in (self.undo_n_coded, self.undo_n_window, self.undo_k, self.undo_v):
+                torch._dynamo.mark_static_address(t)
+        self.record_past = True
+
+    def _record_undo(self) -> None:
+        torch.ops.vecinfer.record_undo(self.undo_k, self.undo_v, self.undo_n_coded, self.undo_n_window,
+                                       self.k_window, self.v_window, self.n_coded, self.n_window)
+
     def crop(self, tokens_to_remove: int) -> None:
+        """``crop(0)`` does nothing; ``crop(-1)`` undoes the last update, when it appended one
+        token while the layer recorded its past (:meth:`activate_past_recording`): the counters go
+        back and, when that token pushed the window's oldest one into the codes, the window
+        shifts back and gets it again in full precision (the code it left behind sits beyond
+        ``n_coded``, unread, and is overwritten by the next step). Nothing else can be undone."""
         if tokens_to_remove == 0:
             return
-        raise NotImplementedError(
-            "VecInferCache cannot be cropped: tokens that left the full-precision window are already "
-            "encoded; reset() it and prefill again"
-        )
+        if tokens_to_remove != -1 or not self.record_past:
+            raise NotImplementedError(
+                f"VecInferCache can drop only the last token of a decode step, and only while it records its past "
+                f"(got crop({tokens_to_remove}), recording: {self.record_past}): tokens that left the full-precision "
+                "window are encoded; reset() it and prefill again"
+            )
+        was = int(self.undo_n_coded) + int(self.undo_n_window)
+        if int(self.n_coded) + int(self.n_window) != was + 1:
+            raise NotImplementedError(
+                f"VecInferCache layer {self.layer_idx}: the last update appended "
+                f"{int(self.n_coded) + int(self.n_window) - was} tokens; only a one-token step can be undone"
+            )
+        if self.residual and int(self.n_coded) > int(self.undo_n_coded):  # the window's oldest left it
+            for window, oldest in ((self.k_window, self.undo_k), (self.v_window, self.undo_v)):
+                window[:, :, 1:].copy_(window[:, :, :-1].clone())
+                window[:, :, :1].copy_(oldest)
+        self.n_coded.copy_(self.undo_n_coded)
+        self.n_window.copy_(self.undo_n_window)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:
@@ -619,6 +666,8 @@ class VecInferHybridLayer(VecInferLayer, LinearAttentionLayer):
     as transformers' ``LinearAttentionLayer`` keeps them (``update_conv_state`` /
     ``update_recurrent_state``, ``number_of_states`` of each, static addresses). Takes
     VecInferLayer's arguments besides."""
+
+    is_croppable = False  # the mixer's state is not recorded for an undo
 
     def __init__(self, number_of_states: int = 1, **kwargs):
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
@@ -781,7 +830,9 @@ class VecInferCache(Cache):
 
     No full-precision copy of older tokens is kept anywhere. :meth:`kv_bytes` counts every byte
     held (codes, windows, codebooks, lam, rotation or query-aware matrices, key means, counters).
-    Not croppable (encoded tokens cannot be un-flushed); fixed batch size. Models that mix
+    Croppable by the last one-token step only, while it records its past (what transformers'
+    deferred stop check needs: :func:`vecinfer_compile.defer_stop_check`); encoded tokens are
+    never un-flushed otherwise. Fixed batch size. Models that mix
     attention kinds have codes in the layers :mod:`vecinfer_compile.layer_kinds` names (their
     full-attention layers; every layer of a model whose every layer slides) and transformers' own
     static layers elsewhere (sliding or chunked windows in full precision, linear-attention state,

@@ -9,15 +9,16 @@
   chooses between it and Triton.
 - ``torch.ops.vecinfer.cache_kv``: the compressed cache's eager read, see :mod:`.cache_ops`.
 - ``torch.ops.vecinfer.cache_append`` (and ``cache_append_cuda``): the compressed cache's
-  in-place append, see :mod:`.cache_append` and :mod:`.cuda_append`.
+  in-place append, see :mod:`.cache_append` and :mod:`.cuda_append`; ``record_undo``: what
+  undoing it needs, see :mod:`.cache_undo`.
 """
 
-from . import cache_append, cache_ops, decode_kernels, nvrtc, reference
+from . import cache_append, cache_ops, cache_undo, decode_kernels, nvrtc, reference
 from .cuda_decode import decode_attention_cuda
 from .library import register
 from .triton_attention import attention_triton
 from .triton_decode import decode_attention_triton
 from .triton_encode import encode_triton
 
-__all__ = ["attention_triton", "cache_append", "cache_ops", "decode_attention_cuda", "decode_attention_triton", "decode_kernels",
+__all__ = ["attention_triton", "cache_append", "cache_ops", "cache_undo", "decode_attention_cuda", "decode_attention_triton", "decode_kernels",
            "encode_triton", "nvrtc", "reference", "register"]
