@@ -8,6 +8,8 @@ Public API (everything else is internal):
 - :data:`vecinfer_backend` — the torch.compile backend (``backend=vecinfer_backend``).
 - :class:`VecInferCache` — the compressed cache for ``generate()``; :func:`cache_kwargs` — its
   ``generate()`` keyword on the installed transformers (``cache=`` or ``past_key_values=``).
+- :func:`defer_stop_check` — a context manager: ``generate()`` on CUDA queues the next step
+  while the GPU runs this one (transformers' deferred stop check, switched on for CUDA).
 - :func:`tp_load_kwargs` — ``from_pretrained`` keywords for tensor parallelism on the installed
   transformers (``distributed_config=`` or ``tp_plan=``).
 - :mod:`vecinfer_compile.testing` — fuzz helpers and ``check_model`` for your own models.
@@ -30,6 +32,7 @@ __all__ = [
     "__version__",
     "cache_kwargs",
     "calibrate",
+    "defer_stop_check",
     "disable_simulation",
     "enable_simulation",
     "get_preset",
@@ -44,6 +47,7 @@ _LAZY = {
     "vecinfer_backend": ("backend", "vecinfer_backend"),
     "VecInferCache": ("cache", "VecInferCache"),
     "cache_kwargs": ("cache", "cache_kwargs"),
+    "defer_stop_check": ("deferred_stop", "defer_stop_check"),
     "testing": ("testing", None),
     "tp_load_kwargs": ("tensor_parallel", "tp_load_kwargs"),
 }

@@ -1,0 +1,185 @@
+"""``defer_stop_check``: transformers' deferred stop check switched on for CUDA.
+
+- CPU: inside the block transformers' own test answers yes for a CUDA device under its own
+  conditions (croppable or private cache, no assistant), and everything is as before outside it.
+- ``cuda``: a compiled ``generate()`` through ``VecInferCache`` that an EOS token stops returns
+  the same tokens deferred as synced, and the cache it hands back holds the same state (the
+  extra step the deferred loop ran was cropped: a token pushed out of a full window came back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import CompileConfig, LlamaForCausalLM
+
+import vecinfer_compile
+from vecinfer_compile.cache import VecInferCache, VecInferLayer
+
+from test_cache import generate, random_codebooks, tiny_config  # noqa: E402
+
+DeferredStopCheck = pytest.importorskip("transformers.generation.utils").DeferredStopCheck
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+class _Uncroppable:
+    is_croppable = False
+
+
+def test_defer_stop_check_switches_cuda_on_inside_the_block_only():
+    cfg = tiny_config()
+    ours = VecInferCache(cfg, random_codebooks(cfg), batch_size=1, max_cache_len=16, residual=4)
+    supported = DeferredStopCheck.is_supported
+    assert ours.is_croppable
+    assert not supported(CUDA, ours, True, False)  # transformers' default: mps only
+    with vecinfer_compile.defer_stop_check():
+        assert DeferredStopCheck.is_supported(CUDA, ours, True, False)
+        assert DeferredStopCheck.is_supported(CUDA, None, False, False)
+        assert DeferredStopCheck.is_supported(CUDA, _Uncroppable(), False, False)  # not handed back
+        assert not DeferredStopCheck.is_supported(CUDA, _Uncroppable(), True, False)
+        assert not DeferredStopCheck.is_supported(CUDA, ours, True, True)  # an assistant model
+        assert not DeferredStopCheck.is_supported(CPU, ours, True, False)  # no events on the CPU
+    assert DeferredStopCheck.is_supported is supported
+    assert not DeferredStopCheck.is_supported(CUDA, ours, True, False)
+
+
+def test_defer_stop_check_restores_after_an_error():
+    supported = DeferredStopCheck.is_supported
+    with pytest.raises(KeyError), vecinfer_compile.defer_stop_check():
+        raise KeyError("inside")
+    assert DeferredStopCheck.is_supported is supported
+
+
+def _opaque_append():
+    """``vecinfer::cache_append``'s torch form as an opaque op that mutates the cache buffers,
+    as the CUDA append is (that kernel runs on CUDA only)."""
+    from vecinfer_compile.ops.cache_append import append_reference
+    from vecinfer_compile.ops.library import APPEND_MUTATES
+
+    if not hasattr(torch.ops.vecinfer_test, "opaque_append"):
+        def opaque_append(key: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+                          k_window: torch.Tensor, v_window: torch.Tensor, n_coded: torch.Tensor,
+                          n_window: torch.Tensor, arrivals: torch.Tensor, k_centroids: torch.Tensor,
+                          v_centroids: torch.Tensor, key_mean: torch.Tensor | None, lam: torch.Tensor | None,
+                          key_matrix: torch.Tensor | None) -> None:
+            append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
+                             k_centroids, v_centroids, key_mean, lam, key_matrix)
+
+        op = torch.library.custom_op("vecinfer_test::opaque_append", opaque_append, mutates_args=APPEND_MUTATES)
+        op.register_fake(lambda *args: None)
+    return torch.ops.vecinfer_test.opaque_append
+
+
+def test_compiled_step_records_the_window_before_an_opaque_append(monkeypatch):
+    """Compiled by Inductor, a step whose append is an opaque op that mutates the window in
+    place (the CUDA append on the GPU) must record window slot 0 as it was before the append: a
+    plain ``copy_`` of the slice was computed lazily, after the append (seen on the H200; here
+    with this stand-in), and ``crop(-1)`` then put the wrong token back."""
+    from test_cache import make_layer
+
+    append = _opaque_append()
+    monkeypatch.setattr(VecInferLayer, "_cache_append", lambda self, k, v: append(
+        k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
+        self.append_arrivals, self.key_centroids, self.value_centroids, self.key_mean, self.lam, self._key_matrix()))
+    torch._dynamo.reset()
+    layer = make_layer(1, 2, 16, 4, 16)
+    gen = torch.Generator().manual_seed(0)
+    layer.update(torch.randn(1, 2, 6, 16, generator=gen), torch.randn(1, 2, 6, 16, generator=gen))  # window full
+    layer.activate_past_recording()
+    before = [t.clone() for t in (layer.k_window, layer.v_window, layer.n_coded, layer.n_window)]
+    step = torch.compile(lambda k, v: layer.update(k, v)[0].sum(), fullgraph=True)
+    step(torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen))
+    assert int(layer.n_coded) == int(before[2]) + 1  # the step pushed a token into the codes
+    assert torch.equal(layer.undo_k, before[0][:, :, :1]) and torch.equal(layer.undo_v, before[1][:, :, :1])
+    layer.crop(-1)
+    for now, then in zip((layer.k_window, layer.v_window, layer.n_coded, layer.n_window), before):
+        assert torch.equal(now, then)
+
+
+class _HostEvent:
+    """Stands in for ``torch.Event`` on the CPU (which has none; its work is done when queued)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _deferred_equals_synced(model, cb, ids, compile_config, deferring, monkeypatch):
+    """Greedy generate() stopped by an EOS token mid-way, synced and deferred (inside
+    ``deferring()``): the same tokens, one step undone, and the caches hold the same state."""
+    mask = torch.ones_like(ids)
+    prompt = ids.shape[1]
+
+    def run(eos, deferred):
+        cache = VecInferCache(model, cb, batch_size=1, max_cache_len=prompt + 20, residual=4)  # full window
+        kw = dict(max_new_tokens=12, do_sample=False, compile_config=compile_config, eos_token_id=eos)
+        with deferring() if deferred else contextlib.nullcontext():
+            return generate(model, ids, mask, cache, **kw), cache
+
+    free, _ = run(None, deferred=False)
+    new = free[0, prompt:].tolist()
+    stop_at = next(i for i in range(1, len(new) - 2) if new[i] not in new[:i])  # a token first seen mid-way
+    undone = []
+    finish = DeferredStopCheck.finish
+    monkeypatch.setattr(DeferredStopCheck, "finish", lambda self: undone.append(finish(self)) or undone[-1])
+    synced, synced_cache = run(new[stop_at], deferred=False)
+    deferred, deferred_cache = run(new[stop_at], deferred=True)
+    assert undone == [1], undone  # the deferred loop ran one step past EOS and undid it
+    assert synced.shape[1] == prompt + stop_at + 1 and torch.equal(deferred, synced)
+    for a, b in zip(deferred_cache.coded_layers(), synced_cache.coded_layers()):
+        assert not a.record_past  # generate() switched the recording off again
+        c, w = int(b.n_coded), int(b.n_window)
+        assert (int(a.n_coded), int(a.n_window)) == (c, w) and w == 4
+        assert torch.equal(a.k_codes[:, :, :c], b.k_codes[:, :, :c]) and torch.equal(a.v_codes[:, :, :c], b.v_codes[:, :, :c])
+        assert torch.equal(a.k_window, b.k_window) and torch.equal(a.v_window, b.v_window)
+
+
+def _tiny_model(device, dtype):
+    torch.manual_seed(0)
+    cfg = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512)
+    model = LlamaForCausalLM(cfg).eval().to(device, dtype)
+    ids = torch.randint(3, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, random_codebooks(cfg), ids
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_deferred_loop_through_the_cache_equals_the_synced_one(compiled, monkeypatch):
+    """transformers' deferred loop itself, on the CPU (its device test forced, a stand-in event),
+    eager and compiled (the compiled step records the undo state)."""
+    from test_cache_compile import CaptureBackend
+
+    monkeypatch.setattr(torch, "Event", _HostEvent)
+    model, cb, ids = _tiny_model("cpu", torch.float32)
+    config = None
+    if compiled:
+        torch._dynamo.reset()
+        config = CompileConfig(backend=CaptureBackend(), fullgraph=True)
+        config._compile_all_devices = True  # let generate() compile decode on CPU
+
+    @contextlib.contextmanager
+    def deferring():
+        with monkeypatch.context() as patch:
+            patch.setattr(DeferredStopCheck, "is_supported", staticmethod(lambda *args, **kwargs: True))
+            yield
+
+    _deferred_equals_synced(model, cb, ids, config, deferring, monkeypatch)
+
+
+@pytest.mark.cuda
+def test_deferred_generate_equals_synced_and_crops_the_extra_step(monkeypatch):
+    """The product's path on the GPU: ``defer_stop_check`` around generate() compiled with
+    ``vecinfer_backend`` (CUDA graphs), bf16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vecinfer_compile.backend import vecinfer_backend
+
+    model, cb, ids = _tiny_model("cuda", torch.bfloat16)
+    config = CompileConfig(backend=vecinfer_backend.configure(codebooks=cb), fullgraph=True, mode="reduce-overhead")
+    _deferred_equals_synced(model, cb, ids, config, vecinfer_compile.defer_stop_check, monkeypatch)
