@@ -45,6 +45,17 @@ With ``--prefill-chunk`` the same run's last prefill chunk (the one over the lon
 profiled too, and every row keeps the chunked prefill's own time (``prefill_chunks_s``; the table's
 prefill column shows it, starred, under ``--in-run-only``).
 
+``--stop-check deferred`` runs every method's ``generate`` under
+``vecinfer_compile.defer_stop_check()``: transformers' loop then reads its stop flag one step
+late, so the host queues step n+1 while the GPU runs step n instead of idling the GPU for its
+~2 ms of per-step Python; the device-timed steps show it, the in-run host stamps are not taken
+(the timer syncs at the first token only). transformers defers only when a cache handed back to
+the caller can undo a step: ours and fp16 can; HF's ``StaticCache`` only where transformers marks
+its layers croppable (5.25 does, 5.17 does not: it then runs with the sync). Compare both in one call:
+
+    python benchmarks/bench_generate.py --isolate --in-run-only --cases 1x131072 --methods ours,fp16 \
+        --prefill-chunk 4096 --stop-check deferred
+
 ``--isolate`` measures every (case, method) in a fresh child process: otherwise a method runs
 after another in one process and can inherit its memory (CUDA-graph pools, cached blocks); at
 B=16, T=32k on an H200 both baselines ran out of memory that way, right after ours.
@@ -111,6 +122,7 @@ first key states.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -128,6 +140,7 @@ import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, o
 from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attention, use_valid_length_attention
 from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 from vecinfer_compile.codebooks import model_geometry  # noqa: E402
+from vecinfer_compile.deferred_stop import defer_stop_check  # noqa: E402
 from vecinfer_compile.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 
 METHODS = ("ours", "fp16", "static", "dynamic")
@@ -138,18 +151,22 @@ LABELS = {"ours": "ours (VecInferCache, compiled)", "fp16": "full precision, val
 class StepTimer(StoppingCriteria):
     """Never stops. Each time a token is produced it records a CUDA event on the current stream
     (on CUDA) and, after a device sync, a host timestamp; ``t0`` is the host time the request
-    started (before any chunked prefill), for the time to first token."""
+    started (before any chunked prefill), for the time to first token. ``sync_every_step=False``
+    (the deferred stop check) syncs at the first token only, so the host can run ahead: the
+    events still time every step, the host stamps then only the first token."""
 
-    def __init__(self, device):
+    def __init__(self, device, sync_every_step: bool = True):
         self.device, self.stamps, self.events, self.t0 = device, [], [], None
+        self.sync_every_step = sync_every_step
 
     def __call__(self, input_ids, scores, **kwargs):
         if torch.device(self.device).type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.events.append(event)
-        C.sync(self.device)
-        self.stamps.append(time.perf_counter())
+        if self.sync_every_step or not self.stamps:
+            C.sync(self.device)
+            self.stamps.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def step_ms(self) -> list[float]:
@@ -171,8 +188,9 @@ class Runner:
     the whole batch: a serving engine's small-batch prefill, large-batch decode."""
 
     def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual, prefill_chunk: int = 0,
-                 synthetic_prefill: int = 0, prefill_rows: int = 0):
+                 synthetic_prefill: int = 0, prefill_rows: int = 0, stop_check: str = "sync"):
         self.method, self.model, self.setup = method, model, setup
+        self.stop_check = stop_check
         self.prefill_chunk, self.synthetic_prefill = prefill_chunk, synthetic_prefill
         self.prefill_rows = prefill_rows if 0 < prefill_rows < batch else 0
         if self.prefill_rows and (synthetic_prefill or method not in ("ours", "fp16")):
@@ -218,7 +236,9 @@ class Runner:
         else:
             cache = self.cache
             cache.reset()
-        timer = StepTimer(self.setup.device)
+        deferred = self.stop_check == "deferred"
+        on_cuda = torch.device(self.setup.device).type == "cuda"  # transformers defers on CUDA only (events)
+        timer = StepTimer(self.setup.device, sync_every_step=not (deferred and on_cuda))
         kwargs = {} if self.compile_config is None else {"compile_config": self.compile_config}
         C.sync(self.setup.device)
         t0 = timer.t0 = time.perf_counter()
@@ -235,7 +255,7 @@ class Runner:
             prefill_in_chunks(self.model, ids, cache, self.prefill_chunk, self.chunk_profiler)
             C.sync(self.setup.device)
             self.prefill_s = time.perf_counter() - t0
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), (defer_stop_check() if deferred else contextlib.nullcontext()):
             warnings.simplefilter("ignore")
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
@@ -472,9 +492,9 @@ def kv_bytes_per_rank(cache) -> list[int]:
 
 def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
                profile_steps: int = 0, prefill_chunk: int = 0, in_run_only: bool = False,
-               synthetic: int = 0, prefill_rows: int = 0) -> dict:
+               synthetic: int = 0, prefill_rows: int = 0, stop_check: str = "sync") -> dict:
     dev = setup.device
-    row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens}
+    row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens, "stop_check": stop_check}
     if prefill_chunk:
         row["prefill_chunk"] = prefill_chunk
     if synthetic:
@@ -489,7 +509,7 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
     ids = torch.randint(3, vocab, (batch, length), device=dev, generator=gen)
     cache_len = length + max(new_tokens, profile_steps + 3)  # the profiled run makes steps + 3 tokens
     runner = Runner(method, model, setup, codebooks, batch, cache_len, residual, prefill_chunk, synthetic,
-                    prefill_rows)
+                    prefill_rows, stop_check)
     try:
         graphs_before = _compiled_graphs()
         t0 = time.perf_counter()
@@ -511,7 +531,7 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
             row["step_ms_median"] = sorted(steps)[len(steps) // 2]
             row["tok_s"] = batch * 1e3 / row["step_ms"]
             row["step_timing"] = "cuda events" if timer.events else "host"
-        if len(timer.stamps) >= 2:  # cross-check: host timestamps after a sync per step
+        if len(timer.stamps) >= 2:  # cross-check: host timestamps after a sync per step (not when deferred)
             row["in_run_tok_s"] = batch * (len(timer.stamps) - 1) / (timer.stamps[-1] - timer.stamps[0])
         if not in_run_only:  # cross-check: the t(N) - t(1) subtraction (two prefills' noise in it)
             t_1, _, _ = runner.generate(ids, 1)
@@ -645,7 +665,7 @@ def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> l
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
            "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry,
            "--prefill-chunk", str(args.prefill_chunk), "--synthetic-prefill", str(args.synthetic_prefill),
-           "--prefill-rows", str(args.prefill_rows)]
+           "--prefill-rows", str(args.prefill_rows), "--stop-check", args.stop_check]
     if args.in_run_only:
         out.append("--in-run-only")
     if args.layers:
@@ -706,6 +726,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tables-from", metavar="A.json,...",
                     help="measure nothing: print the tables (the job table with --job P) from rows that earlier "
                          "runs wrote with --json, e.g. two methods measured in separate GPU calls")
+    ap.add_argument("--stop-check", choices=("sync", "deferred"), default="sync",
+                    help="sync: generate()'s stop check reads the device every step (transformers' default on CUDA); "
+                         "deferred: every method under vecinfer_compile.defer_stop_check(), the host queues the "
+                         "next step while the GPU runs this one (in-run host stamps are then not taken)")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
@@ -771,6 +795,7 @@ def main(argv=None) -> list[dict]:
     codebooks = None if model is None else C.random_codebooks(setup.config, args.bits)
     print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
           f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
+          f"stop check {args.stop_check}; "
           f"tok/s = B / (mean decode step), steps timed by CUDA events (host stamps on the CPU); "
           f"prefill s = time to first token of the N run (* chunked: prefill chunks "
           f"{', '.join(f'{m} {c}' for m, c in chunks.items() if c) or 'none'}"
@@ -793,7 +818,7 @@ def main(argv=None) -> list[dict]:
             try:
                 row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
                                  warmup_len, args.profile, chunks[method], args.in_run_only,
-                                 args.synthetic_prefill, row_groups[method])
+                                 args.synthetic_prefill, row_groups[method], args.stop_check)
             except Exception as exc:  # OOM, compile failure...: report and go on
                 row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
                 del exc

@@ -100,7 +100,7 @@ class ValidLengthLayer(CacheLayerMixin):
     returns the two buffers (position-major: only :func:`valid_length_attention` reads them)."""
 
     is_compileable = True
-    is_croppable = False
+    is_croppable = True  # crop(-n) shortens length: what a deferred stop check needs
     is_sliding = False
 
     def __init__(self, max_cache_len: int):
@@ -152,6 +152,13 @@ class ValidLengthLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.is_initialized:
             self.length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (``crop(0)`` does nothing)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self.is_initialized:
+            self.length.add_(tokens_to_remove)
 
     def offload(self):
         pass
