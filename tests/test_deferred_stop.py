@@ -52,6 +52,12 @@ def test_defer_stop_check_restores_after_an_error():
     assert DeferredStopCheck.is_supported is supported
 
 
+def test_defer_stop_check_names_the_fix_without_transformers_support(monkeypatch):
+    monkeypatch.delattr("transformers.generation.utils.DeferredStopCheck")
+    with pytest.raises(RuntimeError, match="leave it out"), vecinfer_compile.defer_stop_check():
+        pass
+
+
 def _opaque_append():
     """``vecinfer::cache_append``'s torch form as an opaque op that mutates the cache buffers,
     as the CUDA append is (that kernel runs on CUDA only)."""

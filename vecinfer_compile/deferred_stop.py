@@ -23,12 +23,13 @@ import torch
 def _deferred_stop_check_class():
     try:
         from transformers.generation.utils import DeferredStopCheck
-    except ImportError:  # older transformers: no deferred check to switch on
+    except ImportError:  # 5.17-5.25 have it, the range pyproject allows; a later one may move it
         import transformers
 
         raise RuntimeError(
-            f"transformers {transformers.__version__} has no DeferredStopCheck: upgrade to transformers >= 5.17 "
-            "to defer generate()'s stop check"
+            f"transformers {transformers.__version__} has no transformers.generation.utils.DeferredStopCheck: "
+            "defer_stop_check() needs a transformers of the range vecinfer_compile supports (5.17 to 5.x), "
+            "or leave it out (generate() then syncs every step)"
         ) from None
     return DeferredStopCheck
 
