@@ -26,7 +26,6 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
