@@ -351,6 +351,21 @@ def test_crop_undoes_the_last_one_token_step(b, r, prefill, steps, data):
         assert torch.equal(undo.dequantized()[0], plain.dequantized()[0])
 
 
+def test_recording_switched_on_before_the_buffers_exist():
+    """A layer without a batch size yet (buffers made at its first update) can be told to record:
+    the undo buffers come with the others."""
+    cfg = tiny_config(num_hidden_layers=1)
+    layer = VecInferCache(cfg, random_codebooks(cfg), max_cache_len=12, residual=2).layers[0]
+    assert not layer.is_initialized
+    layer.activate_past_recording()
+    k, v = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    layer.update(k, v)
+    state = [t.clone() for t in _valid_state(layer)]
+    layer.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))
+    layer.crop(-1)
+    assert all(torch.equal(x, y) for x, y in zip(_valid_state(layer), state))
+
+
 def test_error_crop_and_sliding():
     layer = make_layer(1, 2, 16, 4, 8)
     layer.crop(0)

@@ -206,6 +206,8 @@ class VecInferLayer(CacheLayerMixin):
         for t in [*self._static_tensors(), self.append_arrivals]:
             torch._dynamo.mark_static_address(t)
         self.is_initialized = True
+        if self.record_past:
+            self._allocate_undo()
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _static_tensors(self) -> list[torch.Tensor]:
@@ -570,16 +572,18 @@ class VecInferLayer(CacheLayerMixin):
         counters and window slot 0 (the token a full window moves into the codes), a copy of a
         few bytes. ``generate()`` calls this (through ``Cache.activate_past_recording``) when it
         defers its stop check by a step, and sets ``record_past`` back to False when it is done."""
-        if not self.is_initialized:
-            raise RuntimeError(f"VecInferCache layer {self.layer_idx} records its past only once it holds a prompt")
-        if self.undo_n_coded is None:
+        self.record_past = True
+        if self.is_initialized:  # else _allocate makes them with the other buffers
+            self._allocate_undo()
+
+    def _allocate_undo(self) -> None:
+        if self.undo_n_coded is None or self.undo_k.shape[0] != self.batch_size:
             b, h, d = self.batch_size, self.num_heads, self.head_dim
             self.undo_n_coded, self.undo_n_window = torch.zeros_like(self.n_coded), torch.zeros_like(self.n_window)
             self.undo_k = torch.zeros(b, h, 1, d, dtype=self.dtype, device=self.device)
             self.undo_v = torch.zeros_like(self.undo_k)
             for t in (self.undo_n_coded, self.undo_n_window, self.undo_k, self.undo_v):
                 torch._dynamo.mark_static_address(t)
-        self.record_past = True
 
     def _record_undo(self) -> None:
         torch.ops.vecinfer.record_undo(self.undo_k, self.undo_v, self.undo_n_coded, self.undo_n_window,
