@@ -601,7 +601,8 @@ class VecInferLayer(CacheLayerMixin):
             raise NotImplementedError(
                 f"VecInferCache can drop only the last token of a decode step, and only while it records its past "
                 f"(got crop({tokens_to_remove}), recording: {self.record_past}): tokens that left the full-precision "
-                "window are encoded; reset() it and prefill again"
+                "window are encoded; reset() it and prefill again (assisted or speculative decoding, which crops "
+                "rejected drafts, needs a cache that keeps every token: transformers' DynamicCache)"
             )
         was = int(self.undo_n_coded) + int(self.undo_n_window)
         if int(self.n_coded) + int(self.n_window) != was + 1:
