@@ -58,6 +58,21 @@ def test_defer_stop_check_names_the_fix_without_transformers_support(monkeypatch
         pass
 
 
+@pytest.mark.parametrize("residual", [0, 3])
+def test_record_undo_opcheck(residual):
+    import vecinfer_compile.ops  # noqa: F401  registers the op
+
+    b, h, d = 2, 3, 8
+    k_window, v_window = torch.randn(b, h, residual, d), torch.randn(b, h, residual, d)
+    counts, kv = torch.zeros(2, dtype=torch.int64), torch.zeros(2, b, h, d)
+    args = (counts, kv, torch.tensor(7), torch.tensor(residual), k_window, v_window)
+    torch.library.opcheck(torch.ops.vecinfer.record_undo, args)
+    torch.ops.vecinfer.record_undo(*args)
+    assert counts.tolist() == [7, residual]
+    if residual:
+        assert torch.equal(kv[0], k_window[:, :, 0]) and torch.equal(kv[1], v_window[:, :, 0])
+
+
 def _opaque_append():
     """``vecinfer::cache_append``'s torch form as an opaque op that mutates the cache buffers,
     as the CUDA append is (that kernel runs on CUDA only)."""
@@ -98,7 +113,7 @@ def test_compiled_step_records_the_window_before_an_opaque_append(monkeypatch):
     step = torch.compile(lambda k, v: layer.update(k, v)[0].sum(), fullgraph=True)
     step(torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen))
     assert int(layer.n_coded) == int(before[2]) + 1  # the step pushed a token into the codes
-    assert torch.equal(layer.undo_k, before[0][:, :, :1]) and torch.equal(layer.undo_v, before[1][:, :, :1])
+    assert torch.equal(layer.undo_kv[0], before[0][:, :, 0]) and torch.equal(layer.undo_kv[1], before[1][:, :, 0])
     layer.crop(-1)
     for now, then in zip((layer.k_window, layer.v_window, layer.n_coded, layer.n_window), before):
         assert torch.equal(now, then)

@@ -106,8 +106,9 @@ class VecInferLayer(CacheLayerMixin):
     - ``n_coded``, ``n_window``: 0-d int64 tensors (never Python ints: no recompiles).
     - ``append_arrivals``: int32 ``[1]``, zero between updates: the CUDA append's arrival counter.
     - while ``record_past`` (transformers' deferred stop check, :func:`vecinfer_compile.defer_stop_check`):
-      ``undo_n_coded``/``undo_n_window`` (0-d int64) and ``undo_k``/``undo_v`` ``[B, H, 1, D]``
-      (window slot 0), the state before the last update, so :meth:`crop` ``(-1)`` can undo it.
+      ``undo_counts`` (int64 ``[2]``: ``n_coded``, ``n_window``) and ``undo_kv [2, B, H, D]``
+      (window slot 0 of K~ and V), the state before the last update, so :meth:`crop` ``(-1)`` can
+      undo it.
     - ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``, ``lam [H, D]`` (or None), float32;
       ``rotation [D, D]`` float32 (or None), shared by all layers of a cache.
     - query-aware methods: ``key_matrix [H, D, D] = A @ H`` (keys into the code domain) and
@@ -178,7 +179,7 @@ class VecInferLayer(CacheLayerMixin):
         self.k_codes = self.v_codes = self.k_window = self.v_window = self.n_coded = self.n_window = None
         self.append_arrivals = None
         self.record_past = False  # Python flag, guarded by Dynamo: record the undo of each update
-        self.undo_n_coded = self.undo_n_window = self.undo_k = self.undo_v = None
+        self.undo_counts = self.undo_kv = None
         if batch_size is not None:
             self._allocate(batch_size)
 
@@ -213,7 +214,7 @@ class VecInferLayer(CacheLayerMixin):
     def _static_tensors(self) -> list[torch.Tensor]:
         ts = [self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
               self.key_centroids, self.value_centroids, self.lam, self.rotation, self.key_matrix, self.key_read,
-              self.key_mean, self.undo_n_coded, self.undo_n_window, self.undo_k, self.undo_v]
+              self.key_mean, self.undo_counts, self.undo_kv]
         return [t for t in ts if t is not None]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
@@ -577,17 +578,16 @@ class VecInferLayer(CacheLayerMixin):
             self._allocate_undo()
 
     def _allocate_undo(self) -> None:
-        if self.undo_n_coded is None or self.undo_k.shape[0] != self.batch_size:
-            b, h, d = self.batch_size, self.num_heads, self.head_dim
-            self.undo_n_coded, self.undo_n_window = torch.zeros_like(self.n_coded), torch.zeros_like(self.n_window)
-            self.undo_k = torch.zeros(b, h, 1, d, dtype=self.dtype, device=self.device)
-            self.undo_v = torch.zeros_like(self.undo_k)
-            for t in (self.undo_n_coded, self.undo_n_window, self.undo_k, self.undo_v):
+        if self.undo_kv is None or self.undo_kv.shape[1] != self.batch_size:
+            self.undo_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self.undo_kv = torch.zeros(2, self.batch_size, self.num_heads, self.head_dim, dtype=self.dtype,
+                                       device=self.device)
+            for t in (self.undo_counts, self.undo_kv):
                 torch._dynamo.mark_static_address(t)
 
     def _record_undo(self) -> None:
-        torch.ops.vecinfer.record_undo(self.undo_k, self.undo_v, self.undo_n_coded, self.undo_n_window,
-                                       self.k_window, self.v_window, self.n_coded, self.n_window)
+        torch.ops.vecinfer.record_undo(self.undo_counts, self.undo_kv, self.n_coded, self.n_window,
+                                       self.k_window, self.v_window)
 
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(0)`` does nothing; ``crop(-1)`` undoes the last update, when it appended one
@@ -604,18 +604,19 @@ class VecInferLayer(CacheLayerMixin):
                 "window are encoded; reset() it and prefill again (assisted or speculative decoding, which crops "
                 "rejected drafts, needs a cache that keeps every token: transformers' DynamicCache)"
             )
-        was = int(self.undo_n_coded) + int(self.undo_n_window)
+        was_coded, was_window = self.undo_counts.tolist()
+        was = was_coded + was_window
         if int(self.n_coded) + int(self.n_window) != was + 1:
             raise NotImplementedError(
                 f"VecInferCache layer {self.layer_idx}: the last update appended "
                 f"{int(self.n_coded) + int(self.n_window) - was} tokens; only a one-token step can be undone"
             )
-        if self.residual and int(self.n_coded) > int(self.undo_n_coded):  # the window's oldest left it
-            for window, oldest in ((self.k_window, self.undo_k), (self.v_window, self.undo_v)):
+        if self.residual and int(self.n_coded) > was_coded:  # the window's oldest left it
+            for window, oldest in ((self.k_window, self.undo_kv[0]), (self.v_window, self.undo_kv[1])):
                 window[:, :, 1:].copy_(window[:, :, :-1].clone())
-                window[:, :, :1].copy_(oldest)
-        self.n_coded.copy_(self.undo_n_coded)
-        self.n_window.copy_(self.undo_n_window)
+                window[:, :, 0].copy_(oldest)
+        self.n_coded.fill_(was_coded)
+        self.n_window.fill_(was_window)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:

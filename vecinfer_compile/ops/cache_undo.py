@@ -2,11 +2,10 @@
 
 Schema::
 
-    vecinfer::record_undo(Tensor(a!) undo_k, Tensor(b!) undo_v, Tensor(c!) undo_n_coded,
-        Tensor(d!) undo_n_window, Tensor k_window, Tensor v_window, Tensor n_coded,
-        Tensor n_window) -> ()
+    vecinfer::record_undo(Tensor(a!) undo_counts, Tensor(b!) undo_kv, Tensor n_coded,
+        Tensor n_window, Tensor k_window, Tensor v_window) -> ()
 
-Copies window slot 0 (``[B, H, 1, D]``, the token a full window moves into the codes) and the
+Copies window slot 0 (the token a full window moves into the codes) and the
 two counters into the undo buffers of a :class:`~vecinfer_compile.cache.VecInferLayer` that
 records its past (transformers' deferred stop check). An opaque op, not ``copy_`` in the layer:
 compiled, Inductor computes a plain copy of a window slice lazily, and when the append that
@@ -20,19 +19,18 @@ from __future__ import annotations
 import torch
 
 NAMESPACE = "vecinfer"
-MUTATES = ("undo_k", "undo_v", "undo_n_coded", "undo_n_window")
+MUTATES = ("undo_counts", "undo_kv")
 
 
-def record_undo(undo_k: torch.Tensor, undo_v: torch.Tensor, undo_n_coded: torch.Tensor,
-                undo_n_window: torch.Tensor, k_window: torch.Tensor, v_window: torch.Tensor,
-                n_coded: torch.Tensor, n_window: torch.Tensor) -> None:
-    """``undo_k``/``undo_v [B, H, 1, D] <- k_window/v_window [B, H, R, D]`` slot 0 (nothing to copy
-    when ``R == 0``); ``undo_n_coded``/``undo_n_window`` (0-d int64) <- the counters."""
-    undo_n_coded.copy_(n_coded)
-    undo_n_window.copy_(n_window)
+def record_undo(undo_counts: torch.Tensor, undo_kv: torch.Tensor, n_coded: torch.Tensor,
+                n_window: torch.Tensor, k_window: torch.Tensor, v_window: torch.Tensor) -> None:
+    """``undo_counts`` (int64 ``[2]``) <- ``(n_coded, n_window)`` (0-d int64); ``undo_kv [2, B, H,
+    D]`` <- slot 0 of ``k_window``/``v_window [B, H, R, D]`` (nothing when ``R == 0``). Two
+    kernels (``stack`` into the buffers), not four copies: inside a decode step's CUDA graph every
+    launch of every layer counts."""
+    torch.stack((n_coded, n_window), out=undo_counts)
     if k_window.shape[2]:
-        undo_k.copy_(k_window[:, :, :1])
-        undo_v.copy_(v_window[:, :, :1])
+        torch.stack((k_window[:, :, 0], v_window[:, :, 0]), out=undo_kv)
 
 
 def register() -> None:
