@@ -25,8 +25,11 @@ cb = vc.load_codebooks(codebooks)
 
 ids = tok("It was a bright cold day in April, and", return_tensors="pt").input_ids
 cache = vc.VecInferCache(model, cb, max_cache_len=ids.shape[1] + 48, residual=16)
-# cache= on transformers >= 5.24 (past_key_values= before): cache_kwargs picks the keyword
-out = model.generate(ids, **vc.cache_kwargs(cache), max_new_tokens=48, do_sample=False)
+# cache= on transformers >= 5.24 (past_key_values= before): cache_kwargs picks the keyword.
+# defer_stop_check: on CUDA, generate() queues the next step while the GPU runs this one instead
+# of syncing every step (the same tokens); on the CPU transformers keeps its loop as it is.
+with vc.defer_stop_check():
+    out = model.generate(ids, **vc.cache_kwargs(cache), max_new_tokens=48, do_sample=False)
 print(tok.decode(out[0]))
 held = cache_bytes(cache)  # fixed state apart from what grows with tokens
 print(f"cache holds {cache.kv_bytes():,} bytes: {held.fixed:,} fixed (float32 codebooks and key transform, "
