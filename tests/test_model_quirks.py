@@ -222,6 +222,9 @@ def test_hybrid_layers_hold_codes_beside_the_mixer_state():
                 for t in states.values())
     coded = sum(t.nbytes for t in {t.data_ptr(): t for layer in cache.layers for t in layer._static_tensors()}.values())
     assert mixer > 0 and cache.kv_bytes() == coded + mixer
+    assert not cache.is_croppable  # so generate() never defers its stop check over it
+    with pytest.raises(NotImplementedError, match="mixer state cannot be rolled back"):
+        cache.layers[0].crop(-1)
     assert_same(through_cache(model, cb), through_simulation(model, cb))
 
 

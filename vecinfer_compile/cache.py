@@ -693,6 +693,11 @@ class VecInferHybridLayer(VecInferLayer, LinearAttentionLayer):
         VecInferLayer.reorder_cache(self, beam_idx)
         LinearAttentionLayer.reorder_cache(self, beam_idx)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("this hybrid layer's mixer state cannot be rolled back with its attention's: "
+                                      "a step cannot be undone (generate() then keeps its per-step stop check)")
+
     def row_view(self, start: int, stop: int) -> "VecInferLayer":
         raise NotImplementedError("filling_rows needs every layer's state per row; this hybrid model's mixer "
                                   "state is not: prefill the whole batch")
