@@ -2,9 +2,11 @@
 
 - CPU: inside the block transformers' own test answers yes for a CUDA device under its own
   conditions (croppable or private cache, no assistant), and everything is as before outside it.
-- ``cuda``: a compiled ``generate()`` through ``VecInferCache`` that an EOS token stops returns
-  the same tokens deferred as synced, and the cache it hands back holds the same state (the
-  extra step the deferred loop ran was cropped: a token pushed out of a full window came back).
+- transformers' deferred loop through ``VecInferCache`` (CPU, several shapes, methods, eager and
+  compiled, a sliding-window model) and, ``cuda``, ``defer_stop_check`` around a compiled
+  ``generate()``: stopped by a criterion computed on the device (as EOS is), the same tokens
+  deferred as synced, and the cache it hands back holds the same state (the extra step the
+  deferred loop ran was cropped: a token pushed out of a full window came back).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import contextlib
 
 import pytest
 import torch
-from transformers import CompileConfig, LlamaForCausalLM
+from transformers import CompileConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import vecinfer_compile
 from vecinfer_compile.cache import VecInferCache, VecInferLayer
 
-from test_cache import generate, random_codebooks, tiny_config  # noqa: E402
+from test_cache import generate, left_padded, random_codebooks, tiny_config  # noqa: E402
 
 DeferredStopCheck = pytest.importorskip("transformers.generation.utils").DeferredStopCheck
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -132,65 +134,110 @@ class _HostEvent:
         pass
 
 
-def _deferred_equals_synced(model, cb, ids, compile_config, deferring, monkeypatch):
-    """Greedy generate() stopped by an EOS token mid-way, synced and deferred (inside
-    ``deferring()``): the same tokens, one step undone, and the caches hold the same state."""
-    mask = torch.ones_like(ids)
-    prompt = ids.shape[1]
+class _StopAtLength(StoppingCriteria):
+    """Stops every row once the sequence is ``length`` long, decided on the device as EOS is (so
+    a deferred loop learns it one step late), whatever tokens a random model draws."""
 
-    def run(eos, deferred):
-        cache = VecInferCache(model, cb, batch_size=1, max_cache_len=prompt + 20, residual=4)  # full window
-        kw = dict(max_new_tokens=12, do_sample=False, compile_config=compile_config, eos_token_id=eos)
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
+
+
+def _deferred_equals_synced(model, cb, ids, mask, compile_config, deferring, monkeypatch, *, residual=4, stop=5):
+    """Greedy generate() stopped by a device-side criterion after ``stop`` new tokens, synced and
+    deferred (inside ``deferring()``): the same tokens, one step undone when the cache can undo
+    it (else no deferral at all), and the coded layers hold the same state."""
+    b, prompt = ids.shape
+
+    def run(deferred):
+        cache = VecInferCache(model, cb, batch_size=b, max_cache_len=prompt + 20, residual=residual)
+        kw = dict(max_new_tokens=12, do_sample=False, compile_config=compile_config,
+                  stopping_criteria=StoppingCriteriaList([_StopAtLength(prompt + stop)]))
         with deferring() if deferred else contextlib.nullcontext():
             return generate(model, ids, mask, cache, **kw), cache
 
-    free, _ = run(None, deferred=False)
-    new = free[0, prompt:].tolist()
-    stop_at = next(i for i in range(1, len(new) - 2) if new[i] not in new[:i])  # a token first seen mid-way
     undone = []
     finish = DeferredStopCheck.finish
     monkeypatch.setattr(DeferredStopCheck, "finish", lambda self: undone.append(finish(self)) or undone[-1])
-    synced, synced_cache = run(new[stop_at], deferred=False)
-    deferred, deferred_cache = run(new[stop_at], deferred=True)
-    assert undone == [1], undone  # the deferred loop ran one step past EOS and undid it
-    assert synced.shape[1] == prompt + stop_at + 1 and torch.equal(deferred, synced)
+    synced, synced_cache = run(deferred=False)
+    deferred, deferred_cache = run(deferred=True)
+    # the deferred loop ran one step past the stop and undid it
+    assert undone == ([1] if deferred_cache.is_croppable else []), undone
+    assert synced.shape[1] == prompt + stop and torch.equal(deferred, synced)
     for a, b in zip(deferred_cache.coded_layers(), synced_cache.coded_layers()):
         assert not a.record_past  # generate() switched the recording off again
         c, w = int(b.n_coded), int(b.n_window)
-        assert (int(a.n_coded), int(a.n_window)) == (c, w) and w == 4
+        assert (int(a.n_coded), int(a.n_window)) == (c, w) and w == residual
         assert torch.equal(a.k_codes[:, :, :c], b.k_codes[:, :, :c]) and torch.equal(a.v_codes[:, :, :c], b.v_codes[:, :, :c])
         assert torch.equal(a.k_window, b.k_window) and torch.equal(a.v_window, b.v_window)
 
 
-def _tiny_model(device, dtype):
+SHAPES = {  # (query heads, KV heads, head_dim)
+    "gqa": (8, 2, 64),
+    "mqa": (4, 1, 128),
+    "mha": (4, 4, 64),
+}
+
+
+def _tiny_model(device, dtype, shape="gqa", method="vecinfer"):
+    """A random Llama of the shape, its random codebooks, two 20-token prompts (the first
+    left-padded by 3) and their mask."""
+    heads, kv_heads, head_dim = SHAPES[shape]
     torch.manual_seed(0)
-    cfg = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512)
+    cfg = tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      hidden_size=heads * head_dim)
     model = LlamaForCausalLM(cfg).eval().to(device, dtype)
-    ids = torch.randint(3, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1)).to(device)
-    return model, random_codebooks(cfg), ids
+    ids, mask = left_padded(length=20, pad=3)
+    return model, random_codebooks(cfg, method=method), ids.to(device), mask.to(device)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_deferred_loop_through_the_cache_equals_the_synced_one(compiled, monkeypatch):
-    """transformers' deferred loop itself, on the CPU (its device test forced, a stand-in event),
-    eager and compiled (the compiled step records the undo state)."""
+@contextlib.contextmanager
+def _deferring_on_the_cpu(monkeypatch):
+    """transformers' deferred loop on the CPU: its device check lifted as ``defer_stop_check``
+    lifts it for CUDA, its other conditions kept; a stand-in event."""
+    original = DeferredStopCheck.__dict__["is_supported"].__func__
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "Event", _HostEvent)
+        patch.setattr(DeferredStopCheck, "is_supported", staticmethod(
+            lambda device, *args, **kwargs: original(torch.device("mps"), *args, **kwargs)))
+        yield
+
+
+def _cpu_compile_config():
     from test_cache_compile import CaptureBackend
 
-    monkeypatch.setattr(torch, "Event", _HostEvent)
-    model, cb, ids = _tiny_model("cpu", torch.float32)
-    config = None
-    if compiled:
-        torch._dynamo.reset()
-        config = CompileConfig(backend=CaptureBackend(), fullgraph=True)
-        config._compile_all_devices = True  # let generate() compile decode on CPU
+    torch._dynamo.reset()
+    config = CompileConfig(backend=CaptureBackend(), fullgraph=True)
+    config._compile_all_devices = True  # let generate() compile decode on CPU
+    return config
 
-    @contextlib.contextmanager
-    def deferring():
-        with monkeypatch.context() as patch:
-            patch.setattr(DeferredStopCheck, "is_supported", staticmethod(lambda *args, **kwargs: True))
-            yield
 
-    _deferred_equals_synced(model, cb, ids, config, deferring, monkeypatch)
+@pytest.mark.parametrize("shape, method, compiled", [
+    ("gqa", "vecinfer", False), ("gqa", "vecinfer", True), ("gqa", "qaware", True),
+    ("mqa", "vecinfer", True), ("mha", "qaware", False),
+])
+def test_deferred_loop_through_the_cache_equals_the_synced_one(shape, method, compiled, monkeypatch):
+    """transformers' deferred loop itself, on the CPU, batch 2 with left padding: eager and
+    compiled (the compiled step records the undo state), GQA / MQA / MHA, head_dim 64 and 128,
+    smoothed+rotated and query-aware (centred) codebooks."""
+    model, cb, ids, mask = _tiny_model("cpu", torch.float32, shape, method)
+    config = _cpu_compile_config() if compiled else None
+    _deferred_equals_synced(model, cb, ids, mask, config, lambda: _deferring_on_the_cpu(monkeypatch), monkeypatch)
+
+
+def test_deferred_loop_on_a_sliding_window_model(monkeypatch):
+    """Gemma 3 (sliding layers in transformers' own window layers beside coded ones): transformers
+    marks a window layer croppable only when the cache is no longer than its window, so here (5.17
+    to 5.25) the cache is not, and the loop keeps its sync instead of deferring a step it could not
+    undo. The same tokens as synced."""
+    from test_hybrid_cache import build
+
+    model = build("gemma3")
+    ids, mask = left_padded(length=20, pad=3)
+    _deferred_equals_synced(model, random_codebooks(model.config), ids, mask, None,
+                            lambda: _deferring_on_the_cpu(monkeypatch), monkeypatch)
 
 
 @pytest.mark.cuda
@@ -201,6 +248,6 @@ def test_deferred_generate_equals_synced_and_crops_the_extra_step(monkeypatch):
         pytest.skip("needs CUDA")
     from vecinfer_compile.backend import vecinfer_backend
 
-    model, cb, ids = _tiny_model("cuda", torch.bfloat16)
+    model, cb, ids, mask = _tiny_model("cuda", torch.bfloat16)
     config = CompileConfig(backend=vecinfer_backend.configure(codebooks=cb), fullgraph=True, mode="reduce-overhead")
-    _deferred_equals_synced(model, cb, ids, config, vecinfer_compile.defer_stop_check, monkeypatch)
+    _deferred_equals_synced(model, cb, ids, mask, config, vecinfer_compile.defer_stop_check, monkeypatch)
