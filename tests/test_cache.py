@@ -319,24 +319,27 @@ def _valid_state(layer) -> list[torch.Tensor]:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    b=st.integers(1, 2),
+    b=st.integers(1, 3),
+    h=st.integers(1, 3),
+    d=st.sampled_from([16, 64]),
     r=st.integers(0, 5),
     prefill=st.integers(1, 9),
     steps=st.integers(1, 10),
+    bits=st.sampled_from([2.0, 1.5]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     data=st.data(),
 )
-def test_crop_undoes_the_last_one_token_step(b, r, prefill, steps, data):
+def test_crop_undoes_the_last_one_token_step(b, h, d, r, prefill, steps, bits, dtype, data):
     """transformers' deferred stop check runs one decode step too many and undoes it with
     ``crop(-1)``: a layer that took an extra token and cropped it holds exactly what a layer
     that never took it holds, at once and after the steps that follow (window full or not, a
     token pushed into the codes or not, R = 0)."""
-    h, d = 2, 16
     undone_at = data.draw(st.integers(0, steps - 1))
-    undo, plain = (make_layer(b, h, d, r, prefill + steps + 1, seed=3) for _ in range(2))
+    undo, plain = (make_layer(b, h, d, r, prefill + steps + 1, bits=bits, seed=3, dtype=dtype) for _ in range(2))
     gen = torch.Generator().manual_seed(prefill * 100 + steps)
-    tokens = [(torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen))
+    tokens = [(torch.randn(b, h, t, d, generator=gen).to(dtype), torch.randn(b, h, t, d, generator=gen).to(dtype))
               for t in [prefill] + [1] * steps]
-    extra = (torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen))
+    extra = (torch.randn(b, h, 1, d, generator=gen).to(dtype), torch.randn(b, h, 1, d, generator=gen).to(dtype))
     for layer in (undo, plain):
         layer.update(*tokens[0])
     undo.activate_past_recording()
