@@ -108,7 +108,7 @@ def main(argv=None) -> None:
             fp16 = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         print(f"| {b} | {t} | {fp16:.3f} | {ours:.3f} | {gather:.3f} | {codes_ms:.3f} | {fp16 / gather:.2f}x | "
               f"{fp16 / ours:.2f}x |", flush=True)
-        del codes, k, v
+        codes = k = v = None  # freed before the next case allocates (the lambdas above read these names)
         torch.cuda.empty_cache()
 
 

@@ -252,8 +252,8 @@ def test_configure_takes_the_method_from_the_codebooks(tmp_path, method):
 
     cb = random_codebooks(dict(num_layers=2, num_kv_heads=2, head_dim=16), 2.0, method)
     cb.save(tmp_path / "cb.safetensors")
-    for given in (cb, tmp_path / "cb.safetensors", str(tmp_path / "cb.safetensors")):
-        assert vecinfer_backend.configure(codebooks=given).config.method == method
+    for source in (cb, tmp_path / "cb.safetensors", str(tmp_path / "cb.safetensors")):
+        assert vecinfer_backend.configure(codebooks=source).config.method == method
     assert vecinfer_backend.configure(codebooks=cb, method=method).config.method == method
     with pytest.raises(ValueError, match=f"for method '{method}', not 'vecinfer': leave method unset"):
         vecinfer_backend.configure(codebooks=cb, method="vecinfer")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers.masking_utils import (causal_mask_function, create_masks_for_generate, sdpa_mask,
+from transformers.masking_utils import (sdpa_mask,
                                         sliding_window_causal_mask_function)
 
 from vecinfer_compile import decode_mask

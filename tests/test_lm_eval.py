@@ -4,8 +4,6 @@ model in full precision, with eager simulation and compiled, offline (lm-eval is
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 from pathlib import Path
 
 import pytest
