@@ -29,6 +29,7 @@ EXPECTED = {
     # --- HYBRID: today's statuses; update when hybrid support changes ---
     "mistral": ((WORKS, WORKS, WORKS), 2),  # sliding_window on every layer (all coded)
     "cohere2": ((WORKS, WORKS, WORKS), 4),  # 3 sliding + 1 full (the full one coded)
+    "gemma4_text": ((WORKS, WORKS, WORKS), 6),  # 5 sliding (head_dim 16) + 1 full (32, the coded one)
     "llama4_text": ((WORKS, WORKS, WORKS), 2),  # 1 chunked + 1 full (the full one coded)
     "lfm2": ((WORKS, WORKS, WORKS), 1),  # 1 short convolution (no codebooks) + 1 full attention
     "gpt_oss": ((REFUSED, REFUSED, REFUSED), 0),  # attention sinks, eager attention only
@@ -39,6 +40,7 @@ REFUSED_BECAUSE = {
 }
 NOTES = {
     "cohere2": ["simulate quantizes 1 of 4 attention calls"],
+    "gemma4_text": ["simulate quantizes 1 of 6 attention calls"],
     "llama4_text": ["simulate quantizes 1 of 2 attention calls"],
     "gpt_oss": ["no SDPA attention in transformers (eager attention)"],
 }

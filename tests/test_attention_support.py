@@ -109,9 +109,9 @@ def test_keywords_common_models_pass_are_accepted():
      r"^this model has no attention layers \(MambaConfig has no num_attention_heads\): VecInfer compresses attention K/V"),
     (BltConfig(), r"^BltConfig has its attention in sub-configs \(patcher_config, encoder_config, decoder_config, "
                   r"global_config\), not in one stack of decoder layers: not supported by VecInfer$"),
-    (Gemma4TextConfig(global_head_dim=32, layer_types=["sliding_attention", "full_attention"], **COMMON),
-     r"^layers have different head_dim \(16 in layer 0, 32 in layer 1\): not supported"),
-], ids=["mamba", "blt", "gemma4-per-layer-head-dim"])
+    (Gemma4TextConfig(layer_types=["full_attention"] * 2, per_layer_config={1: {"head_dim": 32}}, **COMMON),
+     r"^the layers VecInfer codes have different head_dim \(16 in layer 0, 32 in layer 1\): not supported"),
+], ids=["mamba", "blt", "coded-layers-of-two-head-dims"])
 def test_geometry_refuses_configs_without_one_attention_geometry(config, message):
     with pytest.raises(ValueError, match=message) as info:
         model_geometry(config)
@@ -121,6 +121,16 @@ def test_geometry_refuses_configs_without_one_attention_geometry(config, message
 def test_a_per_layer_attribute_with_one_value_is_that_value():
     config = Gemma4TextConfig(global_head_dim=16, layer_types=["sliding_attention", "full_attention"], **COMMON)
     assert config.is_heterogeneous and model_geometry(config)["head_dim"] == 16
+
+
+def test_the_geometry_is_the_coded_layers():
+    """Gemma 4's sliding layers keep transformers' own cache: their smaller head_dim and other KV
+    head count do not make the model's geometry, its full (coded) layers' do."""
+    config = Gemma4TextConfig(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                              layer_types=["sliding_attention", "full_attention"], **COMMON)
+    assert [config.per_layer_config[i].head_dim for i in range(2)] == [16, 32]
+    geometry = model_geometry(config)
+    assert (geometry["head_dim"], geometry["num_kv_heads"], geometry["num_layers"]) == (32, 1, 2)
 
 
 def test_bos_is_read_where_the_config_keeps_it():

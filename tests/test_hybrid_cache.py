@@ -1,5 +1,6 @@
 """VecInferCache and the simulate path on models that mix attention kinds (issue 28, items 1-2):
-sliding-window layers beside full ones (Gemma 3, Cohere2, Qwen2 with max_window_layers), chunked
+sliding-window layers beside full ones (Gemma 3, Gemma 4 whose full layers have their own head_dim
+and KV heads, Cohere2, Qwen2 with max_window_layers), chunked
 ones (Llama 4), and a model whose every layer slides (Mistral with sliding_window). The rule of
 which layers hold codes is :mod:`vecinfer_compile.layer_kinds`; the oracle is the eager simulate
 path, which honours every layer's own mask."""
@@ -34,6 +35,12 @@ MODELS = {
     "mistral": (MistralForCausalLM, lambda: MistralConfig(sliding_window=WINDOW, num_hidden_layers=2, **COMMON)),
     "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(sliding_window=WINDOW, num_hidden_layers=3,
                                                            layer_types=[SLIDE, FULL, SLIDE], **COMMON)),
+    # Gemma 4: full layers of another head_dim (global_head_dim), fewer KV heads, and values from
+    # the key projection (attention_k_eq_v); only the full layers are coded, so the geometry is theirs
+    "gemma4": (lambda c: transformers.Gemma4ForCausalLM(c), lambda: transformers.Gemma4TextConfig(
+        sliding_window=WINDOW, num_hidden_layers=3, layer_types=[SLIDE, SLIDE, FULL], global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128, **COMMON)),
     "cohere2": (Cohere2ForCausalLM, lambda: Cohere2Config(sliding_window=WINDOW, num_hidden_layers=2,
                                                           layer_types=[SLIDE, FULL], **COMMON)),
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
@@ -43,11 +50,13 @@ MODELS = {
         intermediate_size_mlp=128, num_local_experts=2, **COMMON)),
 }
 LLAMA4_STATIC_GENERATE_BROKEN = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24)
-CODED = {"mistral": [True, True], "gemma3": [False, True, False], "cohere2": [False, True],
+CODED = {"mistral": [True, True], "gemma3": [False, True, False], "gemma4": [False, False, True], "cohere2": [False, True],
          "qwen2": [True, False], "llama4": [False, True]}
 
 
 def build(name: str):
+    if name == "gemma4" and not hasattr(transformers, "Gemma4ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
     cls, config = MODELS[name]
     torch.manual_seed(0)
     return cls(config()).eval()
@@ -96,7 +105,7 @@ def assert_cache_equals_simulate(model, *, compiled: bool) -> None:
     assert cached == simulate_tokens(model, ids, cb, new_tokens=8, residual=6)
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma4"])
 def test_compiled_decode_equals_the_simulate_path(name):
     """The compiled decode (codes read by the decode op from the sliding mask's first slot for
     Mistral; Gemma 3's sliding layers plain SDPA over their window, not simulate-quantized)."""
@@ -105,7 +114,7 @@ def test_compiled_decode_equals_the_simulate_path(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma4"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_cuda_decode_kernels_honour_the_window(name, compiled):
     """On the GPU the decode reads codes with the CUDA/Triton kernels, which start a sliding
@@ -114,6 +123,25 @@ def test_cuda_decode_kernels_honour_the_window(name, compiled):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = build(name).cuda()
+    assert_cache_equals_simulate(model, compiled=compiled)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gemma4_head_dims_on_the_gpu(compiled):
+    """Gemma 4's own head dims: 256 in its sliding layers (transformers' cache), 512 in its full ones
+    (coded; wider than the CUDA kernels' 64/128, so the Triton kernels read the codes), one global
+    KV head, values from the key projection: greedy tokens equal the simulate path's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not hasattr(transformers, "Gemma4ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    config = transformers.Gemma4TextConfig(
+        sliding_window=WINDOW, num_hidden_layers=3, layer_types=[SLIDE, SLIDE, FULL], global_head_dim=512,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128, **{**COMMON, "head_dim": 256})
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(config).eval().cuda()
     assert_cache_equals_simulate(model, compiled=compiled)
 
 

@@ -6,7 +6,8 @@ does. A model is refused, in one line naming why, when
 - its config describes no attention it can code (:func:`attention_config`, read by
   :func:`~vecinfer_compile.codebooks.model_geometry`): no attention layers at all (Mamba, RWKV,
   xLSTM), attention only in sub-configs of several stacks (BLT), or a geometry that differs between
-  layers (Gemma 4's per-layer ``head_dim``: :func:`uniform_attribute`);
+  the layers it codes (:func:`uniform_attribute`; Gemma 4's sliding layers have a smaller
+  ``head_dim`` than its full ones, which is fine: only the full ones are coded);
 - an attention call does more than SDPA (:func:`check_attention_call`, run by the calibration
   recorder, :mod:`.recording`, and the simulate attention, :mod:`.simulate`, before they compute
   anything): attention sinks (GPT-OSS's ``s_aux``), logit softcapping (Gemma 2's ``softcap``),
@@ -67,20 +68,24 @@ def _layer_ranges(layers: list[int]) -> str:
     return ("layers " if len(layers) > 1 else "layer ") + text
 
 
-def uniform_attribute(cfg, name: str):
+def uniform_attribute(cfg, name: str, layers: list[bool] | None = None):
     """``cfg.<name>`` (None when the config has no such attribute). On a heterogeneous config
-    (transformers' ``per_layer_config``: Gemma 4's ``head_dim``) its one value over the layers, or a
-    ValueError naming the layers when they differ: codebooks and the cache hold one geometry."""
+    (transformers' ``per_layer_config``: Gemma 4's ``head_dim`` and ``num_key_value_heads``) its one
+    value over the layers marked in ``layers`` (every layer when None; the coded ones for the
+    geometry), or a ValueError naming the layers when they differ: codebooks and the cache hold one
+    geometry."""
     if not getattr(cfg, "is_heterogeneous", False):
         return getattr(cfg, name, None)
-    per_layer = [getattr(cfg.per_layer_config[i], name, None) for i in range(cfg.num_hidden_layers)]
-    values = list(dict.fromkeys(per_layer))
+    picked = [i for i in range(cfg.num_hidden_layers) if layers is None or layers[i]]
+    per_layer = {i: getattr(cfg.per_layer_config[i], name, None) for i in picked}
+    values = list(dict.fromkeys(per_layer.values()))
     if len(values) > 1:
-        groups = ", ".join(f"{v} in {_layer_ranges([i for i, x in enumerate(per_layer) if x == v])}"
+        groups = ", ".join(f"{v} in {_layer_ranges([i for i, x in per_layer.items() if x == v])}"
                            for v in values)
-        raise ValueError(f"layers have different {name} ({groups}): not supported, VecInfer's codebooks "
-                         f"and cache need one {name} for every layer")
-    return values[0]
+        which = "layers" if layers is None else "the layers VecInfer codes"
+        raise ValueError(f"{which} have different {name} ({groups}): not supported, VecInfer's codebooks "
+                         f"and cache need one {name} for every coded layer")
+    return values[0] if values else None
 
 
 def attention_config(config):

@@ -190,8 +190,11 @@ def calibrate(
     if refine is not None:
         lengths = window_lengths(model, token_ids, seq_len)
         modules = {m.layer_idx: m for m in attention_modules(model)}
+    coded = coded_layers(model.config)
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
+        if not coded[layer] and (k.shape[1], k.shape[-1]) != (geometry["num_kv_heads"], head_dim):
+            continue  # an uncoded layer of another geometry (Gemma 4's sliding layers): no codebooks
         k_stat = k if inv_freq is None else rotate(k, inv_freq, positions, inverse=True)  # the keys RoPE gets
         mean, centred = centre_keys(k_stat[0], spec.center)  # lam and C: of the keys to quantize
         lam = smoothing_factors(centred.abs().amax(dim=1)) if spec.smooth else None
@@ -224,7 +227,7 @@ def calibrate(
     fingerprint = weight_fingerprint(model.named_parameters())
     metadata = {
         "model_name": getattr(model.config, "_name_or_path", "") or "",
-        "coded_layers": coded_layers(model.config),  # the layers a VecInferCache codes (layer_kinds)
+        "coded_layers": coded,  # the layers a VecInferCache codes (layer_kinds)
         **({"weight_fingerprint": fingerprint} if fingerprint is not None else {}),
         "calibration_text_hash": text_hash(texts),
         "calibration_tokens": int(token_ids.numel()),

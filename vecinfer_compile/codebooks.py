@@ -60,19 +60,25 @@ MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of
 
 
 def model_geometry(config) -> dict:
-    """The attention geometry of a Hugging Face config (text config for multimodal models); a
-    ValueError naming why for a model without one geometry VecInfer can code (no attention layers,
-    several attention stacks, per-layer head dims: :mod:`.attention_support`)."""
+    """The attention geometry of a Hugging Face config (text config for multimodal models): that of
+    the layers VecInfer codes (:func:`~vecinfer_compile.layer_kinds.coded_layers`; every layer's
+    when none is), so that Gemma 4's sliding layers, which keep transformers' own cache, may have
+    another head_dim than its full ones. A ValueError naming why for a model without one geometry
+    VecInfer can code (no attention layers, several attention stacks, coded layers of different
+    head dims: :mod:`.attention_support`)."""
     from .attention_support import attention_config, uniform_attribute
+    from .layer_kinds import coded_layers
 
     cfg = attention_config(config)
-    heads = uniform_attribute(cfg, "num_attention_heads")
-    head_dim = uniform_attribute(cfg, "head_dim") or cfg.hidden_size // heads
+    coded = coded_layers(cfg)
+    coded = coded if any(coded) else None
+    heads = uniform_attribute(cfg, "num_attention_heads", coded)
+    head_dim = uniform_attribute(cfg, "head_dim", coded) or cfg.hidden_size // heads
     return {
         "model_type": getattr(cfg, "model_type", "unknown"),
         "num_layers": cfg.num_hidden_layers,
         "num_query_heads": heads,
-        "num_kv_heads": uniform_attribute(cfg, "num_key_value_heads") or heads,
+        "num_kv_heads": uniform_attribute(cfg, "num_key_value_heads", coded) or heads,
         "head_dim": head_dim,
         "hidden_size": cfg.hidden_size,
         "vocab_size": getattr(cfg, "vocab_size", None),
