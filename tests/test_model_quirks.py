@@ -1,7 +1,7 @@
 """VecInferCache, the simulate path and the backend on models that do something unusual with their
 K/V or layers (the architecture sweep's crashes, docs/architectures.md): models that rearrange or
 compute with the cached K/V before attention (DiffLlama, Doge, JetMoE), read a cache layer's K
-directly (Mllama), share one layer's K/V with later layers (Gemma 3n), put attention and a
+directly (Mllama), share one layer's K/V with later layers (Gemma 3n, Gemma 4), put attention and a
 state-space mixer in one layer (Falcon-H1), pass a position bias (T5-style), or break the graph
 inside a decoder layer (DBRX, X-MOD). Tiny explicit configs; the oracle is the eager simulate path
 with the cache's semantics, or the cache's own dequantized read."""
@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import (
     DiffLlamaConfig, DiffLlamaForCausalLM, DogeConfig, DogeForCausalLM, FalconH1Config, FalconH1ForCausalLM,
     Gemma3nForCausalLM, Gemma3nTextConfig, InklingTextConfig, JetMoeConfig, JetMoeForCausalLM, MllamaForCausalLM,
@@ -201,10 +202,31 @@ def test_kv_shared_layers_store_nothing_and_read_their_producers_codes():
     model = gemma3n()
     assert kv_producers(model.config) == [0, 1, 0, 1] and coded_layers(model.config) == [False, True, False, True]
     cb = random_codebooks(model.config)
-    cb.layers[3] = cb.layers[1]
+    assert cb.layers[2] is cb.layers[0] and cb.layers[3] is cb.layers[1]  # as calibrate() gives them
     cache = VecInferCache(model, cb, max_cache_len=PROMPT + NEW, residual=RESIDUAL)
     assert [type(layer) for layer in cache.layers[1:]] == [VecInferLayer, DummyLayer, DummyLayer]
     assert_same(through_cache(model, cb), through_simulation(model, cb))
+
+
+def test_gemma4_kv_shared_layers_of_a_prefill_read_the_prompt_in_full_precision():
+    """Under generate() Gemma 4 gives its KV-shared layers only the prompt's last query (over the
+    whole prompt's K/V from their producer): that call is still the prefill, which the cache reads
+    in full precision, so the simulate path must too (it took one query for a decode step, and the
+    first token's logits differed). Full layers of their own head_dim and KV heads, values from the
+    key projection."""
+    if not hasattr(transformers, "Gemma4ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    config = transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=8, num_kv_shared_layers=2, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128)
+    model = build(transformers.Gemma4ForCausalLM, config)
+    assert kv_producers(model.config) == [0, 1, 0, 1] and coded_layers(model.config) == [False, True, False, True]
+    cb = random_codebooks(model.config)
+    plain = greedy(model)
+    simulated = through_simulation(model, cb)
+    torch.testing.assert_close(simulated[1][0], plain[1][0])  # the prefill: full precision
+    assert_same(through_cache(model, cb), simulated)
 
 
 def test_hybrid_layers_hold_codes_beside_the_mixer_state():

@@ -21,7 +21,8 @@ attention with every mask materialized (:func:`~vecinfer_compile.attention_suppo
 
 ``full_precision_prefill=True`` reproduces :class:`~vecinfer_compile.VecInferCache`'s
 semantics during ``generate()``: a call with several queries (the prefill) attends in full
-precision; single-token decode calls see quantized keys beyond the window.
+precision, and so does a KV-shared layer in the forward of a prefill (:meth:`LayerSimulator.is_prefill`);
+single-token decode calls see quantized keys beyond the window.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention_support import check_attention_call, needs_unskipped_masks, unskipped_sdpa_mask
 from .codebooks import VecInferCodebooks
-from .layer_kinds import some_coded_layers
+from .layer_kinds import kv_producers, some_coded_layers
 from .methods import VQ_METHODS, check_method
 from .quant.codebook import quantize_dequantize
 from .quant.kivi import kivi_keys, kivi_values
@@ -56,6 +57,19 @@ class LayerSimulator:
     codebooks: VecInferCodebooks | None = None
     layer_idx: int = 0
     full_precision_prefill: bool = False
+    producer: LayerSimulator | None = None  # a layer that reads another's K/V: that layer's simulator
+    prefilling: bool = False  # whether this layer's last call was a prefill
+
+    def is_prefill(self, tq: int) -> bool:
+        """Whether a call with ``tq`` queries is the prefill that ``full_precision_prefill`` keeps
+        in full precision: several queries, or, for a layer that reads another's K/V
+        (:func:`~vecinfer_compile.layer_kinds.kv_producers`), the call in a forward whose
+        producer prefilled (under ``generate()`` Gemma 4 gives its KV-shared layers only the
+        prompt's last query, over the whole prompt's K/V)."""
+        if not self.full_precision_prefill:
+            return False
+        self.prefilling = self.producer.prefilling if self.producer is not None else tq > 1
+        return self.prefilling
 
     def quantize_kv(self, k: torch.Tensor, v: torch.Tensor,
                     position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +182,7 @@ def vecinfer_attention_forward(module, query, key, value, attention_mask, dropou
                                                          else getattr(module, "is_causal", True)))
     if position_bias is not None:
         attention_mask, causal = biased_mask(position_bias, attention_mask, causal, tq, key.shape[2]), False
-    if sim.full_precision_prefill and tq > 1:
+    if sim.is_prefill(tq):
         k_hat, v_hat, residual = key, value, 0
     else:
         k_hat, v_hat = sim.quantize_kv(key, value, kwargs.get("position_ids"))
@@ -221,10 +235,15 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
     if not is_simulating(model):  # what disable_simulation goes back to (kept when re-enabled)
         model.__dict__[_PREVIOUS] = getattr(model.config, "_attn_implementation", None)
     coded = some_coded_layers(model.config)
-    for module in attention_modules(model):
+    modules = attention_modules(model)
+    for module in modules:
         module.vecinfer_simulator = LayerSimulator(
             method, float(bits), residual, codebooks, module.layer_idx, full_precision_prefill
         ) if coded[module.layer_idx] else FULL_PRECISION
+    simulators = {m.layer_idx: m.vecinfer_simulator for m in modules}
+    for i, producer in enumerate(kv_producers(model.config)):
+        if producer != i and isinstance(simulators.get(i), LayerSimulator):
+            simulators[i].producer = simulators[producer]
     model.set_attn_implementation(UNSKIPPED_MASKS_NAME if needs_unskipped_masks(model) else ATTN_NAME)
     return model
 
