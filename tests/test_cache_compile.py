@@ -161,6 +161,29 @@ def test_decode_attention_equals_sdpa_over_cache_kv():
     assert kv_start_from_mask(torch.zeros_like(mask), q).tolist() == [tmax] * b
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_kv_start_compiles_for_a_dynamic_mask_length(device):
+    """Compiled with the mask's length dynamic (generate() recompiles so when one process generates
+    to several lengths), the first attended slot still matches eager. Inductor on torch 2.11 gave a
+    Triton min-reduction an int32 start and an int64 loop value when the masked slots' fill was
+    the symbolic length (a compile error on the H200), so the fill goes through the slots' dtype."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch._dynamo.reset()
+    fn = torch.compile(kv_start_from_mask, dynamic=True, fullgraph=True)
+    q = torch.zeros(3, 4, 1, 8, device=device)
+    for length in (37, 70, 300):
+        pad = torch.tensor([0, 5, length], device=device)  # the last row attends nothing
+        slots = torch.arange(length, device=device)
+        mask = (slots[None] >= pad[:, None])[:, None, None, :]
+        float_mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+        for m in (mask, float_mask):
+            got = fn(m, q)
+            assert got.dtype == torch.int32 and torch.equal(got, kv_start_from_mask(m, q)), (length, m.dtype)
+            assert got.tolist() == pad.tolist()
+    torch._dynamo.reset()
+
+
 def _attention_fn(q, layer, mask):
     k, v = torch.ops.vecinfer.cache_kv(
         layer.k_codes, layer.v_codes, layer.key_centroids, layer.value_centroids, layer.n_coded,

@@ -40,13 +40,15 @@ def kv_start_from_mask(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
     A min over ``where(attend, slot, L)`` rather than an argmax: Inductor splits a min
     reduction over many CTAs, while its argmax over a 128k-slot row ran in one (33 us per call
-    on the H200)."""
+    on the H200). Unattended slots read as int32's max inside the min, and ``L`` comes in only
+    after it: with ``L`` symbolic (a dynamic mask length) a fill of ``L`` gave the min's loop an
+    int64 value beside its int32 start in torch 2.11's Inductor, a Triton compile error."""
     attend = mask if mask.dtype == torch.bool else mask == 0
     row = attend[:, 0, -1, :]
     length = row.shape[-1]
     slots = torch.arange(length, device=row.device, dtype=torch.int32)
-    start = torch.where(row, slots, length).amin(-1).to(torch.int32)
-    return start.expand(q.shape[0]).contiguous()
+    first = torch.where(row, slots, torch.iinfo(torch.int32).max).amin(-1)
+    return first.clamp_max(length).to(torch.int32).expand(q.shape[0]).contiguous()
 
 
 def mask_is_a_range(mask: torch.Tensor, kv_start: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
