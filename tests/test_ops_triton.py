@@ -69,6 +69,17 @@ def test_interp_attention(seed, b, hkv, group, tq, extra, d, kspec, vspec, mask_
 
 
 @interp_only
+@pytest.mark.parametrize("d", [256, 512])
+def test_interp_decode_wide_heads(d):
+    """Heads wider than 128 (Gemma 4's full layers: 512) run both kernels with fewer positions per
+    step: a chunk of several steps and a window of several merge steps still give the reference."""
+    gen = torch.Generator().manual_seed(d)
+    args = decode_case(gen, b=1, hkv=1, group=2, tmax=300, n_coded=290, r=40, n_window=37, d=d, kspec=(256, 4),
+                       vspec=(4096, 8), with_start=True, dtype=torch.float32)
+    _fp32_tol(ops.decode_attention_triton(*args), expected_decode(args))
+
+
+@interp_only
 @pytest.mark.parametrize("score", ["dequant", "lut"])
 @settings(max_examples=6, deadline=None)
 @given(
@@ -223,10 +234,10 @@ def test_cuda_attention(dtype, mask_kind, causal, residual, tq, tk, kspec, vspec
 test_cuda_attention = pytest.mark.cuda(test_cuda_attention)
 
 
-def _decode_args(dtype, score_seed, *, b, hkv, group, tmax, n_coded, r, n_window, kspec, vspec, with_start):
+def _decode_args(dtype, score_seed, *, b, hkv, group, tmax, n_coded, r, n_window, kspec, vspec, with_start, d=128):
     gen = torch.Generator().manual_seed(score_seed)
     return _cuda(decode_case(gen, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=r, n_window=n_window,
-                             d=128, kspec=kspec, vspec=vspec, with_start=with_start, dtype=dtype))
+                             d=d, kspec=kspec, vspec=vspec, with_start=with_start, dtype=dtype))
 
 
 def _decode_baseline_err(args, want):
@@ -259,6 +270,24 @@ def test_cuda_decode_realistic(score, dtype, kspec, vspec):
 
 
 test_cuda_decode_realistic = pytest.mark.cuda(test_cuda_decode_realistic)
+
+
+@pytest.mark.parametrize("d", [256, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_decode_wide_heads(d, dtype):
+    """Gemma 4's head dims (its coded full layers are 512 wide; the CUDA kernel takes 64/128, so
+    the Triton kernels serve them): the tiles fit the GPU's shared memory (a 64 x 512 float32 tile
+    did not) and the output is the reference's, eagerly and through the op."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _decode_args(dtype, d, b=2, hkv=2, group=4, tmax=3000, n_coded=2900, r=128, n_window=77,
+                        kspec=(256, 4), vspec=(256, 4), with_start=True, d=d)
+    want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
+    _check_rule(ops.decode_attention_triton(*args), want, _decode_baseline_err(args, want))
+    _check_rule(torch.ops.vecinfer.decode_attention(*args), want, _decode_baseline_err(args, want))
+
+
+test_cuda_decode_wide_heads = pytest.mark.cuda(test_cuda_decode_wide_heads)
 
 
 @pytest.mark.parametrize("tmax,n_coded,n_window", [(1, 0, 0), (1, 1, 0), (63, 0, 5), (4097, 4097, 128), (333, 100, 1)])

@@ -35,6 +35,14 @@ def check_head_dim_pow2(head_dim: int) -> None:
         )
 
 
+def rows_for_head_dim(rows: int, head_dim: int) -> int:
+    """``rows`` of a ``[rows, head_dim]`` tile for heads up to 128 wide; for wider heads fewer (down
+    to 16, ``tl.dot``'s minimum) so that the tile's elements, and its shared memory, stay those of
+    128 (Gemma 4's 512-wide heads: a 64-row float32 tile of the decode kernel asked the H200 for
+    548 KiB of shared memory)."""
+    return max(16, min(rows, rows * 128 // head_dim))
+
+
 def block_rows(n: int) -> int:
     """Rows of a ``tl.dot`` operand holding ``n`` rows: a power of two, at least 16."""
     return max(16, triton.next_power_of_2(n))

@@ -27,7 +27,7 @@ graphs and compile do not specialise on the cache length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -36,7 +36,7 @@ import triton.language as tl
 from ..quant.packing import is_packed
 from .checks import check_decode_args
 from .triton_common import (
-    LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, softmax_step,
+    LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, rows_for_head_dim, softmax_step,
     unit_last_stride,
 )
 
@@ -229,13 +229,15 @@ def decode_attention_triton(
     """Same contract as :func:`vecinfer_compile.ops.reference.decode_attention`; returns
     ``[B, Hq, 1, D]`` in q.dtype. ``score``: ``"dequant"`` (gather centroids into a K tile) or
     ``"lut"`` (per-query lookup table). ``wrap=True`` launches through ``wrap_triton``;
-    ``config`` is the split kernel's launch shape (benchmarks sweep it)."""
+    ``config`` is the split kernel's launch shape (benchmarks sweep it); heads wider than 128 take
+    fewer positions per step in both kernels (:func:`~.triton_common.rows_for_head_dim`)."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)
     b, hq, _, d = q.shape
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
     check_head_dim_pow2(d)
+    config = replace(config, block_n=rows_for_head_dim(config.block_n, d))
     q = unit_last_stride(q)
     k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
     k_window, v_window = unit_last_stride(k_window), unit_last_stride(v_window)
@@ -277,7 +279,7 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), k_window.stride(0), k_window.stride(1), k_window.stride(2),
         v_window.stride(0), v_window.stride(1), v_window.stride(2), out.stride(0), out.stride(1),
         hkv, splits, k_window.shape[2], qk_scale,
-        G=group, BLOCK_G=block_g, D=d, HAS_START=kv_start is not None, IEEE=ieee, BLOCK_R=BLOCK_R,
+        G=group, BLOCK_G=block_g, D=d, HAS_START=kv_start is not None, IEEE=ieee, BLOCK_R=rows_for_head_dim(BLOCK_R, d),
         num_warps=NUM_WARPS,
     )
     return out
