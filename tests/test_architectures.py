@@ -32,6 +32,9 @@ EXPECTED = {
     "gemma4_text": ((WORKS, WORKS, WORKS), 6),  # 5 sliding (head_dim 16) + 1 full (32, the coded one)
     "llama4_text": ((WORKS, WORKS, WORKS), 2),  # 1 chunked + 1 full (the full one coded)
     "lfm2": ((WORKS, WORKS, WORKS), 1),  # 1 short convolution (no codebooks) + 1 full attention
+    # 2 recurrent + 1 sliding (coded, the model's only attention): transformers 5.25 takes the
+    # sliding mask's query offset from the first sliding cache layer, so the coded one must say it is
+    "recurrent_gemma": ((WORKS, WORKS, WORKS), 1),
     "gpt_oss": ((REFUSED, REFUSED, REFUSED), 0),  # attention sinks, eager attention only
 }
 # --- HYBRID: today's reasons (a substring of each refused path's note) and notes ---

@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLaye
 
 from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
-from .layer_kinds import HYBRID_KINDS, SLIDING, check_codable, kv_producers, layer_kinds
+from .layer_kinds import HYBRID_KINDS, SLIDING, attention_kinds, check_codable, kv_producers, layer_kinds
 from .methods import check_runs_over_codes
 from .ops.cache_append import transform_keys
 from .ops import chunk_attention
@@ -121,6 +121,9 @@ class VecInferLayer(CacheLayerMixin):
 
     is_compileable = True
     is_croppable = True  # the last one-token step only, while recording its past (crop)
+    # set per layer by VecInferCache: True where it codes a sliding-window layer, so that transformers
+    # builds the sliding mask's sizes and query offset from a layer that holds K/V (not from layer 0,
+    # which may be a linear-attention layer: RecurrentGemma)
     is_sliding = False
 
     def __init__(
@@ -941,6 +944,10 @@ class VecInferCache(Cache):
                     model_config=config,
                 )
             )
+        attention = attention_kinds(config)
+        for i, layer in enumerate(layers):
+            if isinstance(layer, VecInferLayer):
+                layer.is_sliding = attention[i] == SLIDING
         super().__init__(layers=layers)
         self.codebooks = codebooks
         # (no `max_cache_len` attribute: transformers 5.17 has a read-only property of that name;
