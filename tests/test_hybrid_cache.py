@@ -263,6 +263,33 @@ def test_batched_left_padded_generate_equals_the_simulate_path(name, method, kv_
     assert torch.equal(cached, simulated)
 
 
+@pytest.mark.parametrize("method", ["vecinfer", "qaware", "vecinfer-center"])
+@pytest.mark.parametrize("global_kv_heads", [1, 2, 4])  # the coded layers MQA, GQA, MHA
+def test_gemma4_batched_left_padded_generate_equals_the_simulate_path(method, global_kv_heads):
+    """Gemma 4 with KV sharing (layers 2-3 read layers 0-1's K/V; generate() hands them only the
+    prompt's last query), full layers 64 wide beside 16-wide sliding ones: two rows, the first
+    left-padded by 5, the same greedy tokens through the cache and the simulate path."""
+    if not hasattr(transformers, "Gemma4ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    config = transformers.Gemma4TextConfig(
+        sliding_window=WINDOW, num_hidden_layers=4, layer_types=[SLIDE, FULL] * 2, num_kv_shared_layers=2,
+        global_head_dim=64, num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, **COMMON)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    cb = random_codebooks(model.config, method=method)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0
+    common = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cache = VecInferCache(model, cb, batch_size=2, max_cache_len=38, residual=6)
+        cached = model.generate(ids, **cache_kwargs(cache), **common)
+        with simulation(model, method, bits=2, codebooks=cb, residual=6, full_precision_prefill=True):
+            simulated = model.generate(ids, **common)
+    assert torch.equal(cached, simulated)
+
+
 # -- layers without attention (linear attention, convolutions, state-space) ---------------------------
 class _Ids:
     """A tokenizer stand-in for calibrate(): any text is these token ids."""
