@@ -249,7 +249,12 @@ def test_batched_left_padded_generate_equals_the_simulate_path(name, method, kv_
     cfg = config()
     cfg.num_key_value_heads, cfg.head_dim = kv_heads, head_dim
     torch.manual_seed(0)
-    model = cls(cfg).eval()
+    assert_batched_padded_generate_equals_simulate(cls(cfg).eval(), method)
+
+
+def assert_batched_padded_generate_equals_simulate(model, method: str) -> None:
+    """Two rows, the first left-padded by 5, 8 greedy tokens: the cache's equal the simulate path's
+    (full-precision prefill, the cache's semantics) with random ``method`` codebooks."""
     cb = random_codebooks(model.config, method=method)
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
@@ -276,18 +281,7 @@ def test_gemma4_batched_left_padded_generate_equals_the_simulate_path(method, gl
         global_head_dim=64, num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, **COMMON)
     torch.manual_seed(0)
-    model = transformers.Gemma4ForCausalLM(config).eval()
-    cb = random_codebooks(model.config, method=method)
-    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    ids[0, :5], mask[0, :5] = 0, 0
-    common = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        cache = VecInferCache(model, cb, batch_size=2, max_cache_len=38, residual=6)
-        cached = model.generate(ids, **cache_kwargs(cache), **common)
-        with simulation(model, method, bits=2, codebooks=cb, residual=6, full_precision_prefill=True):
-            simulated = model.generate(ids, **common)
-    assert torch.equal(cached, simulated)
+    assert_batched_padded_generate_equals_simulate(transformers.Gemma4ForCausalLM(config).eval(), method)
 
 
 # -- layers without attention (linear attention, convolutions, state-space) ---------------------------

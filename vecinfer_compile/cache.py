@@ -121,10 +121,7 @@ class VecInferLayer(CacheLayerMixin):
 
     is_compileable = True
     is_croppable = True  # the last one-token step only, while recording its past (crop)
-    # set per layer by VecInferCache: True where it codes a sliding-window layer, so that transformers
-    # builds the sliding mask's sizes and query offset from a layer that holds K/V (not from layer 0,
-    # which may be a linear-attention layer: RecurrentGemma)
-    is_sliding = False
+    is_sliding = False  # per layer from model_config (__init__)
 
     def __init__(
         self,
@@ -177,6 +174,10 @@ class VecInferLayer(CacheLayerMixin):
             self.key_read = fold(query_matrix.to(dev, torch.float32)).transpose(-1, -2).contiguous()
             self.rotation = None
         self.model_config = model_config  # its attention implementation decides the eager reads
+        # a coded sliding-window layer says so: transformers builds the sliding mask's sizes and query
+        # offset from the first layer that does, else from layer 0, which may hold no K/V (RecurrentGemma's
+        # recurrent layers)
+        self.is_sliding = model_config is not None and attention_kinds(model_config)[layer_idx] == SLIDING
         self._empty = True  # Python flag: prefill (first update) vs decode; guarded by Dynamo
         self.is_initialized = False
         self.k_codes = self.v_codes = self.k_window = self.v_window = self.n_coded = self.n_window = None
@@ -944,10 +945,6 @@ class VecInferCache(Cache):
                     model_config=config,
                 )
             )
-        attention = attention_kinds(config)
-        for i, layer in enumerate(layers):
-            if isinstance(layer, VecInferLayer):
-                layer.is_sliding = attention[i] == SLIDING
         super().__init__(layers=layers)
         self.codebooks = codebooks
         # (no `max_cache_len` attribute: transformers 5.17 has a read-only property of that name;
