@@ -14,7 +14,7 @@ graph's and no method reads its inputs from a warm L2. Every method is timed in 
 rounds (2 by default), each round timing all of them in turn, and keeps its fastest: in one pass
 the first kernel timed after a long FP16 case sometimes read ~20% slow (2-bit B=32/T=32k,
 whichever version came first; issue 29's notes). Prints a markdown table with the ratio
-FP16 / ours for each kernel. ``--versions v5,v4`` also times the previous CUDA kernel (issue 29,
+FP16 / ours for each kernel. ``--versions v6,v5`` also times the previous CUDA kernel (issue 29,
 ``VECINFER_CUDA_DECODE_VERSION``) in the same run, as its own column; ``--no-triton`` skips the
 Triton kernel.
 
@@ -160,8 +160,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bits", default="2", help="comma-separated presets, e.g. 4,3,2,1.5,1.25,1")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
-    ap.add_argument("--versions", default="v5",
-                    help="CUDA kernel versions to time, the first as 'cuda' (e.g. v5,v4; see ops/cuda_decode.py)")
+    ap.add_argument("--versions", default="v6",
+                    help="CUDA kernel versions to time, the first as 'cuda' (e.g. v6,v5; see ops/cuda_decode.py)")
     ap.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel")
     ap.add_argument("--passes", type=int, default=2,
                     help="time every kernel and FP16 backend this many times in turn and keep each one's fastest")

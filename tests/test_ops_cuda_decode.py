@@ -9,7 +9,8 @@
   atol``; CUDA-graph capture with a length that changes between replays; the op's dispatch; the
   persistent per-stream arrival counters (left zero, shared by shapes, graphs and streams), v3's
   cluster merge against v2's global one at every cluster size, v5's lazy softmax on scores that
-  climb and fall across blocks by far more than its slack, and the previous kernel versions.
+  climb and fall across blocks by far more than its slack, v6's paired value product against v5
+  at every group size it takes, and the previous kernel versions.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ def _nvrtc_or_skip():
 @pytest.mark.parametrize("version", sorted(cuda_decode.SOURCES))
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
-    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v5, v4 and v3
-    in their cluster builds (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
+    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v6 to v3
+    in their cluster builds (v6 with and without its paired value product) (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
     _nvrtc_or_skip()
-    configs = ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4))
+    configs = ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4), (128, 3, True, 12))
     clustered = version in cuda_decode.CLUSTER_VERSIONS
     for head_dim, group, fp16, nwarps in configs if clustered else configs[:1]:
         variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version, cluster=clustered)
@@ -58,11 +59,11 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
 
 def test_kernel_version_from_the_environment(monkeypatch):
     monkeypatch.delenv(cuda_decode.VERSION_ENV, raising=False)
-    assert cuda_decode.kernel_version() == "v5"
+    assert cuda_decode.kernel_version() == "v6"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
     assert cuda_decode.kernel_version() == "v1"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "v9")
-    with pytest.raises(ValueError, match="use one of v5, v4, v3, v2, v1"):
+    with pytest.raises(ValueError, match="use one of v6, v5, v4, v3, v2, v1"):
         cuda_decode.kernel_version()
 
 
@@ -219,7 +220,7 @@ def _check(args, got):
 @given(
     seed=st.integers(0, 2**31 - 1),
     specs=st.sampled_from(PRESET_SPECS),
-    group=st.sampled_from([1, 2, 4, 8, 16]),
+    group=st.sampled_from([1, 2, 3, 4, 8, 16]),
     d=st.sampled_from([64, 128]),
     b=st.integers(1, 3),
     hkv=st.integers(1, 3),
@@ -443,4 +444,43 @@ def test_lazy_softmax_follows_scores_that_climb_and_fall(dtype, direction, n_win
     got = ops.decode_attention_cuda(*args)
     _check(args, got)
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "v4")
+    torch.testing.assert_close(got.float(), ops.decode_attention_cuda(*args).float(), rtol=1e-2, atol=2e-3)
+
+
+_PAIRED_CASES = [(specs, 4, 128) for specs in PRESET_SPECS] + [
+    (((256, 4), (256, 4)), group, d) for group, d in ((1, 128), (3, 128), (2, 64), (8, 128))]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("specs,group,d", _PAIRED_CASES)
+def test_paired_value_product_matches_v5(specs, group, d, monkeypatch):
+    """v6 contracts the value product over channel pairs (N = 4 heads x 2 parities) for groups of up
+    to 4 query heads and keeps v5's layout above (group 8 here): against the reference and against
+    v5 (the same products, summed in another order) on a short and a long row, with a window and
+    left padding; every preset at GQA 4, the 2-bit one at other groups and head_dim 64. (Each case
+    compiles two variants: the random shapes of test_cuda_kernel_matches_reference cover the rest.)"""
+    for seed, (b, hkv, tmax, n_coded) in enumerate([(2, 3, 3000, 2900), (1, 8, 200, 70)]):
+        args = _decode(torch.bfloat16, 80 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
+                       n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=True)
+        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v6")
+        assert cuda_decode.variant_for(args[0], args[3], args[4], group).paired_values == (group <= 4)
+        got = ops.decode_attention_cuda(*args)
+        _check(args, got)
+        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v5")
+        torch.testing.assert_close(got.float(), ops.decode_attention_cuda(*args).float(), rtol=1e-2, atol=2e-3)
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("direction", [1, -1])
+def test_paired_value_product_follows_the_lazy_rescale(direction, monkeypatch):
+    """v6 keeps its accumulator per head tig, not in the scores' layout: a rescale reaches it through
+    a shuffle. On rows whose scores climb or fall across blocks (see _sawtooth), v6 matches the
+    reference and v5."""
+    args = _sawtooth(direction, 77, torch.float16)
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v6")
+    assert cuda_decode.variant_for(args[0], args[3], args[4], 4).paired_values
+    got = ops.decode_attention_cuda(*args)
+    _check(args, got)
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v5")
     torch.testing.assert_close(got.float(), ops.decode_attention_cuda(*args).float(), rtol=1e-2, atol=2e-3)

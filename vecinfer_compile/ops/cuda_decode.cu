@@ -14,8 +14,10 @@
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
-//   LAZY         1 (v5): the online softmax rescales only when the running max grows by more than
-//                RESCALE_SLACK (see block_step)
+//   LAZY         1 (v5, v6): the online softmax rescales only when the running max grows by more
+//                than RESCALE_SLACK (see block_step)
+//   VPAIR        1 (v6, G <= 4): the value product pairs channels instead of positions (see
+//                block_step): its A fragments are the gathered centroid words as they land
 //   CLUSTER      1: the splits CTAs of a (batch row, KV head) are one thread-block cluster (sm_90)
 //                and merge through distributed shared memory (see the end of this header);
 //                MAX_CLUSTER, the largest cluster the launch makes
@@ -56,6 +58,9 @@
 #ifndef LAZY
 #define LAZY 0
 #endif
+#ifndef VPAIR
+#define VPAIR 0
+#endif
 #define RESCALE_SLACK 8.0f  // LAZY: how far (log2 units) a score may pass the running max before it moves
 #define BLOCK_T 64              // positions per warp iteration
 #define NT (BLOCK_T / 8)        // score n-tiles per iteration
@@ -71,6 +76,12 @@
 #define KROW_BYTES (row_bytes(SK, KFMT))
 #define VROW_BYTES (row_bytes(SV, VFMT))
 #define NEG_INF (-__int_as_float(0x7f800000))
+#if VPAIR
+static_assert(G <= 4, "the paired value product holds 4 heads x 2 channels of a pair in its N = 8");
+#define ACC_M (D / 32)  // value m-tiles: 16 rows of two channels each
+#else
+#define ACC_M (D / 16)  // value m-tiles: 16 channels
+#endif
 
 #if FP16
 #define MMA_TYPE "f16"
@@ -280,9 +291,20 @@ __device__ __forceinline__ void copy_books(const unsigned short* __restrict__ kc
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+// The position (from the block's start) of value slot r (0..3) of m-tile i of thread tig: the
+// value product's k-step pairs positions 2 tig, 2 tig + 1 (and + 8) in one fragment word; VPAIR's
+// sub-step r >> 1 reads positions 4 (r >> 1) + tig and + 8 (see block_step).
+__device__ __forceinline__ int value_slot(int i, int r, int tig) {
+#if VPAIR
+    return 16 * i + 4 * (r >> 1) + tig + 8 * (r & 1);
+#else
+    return 16 * i + 2 * tig + (r & 1) + 8 * (r >> 1);
+#endif
+}
+
 // Codes of the block at t0, loaded into registers (zeros for positions >= hi unless FULL). Key
-// n-tile nt: position t0 + 8 nt + gid, this thread's SLICE_K channels. Value k-step i: positions
-// t0 + 16 i + {2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9}, this thread's SLICE_V channels.
+// n-tile nt: position t0 + 8 nt + gid, this thread's SLICE_K channels. Value m-tile i, slot r:
+// position t0 + value_slot(i, r, tig), this thread's SLICE_V channels.
 struct BlockCodes {
     unsigned k[NT][KWORDS];
     unsigned v[4][4][VWORDS];
@@ -301,7 +323,7 @@ __device__ __forceinline__ void load_block(BlockCodes& bc, int t0, int hi, const
     for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const int t = t0 + 16 * i + 2 * tig + (r & 1) + 8 * (r >> 1);
+            const int t = t0 + value_slot(i, r, tig);
             if (FULL || t < hi) load_codes<NCODE_V, VFMT, SV>(vc + (long long)t * VROW_BYTES, gid * NCODE_V, bc.v[i][r]);
             else zero_codes<NCODE_V, VFMT>(bc.v[i][r]);
         }
@@ -372,7 +394,7 @@ struct DenseRows {
     }
 
     __device__ __forceinline__ void values(int i, int r, unsigned* vv) const {
-        const int t = 16 * i + 2 * tig + (r & 1) + 8 * (r >> 1);
+        const int t = value_slot(i, r, tig);
         load_channels<SLICE_V>(v_rows + (long long)t * D + gid * SLICE_V, t < n, vv);
     }
 };
@@ -380,7 +402,7 @@ struct DenseRows {
 template <bool FULL, class Rows>
 __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int lane,
                                            const unsigned (&qf)[NH][KSTEPS][2], float scale_log2,
-                                           float (&m)[NH][2], float (&l)[NH][2], float (&acc)[D / 16][NH][4]) {
+                                           float (&m)[NH][2], float (&l)[NH][2], float (&acc)[ACC_M][NH][4]) {
     const int gid = lane >> 2, tig = lane & 3;
     // Scores. m-tile mt holds positions t0 + 16 mt + gid (rows gid) and + 8 (rows gid + 8), whose
     // key codes are bc.k[2 mt] and bc.k[2 mt + 1]. C fragment: positions gid / gid + 8, heads
@@ -439,11 +461,22 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
                 const float al = exp2f(m[nh][e] - ms);
                 m[nh][e] = mn;
                 l[nh][e] *= al;
+#if VPAIR
+                // The accumulator holds head tig (see the values below); head 2 tig' + e's factor
+                // is in every lane of tig' (one m per head across its 8 lanes).
+                const float at = __shfl_sync(0xffffffffu, al, (lane & ~3) | (tig >> 1));
+                if ((tig & 1) == e)
+#pragma unroll
+                    for (int u = 0; u < ACC_M; ++u)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[u][0][c] *= at;
+#else
 #pragma unroll
                 for (int j = 0; j < D / 16; ++j) {
                     acc[j][nh][e] *= al;
                     acc[j][nh][2 + e] *= al;
                 }
+#endif
             }
     }
 #pragma unroll
@@ -461,6 +494,41 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
             l[nh][e] += rs;
         }
 
+#if VPAIR
+    // Values, paired (G <= 4): O = sum_t P[t, h] V[t, ch] as C[m, n] = sum_k A[m, k] B[k, n] with
+    // k = (position slot sigma, parity pi), n = (head h, parity pi'): A[m, (sigma, pi)] =
+    // V[t(sigma), ch(m) + pi], B[(sigma, pi), (h, pi')] = P[t(sigma), h] if pi == pi' else 0. A
+    // fragment word then holds two channels of one position, exactly as a centroid gather lands
+    // it, so no transposes; the N = 8 columns are 4 heads x 2 parities (the half that GQA 4 left
+    // idle in the other layout). m-tile u of the D / 32: row gid is channels gid * SLICE_V + 4 u +
+    // {0, 1}, row gid + 8 the next two; k-step (i, s) holds positions 16 i + 4 s + tig (sigma =
+    // tig) and + 8 (sigma = tig + 4). The C fragment: head tig, channels gid * SLICE_V + 4 u + 0..3.
+    // B: thread (gid, tig) needs P of head gid >> 1 at those two positions, which one score lane
+    // packs as a pair: lane (4 s + tig) * 4 + (gid >> 2), element (gid >> 1) & 1.
+    {
+        const int src0 = 4 * tig + (gid >> 2);
+        const bool odd_head = (gid >> 1) & 1;
+        const unsigned sel0 = (gid & 1) ? 0x1044u : 0x4410u, sel1 = (gid & 1) ? 0x3244u : 0x4432u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned pe = pack2(sc[i][0][0], sc[i][0][2]), po = pack2(sc[i][0][1], sc[i][0][3]);
+            unsigned vv[4][SLICE_V / 2];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) rows.values(i, r, vv[r]);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const unsigned xe = __shfl_sync(0xffffffffu, pe, src0 + 16 * s);
+                const unsigned xo = __shfl_sync(0xffffffffu, po, src0 + 16 * s);
+                const unsigned x = odd_head ? xo : xe;
+                const unsigned b0 = __byte_perm(x, 0u, sel0), b1 = __byte_perm(x, 0u, sel1);
+#pragma unroll
+                for (int u = 0; u < ACC_M; ++u)
+                    mma16816(acc[u][0], vv[2 * s][2 * u], vv[2 * s][2 * u + 1], vv[2 * s + 1][2 * u],
+                             vv[2 * s + 1][2 * u + 1], b0, b1);
+            }
+        }
+    }
+#else
     // Values. k-step i = positions t0 + 16 i + r (r = 0..15). The B fragment (P^T) of thread
     // (gid, tig) is head 8 nh + gid at r = 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9; the score C
     // fragment holding them is in lanes (2 tig) * 4 + gid / 2 and (2 tig + 1) * 4 + gid / 2, each
@@ -490,6 +558,7 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
             for (int nh = 0; nh < NH; ++nh) mma16816(acc[j][nh], a0, a1, a2, a3, pb0[nh], pb1[nh]);
         }
     }
+#endif
 }
 
 // A float written by another CTA of this launch (after its fence): read past L1, which is not
@@ -606,13 +675,13 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
         }
     }
 
-    float m[NH][2], l[NH][2], acc[D / 16][NH][4];
+    float m[NH][2], l[NH][2], acc[ACC_M][NH][4];
 #pragma unroll
     for (int nh = 0; nh < NH; ++nh) {
         m[nh][0] = m[nh][1] = NEG_INF;
         l[nh][0] = l[nh][1] = 0.f;
 #pragma unroll
-        for (int j = 0; j < D / 16; ++j) acc[j][nh][0] = acc[j][nh][1] = acc[j][nh][2] = acc[j][nh][3] = 0.f;
+        for (int j = 0; j < ACC_M; ++j) acc[j][nh][0] = acc[j][nh][1] = acc[j][nh][2] = acc[j][nh][3] = 0.f;
     }
 
     // This unit's blocks [b0, b1) of the coded blocks (cb of them, the last one partial) and then
@@ -671,6 +740,7 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
                     wm[warp * G + h] = m[nh][e];
                     wl[warp * G + h] = ls;
                 }
+#if !VPAIR
                 // Channels gid * SLICE_V + 2 j (C rows gid) and + 1 (rows gid + 8).
                 float* dst = wacc + (warp * G + h) * D + gid * SLICE_V;
 #pragma unroll
@@ -680,8 +750,20 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
                     v.z = acc[j + 1][nh][e]; v.w = acc[j + 1][nh][2 + e];
                     *(vq_f4*)(dst + 2 * j) = v;
                 }
+#endif
             }
         }
+#if VPAIR
+    if (tig < G) {  // head tig, channels gid * SLICE_V + 4 u + 0..3
+        float* dst = wacc + (warp * G + tig) * D + gid * SLICE_V;
+#pragma unroll
+        for (int u = 0; u < ACC_M; ++u) {
+            vq_f4 v;
+            v.x = acc[u][0][0]; v.y = acc[u][0][1]; v.z = acc[u][0][2]; v.w = acc[u][0][3];
+            *(vq_f4*)(dst + 4 * u) = v;
+        }
+    }
+#endif
     __syncthreads();
 #if CLUSTER
     float* cacc = wacc + NWARPS * G * D;  // [G][D] this CTA's partial, read by the whole cluster

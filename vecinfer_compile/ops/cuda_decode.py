@@ -8,7 +8,11 @@ and per stream: the merging CTA zeroes its row's counter for the next launch, so
 no memset (:func:`arrival_counters`).
 
 Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures them side
-by side until the new one wins everywhere, issue 29): ``v5``, the default, is ``v4`` whose online
+by side until the new one wins everywhere, issue 29): ``v6``, the default, is ``v5`` whose value
+product, for GQA groups of up to 4 query heads, contracts pairs of channels instead of pairs of
+positions: its N = 8 columns hold 4 heads x 2 channel parities, so a gathered centroid's words are
+the tensor-core A fragments as they land, and the 4 byte permutes per product that transposed
+them go (:attr:`Variant.paired_values`; larger groups run v5's layout). ``v5`` is ``v4`` whose online
 softmax rescales lazily: the running max moves, and the accumulator is rescaled, only when a
 block's score passes it by more than 2^8 (a warp vote; otherwise the block's probabilities are
 taken against the old max), which drops the cross-lane max and the rescale from most blocks
@@ -58,8 +62,8 @@ from .checks import check_decode_args
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count)
 
-_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v5-v2: v5-v3 add CLUSTER builds, v5/v4 INTERLEAVE, v5 LAZY
-SOURCES = {"v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
+_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v6-v2: v6-v3 CLUSTER builds, v6-v4 INTERLEAVE, v6/v5 LAZY, v6 VPAIR
+SOURCES = {"v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 _log = logging.getLogger(__name__)
 # (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
@@ -68,8 +72,8 @@ _log = logging.getLogger(__name__)
 # takes one CTA of 8 before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4,
 # B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
 _V2_LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
-LAUNCHES = {"v5": _V2_LAUNCHES, "v4": _V2_LAUNCHES, "v3": _V2_LAUNCHES, "v2": _V2_LAUNCHES, "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
-CLUSTER_VERSIONS = ("v5", "v4", "v3")  # versions with a cluster build on sm_90
+LAUNCHES = {"v6": _V2_LAUNCHES, "v5": _V2_LAUNCHES, "v4": _V2_LAUNCHES, "v3": _V2_LAUNCHES, "v2": _V2_LAUNCHES, "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
+CLUSTER_VERSIONS = ("v6", "v5", "v4", "v3")  # versions with a cluster build on sm_90
 INTERLEAVED_BOOK_BYTES = 2 * 65536  # 64 KiB of rows at the first 64 KiB boundary of the allocation
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
 MAX_SPLITS = 64  # CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
@@ -96,8 +100,8 @@ class Variant:
     v_entries: int
     v_dims: int
     fp16: bool
-    version: str = "v5"
-    cluster: bool = False  # the CLUSTER build (v3-v5 on sm_90): partials merged in distributed shared memory
+    version: str = "v6"
+    cluster: bool = False  # the CLUSTER build (v3-v6 on sm_90): partials merged in distributed shared memory
     smem_per_sm: int = SMEM_PER_SM  # the device's (228 KiB on sm_90, 164 on sm_80, 100 on sm_86/89)
 
     @property
@@ -113,18 +117,25 @@ class Variant:
 
     @property
     def interleaved(self) -> bool:
-        """v4 and v5 with two books of at most 256 entries (128 bytes of copies an entry): entry e's key
+        """v4-v6 with two books of at most 256 entries (128 bytes of copies an entry): entry e's key
         and value copies share a 256-byte row, so a gather's address is one byte permute of its
         code (the source's INTERLEAVE). Not where the device's shared memory is too small for
         the layout's 128 KiB (sm_86/89: 99 KiB a CTA): there they keep v3's layout."""
-        return (self.version in ("v5", "v4") and self.k_entries <= 256 and self.v_entries <= 256
+        return (self.version in ("v6", "v5", "v4") and self.k_entries <= 256 and self.v_entries <= 256
                 and INTERLEAVED_BOOK_BYTES <= self.smem_limit)
 
     @property
     def lazy_softmax(self) -> bool:
-        """v5: the online softmax moves its running max (and rescales the accumulator) only when
-        a block's score passes it by more than 2^8 (the source's LAZY)."""
-        return self.version == "v5"
+        """v5 and v6: the online softmax moves its running max (and rescales the accumulator) only
+        when a block's score passes it by more than 2^8 (the source's LAZY)."""
+        return self.version in ("v6", "v5")
+
+    @property
+    def paired_values(self) -> bool:
+        """v6 with at most 4 query heads per KV head: the value product's N holds 4 heads x 2
+        channel parities and its A fragments are the gathered words, untransposed (the source's
+        VPAIR; see block_step there)."""
+        return self.version == "v6" and self.group <= 4
 
     def book_bytes(self) -> int:
         """Both 16-bit codebooks in shared memory, copies included (interleaved: with the room to
@@ -155,14 +166,14 @@ class Variant:
             VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
             FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
-            INTERLEAVE=int(self.interleaved), LAZY=int(self.lazy_softmax),
+            INTERLEAVE=int(self.interleaved), LAZY=int(self.lazy_softmax), VPAIR=int(self.paired_values),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
 
 def kernel_version() -> str:
-    """``$VECINFER_CUDA_DECODE_VERSION`` (``v5`` unless set; see the module docstring)."""
-    version = os.environ.get(VERSION_ENV, "v5").strip().lower() or "v5"
+    """``$VECINFER_CUDA_DECODE_VERSION`` (``v6`` unless set; see the module docstring)."""
+    version = os.environ.get(VERSION_ENV, "v6").strip().lower() or "v6"
     if version not in SOURCES:
         raise ValueError(f"{VERSION_ENV}={version!r}: use one of {', '.join(SOURCES)}")
     return version
@@ -208,13 +219,13 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
 
 
 @functools.cache
-def _source(version: str = "v5") -> str:
+def _source(version: str = "v6") -> str:
     return SOURCES[version].read_text()
 
 
 @dataclass(frozen=True)
 class Built:
-    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (v3-v5 on
+    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (v3-v6 on
     sm_90) its cluster build with the same launch shape."""
 
     kernel: Kernel
@@ -241,7 +252,7 @@ def _compile(variant: Variant, device: torch.device, ctas: int, nwarps: int) -> 
 @functools.cache
 def _build(variant: Variant, device_index: int) -> Built:
     """Compile the first launch shape of :func:`launches_for` whose register budget does not make
-    the compiler spill to local memory (the last one otherwise); for v3-v5 on sm_90 also the cluster
+    the compiler spill to local memory (the last one otherwise); for v3-v6 on sm_90 also the cluster
     build of that shape, if its shared memory fits."""
     device = torch.device("cuda", device_index)
     shapes = launches_for(variant)
@@ -282,7 +293,7 @@ _ACTIVE_CLUSTERS: dict[tuple[int, int], int] = {}
 
 
 def cluster_size(built: Built, batch_heads: int, splits: int) -> int | None:
-    """The cluster of a v3-v5 launch: ``splits`` (each row's CTAs one cluster) when the cluster build
+    """The cluster of a v3-v6 launch: ``splits`` (each row's CTAs one cluster) when the cluster build
     exists (sm_90), the split is at most :data:`MAX_CLUSTER` CTAs, and all ``batch_heads`` rows'
     clusters fit on the GPU at once (a second wave of clusters would cost more than the merge
     saves; a split of one CTA is a cluster of one, scheduled as any CTA); None for the global merge."""
