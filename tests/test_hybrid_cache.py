@@ -145,15 +145,28 @@ def gemma4_wide_heads_match(compiled: bool, prefill_chunk: int) -> None:
     assert_cache_equals_simulate(model, compiled=compiled, prefill_chunk=prefill_chunk)
 
 
+# On the H200 (torch 2.11, transformers 5.17) the "eager" chunked variant crashes inside torch:
+# there, generate() compiles the chunked prefill itself with Inductor and CUDA-graph trees (our
+# backend is not involved), and Inductor's autotuning launches one of the model's own fused
+# kernels (RoPE and the q/k norms: triton_poi_fused_..._bmm_cat_cos_mean_mul_pow_...) with an
+# argument that is not a tensor: a segfault in the static launcher, "TypeError: Pointer argument
+# must be either uint64 or have data_ptr method" with TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0.
+# The same variant through vecinfer_backend passes. Kept running (not strict) so that a torch that
+# fixes it shows as XPASS. docs/results.md, the hybrid-models section.
+_TORCH_PARTITION_CRASH = pytest.mark.xfail(reason="torch 2.11 Inductor launches a fused kernel with a non-tensor "
+                                           "argument under generate()'s own compile of the chunked prefill", strict=False)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("prefill_chunk", [0, 16], ids=["one-shot", "chunked"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gemma4_head_dims_on_the_gpu(compiled, prefill_chunk):
+def test_gemma4_head_dims_on_the_gpu(compiled, prefill_chunk, request):
     """:func:`gemma4_wide_heads_match`, the prompt at once or in chunks read over the codes, each
-    variant in a fresh process: on the H200 (torch 2.11) every variant passed alone, but the
-    compiled one run after the eager one in the same process once crashed (a segfault inside
-    Inductor's autotuning of a prefill kernel under CUDA-graph trees, not diagnosed), which would
-    take the rest of the session's tests with it."""
+    variant in a fresh process: on the H200 (torch 2.11) the compiled one run after the eager one in
+    the same process once crashed inside Inductor (see _TORCH_PARTITION_CRASH above for the eager
+    chunked variant, which crashes alone), which would take the rest of the session's tests with it."""
+    if not compiled and prefill_chunk:
+        request.applymarker(_TORCH_PARTITION_CRASH)
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if not hasattr(transformers, "Gemma4ForCausalLM"):
