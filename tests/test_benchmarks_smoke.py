@@ -379,3 +379,43 @@ def test_bench_mask_smoke(capsys):
     rows = load_script("mask", benchmarks_dir()).main(["--smoke"])
     assert len(rows) == 1 and rows[0]["sdpa_mask_us"] > 0 and rows[0]["ours_us"] > 0
     assert "sdpa_mask / ours" in capsys.readouterr().out
+
+
+_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDS.64 R4, [R2] ;
+.L_x_1:
+        /*0020*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0030*/              @!P0 IMAD.MOV.U32 R2, RZ, RZ, R3 ;
+        /*0040*/               @P1 BRA `(.L_x_1) ;
+        /*0050*/                   PRMT R3, R2, 0x7604, R3 ;
+        /*0060*/                   BRA `(.L_x_0) ;
+.L_x_2:
+        /*0070*/                   FADD R1, R1, R1 ;
+        /*0080*/                   BRA `(.L_x_2) ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_sass_loop_finder_keeps_the_innermost_loops_with_products():
+    """benchmarks/sass_decode_loop.py on a hand-written listing: the inner loop (3 instructions, one
+    HMMA) is kept, the loop around it and the loop without a product are not; opcodes lose their
+    predicates and modifiers."""
+    sass = load_script_path("sass_decode_loop.py")
+    loops = sass.innermost_mma_loops(_SASS)
+    assert [(loop.start, loop.length) for loop in loops] == [(2, 3)]
+    assert loops[0].opcodes == {"HMMA": 1, "IMAD": 1, "BRA": 1}
+    assert sass.opcode("@!P0 IMAD.MOV.U32 R2, RZ, RZ, R3") == "IMAD"
+
+
+def load_script_path(name: str):
+    """A benchmarks/ script that `vecinfer bench` does not run, imported as a module (registered in
+    sys.modules, as its dataclasses need)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"vecinfer_bench_{name.removesuffix('.py')}", benchmarks_dir() / name)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
