@@ -16,8 +16,13 @@
 //   MINB         CTAs per SM the split kernel's register budget is sized for
 //   LAZY         1 (v5, v6): the online softmax rescales only when the running max grows by more
 //                than RESCALE_SLACK (see block_step)
-//   VPAIR        1 (v6, G <= 4): the value product pairs channels instead of positions (see
+//   VPAIR        1 (v6, v7; G <= 4): the value product pairs channels instead of positions (see
 //                block_step): its A fragments are the gathered centroid words as they land
+//   NIBROW       1 (v7): two 4096-entry books of packed 12-bit codes and the same DK, entry
+//                (n << 8) | b at row b (256 bytes) of a 64 KiB-aligned region, slot n of DK * 2
+//                bytes: a gather's address is the code's low byte dropped into byte 1 of the
+//                base and its nibble shifted into the slot bits (see gather_address); DK 4 keeps
+//                the value book in the second half of each row, DK 8 in a second region
 //   CLUSTER      1: the splits CTAs of a (batch row, KV head) are one thread-block cluster (sm_90)
 //                and merge through distributed shared memory (see the end of this header);
 //                MAX_CLUSTER, the largest cluster the launch makes
@@ -60,6 +65,9 @@
 #endif
 #ifndef VPAIR
 #define VPAIR 0
+#endif
+#ifndef NIBROW
+#define NIBROW 0
 #endif
 #define RESCALE_SLACK 8.0f  // LAZY: how far (log2 units) a score may pass the running max before it moves
 #define BLOCK_T 64              // positions per warp iteration
@@ -235,6 +243,12 @@ static_assert(KCOPIES * DK * 2 == 128 && VCOPIES * DV * 2 == 128 && EK <= 256 &&
               "interleaved books are two 128-byte halves of one 256-byte row per entry");
 #define KROW_SMEM 256
 #define VROW_SMEM 256
+#elif NIBROW
+static_assert(EK == 4096 && EV == 4096 && KFMT == 2 && VFMT == 2 && DK == DV && (DK == 4 || DK == 8),
+              "nibble rows hold two 4096-entry books of packed codes and one centroid width");
+#define KROW_SMEM 0  // unused: gather_address places the code's byte and nibble itself
+#define VROW_SMEM 0
+#define NIBROW_REGION (DK == 4 ? 65536 : 131072)  // bytes from the aligned start: one or two regions
 #else
 #define KROW_SMEM (KCOPIES * DK * 2)
 #define VROW_SMEM (VCOPIES * DV * 2)
@@ -286,8 +300,19 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
 __device__ __forceinline__ void copy_books(const unsigned short* __restrict__ kcent, const unsigned short* __restrict__ vcent,
                                            unsigned short* kbook, unsigned short* vbook) {
     const unsigned ka = shared_address(kbook), va = shared_address(vbook);
+#if NIBROW
+    // Entry e = (n << 8) | b of each book to row b, slot n: one DK * 2-byte copy per entry.
+    for (int f = threadIdx.x; f < 2 * 4096; f += NWARPS * 32) {
+        const int e = f & 4095;
+        const unsigned dst = (f < 4096 ? ka : va) + ((e & 255) << 8) + (e >> 8) * (DK * 2);
+        const unsigned short* src = (f < 4096 ? kcent : vcent) + e * DK;
+        if (DK == 8) cp_async16(dst, src);
+        else asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src));
+    }
+#else
     for (int f = 8 * (int)threadIdx.x; f < KCOPIED + VCOPIED; f += 8 * NWARPS * 32)
         cp_async16(f < KCOPIED ? ka + 2 * f : va + 2 * (f - KCOPIED), f < KCOPIED ? kcent + f : vcent + (f - KCOPIED));
+#endif
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
@@ -344,6 +369,15 @@ template <int N, int FMT, int ROW>
 __device__ __forceinline__ unsigned gather_address(const unsigned* w, int j, unsigned base) {
 #if INTERLEAVE
     return __byte_perm(w[j >> 2], base, 0x7604 | ((j & 3) << 4));
+#elif NIBROW
+    // NIBROW: `base` has bits 8-15 zero and its slot bits free; the low byte is the row, the
+    // nibble (bits 4 (j & 7) .. + 3 of its word) the slot, at bit `at` (slots of DK * 2 bytes).
+    constexpr int at = DK == 4 ? 3 : 4;
+    const unsigned row = __byte_perm(w[j >> 2], base, 0x7604 | ((j & 3) << 4));
+    const unsigned nw = w[low_words(N) + (j >> 3)];
+    const int sh = (j & 7) * 4;
+    const unsigned slot = sh >= at ? nw >> (sh - at) : nw << (at - sh);
+    return row | (slot & (0xfu << at));
 #else
     return base + code_at<N, FMT>(w, j) * ROW;
 #endif
@@ -635,9 +669,16 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
 #if !CLUSTER
     __shared__ int last_arrival;
 #endif
-    // The books' region: the dynamic shared memory's start, or (INTERLEAVE) its first 64 KiB
+    // The books' region: the dynamic shared memory's start, or (INTERLEAVE, NIBROW) its first 64 KiB
     // boundary, for which the launch gives 64 KiB more than the books take.
-#if INTERLEAVE
+#if NIBROW
+    const unsigned smem_at = shared_address(smem), book_at = (smem_at + 0xffffu) & ~0xffffu;
+    unsigned dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+    if (book_at + NIBROW_REGION > smem_at + dynamic_bytes) __trap();  // the launch gave too little
+    unsigned short* kbook = (unsigned short*)(smem + (book_at - smem_at));
+    unsigned short* vbook = kbook + (DK == 4 ? 64 : 32768);  // the rows' second halves, or the next region
+#elif INTERLEAVE
     const unsigned smem_at = shared_address(smem), book_at = (smem_at + 0xffffu) & ~0xffffu;
     unsigned dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));

@@ -8,7 +8,11 @@ and per stream: the merging CTA zeroes its row's counter for the next launch, so
 no memset (:func:`arrival_counters`).
 
 Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures them side
-by side until the new one wins everywhere, issue 29): ``v6``, the default, is ``v5`` whose value
+by side until the new one wins everywhere, issue 29): ``v7``, not the default until it is measured
+on a GPU, is ``v6`` with the two 4096-entry books of the 3- and 1.5-bit presets laid out so that
+a packed 12-bit code's low byte is its row and its nibble its slot (:attr:`Variant.nibble_rows`):
+a gather's address is one byte permute, a shift and one logic op, instead of extracting the code
+and multiplying; the gathered values and the arithmetic are v6's. ``v6``, the default, is ``v5`` whose value
 product, for GQA groups of up to 4 query heads, contracts pairs of channels instead of pairs of
 positions: its N = 8 columns hold 4 heads x 2 channel parities, so a gathered centroid's words are
 the tensor-core A fragments as they land, and the 4 byte permutes per product that transposed
@@ -62,8 +66,8 @@ from .checks import check_decode_args
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count)
 
-_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v6-v2: v6-v3 CLUSTER builds, v6-v4 INTERLEAVE, v6/v5 LAZY, v6 VPAIR
-SOURCES = {"v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
+_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v7-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, NIBROW v7
+SOURCES = {"v7": _SOURCE, "v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 _log = logging.getLogger(__name__)
 # (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
@@ -72,9 +76,10 @@ _log = logging.getLogger(__name__)
 # takes one CTA of 8 before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4,
 # B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
 _V2_LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
-LAUNCHES = {"v6": _V2_LAUNCHES, "v5": _V2_LAUNCHES, "v4": _V2_LAUNCHES, "v3": _V2_LAUNCHES, "v2": _V2_LAUNCHES, "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
-CLUSTER_VERSIONS = ("v6", "v5", "v4", "v3")  # versions with a cluster build on sm_90
+LAUNCHES = {"v7": _V2_LAUNCHES, "v6": _V2_LAUNCHES, "v5": _V2_LAUNCHES, "v4": _V2_LAUNCHES, "v3": _V2_LAUNCHES, "v2": _V2_LAUNCHES, "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
+CLUSTER_VERSIONS = ("v7", "v6", "v5", "v4", "v3")  # versions with a cluster build on sm_90
 INTERLEAVED_BOOK_BYTES = 2 * 65536  # 64 KiB of rows at the first 64 KiB boundary of the allocation
+NIBBLE_ROW_BYTES = 65536  # one region of 256 rows x 256 bytes (per book at 8 dims, for both at 4)
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
 MAX_SPLITS = 64  # CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
 HEAD_DIMS = (64, 128)
@@ -101,7 +106,7 @@ class Variant:
     v_dims: int
     fp16: bool
     version: str = "v6"
-    cluster: bool = False  # the CLUSTER build (v3-v6 on sm_90): partials merged in distributed shared memory
+    cluster: bool = False  # the CLUSTER build (v3-v7 on sm_90): partials merged in distributed shared memory
     smem_per_sm: int = SMEM_PER_SM  # the device's (228 KiB on sm_90, 164 on sm_80, 100 on sm_86/89)
 
     @property
@@ -117,31 +122,46 @@ class Variant:
 
     @property
     def interleaved(self) -> bool:
-        """v4-v6 with two books of at most 256 entries (128 bytes of copies an entry): entry e's key
+        """v4-v7 with two books of at most 256 entries (128 bytes of copies an entry): entry e's key
         and value copies share a 256-byte row, so a gather's address is one byte permute of its
         code (the source's INTERLEAVE). Not where the device's shared memory is too small for
         the layout's 128 KiB (sm_86/89: 99 KiB a CTA): there they keep v3's layout."""
-        return (self.version in ("v6", "v5", "v4") and self.k_entries <= 256 and self.v_entries <= 256
+        return (self.version in ("v7", "v6", "v5", "v4") and self.k_entries <= 256 and self.v_entries <= 256
                 and INTERLEAVED_BOOK_BYTES <= self.smem_limit)
 
     @property
     def lazy_softmax(self) -> bool:
-        """v5 and v6: the online softmax moves its running max (and rescales the accumulator) only
+        """v5 on: the online softmax moves its running max (and rescales the accumulator) only
         when a block's score passes it by more than 2^8 (the source's LAZY)."""
-        return self.version in ("v6", "v5")
+        return self.version in ("v7", "v6", "v5")
 
     @property
     def paired_values(self) -> bool:
-        """v6 with at most 4 query heads per KV head: the value product's N holds 4 heads x 2
+        """v6 and v7 with at most 4 query heads per KV head: the value product's N holds 4 heads x 2
         channel parities and its A fragments are the gathered words, untransposed (the source's
         VPAIR; see block_step there)."""
-        return self.version == "v6" and self.group <= 4
+        return self.version in ("v7", "v6") and self.group <= 4
+
+    @property
+    def nibble_rows(self) -> bool:
+        """v7 with two 4096-entry books (packed 12-bit codes) of the same 4 or 8 dims (the 3- and
+        1.5-bit presets): entry ``(n << 8) | b`` sits at row ``b`` (256 bytes) and slot ``n`` of a
+        64 KiB-aligned region, so that a gather's address is the code's low byte permuted into the
+        base's byte 1 and its nibble shifted into the slot bits (the source's NIBROW)."""
+        return (self.version == "v7" and self.k_entries == self.v_entries == MAX_ENTRIES
+                and self.k_dims == self.v_dims and self.k_dims in (4, 8) and is_packed(self.k_entries)
+                and self._nibble_row_region() + NIBBLE_ROW_BYTES <= self.smem_limit)
+
+    def _nibble_row_region(self) -> int:
+        return NIBBLE_ROW_BYTES * (2 if self.k_dims == 8 else 1)
 
     def book_bytes(self) -> int:
         """Both 16-bit codebooks in shared memory, copies included (interleaved: with the room to
         start them at a 64 KiB boundary)."""
         if self.interleaved:
             return INTERLEAVED_BOOK_BYTES
+        if self.nibble_rows:  # with the room to start the region at a 64 KiB boundary
+            return self._nibble_row_region() + NIBBLE_ROW_BYTES
         k = self.k_entries * self.copies(self.k_entries, self.k_dims) * self.k_dims * 2
         v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
         return k + v
@@ -167,6 +187,7 @@ class Variant:
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
             FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
             INTERLEAVE=int(self.interleaved), LAZY=int(self.lazy_softmax), VPAIR=int(self.paired_values),
+            NIBROW=int(self.nibble_rows),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -225,7 +246,7 @@ def _source(version: str = "v6") -> str:
 
 @dataclass(frozen=True)
 class Built:
-    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (v3-v6 on
+    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (v3-v7 on
     sm_90) its cluster build with the same launch shape."""
 
     kernel: Kernel
@@ -252,7 +273,7 @@ def _compile(variant: Variant, device: torch.device, ctas: int, nwarps: int) -> 
 @functools.cache
 def _build(variant: Variant, device_index: int) -> Built:
     """Compile the first launch shape of :func:`launches_for` whose register budget does not make
-    the compiler spill to local memory (the last one otherwise); for v3-v6 on sm_90 also the cluster
+    the compiler spill to local memory (the last one otherwise); for v3-v7 on sm_90 also the cluster
     build of that shape, if its shared memory fits."""
     device = torch.device("cuda", device_index)
     shapes = launches_for(variant)
@@ -293,7 +314,7 @@ _ACTIVE_CLUSTERS: dict[tuple[int, int], int] = {}
 
 
 def cluster_size(built: Built, batch_heads: int, splits: int) -> int | None:
-    """The cluster of a v3-v6 launch: ``splits`` (each row's CTAs one cluster) when the cluster build
+    """The cluster of a v3-v7 launch: ``splits`` (each row's CTAs one cluster) when the cluster build
     exists (sm_90), the split is at most :data:`MAX_CLUSTER` CTAs, and all ``batch_heads`` rows'
     clusters fit on the GPU at once (a second wave of clusters would cost more than the merge
     saves; a split of one CTA is a cluster of one, scheduled as any CTA); None for the global merge."""
