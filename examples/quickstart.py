@@ -12,6 +12,8 @@ tok = AutoTokenizer.from_pretrained(path)
 ids = tok("It was a bright cold day in April, and", return_tensors="pt").input_ids
 
 # 1. calibrate once: smoothing factors and codebooks from your model's post-RoPE keys/values
+#    (in sequences of seq_len=1024 tokens: calibrate at the longest context you will run, since
+#    positions past it are quantized worse; docs/results.md)
 cb = vc.calibrate(model, tok, text, bits=2, max_tokens=8192)
 cb.save("cb-2bit.safetensors")
 

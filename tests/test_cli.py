@@ -79,6 +79,26 @@ def test_eval_ppl_with_codebooks_file(capsys, tmp_path, tiny_model, tiny_dir, sa
     assert math.isfinite(out["ppl"])
 
 
+@pytest.mark.parametrize("calibrated, warned", [(32, True), (64, False)])
+def test_eval_ppl_warns_when_windows_pass_the_calibrated_length(capsys, caplog, tmp_path, tiny_model, tiny_dir,
+                                                               sample_text_path, calibrated, warned):
+    """64-token windows scored with codebooks calibrated on 32-token sequences: one warning naming
+    `--seq-len 64`; calibrated on 64, none."""
+    from vecinfer_compile.codebooks import model_geometry
+
+    cb = random_codebooks(model_geometry(tiny_model[0].config), 2)
+    cb.metadata["seq_len"] = calibrated
+    path = cb.save(tmp_path / "cb.safetensors")
+    with caplog.at_level("WARNING", logger="vecinfer_compile.codebooks"):
+        run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path), "--method", "vecinfer",
+                          "--bits", "2", "--codebooks", str(path), "--windows", "1", "--window-len", "64", "--json",
+                          "--no-progress"])
+    messages = [r.getMessage() for r in caplog.records if "calibrated on" in r.getMessage()]
+    assert messages == (["vecinfer: these codebooks were calibrated on 32-token sequences; positions past 32 (up to "
+                         "64 here) are quantized worse than the ones calibration saw: recalibrate with `vecinfer "
+                         "calibrate --seq-len 64` (or longer) for contexts this long"] if warned else [])
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [

@@ -284,6 +284,24 @@ class VecInferCodebooks:
             log.warning(self._mismatch_message(model_name, weight, distance))
         return False
 
+    def check_context(self, length: int) -> bool:
+        """Whether sequences of ``length`` tokens stay within the positions these codebooks were
+        calibrated on (their ``seq_len`` metadata; True when it was not recorded); warns once if
+        not. Post-RoPE keys and queries of later positions differ from those calibration saw, and
+        codes fitted on the shorter sequences serve them worse (docs/results.md: evalmodel, 2 bits,
+        every token quantized, 2048-token windows: 1.20x full precision's perplexity with codebooks
+        calibrated on 1024-token sequences, 1.09x with 2048)."""
+        calibrated = self.metadata.get("seq_len")
+        if not isinstance(calibrated, int) or length <= calibrated:
+            return True
+        if "context" not in self._reported:
+            self._reported.add("context")
+            log.warning("vecinfer: these codebooks were calibrated on %d-token sequences; positions past %d "
+                        "(up to %d here) are quantized worse than the ones calibration saw: recalibrate with "
+                        "`vecinfer calibrate --seq-len %d` (or longer) for contexts this long", calibrated,
+                        calibrated, length, length)
+        return False
+
     def _note(self, kind: str, message: str) -> None:
         """Log ``message`` at info level, once per codebooks object and ``kind``."""
         if kind not in self._reported:

@@ -28,7 +28,8 @@ def add_calib_args(p: argparse.ArgumentParser, max_tokens: int = 32768) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
                    help=f"calibration tokens at most (default {max_tokens})")
     p.add_argument("--seq-len", type=int, default=1024, metavar="L",
-                   help="calibration sequence length (default 1024)")
+                   help="calibration sequence length (default 1024); calibrate at the longest context you will "
+                        "run: positions past it are quantized worse")
     p.add_argument("--iters", type=int, default=20, help="k-means iterations (default 20)")
     p.add_argument("--seed", type=int, default=0, help="k-means seed (default 0)")
 

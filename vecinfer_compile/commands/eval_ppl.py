@@ -81,6 +81,8 @@ def run(args) -> int:
         cache_dir=args.save_codebooks, max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters, seed=args.seed,
         progress=args.progress,
     )
+    if cb is not None:
+        cb.check_context(args.window_len)
     acc = kv_bytes(args.method, None if args.method == "fp16" else bits, model.config, residual=args.residual,
                    layer_bits=None if cb is None else cb.layer_bits)
     with applied(model, args.method, bits, codebooks=cb, residual=args.residual, backend=args.backend) as m:
