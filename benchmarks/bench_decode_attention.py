@@ -160,7 +160,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bits", default="2", help="comma-separated presets, e.g. 4,3,2,1.5,1.25,1")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
-    ap.add_argument("--versions", default="v6",
+    ap.add_argument("--versions", default=cuda_decode.DEFAULT_VERSION,
                     help="CUDA kernel versions to time, the first as 'cuda' (e.g. v6,v5; see ops/cuda_decode.py)")
     ap.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel")
     ap.add_argument("--passes", type=int, default=2,

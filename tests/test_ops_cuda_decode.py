@@ -230,6 +230,22 @@ def _check(args, got):
     _check_rule(got, want, _decode_baseline_err(args, want))
 
 
+def _against_version(args, monkeypatch, version: str, previous: str, *, exact: bool) -> None:
+    """Kernel ``version`` on ``args`` against the reference, then against kernel ``previous``: bit
+    for bit when ``exact`` (a change of layout only), else to rounding (the same products summed in
+    another order). ``$VECINFER_CUDA_DECODE_VERSION`` is left at ``version``."""
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
+    got = ops.decode_attention_cuda(*args)
+    _check(args, got)
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, previous)
+    want = ops.decode_attention_cuda(*args)
+    monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
+    if exact:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-3)
+
+
 @pytest.mark.cuda
 @needs_cuda
 @settings(max_examples=60, deadline=None)
@@ -410,12 +426,8 @@ def test_interleaved_books_give_v3s_output_exactly(specs, monkeypatch):
     for seed, (b, hkv, group, tmax, n_coded) in enumerate([(2, 4, 4, 3000, 2900), (3, 2, 8, 9000, 8871), (1, 8, 4, 200, 70)]):
         args = _decode(torch.bfloat16, 60 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=128, kspec=specs[0], vspec=specs[1], with_start=True)
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v4")
+        _against_version(args, monkeypatch, "v4", "v3", exact=True)
         assert cuda_decode.variant_for(args[0], args[3], args[4], group).interleaved == (max(specs[0][0], specs[1][0]) <= 256)
-        got = ops.decode_attention_cuda(*args)
-        _check(args, got)
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v3")
-        torch.testing.assert_close(got, ops.decode_attention_cuda(*args), rtol=0, atol=0)
 
 
 def _sawtooth(direction: int, n_window: int, dtype: torch.dtype):
@@ -451,16 +463,12 @@ def test_lazy_softmax_follows_scores_that_climb_and_fall(dtype, direction, n_win
     v4 (which rescales at every block). A v5 that never moved its max would overflow float16's P
     (2^16) here (checked by a mutation run on the H200, docs/results.md)."""
     args = _sawtooth(direction, n_window, dtype)
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v5")
+    _against_version(args, monkeypatch, "v5", "v4", exact=False)
     variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
     built = cuda_decode.kernels_for(variant, args[0].device)
     assert variant.lazy_softmax
     assert cuda_decode.num_splits(args[1].shape[1], args[1].shape[2], built.ctas_per_sm,
                                   ops.nvrtc.sm_count(0), built.nwarps) == 1
-    got = ops.decode_attention_cuda(*args)
-    _check(args, got)
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v4")
-    torch.testing.assert_close(got.float(), ops.decode_attention_cuda(*args).float(), rtol=1e-2, atol=2e-3)
 
 
 _PAIRED_CASES = [(specs, 4, 128) for specs in PRESET_SPECS] + [
@@ -479,12 +487,9 @@ def test_paired_value_product_matches_v5(specs, group, d, monkeypatch):
     for seed, (b, hkv, tmax, n_coded) in enumerate([(2, 3, 3000, 2900), (1, 8, 200, 70)]):
         args = _decode(torch.bfloat16, 80 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=True)
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v6")
+        _against_version(args, monkeypatch, "v6", "v5", exact=False)
         assert cuda_decode.variant_for(args[0], args[3], args[4], group).paired_values == (group <= 4)
-        got = ops.decode_attention_cuda(*args)
-        _check(args, got)
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v5")
-        torch.testing.assert_close(got.float(), ops.decode_attention_cuda(*args).float(), rtol=1e-2, atol=2e-3)
+
 
 @pytest.mark.cuda
 @needs_cuda
@@ -494,12 +499,8 @@ def test_paired_value_product_follows_the_lazy_rescale(direction, monkeypatch):
     a shuffle. On rows whose scores climb or fall across blocks (see _sawtooth), v6 matches the
     reference and v5."""
     args = _sawtooth(direction, 77, torch.float16)
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v6")
+    _against_version(args, monkeypatch, "v6", "v5", exact=False)
     assert cuda_decode.variant_for(args[0], args[3], args[4], 4).paired_values
-    got = ops.decode_attention_cuda(*args)
-    _check(args, got)
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v5")
-    torch.testing.assert_close(got.float(), ops.decode_attention_cuda(*args).float(), rtol=1e-2, atol=2e-3)
 
 
 @pytest.mark.cuda
@@ -515,10 +516,6 @@ def test_nibble_rows_give_v6s_output_exactly(specs, monkeypatch):
     for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
         args = _decode(dtype, 90 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=True)
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v7")
+        _against_version(args, monkeypatch, "v7", "v6", exact=True)
         assert cuda_decode.variant_for(args[0], args[3], args[4], group).nibble_rows == (
             specs[0] == specs[1] and specs[0][0] == 4096)
-        got = ops.decode_attention_cuda(*args)
-        _check(args, got)
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v6")
-        torch.testing.assert_close(got, ops.decode_attention_cuda(*args), rtol=0, atol=0)

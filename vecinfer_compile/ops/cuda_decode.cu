@@ -243,12 +243,13 @@ static_assert(KCOPIES * DK * 2 == 128 && VCOPIES * DV * 2 == 128 && EK <= 256 &&
               "interleaved books are two 128-byte halves of one 256-byte row per entry");
 #define KROW_SMEM 256
 #define VROW_SMEM 256
+#define BOOK_REGION 65536  // bytes from the aligned start: 256 rows of 256 bytes
 #elif NIBROW
 static_assert(EK == 4096 && EV == 4096 && KFMT == 2 && VFMT == 2 && DK == DV && (DK == 4 || DK == 8),
               "nibble rows hold two 4096-entry books of packed codes and one centroid width");
 #define KROW_SMEM 0  // unused: gather_address places the code's byte and nibble itself
 #define VROW_SMEM 0
-#define NIBROW_REGION (DK == 4 ? 65536 : 131072)  // bytes from the aligned start: one or two regions
+#define BOOK_REGION (DK == 4 ? 65536 : 131072)  // bytes from the aligned start: one or two regions
 #else
 #define KROW_SMEM (KCOPIES * DK * 2)
 #define VROW_SMEM (VCOPIES * DV * 2)
@@ -671,20 +672,14 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
 #endif
     // The books' region: the dynamic shared memory's start, or (INTERLEAVE, NIBROW) its first 64 KiB
     // boundary, for which the launch gives 64 KiB more than the books take.
-#if NIBROW
+#if INTERLEAVE || NIBROW
     const unsigned smem_at = shared_address(smem), book_at = (smem_at + 0xffffu) & ~0xffffu;
     unsigned dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
-    if (book_at + NIBROW_REGION > smem_at + dynamic_bytes) __trap();  // the launch gave too little
+    if (book_at + BOOK_REGION > smem_at + dynamic_bytes) __trap();  // the launch gave too little
     unsigned short* kbook = (unsigned short*)(smem + (book_at - smem_at));
-    unsigned short* vbook = kbook + (DK == 4 ? 64 : 32768);  // the rows' second halves, or the next region
-#elif INTERLEAVE
-    const unsigned smem_at = shared_address(smem), book_at = (smem_at + 0xffffu) & ~0xffffu;
-    unsigned dynamic_bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
-    if (book_at + 256 * 256 > smem_at + dynamic_bytes) __trap();  // the launch gave too little
-    unsigned short* kbook = (unsigned short*)(smem + (book_at - smem_at));
-    unsigned short* vbook = kbook + 64;  // the second half of each 256-byte row
+    // the value book: the second half of each 256-byte row, or (NIBROW at 8 dims) the next region
+    unsigned short* vbook = kbook + (NIBROW && DK == 8 ? 32768 : 64);
 #else
     unsigned short* kbook = (unsigned short*)smem;
     unsigned short* vbook = kbook + EK * KCOPIES * DK;

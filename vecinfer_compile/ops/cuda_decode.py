@@ -69,6 +69,15 @@ from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_
 _SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v7-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, NIBROW v7
 SOURCES = {"v7": _SOURCE, "v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
+DEFAULT_VERSION = "v6"
+
+
+def since(version: str, first: str) -> bool:
+    """Whether kernel ``version`` is ``first`` or a later one (each version keeps its predecessors'
+    features: see the module docstring)."""
+    return int(version[1:]) >= int(first[1:])
+
+
 _log = logging.getLogger(__name__)
 # (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
 # per SM, in one CTA first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257
@@ -76,8 +85,8 @@ _log = logging.getLogger(__name__)
 # takes one CTA of 8 before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4,
 # B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
 _V2_LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
-LAUNCHES = {"v7": _V2_LAUNCHES, "v6": _V2_LAUNCHES, "v5": _V2_LAUNCHES, "v4": _V2_LAUNCHES, "v3": _V2_LAUNCHES, "v2": _V2_LAUNCHES, "v1": ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4))}
-CLUSTER_VERSIONS = ("v7", "v6", "v5", "v4", "v3")  # versions with a cluster build on sm_90
+LAUNCHES = {v: _V2_LAUNCHES if since(v, "v2") else ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4)) for v in SOURCES}
+CLUSTER_VERSIONS = tuple(v for v in SOURCES if since(v, "v3"))  # versions with a cluster build on sm_90
 INTERLEAVED_BOOK_BYTES = 2 * 65536  # 64 KiB of rows at the first 64 KiB boundary of the allocation
 NIBBLE_ROW_BYTES = 65536  # one region of 256 rows x 256 bytes (per book at 8 dims, for both at 4)
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
@@ -105,7 +114,7 @@ class Variant:
     v_entries: int
     v_dims: int
     fp16: bool
-    version: str = "v6"
+    version: str = DEFAULT_VERSION
     cluster: bool = False  # the CLUSTER build (v3-v7 on sm_90): partials merged in distributed shared memory
     smem_per_sm: int = SMEM_PER_SM  # the device's (228 KiB on sm_90, 164 on sm_80, 100 on sm_86/89)
 
@@ -126,21 +135,21 @@ class Variant:
         and value copies share a 256-byte row, so a gather's address is one byte permute of its
         code (the source's INTERLEAVE). Not where the device's shared memory is too small for
         the layout's 128 KiB (sm_86/89: 99 KiB a CTA): there they keep v3's layout."""
-        return (self.version in ("v7", "v6", "v5", "v4") and self.k_entries <= 256 and self.v_entries <= 256
+        return (since(self.version, "v4") and self.k_entries <= 256 and self.v_entries <= 256
                 and INTERLEAVED_BOOK_BYTES <= self.smem_limit)
 
     @property
     def lazy_softmax(self) -> bool:
         """v5 on: the online softmax moves its running max (and rescales the accumulator) only
         when a block's score passes it by more than 2^8 (the source's LAZY)."""
-        return self.version in ("v7", "v6", "v5")
+        return since(self.version, "v5")
 
     @property
     def paired_values(self) -> bool:
         """v6 and v7 with at most 4 query heads per KV head: the value product's N holds 4 heads x 2
         channel parities and its A fragments are the gathered words, untransposed (the source's
         VPAIR; see block_step there)."""
-        return self.version in ("v7", "v6") and self.group <= 4
+        return since(self.version, "v6") and self.group <= 4
 
     @property
     def nibble_rows(self) -> bool:
@@ -148,7 +157,7 @@ class Variant:
         1.5-bit presets): entry ``(n << 8) | b`` sits at row ``b`` (256 bytes) and slot ``n`` of a
         64 KiB-aligned region, so that a gather's address is the code's low byte permuted into the
         base's byte 1 and its nibble shifted into the slot bits (the source's NIBROW)."""
-        return (self.version == "v7" and self.k_entries == self.v_entries == MAX_ENTRIES
+        return (since(self.version, "v7") and self.k_entries == self.v_entries == MAX_ENTRIES
                 and self.k_dims == self.v_dims and self.k_dims in (4, 8) and is_packed(self.k_entries)
                 and self._nibble_row_region() + NIBBLE_ROW_BYTES <= self.smem_limit)
 
@@ -194,7 +203,7 @@ class Variant:
 
 def kernel_version() -> str:
     """``$VECINFER_CUDA_DECODE_VERSION`` (``v6`` unless set; see the module docstring)."""
-    version = os.environ.get(VERSION_ENV, "v6").strip().lower() or "v6"
+    version = os.environ.get(VERSION_ENV, DEFAULT_VERSION).strip().lower() or DEFAULT_VERSION
     if version not in SOURCES:
         raise ValueError(f"{VERSION_ENV}={version!r}: use one of {', '.join(SOURCES)}")
     return version
@@ -240,7 +249,7 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
 
 
 @functools.cache
-def _source(version: str = "v6") -> str:
+def _source(version: str = DEFAULT_VERSION) -> str:
     return SOURCES[version].read_text()
 
 
