@@ -41,6 +41,7 @@ from bench_common import copies_for, graph_time_ms  # a sibling: benchmarks/ is 
 from vecinfer_compile.ops import cuda_decode, reference
 from vecinfer_compile.ops.triton_decode import decode_attention_triton
 from vecinfer_compile.presets import get_preset
+from vecinfer_compile.quant.byte_centroids import snap_centroids
 from vecinfer_compile.quant.packing import pack_codes
 
 HQ, HKV, D, R = 32, 8, 128, 128
@@ -53,8 +54,9 @@ def code_inputs(b: int, t: int, bits: float, g: torch.Generator):
     preset = get_preset(bits)
     dev = "cuda"
     q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=g)
-    kc = torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g)
-    vc = torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g)
+    # 4096-entry books hold 7-bit centroids, as every codebook does (LayerCodebooks snaps them)
+    kc = snap_centroids(torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g))
+    vc = snap_centroids(torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g))
     k_codes = pack_codes(torch.randint(0, preset.key.entries, (b, HKV, t, D // preset.key.dims), device=dev,
                                        generator=g), preset.key.entries)
     v_codes = pack_codes(torch.randint(0, preset.value.entries, (b, HKV, t, D // preset.value.dims), device=dev,

@@ -10,8 +10,8 @@
   persistent per-stream arrival counters (left zero, shared by shapes, graphs and streams), v3's
   cluster merge against v2's global one at every cluster size, v5's lazy softmax on scores that
   climb and fall across blocks by far more than its slack, v6's paired value product against v5
-  at every group size it takes, v7's nibble-row books against v6 bit for bit, and the previous
-  kernel versions.
+  at every group size it takes, v7's byte books against v6 bit for bit, and the previous kernel
+  versions.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def _nvrtc_or_skip():
 @pytest.mark.parametrize("version", sorted(cuda_decode.SOURCES))
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
-    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v6 to v3
-    in their cluster builds (v6 with and without its paired value product) (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
+    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v7 to v3
+    in their cluster builds (v7 and v6 with and without their paired value product) (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
     _nvrtc_or_skip()
     configs = ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4))
     clustered = version in cuda_decode.CLUSTER_VERSIONS
@@ -61,7 +61,7 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
 
 def test_kernel_version_from_the_environment(monkeypatch):
     monkeypatch.delenv(cuda_decode.VERSION_ENV, raising=False)
-    assert cuda_decode.kernel_version() == "v6"
+    assert cuda_decode.kernel_version() == "v7"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
     assert cuda_decode.kernel_version() == "v1"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "v9")
@@ -107,20 +107,15 @@ def test_variant_shared_memory_copies_and_launch_shapes():
     assert cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v4", **a100).interleaved
     assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v4", **a100))[:3] == [
         (1, 12), (1, 8), (2, 4)]
-    # v7 puts two 4096-entry books of one width in 256-byte rows of 64 KiB-aligned regions (one for
-    # both at 4 dims, one each at 8), with 64 KiB of room for the alignment; where that does not
-    # fit (1.5 bits on sm_80, anything on sm_86/89), and for every other pair of books, v7 is v6
-    for (k, v), region in ((((4096, 4), (4096, 4)), 64), (((4096, 8), (4096, 8)), 128)):
-        rows = cuda_decode.Variant(128, 4, *k, *v, False, "v7")
-        assert rows.nibble_rows and rows.paired_values and "-DNIBROW=1" in rows.defines(8)
-        assert rows.smem_bytes(8) == (region + 64) * 1024 and cuda_decode.launches_for(rows)[:2] == [(1, 12), (1, 8)]
-        assert not cuda_decode.Variant(128, 4, *k, *v, False, "v6").nibble_rows
-    assert cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v7", **a100).nibble_rows
-    assert not cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v7", **a100).nibble_rows
-    assert not cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v7", **small).nibble_rows
-    for k, v in ((4096, 8), (256, 8)), ((256, 4), (256, 4)):
-        other = cuda_decode.Variant(128, 4, *k, *v, False, "v7")
-        assert not other.nibble_rows and other.smem_bytes(12) == cuda_decode.Variant(128, 4, *k, *v, False, "v6").smem_bytes(12)
+    # v7 keeps the 4096-entry books (of 4 or 8 dims) as one byte a channel: half the shared memory,
+    # so that 1.5 bits fits the 99 KiB of sm_86/89 too; 256-entry books stay 16-bit
+    for (k, v), kib in ((((4096, 4), (4096, 4)), 32), (((4096, 8), (4096, 8)), 64), (((4096, 8), (256, 8)), 64),
+                        (((256, 4), (256, 4)), 128)):
+        byte = cuda_decode.Variant(128, 4, *k, *v, False, "v7")
+        assert byte.smem_bytes(8) == kib * 1024
+        assert f"-DKBYTE={int(k[0] > 256)}" in byte.defines(8) and f"-DVBYTE={int(v[0] > 256)}" in byte.defines(8)
+    assert not cuda_decode.Variant(128, 4, 4096, 2, 4096, 2, False, "v7").byte_book(4096, 2)
+    assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v7", **small))[:1] == [(1, 12)]
     # the warps' partials reuse the codebook memory; it is grown when they need more
     assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False, "v3").smem_bytes(4) == 32 * 1024 + 32 * 1024
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, "v3").smem_bytes(4) == 4 * 16 * 130 * 4
@@ -505,17 +500,18 @@ def test_paired_value_product_follows_the_lazy_rescale(direction, monkeypatch):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("specs", PRESET_SPECS)
-def test_nibble_rows_give_v6s_output_exactly(specs, monkeypatch):
-    """v7 changes where two 4096-entry books sit in shared memory and how a gather's address is
-    formed (the code's low byte the row, its nibble the slot), not what is gathered or the order of
-    the arithmetic: its output equals v6's bit for bit (short and long rows, a window, left padding,
-    GQA 4 and 8, head_dim 64, float16); presets with other books run v6 itself."""
+@pytest.mark.parametrize("specs", [s for s in PRESET_SPECS if max(s[0][0], s[1][0]) > 256])
+def test_byte_books_give_v6s_output_exactly(specs, monkeypatch):
+    """v7 holds the 4096-entry books as bytes and widens each gathered centroid to the 16-bit value
+    v6 reads from its 16-bit book (the codebooks' centroids are 7-bit: make_codes snaps them as
+    LayerCodebooks does), so its output equals v6's bit for bit (short and long rows, a window,
+    left padding, GQA 4 and 8, head_dim 64, float16 and bfloat16)."""
     cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
-             (1, 8, 4, 200, 70, 128, torch.bfloat16), (1, 3, 4, 1500, 1400, 64, torch.float16)]
+             (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16)]
     for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
         args = _decode(dtype, 90 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=True)
         _against_version(args, monkeypatch, "v7", "v6", exact=True)
-        assert cuda_decode.variant_for(args[0], args[3], args[4], group).nibble_rows == (
-            specs[0] == specs[1] and specs[0][0] == 4096)
+        variant = cuda_decode.variant_for(args[0], args[3], args[4], group)
+        assert [variant.byte_book(*c.shape) for c in args[3:5]] == [c.shape[0] > 256 for c in args[3:5]]
+

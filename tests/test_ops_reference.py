@@ -12,14 +12,16 @@ from hypothesis import strategies as st
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.presets import PRESETS
 from vecinfer_compile.quant import codebook, hadamard_matrix, pack_codes, packed_width, unpack_codes
+from vecinfer_compile.quant.byte_centroids import snap_centroids
 
 SPECS = sorted({(p.key.entries, p.key.dims) for p in PRESETS.values()} | {(p.value.entries, p.value.dims) for p in PRESETS.values()})
 
 
 def make_codes(gen, shape, entries, dims, head_dim):
     """Random stored codes (``head_dim // dims`` codes per head vector, packed as the ops take
-    them) and a float32 codebook ``[entries, dims]``."""
-    cent = torch.randn(entries, dims, generator=gen)
+    them) and a float32 codebook ``[entries, dims]`` (7-bit centroids for books of more than 256
+    entries, as every codebook holds them: :mod:`vecinfer_compile.quant.byte_centroids`)."""
+    cent = snap_centroids(torch.randn(entries, dims, generator=gen))
     codes = torch.randint(0, entries, (*shape, head_dim // dims), generator=gen)
     return pack_codes(codes, entries), cent
 

@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 
 from .methods import VQ_METHODS
 from .presets import Preset, get_preset
+from .quant.byte_centroids import snap_centroids
 from .quant.transform import KeyTransform
 from .quant.value_prediction import ValuePredictor
 from .weight_fingerprint import TOLERANCE, check_fingerprint, fingerprint_distance, graph_weights, weight_fingerprint
@@ -97,12 +98,18 @@ class LayerCodebooks:
     ``[H_kv, D, D]``, and/or rotation, after an optional key mean ``[H_kv, D]`` (and RoPE undone
     first for the pre-RoPE methods); value_predictor: the methods that code values as the residual
     of a prediction from the dequantized key, None otherwise (value_centroids then quantize that
-    residual)."""
+    residual). Books of more than 256 entries hold 7-bit centroids, snapped here (the CUDA decode
+    kernel's byte books: :mod:`vecinfer_compile.quant.byte_centroids`), so that every path reads
+    the same values."""
 
     transform: KeyTransform
     key_centroids: torch.Tensor
     value_centroids: torch.Tensor
     value_predictor: ValuePredictor | None = None
+
+    def __post_init__(self) -> None:
+        self.key_centroids = snap_centroids(self.key_centroids)
+        self.value_centroids = snap_centroids(self.value_centroids)
 
 
 def average_bits(layer_bits: list[float]) -> float:

@@ -18,16 +18,14 @@
 //                than RESCALE_SLACK (see block_step)
 //   VPAIR        1 (v6, v7; G <= 4): the value product pairs channels instead of positions (see
 //                block_step): its A fragments are the gathered centroid words as they land
-//   NIBROW       1 (v7): two 4096-entry books of packed 12-bit codes and the same DK, entry
-//                (n << 8) | b at row b (256 bytes) of a 64 KiB-aligned region, slot n of DK * 2
-//                bytes: a gather's address is the code's low byte dropped into byte 1 of the
-//                base and its nibble shifted into the slot bits (see gather_address); DK 4 keeps
-//                the value book in the second half of each row, DK 8 in a second region
+//   KBYTE, VBYTE 1 (v7, single-copy books of 4 or 8 dims): the key / value book holds each centroid as bytes
+//                u = k + 64 of a 7-bit k in [-64, 63] with one power-of-two step per book
+//                (centroid = k * step, see byte_book), widened after the gather (widen)
 //   CLUSTER      1: the splits CTAs of a (batch row, KV head) are one thread-block cluster (sm_90)
 //                and merge through distributed shared memory (see the end of this header);
 //                MAX_CLUSTER, the largest cluster the launch makes
-// The codebooks arrive as 16-bit centroids in the query's dtype (cuda_decode.py prepares them once
-// from the float32 ones).
+// The codebooks arrive as 16-bit centroids in the query's dtype, or (KBYTE, VBYTE) as bytes followed
+// by the book's float32 step (cuda_decode.py prepares them once from the float32 ones).
 //
 // vq_decode: grid (B * Hkv, splits), NWARPS warps; one launch per call. Each warp is one "unit"
 // of the flash-decoding split: the row's positions, in blocks of BLOCK_T, are the coded ones
@@ -66,8 +64,11 @@
 #ifndef VPAIR
 #define VPAIR 0
 #endif
-#ifndef NIBROW
-#define NIBROW 0
+#ifndef KBYTE
+#define KBYTE 0
+#endif
+#ifndef VBYTE
+#define VBYTE 0
 #endif
 #define RESCALE_SLACK 8.0f  // LAZY: how far (log2 units) a score may pass the running max before it moves
 #define BLOCK_T 64              // positions per warp iteration
@@ -84,6 +85,14 @@
 #define KROW_BYTES (row_bytes(SK, KFMT))
 #define VROW_BYTES (row_bytes(SV, VFMT))
 #define NEG_INF (-__int_as_float(0x7f800000))
+#define KELEM (KBYTE ? 1 : 2)    // bytes a key centroid channel takes in shared memory
+#define KELEM_V (VBYTE ? 1 : 2)  // and a value one
+#if KBYTE
+static_assert(KCOPIES == 1, "byte books are the single-copy (4096-entry) ones");
+#endif
+#if VBYTE
+static_assert(VCOPIES == 1, "byte books are the single-copy (4096-entry) ones");
+#endif
 #if VPAIR
 static_assert(G <= 4, "the paired value product holds 4 heads x 2 channels of a pair in its N = 8");
 #define ACC_M (D / 32)  // value m-tiles: 16 rows of two channels each
@@ -192,6 +201,51 @@ __device__ __forceinline__ void lds(unsigned addr, unsigned* out) {
     }
 }
 
+// Byte books: byte u = k + 64 (k in [-64, 63]) of a centroid channel k * step, step a power of two.
+// The byte becomes the mantissa of MAGIC + u (1024 + u in float16, 128 + u in bfloat16: both exact)
+// by a byte permute, and one fused multiply-add takes (MAGIC + u) * step - (MAGIC + 64) * step =
+// k * step, exact in both formats: the same 16-bit value the 16-bit book holds for that centroid.
+#if FP16
+#define BYTE_MAGIC 0x64646464u  // float16 1024 + u
+#define MAGIC_VALUE 1024.f
+#define FMA2 "fma.rn.f16x2"
+#else
+#define BYTE_MAGIC 0x43434343u  // bfloat16 128 + u
+#define MAGIC_VALUE 128.f
+#define FMA2 "fma.rn.bf16x2"
+#endif
+
+struct ByteStep {
+    unsigned mul, add;  // step and -(MAGIC + 64) * step, each in both halves
+};
+
+__device__ __forceinline__ ByteStep byte_step(float step) {
+    return ByteStep{pack2(step, step), pack2(-(MAGIC_VALUE + 64.f) * step, -(MAGIC_VALUE + 64.f) * step)};
+}
+
+// Four bytes (channels c .. c + 3) -> two words of two 16-bit channels each.
+__device__ __forceinline__ void widen(unsigned x, ByteStep st, unsigned* out) {
+    const unsigned lo = __byte_perm(x, BYTE_MAGIC, 0x4140), hi = __byte_perm(x, BYTE_MAGIC, 0x4342);
+    asm(FMA2 " %0, %1, %2, %3;" : "=r"(out[0]) : "r"(lo), "r"(st.mul), "r"(st.add));
+    asm(FMA2 " %0, %1, %2, %3;" : "=r"(out[1]) : "r"(hi), "r"(st.mul), "r"(st.add));
+}
+
+// The DIM/2 words of a byte book's centroid at `addr`.
+template <int DIM>
+__device__ __forceinline__ void lds_bytes(unsigned addr, ByteStep st, unsigned* out) {
+    static_assert(DIM == 4 || DIM == 8, "byte books hold 4 or 8 channels a centroid");
+    if (DIM == 8) {
+        unsigned x0, x1;
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(x0), "=r"(x1) : "r"(addr));
+        widen(x0, st, out);
+        widen(x1, st, out + 2);
+    } else {
+        unsigned x;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(x) : "r"(addr));
+        widen(x, st, out);
+    }
+}
+
 __device__ __forceinline__ unsigned shared_address(const void* p) {
     unsigned r;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -244,15 +298,9 @@ static_assert(KCOPIES * DK * 2 == 128 && VCOPIES * DV * 2 == 128 && EK <= 256 &&
 #define KROW_SMEM 256
 #define VROW_SMEM 256
 #define BOOK_REGION 65536  // bytes from the aligned start: 256 rows of 256 bytes
-#elif NIBROW
-static_assert(EK == 4096 && EV == 4096 && KFMT == 2 && VFMT == 2 && DK == DV && (DK == 4 || DK == 8),
-              "nibble rows hold two 4096-entry books of packed codes and one centroid width");
-#define KROW_SMEM 0  // unused: gather_address places the code's byte and nibble itself
-#define VROW_SMEM 0
-#define BOOK_REGION (DK == 4 ? 65536 : 131072)  // bytes from the aligned start: one or two regions
 #else
-#define KROW_SMEM (KCOPIES * DK * 2)
-#define VROW_SMEM (VCOPIES * DV * 2)
+#define KROW_SMEM (KCOPIES * DK * KELEM)
+#define VROW_SMEM (VCOPIES * DV * KELEM_V)
 #endif
 
 // A single-copy (4096-entry) book is copied in instead (copy_books); the tasks fill the others.
@@ -291,8 +339,8 @@ __device__ __forceinline__ void fill_books(const unsigned short* __restrict__ kc
 // kernel's start (every 16-byte piece in flight at once, no registers held) and awaited before the
 // fill's barrier. (A fill of float32 centroids converted in registers was 15 us of a 27 us call at
 // 3 bits, B=1, T=4k on the H200; staging the floats and converting them in shared memory, 4 us.)
-#define KCOPIED (KCOPIES == 1 ? EK * DK : 0)
-#define VCOPIED (VCOPIES == 1 ? EV * DV : 0)
+#define KCOPIED (KCOPIES == 1 ? EK * DK * KELEM : 0)  // bytes
+#define VCOPIED (VCOPIES == 1 ? EV * DV * KELEM_V : 0)
 
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
@@ -301,19 +349,10 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
 __device__ __forceinline__ void copy_books(const unsigned short* __restrict__ kcent, const unsigned short* __restrict__ vcent,
                                            unsigned short* kbook, unsigned short* vbook) {
     const unsigned ka = shared_address(kbook), va = shared_address(vbook);
-#if NIBROW
-    // Entry e = (n << 8) | b of each book to row b, slot n: one DK * 2-byte copy per entry.
-    for (int f = threadIdx.x; f < 2 * 4096; f += NWARPS * 32) {
-        const int e = f & 4095;
-        const unsigned dst = (f < 4096 ? ka : va) + ((e & 255) << 8) + (e >> 8) * (DK * 2);
-        const unsigned short* src = (f < 4096 ? kcent : vcent) + e * DK;
-        if (DK == 8) cp_async16(dst, src);
-        else asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src));
-    }
-#else
-    for (int f = 8 * (int)threadIdx.x; f < KCOPIED + VCOPIED; f += 8 * NWARPS * 32)
-        cp_async16(f < KCOPIED ? ka + 2 * f : va + 2 * (f - KCOPIED), f < KCOPIED ? kcent + f : vcent + (f - KCOPIED));
-#endif
+    const unsigned char* kc = (const unsigned char*)kcent;
+    const unsigned char* vc = (const unsigned char*)vcent;
+    for (int f = 16 * (int)threadIdx.x; f < KCOPIED + VCOPIED; f += 16 * NWARPS * 32)
+        cp_async16(f < KCOPIED ? ka + f : va + (f - KCOPIED), f < KCOPIED ? kc + f : vc + (f - KCOPIED));
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
@@ -370,15 +409,6 @@ template <int N, int FMT, int ROW>
 __device__ __forceinline__ unsigned gather_address(const unsigned* w, int j, unsigned base) {
 #if INTERLEAVE
     return __byte_perm(w[j >> 2], base, 0x7604 | ((j & 3) << 4));
-#elif NIBROW
-    // NIBROW: `base` has bits 8-15 zero and its slot bits free; the low byte is the row, the
-    // nibble (bits 4 (j & 7) .. + 3 of its word) the slot, at bit `at` (slots of DK * 2 bytes).
-    constexpr int at = DK == 4 ? 3 : 4;
-    const unsigned row = __byte_perm(w[j >> 2], base, 0x7604 | ((j & 3) << 4));
-    const unsigned nw = w[low_words(N) + (j >> 3)];
-    const int sh = (j & 7) * 4;
-    const unsigned slot = sh >= at ? nw >> (sh - at) : nw << (at - sh);
-    return row | (slot & (0xfu << at));
 #else
     return base + code_at<N, FMT>(w, j) * ROW;
 #endif
@@ -387,13 +417,20 @@ __device__ __forceinline__ unsigned gather_address(const unsigned* w, int j, uns
 struct CodebookRows {
     const BlockCodes& bc;
     unsigned kbase, vbase;
+    ByteStep kstep, vstep;  // KBYTE / VBYTE: the books' steps (unused otherwise)
+
+    template <int DIM, int BYTE>
+    __device__ __forceinline__ void gather(unsigned addr, ByteStep st, unsigned* out) const {
+        if constexpr (BYTE) lds_bytes<DIM>(addr, st, out);
+        else lds<DIM>(addr, out);
+    }
 
     // Positions t0 + 16 mt + gid (ka) and + 8 (kb): this thread's SLICE_K channels.
     __device__ __forceinline__ void keys(int mt, unsigned* ka, unsigned* kb) const {
 #pragma unroll
         for (int j = 0; j < NCODE_K; ++j) {
-            lds<DK>(gather_address<NCODE_K, KFMT, KROW_SMEM>(bc.k[2 * mt], j, kbase), ka + j * (DK / 2));
-            lds<DK>(gather_address<NCODE_K, KFMT, KROW_SMEM>(bc.k[2 * mt + 1], j, kbase), kb + j * (DK / 2));
+            gather<DK, KBYTE>(gather_address<NCODE_K, KFMT, KROW_SMEM>(bc.k[2 * mt], j, kbase), kstep, ka + j * (DK / 2));
+            gather<DK, KBYTE>(gather_address<NCODE_K, KFMT, KROW_SMEM>(bc.k[2 * mt + 1], j, kbase), kstep, kb + j * (DK / 2));
         }
     }
 
@@ -401,7 +438,7 @@ struct CodebookRows {
     __device__ __forceinline__ void values(int i, int r, unsigned* vv) const {
 #pragma unroll
         for (int j = 0; j < NCODE_V; ++j)
-            lds<DV>(gather_address<NCODE_V, VFMT, VROW_SMEM>(bc.v[i][r], j, vbase), vv + j * (DV / 2));
+            gather<DV, VBYTE>(gather_address<NCODE_V, VFMT, VROW_SMEM>(bc.v[i][r], j, vbase), vstep, vv + j * (DV / 2));
     }
 };
 
@@ -670,19 +707,18 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
 #if !CLUSTER
     __shared__ int last_arrival;
 #endif
-    // The books' region: the dynamic shared memory's start, or (INTERLEAVE, NIBROW) its first 64 KiB
+    // The books' region: the dynamic shared memory's start, or (INTERLEAVE) its first 64 KiB
     // boundary, for which the launch gives 64 KiB more than the books take.
-#if INTERLEAVE || NIBROW
+#if INTERLEAVE
     const unsigned smem_at = shared_address(smem), book_at = (smem_at + 0xffffu) & ~0xffffu;
     unsigned dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
     if (book_at + BOOK_REGION > smem_at + dynamic_bytes) __trap();  // the launch gave too little
     unsigned short* kbook = (unsigned short*)(smem + (book_at - smem_at));
-    // the value book: the second half of each 256-byte row, or (NIBROW at 8 dims) the next region
-    unsigned short* vbook = kbook + (NIBROW && DK == 8 ? 32768 : 64);
+    unsigned short* vbook = kbook + 64;  // the value book: the second half of each 256-byte row
 #else
     unsigned short* kbook = (unsigned short*)smem;
-    unsigned short* vbook = kbook + EK * KCOPIES * DK;
+    unsigned short* vbook = (unsigned short*)(smem + EK * KCOPIES * DK * KELEM);
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -742,12 +778,15 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     // Lane l reads copy l % COPIES of each codebook.
     const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
     const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
+    // A byte book's step follows its EK x DK bytes (see byte_book in cuda_decode.py).
+    const ByteStep kstep = byte_step(KBYTE ? *(const float*)((const unsigned char*)kcent + EK * DK) : 0.f);
+    const ByteStep vstep = byte_step(VBYTE ? *(const float*)((const unsigned char*)vcent + EV * DV) : 0.f);
     for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
         load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
-        block_step<true>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
+        block_step<true>(CodebookRows{cur, kbase, vbase, kstep, vstep}, t0, hi, lane, qf, scale_log2, m, l, acc);
         cur = nxt;
     }
-    if (t0 < hi) block_step<false>(CodebookRows{cur, kbase, vbase}, t0, hi, lane, qf, scale_log2, m, l, acc);
+    if (t0 < hi) block_step<false>(CodebookRows{cur, kbase, vbase, kstep, vstep}, t0, hi, lane, qf, scale_log2, m, l, acc);
     const long long wrow = (long long)bh * r_slots * D;
     for (int s0 = wlo; s0 < whi; s0 += BLOCK_T) {
         const int n = min(BLOCK_T, whi - s0);

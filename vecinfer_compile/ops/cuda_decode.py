@@ -8,11 +8,12 @@ and per stream: the merging CTA zeroes its row's counter for the next launch, so
 no memset (:func:`arrival_counters`).
 
 Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures them side
-by side until the new one wins everywhere, issue 29): ``v7``, not the default until it is measured
-on a GPU, is ``v6`` with the two 4096-entry books of the 3- and 1.5-bit presets laid out so that
-a packed 12-bit code's low byte is its row and its nibble its slot (:attr:`Variant.nibble_rows`):
-a gather's address is one byte permute, a shift and one logic op, instead of extracting the code
-and multiplying; the gathered values and the arithmetic are v6's. ``v6``, the default, is ``v5`` whose value
+by side until the new one wins everywhere, issue 29): ``v7``, the default, is ``v6`` whose 4096-entry codebooks
+(the 3-, 1.5- and 1.25-bit presets) sit in shared memory as one byte a channel, 7-bit centroids on a
+power-of-two step per book that the kernel widens exactly after the gather
+(:attr:`Variant.byte_books`, :mod:`vecinfer_compile.quant.byte_centroids`; the codebooks hold those
+values, so the output is v6's bit for bit): a gather moves half the bytes and collides on fewer
+banks. ``v6`` is ``v5`` whose value
 product, for GQA groups of up to 4 query heads, contracts pairs of channels instead of pairs of
 positions: its N = 8 columns hold 4 heads x 2 channel parities, so a gathered centroid's words are
 the tensor-core A fragments as they land, and the 4 byte permutes per product that transposed
@@ -61,15 +62,16 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+from ..quant.byte_centroids import BYTE_BOOK_ENTRIES, packed_byte_book
 from ..quant.packing import is_packed
 from .checks import check_decode_args
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count)
 
-_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v7-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, NIBROW v7
+_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v7-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, KBYTE/VBYTE v7
 SOURCES = {"v7": _SOURCE, "v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
-DEFAULT_VERSION = "v6"
+DEFAULT_VERSION = "v7"
 
 
 def since(version: str, first: str) -> bool:
@@ -88,7 +90,6 @@ _V2_LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
 LAUNCHES = {v: _V2_LAUNCHES if since(v, "v2") else ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4)) for v in SOURCES}
 CLUSTER_VERSIONS = tuple(v for v in SOURCES if since(v, "v3"))  # versions with a cluster build on sm_90
 INTERLEAVED_BOOK_BYTES = 2 * 65536  # 64 KiB of rows at the first 64 KiB boundary of the allocation
-NIBBLE_ROW_BYTES = 65536  # one region of 256 rows x 256 bytes (per book at 8 dims, for both at 4)
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
 MAX_SPLITS = 64  # CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
 HEAD_DIMS = (64, 128)
@@ -151,29 +152,18 @@ class Variant:
         VPAIR; see block_step there)."""
         return since(self.version, "v6") and self.group <= 4
 
-    @property
-    def nibble_rows(self) -> bool:
-        """v7 with two 4096-entry books (packed 12-bit codes) of the same 4 or 8 dims (the 3- and
-        1.5-bit presets): entry ``(n << 8) | b`` sits at row ``b`` (256 bytes) and slot ``n`` of a
-        64 KiB-aligned region, so that a gather's address is the code's low byte permuted into the
-        base's byte 1 and its nibble shifted into the slot bits (the source's NIBROW)."""
-        return (since(self.version, "v7") and self.k_entries == self.v_entries == MAX_ENTRIES
-                and self.k_dims == self.v_dims and self.k_dims in (4, 8) and is_packed(self.k_entries)
-                and self._nibble_row_region() + NIBBLE_ROW_BYTES <= self.smem_limit)
-
-    def _nibble_row_region(self) -> int:
-        return NIBBLE_ROW_BYTES * (2 if self.k_dims == 8 else 1)
+    def byte_book(self, entries: int, dims: int) -> bool:
+        """v7 on for a book of more than 256 entries of 4 or 8 dims: one byte a channel in shared
+        memory (the source's KBYTE / VBYTE; see :mod:`vecinfer_compile.quant.byte_centroids`)."""
+        return since(self.version, "v7") and entries >= BYTE_BOOK_ENTRIES and dims in (4, 8)
 
     def book_bytes(self) -> int:
-        """Both 16-bit codebooks in shared memory, copies included (interleaved: with the room to
-        start them at a 64 KiB boundary)."""
+        """Both codebooks in shared memory, copies included (interleaved: with the room to start
+        them at a 64 KiB boundary)."""
         if self.interleaved:
             return INTERLEAVED_BOOK_BYTES
-        if self.nibble_rows:  # with the room to start the region at a 64 KiB boundary
-            return self._nibble_row_region() + NIBBLE_ROW_BYTES
-        k = self.k_entries * self.copies(self.k_entries, self.k_dims) * self.k_dims * 2
-        v = self.v_entries * self.copies(self.v_entries, self.v_dims) * self.v_dims * 2
-        return k + v
+        return sum(e * self.copies(e, d) * d * (1 if self.byte_book(e, d) else 2)
+                   for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims)))
 
     def smem_bytes(self, nwarps: int) -> int:
         """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks, reused
@@ -196,13 +186,13 @@ class Variant:
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
             FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
             INTERLEAVE=int(self.interleaved), LAZY=int(self.lazy_softmax), VPAIR=int(self.paired_values),
-            NIBROW=int(self.nibble_rows),
+            KBYTE=int(self.byte_book(self.k_entries, self.k_dims)), VBYTE=int(self.byte_book(self.v_entries, self.v_dims)),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
 
 def kernel_version() -> str:
-    """``$VECINFER_CUDA_DECODE_VERSION`` (``v6`` unless set; see the module docstring)."""
+    """``$VECINFER_CUDA_DECODE_VERSION`` (``v7`` unless set; see the module docstring)."""
     version = os.environ.get(VERSION_ENV, DEFAULT_VERSION).strip().lower() or DEFAULT_VERSION
     if version not in SOURCES:
         raise ValueError(f"{VERSION_ENV}={version!r}: use one of {', '.join(SOURCES)}")
@@ -341,12 +331,13 @@ def cluster_size(built: Built, batch_heads: int, splits: int) -> int | None:
     return splits if batch_heads <= _ACTIVE_CLUSTERS[key] else None
 
 
-_BOOKS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, int, torch.Tensor]] = {}
+_BOOKS: dict[tuple[int, torch.dtype | None], tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
 
-def prepared_book(centroids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def prepared_book(centroids: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """float32 centroids ``[E, d]`` -> the same ``[E, d]`` in ``dtype`` (16-bit, 16-byte aligned), as
-    the v2 kernel reads them: converted once per codebook tensor and kept while that tensor lives,
+    the v2 kernel reads them, or for ``dtype`` None the byte book of v7
+    (:func:`vecinfer_compile.quant.byte_centroids.packed_byte_book`, as int16 pairs of bytes): converted once per codebook tensor and kept while that tensor lives,
     so that a decode step launches no conversion. The copy is made again when the tensor has been
     modified in place (its version counter moved) or moved in memory. Inside a CUDA-graph capture a
     missing copy is converted in the graph and not kept (graph pools must not be held outside the
@@ -365,9 +356,10 @@ def prepared_book(centroids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if hit is not None and hit[0]() is centroids and hit[1] == version and hit[2] == centroids.data_ptr():
         return hit[3]
     counters["vecinfer"]["decode_book_conversions"] += 1
+    source, kind = (centroids, dtype) if dtype is not None else (packed_byte_book(centroids).view(torch.int16), torch.int16)
     if centroids.is_cuda and torch.cuda.is_current_stream_capturing():
-        return _aligned(centroids.to(dtype))
-    book = device_copy(centroids, dtype) if centroids.is_cuda else _aligned(centroids.to(dtype))
+        return _aligned(source.to(kind))
+    book = device_copy(source, kind) if centroids.is_cuda else _aligned(source.to(kind))
     _BOOKS[key] = (weakref.ref(centroids, lambda _, key=key: _BOOKS.pop(key, None)), version, centroids.data_ptr(), book)
     return book
 
@@ -436,7 +428,8 @@ def decode_attention_cuda(
     if v1:
         k_centroids, v_centroids = _aligned(k_centroids), _aligned(v_centroids)
     else:
-        k_centroids, v_centroids = prepared_book(k_centroids, q.dtype), prepared_book(v_centroids, q.dtype)
+        k_centroids, v_centroids = (prepared_book(c, None if variant.byte_book(*c.shape) else q.dtype)
+                                    for c in (k_centroids, v_centroids))
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, sm_count(device_index(q.device)), built.nwarps)
     cluster = None if v1 else cluster_size(built, b * hkv, splits)
     if cluster is not None:  # partials stay in shared memory: none in global memory, no counters
