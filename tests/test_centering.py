@@ -151,7 +151,7 @@ def test_tensor_parallel_cuts_the_mean_to_the_rank():
         cut = local_layer(layer, heads)
         assert torch.equal(cut.transform.mean, layer.transform.mean[heads])
         assert torch.equal(cut.transform.key_matrix, layer.transform.key_matrix[heads])
-    plain = SimpleNamespace(transform=KeyTransform(4, torch.ones(2, 4)), key_centroids=None, value_centroids=None)
+    plain = SimpleNamespace(transform=KeyTransform(4, torch.ones(2, 4)), key_centroids=torch.zeros(256, 4), value_centroids=torch.zeros(256, 4))
     assert local_layer(plain, slice(1, 2)).transform.mean is None
 
 

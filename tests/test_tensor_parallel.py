@@ -38,7 +38,7 @@ def test_local_layer_cuts_per_head_state_and_keeps_codebooks_whole():
     assert torch.equal(local.transform.lam, layer.transform.lam[1:2])
     assert local.key_centroids is layer.key_centroids and local.value_centroids is layer.value_centroids
     qa = SimpleNamespace(transform=KeyTransform(
-        4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)), key_centroids=None, value_centroids=None)
+        4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)), key_centroids=torch.zeros(256, 4), value_centroids=torch.zeros(256, 4))
     cut = local_layer(qa, slice(0, 1))
     assert torch.equal(cut.transform.key_matrix, qa.transform.key_matrix[:1])
     assert torch.equal(cut.transform.query_matrix, qa.transform.query_matrix[:1])

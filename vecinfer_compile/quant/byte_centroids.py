@@ -34,11 +34,13 @@ def byte_codes(centroids: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 def snap_centroids(centroids: torch.Tensor) -> torch.Tensor:
     """``centroids [E, d]`` float32 -> the nearest ``k * step`` (same shape and dtype) for books of
-    :data:`BYTE_BOOK_ENTRIES` or more entries; smaller books unchanged. Idempotent."""
+    :data:`BYTE_BOOK_ENTRIES` or more entries; smaller books, and books already snapped, are
+    returned as they are (the same tensor: kernels keep prepared copies per codebook tensor)."""
     if centroids.shape[0] < BYTE_BOOK_ENTRIES:
         return centroids
     step = centroid_step(centroids)
-    return (byte_codes(centroids, step).float() * step).to(centroids.dtype)
+    snapped = (byte_codes(centroids, step).float() * step).to(centroids.dtype)
+    return centroids if torch.equal(snapped, centroids) else snapped
 
 
 def packed_byte_book(centroids: torch.Tensor) -> torch.Tensor:
