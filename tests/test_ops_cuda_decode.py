@@ -505,7 +505,7 @@ def test_byte_books_give_v6s_output_exactly(specs, monkeypatch):
     """v7 holds the 4096-entry books as bytes and widens each gathered centroid to the 16-bit value
     v6 reads from its 16-bit book (the codebooks' centroids are 7-bit: make_codes snaps them as
     LayerCodebooks does), so its output equals v6's bit for bit (short and long rows, a window,
-    left padding, GQA 4 and 8, head_dim 64, float16 and bfloat16)."""
+    left padding, GQA 4 and 8, head_dim 64, float16 and bfloat16, float16 centroids near its range)."""
     cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
              (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16)]
     for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
@@ -514,4 +514,15 @@ def test_byte_books_give_v6s_output_exactly(specs, monkeypatch):
         _against_version(args, monkeypatch, "v7", "v6", exact=True)
         variant = cuda_decode.variant_for(args[0], args[3], args[4], group)
         assert [variant.byte_book(*c.shape) for c in args[3:5]] == [c.shape[0] > 256 for c in args[3:5]]
+    # float16 centroids of ~16,000 (a step of 256: -(1024 + 64) * step is past float16's range, so
+    # the float16 widening adds before it multiplies) still equal v6's
+    args = list(_decode(torch.float16, 95, b=1, hkv=2, group=4, tmax=700, n_coded=650, r=128, n_window=40,
+                        d=128, kspec=specs[0], vspec=specs[1], with_start=False))
+    args[0], args[3], args[4] = args[0] / 4096, args[3] * 4096, args[4] * 4096
+    outs = {}
+    for version in ("v7", "v6"):
+        monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
+        outs[version] = ops.decode_attention_cuda(*args)
+    assert torch.isfinite(outs["v7"]).all()
+    torch.testing.assert_close(outs["v7"], outs["v6"], rtol=0, atol=0)
 

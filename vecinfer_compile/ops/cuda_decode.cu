@@ -20,7 +20,8 @@
 //                block_step): its A fragments are the gathered centroid words as they land
 //   KBYTE, VBYTE 1 (v7, single-copy books of 4 or 8 dims): the key / value book holds each centroid as bytes
 //                u = k + 64 of a 7-bit k in [-64, 63] with one power-of-two step per book
-//                (centroid = k * step, see byte_book), widened after the gather (widen)
+//                (centroid = k * step, see quant/byte_centroids.py), widened after the gather
+//                (widen)
 //   CLUSTER      1: the splits CTAs of a (batch row, KV head) are one thread-block cluster (sm_90)
 //                and merge through distributed shared memory (see the end of this header);
 //                MAX_CLUSTER, the largest cluster the launch makes
@@ -85,8 +86,8 @@
 #define KROW_BYTES (row_bytes(SK, KFMT))
 #define VROW_BYTES (row_bytes(SV, VFMT))
 #define NEG_INF (-__int_as_float(0x7f800000))
-#define KELEM (KBYTE ? 1 : 2)    // bytes a key centroid channel takes in shared memory
-#define KELEM_V (VBYTE ? 1 : 2)  // and a value one
+#define KELEM (KBYTE ? 1 : 2)  // bytes a key centroid channel takes in shared memory
+#define VELEM (VBYTE ? 1 : 2)  // and a value one
 #if KBYTE
 static_assert(KCOPIES == 1, "byte books are the single-copy (4096-entry) ones");
 #endif
@@ -202,32 +203,43 @@ __device__ __forceinline__ void lds(unsigned addr, unsigned* out) {
 }
 
 // Byte books: byte u = k + 64 (k in [-64, 63]) of a centroid channel k * step, step a power of two.
-// The byte becomes the mantissa of MAGIC + u (1024 + u in float16, 128 + u in bfloat16: both exact)
-// by a byte permute, and one fused multiply-add takes (MAGIC + u) * step - (MAGIC + 64) * step =
-// k * step, exact in both formats: the same 16-bit value the 16-bit book holds for that centroid.
+// A byte permute makes the byte the mantissa of MAGIC + u (1024 + u in float16, 128 + u in
+// bfloat16: both exact), and the result is (MAGIC + u - (MAGIC + 64)) * step = k * step, exactly
+// the value the 16-bit book holds for that centroid. bfloat16: one fused multiply-add with
+// -(MAGIC + 64) * step. float16: an add, then a multiply, because -(1024 + 64) * step leaves
+// float16's range for steps above 32 (centroids above ~2000), which the 16-bit book holds.
 #if FP16
 #define BYTE_MAGIC 0x64646464u  // float16 1024 + u
 #define MAGIC_VALUE 1024.f
-#define FMA2 "fma.rn.f16x2"
 #else
 #define BYTE_MAGIC 0x43434343u  // bfloat16 128 + u
 #define MAGIC_VALUE 128.f
-#define FMA2 "fma.rn.bf16x2"
 #endif
 
 struct ByteStep {
-    unsigned mul, add;  // step and -(MAGIC + 64) * step, each in both halves
+    unsigned mul, add;  // step, and -(MAGIC + 64) (float16) or -(MAGIC + 64) * step: in both halves
 };
 
 __device__ __forceinline__ ByteStep byte_step(float step) {
-    return ByteStep{pack2(step, step), pack2(-(MAGIC_VALUE + 64.f) * step, -(MAGIC_VALUE + 64.f) * step)};
+    const float add = -(MAGIC_VALUE + 64.f) * (FP16 ? 1.f : step);
+    return ByteStep{pack2(step, step), pack2(add, add)};
+}
+
+// Two channels' MAGIC + u -> their k * step.
+__device__ __forceinline__ unsigned widen2(unsigned x, ByteStep st) {
+    unsigned r;
+#if FP16
+    asm("{ .reg .b32 k; add.rn.f16x2 k, %1, %3; mul.rn.f16x2 %0, k, %2; }" : "=r"(r) : "r"(x), "r"(st.mul), "r"(st.add));
+#else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(st.mul), "r"(st.add));
+#endif
+    return r;
 }
 
 // Four bytes (channels c .. c + 3) -> two words of two 16-bit channels each.
 __device__ __forceinline__ void widen(unsigned x, ByteStep st, unsigned* out) {
-    const unsigned lo = __byte_perm(x, BYTE_MAGIC, 0x4140), hi = __byte_perm(x, BYTE_MAGIC, 0x4342);
-    asm(FMA2 " %0, %1, %2, %3;" : "=r"(out[0]) : "r"(lo), "r"(st.mul), "r"(st.add));
-    asm(FMA2 " %0, %1, %2, %3;" : "=r"(out[1]) : "r"(hi), "r"(st.mul), "r"(st.add));
+    out[0] = widen2(__byte_perm(x, BYTE_MAGIC, 0x4140), st);
+    out[1] = widen2(__byte_perm(x, BYTE_MAGIC, 0x4342), st);
 }
 
 // The DIM/2 words of a byte book's centroid at `addr`.
@@ -300,7 +312,7 @@ static_assert(KCOPIES * DK * 2 == 128 && VCOPIES * DV * 2 == 128 && EK <= 256 &&
 #define BOOK_REGION 65536  // bytes from the aligned start: 256 rows of 256 bytes
 #else
 #define KROW_SMEM (KCOPIES * DK * KELEM)
-#define VROW_SMEM (VCOPIES * DV * KELEM_V)
+#define VROW_SMEM (VCOPIES * DV * VELEM)
 #endif
 
 // A single-copy (4096-entry) book is copied in instead (copy_books); the tasks fill the others.
@@ -340,7 +352,7 @@ __device__ __forceinline__ void fill_books(const unsigned short* __restrict__ kc
 // fill's barrier. (A fill of float32 centroids converted in registers was 15 us of a 27 us call at
 // 3 bits, B=1, T=4k on the H200; staging the floats and converting them in shared memory, 4 us.)
 #define KCOPIED (KCOPIES == 1 ? EK * DK * KELEM : 0)  // bytes
-#define VCOPIED (VCOPIES == 1 ? EV * DV * KELEM_V : 0)
+#define VCOPIED (VCOPIES == 1 ? EV * DV * VELEM : 0)
 
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));

@@ -11,7 +11,7 @@ Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark m
 by side until the new one wins everywhere, issue 29): ``v7``, the default, is ``v6`` whose 4096-entry codebooks
 (the 3-, 1.5- and 1.25-bit presets) sit in shared memory as one byte a channel, 7-bit centroids on a
 power-of-two step per book that the kernel widens exactly after the gather
-(:attr:`Variant.byte_books`, :mod:`vecinfer_compile.quant.byte_centroids`; the codebooks hold those
+(:meth:`Variant.byte_book`, :mod:`vecinfer_compile.quant.byte_centroids`; the codebooks hold those
 values, so the output is v6's bit for bit): a gather moves half the bytes and collides on fewer
 banks. ``v6`` is ``v5`` whose value
 product, for GQA groups of up to 4 query heads, contracts pairs of channels instead of pairs of
@@ -336,9 +336,9 @@ _BOOKS: dict[tuple[int, torch.dtype | None], tuple[weakref.ref, int, int, torch.
 
 def prepared_book(centroids: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """float32 centroids ``[E, d]`` -> the same ``[E, d]`` in ``dtype`` (16-bit, 16-byte aligned), as
-    the v2 kernel reads them, or for ``dtype`` None the byte book of v7
-    (:func:`vecinfer_compile.quant.byte_centroids.packed_byte_book`, as int16 pairs of bytes): converted once per codebook tensor and kept while that tensor lives,
-    so that a decode step launches no conversion. The copy is made again when the tensor has been
+    the v2 kernel reads them, or for ``dtype`` None v7's byte book (int16 pairs of the bytes of
+    :func:`vecinfer_compile.quant.byte_centroids.packed_byte_book`): converted once per codebook
+    tensor and kept while that tensor lives, so that a decode step launches no conversion. The copy is made again when the tensor has been
     modified in place (its version counter moved) or moved in memory. Inside a CUDA-graph capture a
     missing copy is converted in the graph and not kept (graph pools must not be held outside the
     graph); torch's CUDA-graph trees and the benchmarks run every call once before capturing it.
