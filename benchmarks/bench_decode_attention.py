@@ -1,9 +1,9 @@
 """Decode attention over VQ codes (CUDA kernel and Triton kernel) vs the fastest FP16 SDPA, side by side.
 
-Llama-3.1-8B geometry (32 query heads, 8 KV heads, head_dim 128, bf16), one new token per
+Llama-3.1-8B geometry (32 query heads, 8 KV heads, head_dim 128, bf16 or ``--dtype float16``), one new token per
 sequence, residual window R=128. For every bit-width and (B, T) it times, in the same process on
 the same GPU: our CUDA kernel (``vecinfer::decode_attention_cuda``, NVRTC), our Triton kernel
-(default launch shape, in-register dequantization), and torch SDPA over bf16 K/V with the flash
+(default launch shape, in-register dequantization), and torch SDPA over 16-bit K/V with the flash
 and cuDNN backends, each in its two GQA forms (``enable_gqa=True``, and the group's query heads
 packed as query rows); the baseline is the fastest of those four.
 
@@ -48,12 +48,12 @@ HQ, HKV, D, R = 32, 8, 128, 128
 CHECK_MAX_T = 32768  # the fp32 reference materialises K and V: checked on the smaller cases
 
 
-def code_inputs(b: int, t: int, bits: float, g: torch.Generator):
+def code_inputs(b: int, t: int, bits: float, g: torch.Generator, dtype: torch.dtype = torch.bfloat16):
     """Random inputs of one decode call at ``bits``: codes stored as the cache stores them (12-bit
     codes packed, :mod:`vecinfer_compile.quant.packing`)."""
     preset = get_preset(bits)
     dev = "cuda"
-    q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(b, HQ, 1, D, device=dev, dtype=dtype, generator=g)
     # 4096-entry books hold 7-bit centroids, as every codebook does (LayerCodebooks snaps them)
     kc = snap_centroids(torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g))
     vc = snap_centroids(torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g))
@@ -61,8 +61,8 @@ def code_inputs(b: int, t: int, bits: float, g: torch.Generator):
                                        generator=g), preset.key.entries)
     v_codes = pack_codes(torch.randint(0, preset.value.entries, (b, HKV, t, D // preset.value.dims), device=dev,
                                        generator=g), preset.value.entries)
-    kw = torch.randn(b, HKV, R, D, device=dev, dtype=torch.bfloat16, generator=g)
-    vw = torch.randn(b, HKV, R, D, device=dev, dtype=torch.bfloat16, generator=g)
+    kw = torch.randn(b, HKV, R, D, device=dev, dtype=dtype, generator=g)
+    vw = torch.randn(b, HKV, R, D, device=dev, dtype=dtype, generator=g)
     nc = torch.tensor(t - R, device=dev, dtype=torch.int32)
     nw = torch.tensor(R, device=dev, dtype=torch.int32)
     return (q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5)
@@ -89,12 +89,13 @@ def kernel_names(versions: list[str], triton: bool) -> list[str]:
     return ["cuda"] + [f"cuda_{v}" for v in versions[1:]] + (["triton"] if triton else [])
 
 
-def run_case(b: int, t: int, bits: float, versions: list[str], triton: bool = True, passes: int = 2) -> dict:
+def run_case(b: int, t: int, bits: float, versions: list[str], triton: bool = True, passes: int = 2,
+             dtype: torch.dtype = torch.bfloat16) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
-    row = {"B": b, "T": t, "bits": bits}
-    first = code_inputs(b, t, bits, g)
+    row = {"B": b, "T": t, "bits": bits, "dtype": str(dtype).removeprefix("torch.")}
+    first = code_inputs(b, t, bits, g, dtype)
     code_bytes = first[1].nbytes + first[2].nbytes + first[6].nbytes + first[7].nbytes
-    sets = [first] + [code_inputs(b, t, bits, g) for _ in range(copies_for(code_bytes) - 1)]
+    sets = [first] + [code_inputs(b, t, bits, g, dtype) for _ in range(copies_for(code_bytes) - 1)]
     row["code_copies"] = len(sets)
     kernels = {name: (cuda_decode.decode_attention_cuda, version)
                for name, version in zip(kernel_names(versions, False), versions)}
@@ -116,9 +117,9 @@ def run_case(b: int, t: int, bits: float, versions: list[str], triton: bool = Tr
     kv_bytes = 2 * b * HKV * t * D * 2
     fp16_sets = []
     for _ in range(copies_for(kv_bytes)):
-        fp16_sets.append((torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=g),
-                          torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g),
-                          torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g)))
+        fp16_sets.append((torch.randn(b, HQ, 1, D, device="cuda", dtype=dtype, generator=g),
+                          torch.randn(b, HKV, t, D, device="cuda", dtype=dtype, generator=g),
+                          torch.randn(b, HKV, t, D, device="cuda", dtype=dtype, generator=g)))
     best_name, best = None, float("inf")
     variants = [dict(sdpa_variants(*s)) for s in fp16_sets]  # {name: call} per input copy
     for _ in range(passes):
@@ -148,10 +149,10 @@ def err_text(err: float | None) -> str:
     return "-" if err is None else f"{err:.1e}"
 
 
-def kernel_resources(bits: float, version: str) -> str:
+def kernel_resources(bits: float, version: str, dtype: torch.dtype = torch.bfloat16) -> str:
     preset = get_preset(bits)
     variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
-                                  preset.value.dims, False, version)
+                                  preset.value.dims, dtype == torch.float16, version)
     built = cuda_decode.kernels_for(variant, torch.device("cuda", torch.cuda.current_device()))
     return (f"kernel: {built.kernel.registers} registers, {built.kernel.local_bytes} B local, "
             f"{variant.smem_bytes(built.nwarps) // 1024} KiB shared, {built.ctas_per_sm} CTAs/SM of {built.nwarps} warps")
@@ -167,25 +168,28 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel")
     ap.add_argument("--passes", type=int, default=2,
                     help="time every kernel and FP16 backend this many times in turn and keep each one's fastest")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                    help="queries, windows and the FP16 baseline's K/V (the kernels' tensor-core type)")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     rows = []
-    print(f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, bf16; "
+    dtype = getattr(torch, args.dtype)
+    print(f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, {args.dtype}; "
           "ms per call, CUDA-graph replay over L2-defeating input copies, median")
     versions = args.versions.split(",")
     names = kernel_names(versions, not args.no_triton)
     labels = {n: ("Triton" if n == "triton" else f"CUDA {v}") for n, v in zip(names, versions + ["triton"])}
     for bits in map(float, args.bits.split(",")):
         for version in versions:
-            print(f"\n{bits:g}-bit CUDA {version}: {kernel_resources(bits, version)}")
+            print(f"\n{bits:g}-bit CUDA {version}: {kernel_resources(bits, version, dtype)}")
         print("| bits | B | T | " + " | ".join(f"ours {labels[n]} ms" for n in names) + " | best FP16 SDPA ms | FP16 backend | "
               + " | ".join(f"{labels[n]} vs FP16" for n in names) + " | " + " | ".join(f"{labels[n]} max err" for n in names) + " |")
         print("|---|---|---|" + "---:|" * len(names) + "---:|---|" + "---:|" * (2 * len(names)))
         for b in map(int, args.batches.split(",")):
             for t in map(int, args.lengths.split(",")):
-                r = run_case(b, t, bits, versions, not args.no_triton, args.passes)
+                r = run_case(b, t, bits, versions, not args.no_triton, args.passes, dtype)
                 rows.append(r)
                 print(f"| {bits:g} | {b} | {t} | " + " | ".join(f"{r[n + '_ms']:.4f}" for n in names)
                       + f" | {r['baseline_ms']:.4f} | {r['baseline']} | "

@@ -4,7 +4,8 @@ Compiles ``ops/cuda_decode.cu`` with NVRTC for sm_90 at ``--warps`` warps per CT
 the H200 runs 8 where a 12-warp build spills: the launch line of ``bench_decode_attention.py``
 says which), disassembles the cubin with
 ``nvdisasm`` (from the ``nvidia-cuda-nvdisasm`` wheel or ``PATH``), and prints, for each version,
-the innermost loops that hold tensor-core products: their length and most frequent opcodes. The
+the build's registers a thread and stack bytes (spills, which the product's launch refuses: it
+takes the next launch shape instead), and the innermost loops that hold tensor-core products: their length and most frequent opcodes. The
 first of them is the loop over codebook blocks (64 positions a warp), the second the
 full-precision window's. A static count, not a timing: it says where a change moves the issued
 instructions (issue 29's 2-bit kernel is issue-bound), and ``bench_decode_attention.py`` on the GPU
@@ -20,6 +21,7 @@ import collections
 import importlib.util
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -84,8 +86,37 @@ def nvdisasm() -> str:
     return found
 
 
+_REGCOUNT, _FRAME_SIZE = 0x2F, 0x11  # EIATTR_REGCOUNT, EIATTR_FRAME_SIZE of a cubin's .nv.info
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers a thread and stack-frame bytes (spills; 0 without) of the cubin's kernel, read
+    from its ELF ``.nv.info`` section: records of (format, attribute, size, payload), the payload
+    of these two being (function symbol, value)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+    found = {}
+    for h in headers:
+        name = cubin[names + h[0]:cubin.index(b"\0", names + h[0])]
+        if name != b".nv.info":
+            continue
+        at, end = h[4], h[4] + h[5]
+        while at < end:
+            fmt, attr = cubin[at], cubin[at + 1]
+            if fmt != 4:  # EIFMT_SVAL carries a size; the others are 2 or 4 bytes in all
+                at += 4 if fmt == 3 else 2
+                continue
+            size, = struct.unpack_from("<H", cubin, at + 2)
+            if attr in (_REGCOUNT, _FRAME_SIZE):
+                found["registers" if attr == _REGCOUNT else "stack_bytes"] = struct.unpack_from("<I", cubin, at + 8)[0]
+            at += 4 + size
+    return found
+
+
 def disassemble(version: str, head_dim: int, group: int, kspec: tuple[int, int], vspec: tuple[int, int],
-                warps: int) -> str:
+                warps: int) -> tuple[str, dict[str, int]]:
     from vecinfer_compile.ops import cuda_decode
     from vecinfer_compile.ops.nvrtc import compile_source
 
@@ -97,7 +128,8 @@ def disassemble(version: str, head_dim: int, group: int, kspec: tuple[int, int],
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(image)
         f.flush()
-        return subprocess.run([nvdisasm(), "-c", f.name], check=True, capture_output=True, text=True).stdout
+        sass = subprocess.run([nvdisasm(), "-c", f.name], check=True, capture_output=True, text=True).stdout
+    return sass, resources(image)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -117,14 +149,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         kspec, vspec = (p.key.entries, p.key.dims), (p.value.entries, p.value.dims)
         print(f"\n{bits}-bit (K {kspec[0]}x{kspec[1]}, V {vspec[0]}x{vspec[1]}), head_dim {args.head_dim}, "
               f"group {args.group}, {args.warps} warps, sm_90")
-        print("| version | loop | instructions | HMMA | LDS | opcodes |\n|---|---|---:|---:|---:|---|")
+        print("| version | registers | stack bytes | loop | instructions | HMMA | LDS | opcodes |\n"
+              "|---|---:|---:|---|---:|---:|---:|---|")
         for version in args.versions.split(","):
-            loops = innermost_mma_loops(disassemble(version, args.head_dim, args.group, kspec, vspec, args.warps))
-            for i, loop in enumerate(loops):
+            sass, res = disassemble(version, args.head_dim, args.group, kspec, vspec, args.warps)
+            for i, loop in enumerate(innermost_mma_loops(sass)):
                 common = ", ".join(f"{k} {v}" for k, v in loop.opcodes.most_common(args.top))
-                print(f"| {version} | {i} | {loop.length} | {loop.opcodes['HMMA']} | {loop.opcodes['LDS']} | {common} |")
+                print(f"| {version} | {res.get('registers', '?')} | {res.get('stack_bytes', '?')} | {i} | {loop.length} "
+                      f"| {loop.opcodes['HMMA']} | {loop.opcodes['LDS']} | {common} |")
                 rows.append(dict(bits=float(bits), version=version, loop=i, instructions=loop.length,
-                                 opcodes=dict(loop.opcodes)))
+                                 opcodes=dict(loop.opcodes), **res))
     return rows
 
 

@@ -409,6 +409,41 @@ def test_sass_loop_finder_keeps_the_innermost_loops_with_products():
     assert sass.opcode("@!P0 IMAD.MOV.U32 R2, RZ, RZ, R3") == "IMAD"
 
 
+def _cubin_with_info(records: bytes) -> bytes:
+    """A minimal ELF64 image whose only sections are the string table and ``.nv.info`` holding
+    ``records``: enough for sass_decode_loop.resources, which reads nothing else."""
+    import struct
+
+    names = b"\0.shstrtab\0.nv.info\0"
+    data_at = 64
+    shoff = data_at + len(names) + len(records)
+    header = bytearray(64)
+    header[:4] = b"\x7fELF"
+    struct.pack_into("<Q", header, 0x28, shoff)
+    struct.pack_into("<HHH", header, 0x3A, 64, 3, 1)  # e_shentsize, e_shnum, e_shstrndx
+
+    def section(name_at, offset, size):
+        return struct.pack("<IIQQQQIIQQ", name_at, 0, 0, 0, offset, size, 0, 0, 1, 0)
+
+    return (bytes(header) + names + records + section(0, 0, 0)
+            + section(1, data_at, len(names)) + section(11, data_at + len(names), len(records)))
+
+
+def test_sass_resources_reads_registers_and_stack_from_nv_info():
+    """sass_decode_loop.resources on a synthetic cubin: EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE
+    (0x11) records (format 4: size, then function symbol and value) are read; records of other
+    formats (3: two bytes of payload) and attributes are stepped over."""
+    import struct
+
+    sass = load_script_path("sass_decode_loop.py")
+    records = (bytes([3, 0x1B, 0x20, 0x00])  # a format-3 record, skipped
+               + bytes([4, 0x2F]) + struct.pack("<HII", 8, 7, 168)
+               + bytes([4, 0x12]) + struct.pack("<HII", 8, 7, 99)  # another attribute, skipped
+               + bytes([4, 0x11]) + struct.pack("<HII", 8, 7, 24))
+    assert sass.resources(_cubin_with_info(records)) == {"registers": 168, "stack_bytes": 24}
+    assert sass.resources(_cubin_with_info(b"")) == {}
+
+
 def load_script_path(name: str):
     """A benchmarks/ script that `vecinfer bench` does not run, imported as a module (registered in
     sys.modules, as its dataclasses need)."""
