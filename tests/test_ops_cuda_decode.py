@@ -65,7 +65,7 @@ def test_kernel_version_from_the_environment(monkeypatch):
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
     assert cuda_decode.kernel_version() == "v1"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "v9")
-    with pytest.raises(ValueError, match="use one of v7, v6, v5, v4, v3, v2, v1"):
+    with pytest.raises(ValueError, match="use one of v8, v7, v6, v5, v4, v3, v2, v1"):
         cuda_decode.kernel_version()
 
 
@@ -116,6 +116,15 @@ def test_variant_shared_memory_copies_and_launch_shapes():
         assert f"-DKBYTE={int(k[0] > 256)}" in byte.defines(8) and f"-DVBYTE={int(v[0] > 256)}" in byte.defines(8)
     assert not cuda_decode.Variant(128, 4, 4096, 2, 4096, 2, False, "v7").byte_book(4096, 2)
     assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v7", **small))[:1] == [(1, 12)]
+    # v8 puts the query fragments after non-interleaved books (NH x KSTEPS x 32 lanes x 8 bytes) and
+    # keeps one block of codes; the interleaved (256-entry) presets build exactly as v7
+    for (k, v), lean in ((((4096, 4), (4096, 4)), True), (((4096, 8), (256, 8)), True), (((256, 4), (256, 4)), False)):
+        for group, d in ((4, 128), (16, 64)):
+            v8, v7 = (cuda_decode.Variant(d, group, *k, *v, False, version) for version in ("v8", "v7"))
+            assert v8.lean_registers == lean and not v7.lean_registers
+            query = (group + 7) // 8 * (d // 16) * 256
+            assert v8.book_bytes() == v7.book_bytes() + (query if lean else 0)
+            assert ("-DQSMEM=1" in v8.defines(12)) == ("-DSTAGGER=1" in v8.defines(12)) == lean
     # the warps' partials reuse the codebook memory; it is grown when they need more
     assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False, "v3").smem_bytes(4) == 32 * 1024 + 32 * 1024
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, "v3").smem_bytes(4) == 4 * 16 * 130 * 4
@@ -525,4 +534,24 @@ def test_byte_books_give_v6s_output_exactly(specs, monkeypatch):
         outs[version] = ops.decode_attention_cuda(*args)
     assert torch.isfinite(outs["v7"]).all()
     torch.testing.assert_close(outs["v7"], outs["v6"], rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("specs", PRESET_SPECS)
+def test_lean_registers_give_v7s_output(specs, monkeypatch):
+    """v8 reads the query fragments from shared memory and refills each part of one block of codes
+    with the next block's once gathered (a 4096-entry book; the others build as v7): the same
+    products, but 3 and 1.5 bits run 12 warps a CTA where v7 runs 8, so the positions are split
+    among warps otherwise and the partials merged in another order: equal to v7 to rounding, and
+    to the reference (rows ending inside a block and on its edge, several blocks a warp and one, a
+    window, left padding, GQA 4, 8 and 16, head_dim 64, float16 and bfloat16). On the H200 one
+    output of 4,096 differed from v7's, by 6e-8."""
+    cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
+             (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16),
+             (2, 1, 16, 4096, 4096, 64, torch.bfloat16), (1, 2, 4, 65, 64, 128, torch.bfloat16)]
+    for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
+        args = _decode(dtype, 130 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
+                       n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=seed % 2 == 0)
+        _against_version(args, monkeypatch, "v8", "v7", exact=False)
 

@@ -22,6 +22,13 @@
 //                u = k + 64 of a 7-bit k in [-64, 63] with one power-of-two step per book
 //                (centroid = k * step, see quant/byte_centroids.py), widened after the gather
 //                (widen)
+//   QSMEM        1 (v8): the query fragments, the same in every warp of a CTA, sit in shared memory
+//                after the books (QBYTES) and each score k-step loads its pair, instead of 16
+//                registers a thread held through the loop (see QueryFrags)
+//   STAGGER      1 (v8): one block of codes in registers, not two: each m-tile's codes are replaced
+//                by the next block's as soon as their centroids are gathered (see CodebookRows), with
+//                loads the compiler may not move ahead of the gathers (asm volatile), so the next
+//                block's codes are in flight for a block, as before, with half the registers
 //   CLUSTER      1: the splits CTAs of a (batch row, KV head) are one thread-block cluster (sm_90)
 //                and merge through distributed shared memory (see the end of this header);
 //                MAX_CLUSTER, the largest cluster the launch makes
@@ -70,6 +77,12 @@
 #endif
 #ifndef VBYTE
 #define VBYTE 0
+#endif
+#ifndef QSMEM
+#define QSMEM 0
+#endif
+#ifndef STAGGER
+#define STAGGER 0
 #endif
 #define RESCALE_SLACK 8.0f  // LAZY: how far (log2 units) a score may pass the running max before it moves
 #define BLOCK_T 64              // positions per warp iteration
@@ -147,6 +160,24 @@ __host__ __device__ constexpr int code_words(int n, int fmt) {
 // NB bytes of codes at p (NB in 1, 2, 4, 8, 16; p aligned to NB) into words w[].
 template <int NB>
 __device__ __forceinline__ void load_code_bytes(const unsigned char* p, unsigned* w) {
+#if STAGGER
+    if (NB == 16) {
+        asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+    } else if (NB == 8) {
+        asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    } else if (NB == 4) {
+        asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+    } else if (NB == 2) {
+        unsigned short x;
+        asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(x) : "l"(p));
+        w[0] = x;
+    } else {
+        unsigned short x;
+        asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(x) : "l"(p));
+        w[0] = x & 0xffu;
+    }
+    return;
+#endif
     if (NB == 16) {
         vq_w4 v = *(const vq_w4*)p;
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
@@ -387,23 +418,31 @@ struct BlockCodes {
     unsigned v[4][4][VWORDS];
 };
 
-template <bool FULL>
+// Key codes of n-tile nt of the block at t0 (the score product's m-tile nt / 2).
+__device__ __forceinline__ void load_key_tile(BlockCodes& bc, int nt, int t0, int hi, const unsigned char* kc, int gid,
+                                              int tig) {
+    const int t = t0 + 8 * nt + gid;
+    if (t < hi) load_codes<NCODE_K, KFMT, SK>(kc + (long long)t * KROW_BYTES, tig * NCODE_K, bc.k[nt]);
+    else zero_codes<NCODE_K, KFMT>(bc.k[nt]);
+}
+
+// Value codes of k-step i of the block at t0 (its four slots).
+__device__ __forceinline__ void load_value_step(BlockCodes& bc, int i, int t0, int hi, const unsigned char* vc, int gid,
+                                                int tig) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int t = t0 + value_slot(i, r, tig);
+        if (t < hi) load_codes<NCODE_V, VFMT, SV>(vc + (long long)t * VROW_BYTES, gid * NCODE_V, bc.v[i][r]);
+        else zero_codes<NCODE_V, VFMT>(bc.v[i][r]);
+    }
+}
+
 __device__ __forceinline__ void load_block(BlockCodes& bc, int t0, int hi, const unsigned char* kc,
                                            const unsigned char* vc, int gid, int tig) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int t = t0 + 8 * nt + gid;
-        if (FULL || t < hi) load_codes<NCODE_K, KFMT, SK>(kc + (long long)t * KROW_BYTES, tig * NCODE_K, bc.k[nt]);
-        else zero_codes<NCODE_K, KFMT>(bc.k[nt]);
-    }
+    for (int nt = 0; nt < NT; ++nt) load_key_tile(bc, nt, t0, hi, kc, gid, tig);
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int t = t0 + value_slot(i, r, tig);
-            if (FULL || t < hi) load_codes<NCODE_V, VFMT, SV>(vc + (long long)t * VROW_BYTES, gid * NCODE_V, bc.v[i][r]);
-            else zero_codes<NCODE_V, VFMT>(bc.v[i][r]);
-        }
+    for (int i = 0; i < 4; ++i) load_value_step(bc, i, t0, hi, vc, gid, tig);
 }
 
 #define NH ((G + 7) / 8)  // n-tiles of 8 query heads
@@ -426,10 +465,18 @@ __device__ __forceinline__ unsigned gather_address(const unsigned* w, int j, uns
 #endif
 }
 
+// REFILL (STAGGER): once an m-tile's (keys) or k-step's (values) centroids are gathered, its codes
+// are replaced by those of the block at next_t0 (keys_used, values_used), so that one BlockCodes
+// holds this block's codes and the next one's as they arrive.
+template <bool REFILL>
 struct CodebookRows {
-    const BlockCodes& bc;
+    BlockCodes& bc;
     unsigned kbase, vbase;
     ByteStep kstep, vstep;  // KBYTE / VBYTE: the books' steps (unused otherwise)
+    int next_t0, hi;        // REFILL: the next block's start and the coded positions' end
+    const unsigned char* kc;
+    const unsigned char* vc;
+    int gid, tig;
 
     template <int DIM, int BYTE>
     __device__ __forceinline__ void gather(unsigned addr, ByteStep st, unsigned* out) const {
@@ -451,6 +498,17 @@ struct CodebookRows {
 #pragma unroll
         for (int j = 0; j < NCODE_V; ++j)
             gather<DV, VBYTE>(gather_address<NCODE_V, VFMT, VROW_SMEM>(bc.v[i][r], j, vbase), vstep, vv + j * (DV / 2));
+    }
+
+    __device__ __forceinline__ void keys_used(int mt) const {
+        if constexpr (REFILL) {
+            load_key_tile(bc, 2 * mt, next_t0, hi, kc, gid, tig);
+            load_key_tile(bc, 2 * mt + 1, next_t0, hi, kc, gid, tig);
+        }
+    }
+
+    __device__ __forceinline__ void values_used(int i) const {
+        if constexpr (REFILL) load_value_step(bc, i, next_t0, hi, vc, gid, tig);
     }
 };
 
@@ -481,11 +539,33 @@ struct DenseRows {
         const int t = value_slot(i, r, tig);
         load_channels<SLICE_V>(v_rows + (long long)t * D + gid * SLICE_V, t < n, vv);
     }
+
+    __device__ __forceinline__ void keys_used(int) const {}
+    __device__ __forceinline__ void values_used(int) const {}
+};
+
+// The score product's B fragments (the query): thread (gid, tig) holds head 8 nh + gid, channels
+// tig * SLICE_K + 4 s + {0, 1} and {2, 3} for k-step s. QSMEM: stored once per CTA in shared memory
+// as [NH][KSTEPS][32 lanes] pairs of words (one 256-byte load a k-step, no bank conflict).
+#define QBYTES (NH * KSTEPS * 32 * 8)
+struct QueryFrags {
+#if QSMEM
+    unsigned at;  // this lane's pair of k-step 0 of n-tile 0
+    __device__ __forceinline__ void frag(int nh, int s, unsigned& b0, unsigned& b1) const {
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(b0), "=r"(b1) : "r"(at + (nh * KSTEPS + s) * 256));
+    }
+#else
+    unsigned f[NH][KSTEPS][2];
+    __device__ __forceinline__ void frag(int nh, int s, unsigned& b0, unsigned& b1) const {
+        b0 = f[nh][s][0];
+        b1 = f[nh][s][1];
+    }
+#endif
 };
 
 template <bool FULL, class Rows>
 __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int lane,
-                                           const unsigned (&qf)[NH][KSTEPS][2], float scale_log2,
+                                           const QueryFrags& qf, float scale_log2,
                                            float (&m)[NH][2], float (&l)[NH][2], float (&acc)[ACC_M][NH][4]) {
     const int gid = lane >> 2, tig = lane & 3;
     // Scores. m-tile mt holds positions t0 + 16 mt + gid (rows gid) and + 8 (rows gid + 8), whose
@@ -496,13 +576,18 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
     for (int mt = 0; mt < 4; ++mt) {
         unsigned ka[SLICE_K / 2], kb[SLICE_K / 2];
         rows.keys(mt, ka, kb);
+        rows.keys_used(mt);
         const int t = t0 + 16 * mt + gid;
         const bool ok0 = FULL || t < hi, ok1 = FULL || t + 8 < hi;
 #pragma unroll
         for (int nh = 0; nh < NH; ++nh) {
             float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int s = 0; s < KSTEPS; ++s) mma16816(c, ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], qf[nh][s][0], qf[nh][s][1]);
+            for (int s = 0; s < KSTEPS; ++s) {
+                unsigned b0, b1;
+                qf.frag(nh, s, b0, b1);
+                mma16816(c, ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], b0, b1);
+            }
             sc[mt][nh][0] = ok0 ? c[0] * scale_log2 : NEG_INF;
             sc[mt][nh][1] = ok0 ? c[1] * scale_log2 : NEG_INF;
             sc[mt][nh][2] = ok1 ? c[2] * scale_log2 : NEG_INF;
@@ -599,6 +684,7 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
             unsigned vv[4][SLICE_V / 2];
 #pragma unroll
             for (int r = 0; r < 4; ++r) rows.values(i, r, vv[r]);
+            rows.values_used(i);
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 const unsigned xe = __shfl_sync(0xffffffffu, pe, src0 + 16 * s);
@@ -634,6 +720,7 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
         unsigned vv[4][SLICE_V / 2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) rows.values(i, r, vv[r]);
+        rows.values_used(i);
 #pragma unroll
         for (int j = 0; j < D / 16; ++j) {
             const unsigned a0 = __byte_perm(vv[0][j], vv[1][j], 0x5410), a1 = __byte_perm(vv[0][j], vv[1][j], 0x7632);
@@ -745,17 +832,30 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     const int n_window = min(read_index(n_window_p, 0, n_window_is64), r_slots);
     const int start = start_kind ? read_index(start_p, b, start_kind == 2) : 0;
 
-    // Query fragments (B operand of the score product, N = heads): thread (gid, tig) holds head
-    // 8 nh + gid, channels tig * SLICE_K + 4 s + {0, 1} and {2, 3} for k-step s.
-    unsigned qf[NH][KSTEPS][2];
-    const unsigned short* qrow = q + ((long long)b * hkv * G + kvh * G) * D + tig * SLICE_K;
+    // Query fragments (see QueryFrags). QSMEM: warp 0 stores them after the books, before the
+    // fill's barrier.
+    QueryFrags qf;
+#if QSMEM
+    static_assert(!INTERLEAVE, "the query's shared memory follows the books of the non-interleaved layout");
+    qf.at = shared_address(smem + EK * KCOPIES * DK * KELEM + EV * VCOPIES * DV * VELEM) + lane * 8;
+    if (warp == 0)
+#endif
+    {
+        const unsigned short* qrow = q + ((long long)b * hkv * G + kvh * G) * D + tig * SLICE_K;
 #pragma unroll
-    for (int nh = 0; nh < NH; ++nh) {
-        const int h = 8 * nh + gid;
+        for (int nh = 0; nh < NH; ++nh) {
+            const int h = 8 * nh + gid;
 #pragma unroll
-        for (int s = 0; s < KSTEPS; ++s) {
-            qf[nh][s][0] = h < G ? *(const unsigned*)(qrow + h * D + 4 * s) : 0u;
-            qf[nh][s][1] = h < G ? *(const unsigned*)(qrow + h * D + 4 * s + 2) : 0u;
+            for (int s = 0; s < KSTEPS; ++s) {
+                const unsigned b0 = h < G ? *(const unsigned*)(qrow + h * D + 4 * s) : 0u;
+                const unsigned b1 = h < G ? *(const unsigned*)(qrow + h * D + 4 * s + 2) : 0u;
+#if QSMEM
+                asm volatile("st.shared.v2.u32 [%0], {%1,%2};" :: "r"(qf.at + (nh * KSTEPS + s) * 256), "r"(b0), "r"(b1) : "memory");
+#else
+                qf.f[nh][s][0] = b0;
+                qf.f[nh][s][1] = b1;
+#endif
+            }
         }
     }
 
@@ -778,10 +878,11 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     const int wlo = max(max(b0 - cb, 0) * BLOCK_T, start - n_coded), whi = min(max(b1 - cb, 0) * BLOCK_T, n_window);
     const unsigned char* kc = kcodes + (long long)bh * tmax * KROW_BYTES;
     const unsigned char* vc = vcodes + (long long)bh * tmax * VROW_BYTES;
-    // Software pipeline over the coded blocks: the next block's codes load while this one computes.
+    // Software pipeline over the coded blocks: the next block's codes load while this one computes
+    // (STAGGER: into the registers of this block's codes, as each part of them is used).
     int t0 = lo;
-    BlockCodes cur, nxt;
-    if (t0 < hi) load_block<false>(cur, t0, hi, kc, vc, gid, tig);
+    BlockCodes cur;
+    if (t0 < hi) load_block(cur, t0, hi, kc, vc, gid, tig);
 #if KCOPIED + VCOPIED
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif
@@ -793,12 +894,20 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     // A byte book's step follows its EK x DK bytes (see byte_book in cuda_decode.py).
     const ByteStep kstep = byte_step(KBYTE ? *(const float*)((const unsigned char*)kcent + EK * DK) : 0.f);
     const ByteStep vstep = byte_step(VBYTE ? *(const float*)((const unsigned char*)vcent + EV * DV) : 0.f);
+#if STAGGER
     for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
-        load_block<false>(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
-        block_step<true>(CodebookRows{cur, kbase, vbase, kstep, vstep}, t0, hi, lane, qf, scale_log2, m, l, acc);
+        const CodebookRows<true> rows{cur, kbase, vbase, kstep, vstep, t0 + BLOCK_T, hi, kc, vc, gid, tig};
+        block_step<true>(rows, t0, hi, lane, qf, scale_log2, m, l, acc);
+    }
+#else
+    for (; t0 + BLOCK_T <= hi; t0 += BLOCK_T) {
+        BlockCodes nxt;
+        load_block(nxt, t0 + BLOCK_T, hi, kc, vc, gid, tig);
+        block_step<true>(CodebookRows<false>{cur, kbase, vbase, kstep, vstep}, t0, hi, lane, qf, scale_log2, m, l, acc);
         cur = nxt;
     }
-    if (t0 < hi) block_step<false>(CodebookRows{cur, kbase, vbase, kstep, vstep}, t0, hi, lane, qf, scale_log2, m, l, acc);
+#endif
+    if (t0 < hi) block_step<false>(CodebookRows<false>{cur, kbase, vbase, kstep, vstep}, t0, hi, lane, qf, scale_log2, m, l, acc);
     const long long wrow = (long long)bh * r_slots * D;
     for (int s0 = wlo; s0 < whi; s0 += BLOCK_T) {
         const int n = min(BLOCK_T, whi - s0);

@@ -8,7 +8,11 @@ and per stream: the merging CTA zeroes its row's counter for the next launch, so
 no memset (:func:`arrival_counters`).
 
 Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures them side
-by side until the new one wins everywhere, issue 29): ``v7``, the default, is ``v6`` whose 4096-entry codebooks
+by side until the new one wins everywhere, issue 29): ``v8``, not the default, is ``v7`` whose
+kernels for a 4096-entry codebook read the query fragments from shared memory and hold one block of
+codes in registers instead of two (:attr:`Variant.lean_registers`), so that the 3- and 1.5-bit
+presets run 12 warps an SM without spilling: at B=8/T=128k 3-bit is 4% faster, at T=4k 5-12% slower,
+and 1.25-bit (12 warps either way) 4% slower (docs/results.md). ``v7``, the default, is ``v6`` whose 4096-entry codebooks
 (the 3-, 1.5- and 1.25-bit presets) sit in shared memory as one byte a channel, 7-bit centroids on a
 power-of-two step per book that the kernel widens exactly after the gather
 (:meth:`Variant.byte_book`, :mod:`vecinfer_compile.quant.byte_centroids`; the codebooks hold those
@@ -68,8 +72,8 @@ from .checks import check_decode_args
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count)
 
-_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v7-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, KBYTE/VBYTE v7
-SOURCES = {"v7": _SOURCE, "v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
+_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v8-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, KBYTE/VBYTE v7, QSMEM v8
+SOURCES = {"v8": _SOURCE, "v7": _SOURCE, "v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 DEFAULT_VERSION = "v7"
 
@@ -116,7 +120,7 @@ class Variant:
     v_dims: int
     fp16: bool
     version: str = DEFAULT_VERSION
-    cluster: bool = False  # the CLUSTER build (v3-v7 on sm_90): partials merged in distributed shared memory
+    cluster: bool = False  # the CLUSTER build (v3-v8 on sm_90): partials merged in distributed shared memory
     smem_per_sm: int = SMEM_PER_SM  # the device's (228 KiB on sm_90, 164 on sm_80, 100 on sm_86/89)
 
     @property
@@ -132,7 +136,7 @@ class Variant:
 
     @property
     def interleaved(self) -> bool:
-        """v4-v7 with two books of at most 256 entries (128 bytes of copies an entry): entry e's key
+        """v4-v8 with two books of at most 256 entries (128 bytes of copies an entry): entry e's key
         and value copies share a 256-byte row, so a gather's address is one byte permute of its
         code (the source's INTERLEAVE). Not where the device's shared memory is too small for
         the layout's 128 KiB (sm_86/89: 99 KiB a CTA): there they keep v3's layout."""
@@ -147,7 +151,7 @@ class Variant:
 
     @property
     def paired_values(self) -> bool:
-        """v6 and v7 with at most 4 query heads per KV head: the value product's N holds 4 heads x 2
+        """v6-v8 with at most 4 query heads per KV head: the value product's N holds 4 heads x 2
         channel parities and its A fragments are the gathered words, untransposed (the source's
         VPAIR; see block_step there)."""
         return since(self.version, "v6") and self.group <= 4
@@ -157,13 +161,22 @@ class Variant:
         memory (the source's KBYTE / VBYTE; see :mod:`vecinfer_compile.quant.byte_centroids`)."""
         return since(self.version, "v7") and entries >= BYTE_BOOK_ENTRIES and dims in (4, 8)
 
+    @property
+    def lean_registers(self) -> bool:
+        """v8 on, books not interleaved (a 4096-entry book): the query fragments in shared memory
+        after the books instead of 16 registers a thread (the source's QSMEM), and one block of
+        codes in registers, each part replaced by the next block's codes once gathered (STAGGER):
+        3- and 1.5-bit fit 12 warps an SM without spilling (v7: 8)."""
+        return since(self.version, "v8") and not self.interleaved
+
     def book_bytes(self) -> int:
         """Both codebooks in shared memory, copies included (interleaved: with the room to start
         them at a 64 KiB boundary)."""
         if self.interleaved:
             return INTERLEAVED_BOOK_BYTES
-        return sum(e * self.copies(e, d) * d * (1 if self.byte_book(e, d) else 2)
-                   for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims)))
+        query = (self.group + 7) // 8 * (self.head_dim // 16) * 32 * 8 if self.lean_registers else 0
+        return query + sum(e * self.copies(e, d) * d * (1 if self.byte_book(e, d) else 2)
+                           for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims)))
 
     def smem_bytes(self, nwarps: int) -> int:
         """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks, reused
@@ -187,6 +200,7 @@ class Variant:
             FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
             INTERLEAVE=int(self.interleaved), LAZY=int(self.lazy_softmax), VPAIR=int(self.paired_values),
             KBYTE=int(self.byte_book(self.k_entries, self.k_dims)), VBYTE=int(self.byte_book(self.v_entries, self.v_dims)),
+            QSMEM=int(self.lean_registers), STAGGER=int(self.lean_registers),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -245,7 +259,7 @@ def _source(version: str = DEFAULT_VERSION) -> str:
 
 @dataclass(frozen=True)
 class Built:
-    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (v3-v7 on
+    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (v3-v8 on
     sm_90) its cluster build with the same launch shape."""
 
     kernel: Kernel
@@ -272,7 +286,7 @@ def _compile(variant: Variant, device: torch.device, ctas: int, nwarps: int) -> 
 @functools.cache
 def _build(variant: Variant, device_index: int) -> Built:
     """Compile the first launch shape of :func:`launches_for` whose register budget does not make
-    the compiler spill to local memory (the last one otherwise); for v3-v7 on sm_90 also the cluster
+    the compiler spill to local memory (the last one otherwise); for v3-v8 on sm_90 also the cluster
     build of that shape, if its shared memory fits."""
     device = torch.device("cuda", device_index)
     shapes = launches_for(variant)
@@ -313,7 +327,7 @@ _ACTIVE_CLUSTERS: dict[tuple[int, int], int] = {}
 
 
 def cluster_size(built: Built, batch_heads: int, splits: int) -> int | None:
-    """The cluster of a v3-v7 launch: ``splits`` (each row's CTAs one cluster) when the cluster build
+    """The cluster of a v3-v8 launch: ``splits`` (each row's CTAs one cluster) when the cluster build
     exists (sm_90), the split is at most :data:`MAX_CLUSTER` CTAs, and all ``batch_heads`` rows'
     clusters fit on the GPU at once (a second wave of clusters would cost more than the merge
     saves; a split of one CTA is a cluster of one, scheduled as any CTA); None for the global merge."""
