@@ -24,6 +24,7 @@ Triton kernel.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -153,9 +154,14 @@ def kernel_resources(bits: float, version: str, dtype: torch.dtype = torch.bfloa
     preset = get_preset(bits)
     variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
                                   preset.value.dims, dtype == torch.float16, version)
-    built = cuda_decode.kernels_for(variant, torch.device("cuda", torch.cuda.current_device()))
-    return (f"kernel: {built.kernel.registers} registers, {built.kernel.local_bytes} B local, "
-            f"{variant.smem_bytes(built.nwarps) // 1024} KiB shared, {built.ctas_per_sm} CTAs/SM of {built.nwarps} warps")
+    device = torch.device("cuda", torch.cuda.current_device())
+    lines = []
+    for v in (variant, dataclasses.replace(variant, lean=True)) if variant.can_be_lean else (variant,):
+        built = cuda_decode.kernels_for(v, device)
+        lines.append(f"{'lean build (long calls)' if v.lean else 'kernel'}: {built.kernel.registers} registers, "
+                     f"{built.kernel.local_bytes} B local, {v.smem_bytes(built.nwarps) // 1024} KiB shared, "
+                     f"{built.ctas_per_sm} CTAs/SM of {built.nwarps} warps")
+    return "; ".join(lines)
 
 
 def main(argv=None) -> list[dict]:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 
 import pytest
@@ -61,7 +62,7 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
 
 def test_kernel_version_from_the_environment(monkeypatch):
     monkeypatch.delenv(cuda_decode.VERSION_ENV, raising=False)
-    assert cuda_decode.kernel_version() == "v7"
+    assert cuda_decode.kernel_version() == "v8"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
     assert cuda_decode.kernel_version() == "v1"
     monkeypatch.setenv(cuda_decode.VERSION_ENV, "v9")
@@ -116,19 +117,48 @@ def test_variant_shared_memory_copies_and_launch_shapes():
         assert f"-DKBYTE={int(k[0] > 256)}" in byte.defines(8) and f"-DVBYTE={int(v[0] > 256)}" in byte.defines(8)
     assert not cuda_decode.Variant(128, 4, 4096, 2, 4096, 2, False, "v7").byte_book(4096, 2)
     assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v7", **small))[:1] == [(1, 12)]
-    # v8 puts the query fragments after non-interleaved books (NH x KSTEPS x 32 lanes x 8 bytes) and
-    # keeps one block of codes; the interleaved (256-entry) presets build exactly as v7
-    for (k, v), lean in ((((4096, 4), (4096, 4)), True), (((4096, 8), (256, 8)), True), (((256, 4), (256, 4)), False)):
+    # v8's lean build puts the query fragments after non-interleaved books (NH x KSTEPS x 32 lanes x
+    # 8 bytes) and keeps one block of codes; its plain build, and the interleaved (256-entry)
+    # presets, build exactly as v7
+    for (k, v), can in ((((4096, 4), (4096, 4)), True), (((4096, 8), (256, 8)), True), (((256, 4), (256, 4)), False)):
         for group, d in ((4, 128), (16, 64)):
             v8, v7 = (cuda_decode.Variant(d, group, *k, *v, False, version) for version in ("v8", "v7"))
-            assert v8.lean_registers == lean and not v7.lean_registers
-            query = (group + 7) // 8 * (d // 16) * 256
-            assert v8.book_bytes() == v7.book_bytes() + (query if lean else 0)
-            assert ("-DQSMEM=1" in v8.defines(12)) == ("-DSTAGGER=1" in v8.defines(12)) == lean
+            assert v8.can_be_lean == can and not v7.can_be_lean
+            assert v8.book_bytes() == v7.book_bytes() and v8.defines(12) == v7.defines(12)
+            if not can:
+                with pytest.raises(ValueError, match="no lean build"):
+                    dataclasses.replace(v8, lean=True)
+                continue
+            lean = dataclasses.replace(v8, lean=True)
+            assert lean.book_bytes() == v7.book_bytes() + (group + 7) // 8 * (d // 16) * 256
+            assert "-DQSMEM=1" in lean.defines(12) and "-DSTAGGER=1" in lean.defines(12)
     # the warps' partials reuse the codebook memory; it is grown when they need more
     assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False, "v3").smem_bytes(4) == 32 * 1024 + 32 * 1024
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, "v3").smem_bytes(4) == 4 * 16 * 130 * 4
     assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, "v3").smem_bytes(12) == 12 * 16 * 130 * 4
+
+
+def test_lean_build_only_for_long_calls_that_gain_warps(monkeypatch):
+    """v8 runs its lean build when that build has more warps an SM than the plain one and the call
+    has at least LEAN_MIN_BLOCKS_PER_WARP blocks of 64 positions a warp of the plain build (shapes
+    only); the plain build otherwise, and always for the 256-entry presets and v7."""
+    plain, lean = (cuda_decode.Built(f"kernel-{w}", w, 1) for w in (8, 12))
+    builds = {False: plain, True: lean}
+    monkeypatch.setattr(cuda_decode, "kernels_for", lambda variant, device: builds[variant.lean])
+    monkeypatch.setattr(cuda_decode, "sm_count", lambda index: 132)
+    monkeypatch.setattr(cuda_decode, "device_index", lambda device: 0)
+    three_bit = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v8")
+    need = cuda_decode.LEAN_MIN_BLOCKS_PER_WARP * 132 * 8  # blocks: 67,584 for the threshold of 64
+    assert cuda_decode.lean_build(three_bit, None, 64, 131072) is lean  # B=8, Hkv=8, T=128k: 131,072 blocks
+    assert cuda_decode.lean_build(three_bit, None, 8, 131072) is plain  # B=1: 16,384
+    assert cuda_decode.lean_build(three_bit, None, 64, 4096) is plain
+    assert cuda_decode.lean_build(three_bit, None, need // 64, 64 * 64) is lean
+    assert cuda_decode.lean_build(three_bit, None, need // 64 - 1, 64 * 64) is plain
+    assert cuda_decode.lean_build(dataclasses.replace(three_bit, version="v7"), None, 64, 131072) is plain
+    assert cuda_decode.lean_build(cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v8"), None, 64, 131072) is plain
+    builds[True] = cuda_decode.Built("kernel-12", 12, 1)  # a variant whose plain build has 12 warps already
+    builds[False] = cuda_decode.Built("kernel-12p", 12, 1)
+    assert cuda_decode.lean_build(three_bit, None, 64, 131072) is builds[False]
 
 
 def test_prepared_book_is_kept_until_its_codebook_changes():
@@ -539,14 +569,15 @@ def test_byte_books_give_v6s_output_exactly(specs, monkeypatch):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("specs", PRESET_SPECS)
-def test_lean_registers_give_v7s_output(specs, monkeypatch):
-    """v8 reads the query fragments from shared memory and refills each part of one block of codes
-    with the next block's once gathered (a 4096-entry book; the others build as v7): the same
-    products, but 3 and 1.5 bits run 12 warps a CTA where v7 runs 8, so the positions are split
-    among warps otherwise and the partials merged in another order: equal to v7 to rounding, and
-    to the reference (rows ending inside a block and on its edge, several blocks a warp and one, a
-    window, left padding, GQA 4, 8 and 16, head_dim 64, float16 and bfloat16). On the H200 one
-    output of 4,096 differed from v7's, by 6e-8."""
+def test_lean_build_gives_v7s_output(specs, monkeypatch):
+    """v8's lean build (forced here for every length) reads the query fragments from shared memory
+    and refills each part of one block of codes with the next block's once gathered (a 4096-entry
+    book; the others build as v7): the same products, but 3 and 1.5 bits run 12 warps a CTA where
+    v7 runs 8, so the positions are split among warps otherwise and the partials merged in another
+    order: equal to v7 to rounding, and to the reference (rows ending inside a block and on its
+    edge, several blocks a warp and one, a window, left padding, GQA 4, 8 and 16, head_dim 64,
+    float16 and bfloat16). On the H200 one output of 4,096 differed from v7's, by 6e-8."""
+    monkeypatch.setattr(cuda_decode, "LEAN_MIN_BLOCKS_PER_WARP", 0)
     cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
              (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16),
              (2, 1, 16, 4096, 4096, 64, torch.bfloat16), (1, 2, 4, 65, 64, 128, torch.bfloat16)]

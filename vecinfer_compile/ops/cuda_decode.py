@@ -8,11 +8,12 @@ and per stream: the merging CTA zeroes its row's counter for the next launch, so
 no memset (:func:`arrival_counters`).
 
 Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures them side
-by side until the new one wins everywhere, issue 29): ``v8``, not the default, is ``v7`` whose
-kernels for a 4096-entry codebook read the query fragments from shared memory and hold one block of
-codes in registers instead of two (:attr:`Variant.lean_registers`), so that the 3- and 1.5-bit
-presets run 12 warps an SM without spilling: at B=8/T=128k 3-bit is 4% faster, at T=4k 5-12% slower,
-and 1.25-bit (12 warps either way) 4% slower (docs/results.md). ``v7``, the default, is ``v6`` whose 4096-entry codebooks
+by side until the new one wins everywhere, issue 29): ``v8``, the default, is ``v7`` with a second
+build for a 4096-entry codebook that reads the query fragments from shared memory and holds one
+block of codes in registers instead of two (:attr:`Variant.lean`), so that the 3- and 1.5-bit
+presets run 12 warps an SM without spilling where v7 runs 8; a call takes it only when it gains
+warps and the call is long (:func:`lean_build`: 3-bit at B=8/T=128k 4% faster, at T=4k 5-12%
+slower, docs/results.md), and v7's build otherwise. ``v7`` is ``v6`` whose 4096-entry codebooks
 (the 3-, 1.5- and 1.25-bit presets) sit in shared memory as one byte a channel, 7-bit centroids on a
 power-of-two step per book that the kernel widens exactly after the gather
 (:meth:`Variant.byte_book`, :mod:`vecinfer_compile.quant.byte_centroids`; the codebooks hold those
@@ -75,7 +76,7 @@ from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_
 _SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v8-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, KBYTE/VBYTE v7, QSMEM v8
 SOURCES = {"v8": _SOURCE, "v7": _SOURCE, "v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
-DEFAULT_VERSION = "v7"
+DEFAULT_VERSION = "v8"
 
 
 def since(version: str, first: str) -> bool:
@@ -121,7 +122,12 @@ class Variant:
     fp16: bool
     version: str = DEFAULT_VERSION
     cluster: bool = False  # the CLUSTER build (v3-v8 on sm_90): partials merged in distributed shared memory
+    lean: bool = False  # v8's lean build of a non-interleaved variant (see lean_build)
     smem_per_sm: int = SMEM_PER_SM  # the device's (228 KiB on sm_90, 164 on sm_80, 100 on sm_86/89)
+
+    def __post_init__(self) -> None:
+        if self.lean and not self.can_be_lean:
+            raise ValueError(f"{self}: no lean build (v8 on, a codebook of more than 256 entries)")
 
     @property
     def smem_limit(self) -> int:
@@ -162,11 +168,11 @@ class Variant:
         return since(self.version, "v7") and entries >= BYTE_BOOK_ENTRIES and dims in (4, 8)
 
     @property
-    def lean_registers(self) -> bool:
-        """v8 on, books not interleaved (a 4096-entry book): the query fragments in shared memory
-        after the books instead of 16 registers a thread (the source's QSMEM), and one block of
-        codes in registers, each part replaced by the next block's codes once gathered (STAGGER):
-        3- and 1.5-bit fit 12 warps an SM without spilling (v7: 8)."""
+    def can_be_lean(self) -> bool:
+        """v8 on, books not interleaved (a 4096-entry book): a lean build exists, with the query
+        fragments in shared memory after the books instead of 16 registers a thread (the source's
+        QSMEM) and one block of codes in registers, each part replaced by the next block's codes
+        once gathered (STAGGER): 3- and 1.5-bit fit 12 warps an SM without spilling (v7: 8)."""
         return since(self.version, "v8") and not self.interleaved
 
     def book_bytes(self) -> int:
@@ -174,7 +180,7 @@ class Variant:
         them at a 64 KiB boundary)."""
         if self.interleaved:
             return INTERLEAVED_BOOK_BYTES
-        query = (self.group + 7) // 8 * (self.head_dim // 16) * 32 * 8 if self.lean_registers else 0
+        query = (self.group + 7) // 8 * (self.head_dim // 16) * 32 * 8 if self.lean else 0
         return query + sum(e * self.copies(e, d) * d * (1 if self.byte_book(e, d) else 2)
                            for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims)))
 
@@ -200,7 +206,7 @@ class Variant:
             FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
             INTERLEAVE=int(self.interleaved), LAZY=int(self.lazy_softmax), VPAIR=int(self.paired_values),
             KBYTE=int(self.byte_book(self.k_entries, self.k_dims)), VBYTE=int(self.byte_book(self.v_entries, self.v_dims)),
-            QSMEM=int(self.lean_registers), STAGGER=int(self.lean_registers),
+            QSMEM=int(self.lean), STAGGER=int(self.lean),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -309,6 +315,26 @@ def _build(variant: Variant, device_index: int) -> Built:
 def kernels_for(variant: Variant, device: torch.device) -> Built:
     """The compiled kernel of ``variant`` on ``device`` (compiled on first use, then cached)."""
     return _build(variant, device_index(device))
+
+
+LEAN_MIN_BLOCKS_PER_WARP = 64  # 3-bit on the H200: 124 a warp (B=8/T=128k) gains 4%, 15 (B=1/T=128k) and 4 lose
+
+
+def lean_build(variant: Variant, device: torch.device, batch_heads: int, tmax: int) -> Built:
+    """The build a call runs (v8): the lean one (:attr:`Variant.can_be_lean`) when it runs more warps
+    an SM than the plain one and the call is long, at least :data:`LEAN_MIN_BLOCKS_PER_WARP` blocks of
+    64 positions for each of the plain build's warps on the GPU (its shapes only, as the split: the
+    codes' capacity ``tmax``, not their fill); the plain build otherwise. More warps hide the
+    4096-entry books' gathers better in a long call, and cost more than they hide in a short one
+    (every CTA fills its books; the query comes from shared memory): see docs/results.md."""
+    plain = kernels_for(variant, device)
+    if not variant.can_be_lean:
+        return plain
+    blocks = batch_heads * math.ceil(tmax / BLOCK_T)
+    if blocks < LEAN_MIN_BLOCKS_PER_WARP * sm_count(device_index(device)) * plain.ctas_per_sm * plain.nwarps:
+        return plain
+    lean = kernels_for(dataclasses.replace(variant, lean=True), device)
+    return lean if lean.ctas_per_sm * lean.nwarps > plain.ctas_per_sm * plain.nwarps else plain
 
 
 def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int, nwarps: int) -> int:
@@ -432,9 +458,9 @@ def decode_attention_cuda(
     if reason is not None:
         raise CudaBuildError(f"the CUDA decode kernel cannot run this call: {reason}; use the Triton kernel")
     variant = variant_for(q, k_centroids, v_centroids, group)
-    built = kernels_for(variant, q.device)
     b, hq, _, d = q.shape
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
+    built = lean_build(variant, q.device, b * hkv, tmax)
     q = q.contiguous()
     k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
     k_window, v_window = _aligned(k_window.to(q.dtype)), _aligned(v_window.to(q.dtype))
@@ -475,11 +501,13 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 def build_error(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
                 v_centroids: torch.Tensor) -> str | None:
-    """None if the variant for these inputs compiles and loads on their device, else why not
-    (compiles it as a side effect: call it before tracing, never inside a CUDA-graph capture)."""
+    """None if the variant for these inputs (and the lean build their shapes take, :func:`lean_build`)
+    compiles and loads on their device, else why not (compiles them as a side effect: call it before
+    tracing, never inside a CUDA-graph capture)."""
     group = int(q.shape[1]) // int(k_codes.shape[1])
     try:
-        kernels_for(variant_for(q, k_centroids, v_centroids, group), q.device)
+        lean_build(variant_for(q, k_centroids, v_centroids, group), q.device,
+                   int(q.shape[0]) * int(k_codes.shape[1]), int(k_codes.shape[2]))
     except (CudaBuildError, OSError) as exc:
         return str(exc)
     return None
