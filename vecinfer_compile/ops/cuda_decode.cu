@@ -22,10 +22,10 @@
 //                u = k + 64 of a 7-bit k in [-64, 63] with one power-of-two step per book
 //                (centroid = k * step, see quant/byte_centroids.py), widened after the gather
 //                (widen)
-//   QSMEM        1 (v8): the query fragments, the same in every warp of a CTA, sit in shared memory
+//   QSMEM        1 (v8's lean build): the query fragments, the same in every warp of a CTA, sit in shared memory
 //                after the books (QBYTES) and each score k-step loads its pair, instead of 16
 //                registers a thread held through the loop (see QueryFrags)
-//   STAGGER      1 (v8): one block of codes in registers, not two: each m-tile's codes are replaced
+//   STAGGER      1 (v8's lean build): one block of codes in registers, not two: each m-tile's codes are replaced
 //                by the next block's as soon as their centroids are gathered (see CodebookRows), with
 //                loads the compiler may not move ahead of the gathers (asm volatile), so the next
 //                block's codes are in flight for a block, as before, with half the registers

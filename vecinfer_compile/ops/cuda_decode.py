@@ -12,8 +12,8 @@ by side until the new one wins everywhere, issue 29): ``v8``, the default, is ``
 build for a 4096-entry codebook that reads the query fragments from shared memory and holds one
 block of codes in registers instead of two (:attr:`Variant.lean`), so that the 3- and 1.5-bit
 presets run 12 warps an SM without spilling where v7 runs 8; a call takes it only when it gains
-warps and the call is long (:func:`lean_build`: 3-bit at B=8/T=128k 4% faster, at T=4k 5-12%
-slower, docs/results.md), and v7's build otherwise. ``v7`` is ``v6`` whose 4096-entry codebooks
+warps and the call is long (:func:`lean_build`; forced everywhere, 3-bit was 3-4% faster at B=8/T=128k and 5-12%
+slower at T=4k, docs/results.md), and v7's build otherwise. ``v7`` is ``v6`` whose 4096-entry codebooks
 (the 3-, 1.5- and 1.25-bit presets) sit in shared memory as one byte a channel, 7-bit centroids on a
 power-of-two step per book that the kernel widens exactly after the gather
 (:meth:`Variant.byte_book`, :mod:`vecinfer_compile.quant.byte_centroids`; the codebooks hold those
@@ -73,7 +73,7 @@ from .checks import check_decode_args
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count)
 
-_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v8-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, KBYTE/VBYTE v7, QSMEM v8
+_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v8-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, KBYTE/VBYTE v7, QSMEM/STAGGER v8's lean build
 SOURCES = {"v8": _SOURCE, "v7": _SOURCE, "v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
 VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
 DEFAULT_VERSION = "v8"
@@ -317,7 +317,7 @@ def kernels_for(variant: Variant, device: torch.device) -> Built:
     return _build(variant, device_index(device))
 
 
-LEAN_MIN_BLOCKS_PER_WARP = 64  # 3-bit on the H200: 124 a warp (B=8/T=128k) gains 4%, 15 (B=1/T=128k) and 4 lose
+LEAN_MIN_BLOCKS_PER_WARP = 64  # 3-bit on the H200: 124 a warp (B=8/T=128k) gains 3-4%, 15 (B=1/T=128k) and 4 lose
 
 
 def lean_build(variant: Variant, device: torch.device, batch_heads: int, tmax: int) -> Built:
