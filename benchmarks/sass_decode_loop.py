@@ -116,11 +116,11 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 
 def disassemble(version: str, head_dim: int, group: int, kspec: tuple[int, int], vspec: tuple[int, int],
-                warps: int) -> tuple[str, dict[str, int]]:
+                warps: int, lean: bool = False) -> tuple[str, dict[str, int]]:
     from vecinfer_compile.ops import cuda_decode
     from vecinfer_compile.ops.nvrtc import compile_source
 
-    variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, False, version)
+    variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, False, version, lean=lean)
     image, is_cubin = compile_source(cuda_decode._source(version), "vq_decode", 90,
                                      ["--use_fast_math", "--std=c++17", *variant.defines(warps), "-DMINB=1"])
     if not is_cubin:
@@ -133,6 +133,7 @@ def disassemble(version: str, head_dim: int, group: int, kspec: tuple[int, int],
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    from vecinfer_compile.ops import cuda_decode
     from vecinfer_compile.presets import get_preset
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -152,13 +153,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("| version | registers | stack bytes | loop | instructions | HMMA | LDS | opcodes |\n"
               "|---|---:|---:|---|---:|---:|---:|---|")
         for version in args.versions.split(","):
-            sass, res = disassemble(version, args.head_dim, args.group, kspec, vspec, args.warps)
-            for i, loop in enumerate(innermost_mma_loops(sass)):
-                common = ", ".join(f"{k} {v}" for k, v in loop.opcodes.most_common(args.top))
-                print(f"| {version} | {res.get('registers', '?')} | {res.get('stack_bytes', '?')} | {i} | {loop.length} "
-                      f"| {loop.opcodes['HMMA']} | {loop.opcodes['LDS']} | {common} |")
-                rows.append(dict(bits=float(bits), version=version, loop=i, instructions=loop.length,
-                                 opcodes=dict(loop.opcodes), **res))
+            plain = cuda_decode.Variant(args.head_dim, args.group, *kspec, *vspec, False, version)
+            for lean in (False, True) if plain.can_be_lean else (False,):  # v8 on: also its lean build
+                name = f"{version} lean" if lean else version
+                sass, res = disassemble(version, args.head_dim, args.group, kspec, vspec, args.warps, lean)
+                for i, loop in enumerate(innermost_mma_loops(sass)):
+                    common = ", ".join(f"{k} {v}" for k, v in loop.opcodes.most_common(args.top))
+                    print(f"| {name} | {res.get('registers', '?')} | {res.get('stack_bytes', '?')} | {i} | {loop.length} "
+                          f"| {loop.opcodes['HMMA']} | {loop.opcodes['LDS']} | {common} |")
+                    rows.append(dict(bits=float(bits), version=version, lean=lean, loop=i, instructions=loop.length,
+                                     opcodes=dict(loop.opcodes), **res))
     return rows
 
 

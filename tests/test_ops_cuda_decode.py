@@ -46,14 +46,16 @@ def _nvrtc_or_skip():
 @pytest.mark.parametrize("version", sorted(cuda_decode.SOURCES))
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
-    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v7 to v3
-    in their cluster builds (v7 and v6 with and without their paired value product) (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
+    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v8 to v3
+    in their cluster builds (v8's lean build at 12 warps; v8 to v6 with and without their paired value product) (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
     _nvrtc_or_skip()
     configs = ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4))
     clustered = version in cuda_decode.CLUSTER_VERSIONS
     paired = cuda_decode.Variant(128, 3, *kspec, *vspec, True, version).paired_values
+    lean = cuda_decode.Variant(128, 4, *kspec, *vspec, False, version).can_be_lean
     for head_dim, group, fp16, nwarps in (configs if clustered else configs[:1]) + (((128, 3, True, 12),) if paired else ()):
-        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version, cluster=clustered)
+        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version, cluster=clustered,
+                                      lean=lean and nwarps == 12)  # v8 on: its lean build in the 12-warp configs
         image, is_cubin = compile_source(cuda_decode._source(version), "vq_decode", 90,
                                          ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), "-DMINB=1"])
         assert is_cubin and image[:4] == b"\x7fELF"

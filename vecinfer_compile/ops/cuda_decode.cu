@@ -23,7 +23,7 @@
 //                (centroid = k * step, see quant/byte_centroids.py), widened after the gather
 //                (widen)
 //   QSMEM        1 (v8's lean build): the query fragments, the same in every warp of a CTA, sit in shared memory
-//                after the books (QBYTES) and each score k-step loads its pair, instead of 16
+//                after the books (NH x KSTEPS x 32 x 8 bytes) and each score k-step loads its pair, instead of 16
 //                registers a thread held through the loop (see QueryFrags)
 //   STAGGER      1 (v8's lean build): one block of codes in registers, not two: each m-tile's codes are replaced
 //                by the next block's as soon as their centroids are gathered (see CodebookRows), with
@@ -547,7 +547,6 @@ struct DenseRows {
 // The score product's B fragments (the query): thread (gid, tig) holds head 8 nh + gid, channels
 // tig * SLICE_K + 4 s + {0, 1} and {2, 3} for k-step s. QSMEM: stored once per CTA in shared memory
 // as [NH][KSTEPS][32 lanes] pairs of words (one 256-byte load a k-step, no bank conflict).
-#define QBYTES (NH * KSTEPS * 32 * 8)
 struct QueryFrags {
 #if QSMEM
     unsigned at;  // this lane's pair of k-step 0 of n-tile 0
