@@ -150,10 +150,12 @@ def test_lean_build_only_for_long_calls_that_gain_warps(monkeypatch):
     monkeypatch.setattr(cuda_decode, "sm_count", lambda index: 132)
     monkeypatch.setattr(cuda_decode, "device_index", lambda device: 0)
     three_bit = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v8")
-    need = cuda_decode.LEAN_MIN_BLOCKS_PER_WARP * 132 * 8  # blocks: 67,584 for the threshold of 64
+    need = cuda_decode.LEAN_MIN_BLOCKS_PER_WARP * 132 * 8  # blocks: 25,344 for the threshold of 24
     assert cuda_decode.lean_build(three_bit, None, 64, 131072) is lean  # B=8, Hkv=8, T=128k: 131,072 blocks
     assert cuda_decode.lean_build(three_bit, None, 8, 131072) is plain  # B=1: 16,384
     assert cuda_decode.lean_build(three_bit, None, 64, 4096) is plain
+    assert cuda_decode.lean_build(three_bit, None, 64, 32768) is lean  # B=8/T=32k: 32,768 blocks
+    assert cuda_decode.lean_build(three_bit, None, 32, 32768) is plain  # B=4/T=32k: 16,384
     assert cuda_decode.lean_build(three_bit, None, need // 64, 64 * 64) is lean
     assert cuda_decode.lean_build(three_bit, None, need // 64 - 1, 64 * 64) is plain
     assert cuda_decode.lean_build(dataclasses.replace(three_bit, version="v7"), None, 64, 131072) is plain
