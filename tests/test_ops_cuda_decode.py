@@ -165,6 +165,21 @@ def test_lean_build_only_for_long_calls_that_gain_warps(monkeypatch):
     assert cuda_decode.lean_build(three_bit, None, 64, 131072) is builds[False]
 
 
+def test_build_error_compiles_the_lean_build_too(monkeypatch):
+    """Before tracing, build_error compiles a 4096-entry variant's plain and lean builds (the call
+    picks one by its shapes later), and a 256-entry variant's one build."""
+    built = []
+    monkeypatch.setattr(cuda_decode, "kernels_for", lambda variant, device: built.append(variant))
+    q = torch.empty(3, 8, 1, 128, device="meta", dtype=torch.bfloat16)
+    k_codes = torch.empty(3, 2, 500, 32, device="meta", dtype=torch.uint8)
+    for entries, lean in ((4096, True), (256, False)):
+        variant = cuda_decode.Variant(128, 4, entries, 4, entries, 4, False, "v8")
+        monkeypatch.setattr(cuda_decode, "variant_for", lambda *args, variant=variant: variant)
+        built.clear()
+        assert cuda_decode.build_error(q, k_codes, None, None) is None
+        assert built == [variant] + ([dataclasses.replace(variant, lean=True)] if lean else [])
+
+
 def test_prepared_book_is_kept_until_its_codebook_changes():
     """The v2 kernel's 16-bit codebooks: one conversion per codebook tensor and dtype, made again
     after an in-place change, dropped with the codebook."""

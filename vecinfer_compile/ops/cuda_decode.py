@@ -501,13 +501,16 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 def build_error(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
                 v_centroids: torch.Tensor) -> str | None:
-    """None if the variant for these inputs (and the lean build their shapes take, :func:`lean_build`)
-    compiles and loads on their device, else why not (compiles them as a side effect: call it before
-    tracing, never inside a CUDA-graph capture)."""
+    """None if the variant for these inputs, and its lean build where it has one (:func:`lean_build`
+    picks between them at the call), compile and load on their device, else why not (compiles them as
+    a side effect: call it before tracing, never inside a CUDA-graph capture). Reads no batch size or
+    length, so a symbolic one (``dynamic=True``) is not specialised here."""
     group = int(q.shape[1]) // int(k_codes.shape[1])
     try:
-        lean_build(variant_for(q, k_centroids, v_centroids, group), q.device,
-                   int(q.shape[0]) * int(k_codes.shape[1]), int(k_codes.shape[2]))
+        variant = variant_for(q, k_centroids, v_centroids, group)
+        kernels_for(variant, q.device)
+        if variant.can_be_lean:
+            kernels_for(dataclasses.replace(variant, lean=True), q.device)
     except (CudaBuildError, OSError) as exc:
         return str(exc)
     return None
