@@ -166,16 +166,23 @@ def test_lean_build_only_for_long_calls_that_gain_warps(monkeypatch):
 
 
 def test_build_error_compiles_the_lean_build_too(monkeypatch):
-    """Before tracing, build_error compiles a 4096-entry variant's plain and lean builds (the call
-    picks one by its shapes later), and a 256-entry variant's one build."""
-    built = []
-    monkeypatch.setattr(cuda_decode, "kernels_for", lambda variant, device: built.append(variant))
+    """Before tracing, build_error compiles a 4096-entry variant's plain build and, where the plain
+    one runs fewer than the most warps an SM, its lean build (the call picks one by its shapes
+    later); a 256-entry variant's one build."""
+    built, plain_warps = [], {}
+
+    def kernels_for(variant, device):
+        built.append(variant)
+        return cuda_decode.Built("kernel", 12 if variant.lean else plain_warps["n"], 1)
+
+    monkeypatch.setattr(cuda_decode, "kernels_for", kernels_for)
     q = torch.empty(3, 8, 1, 128, device="meta", dtype=torch.bfloat16)
     k_codes = torch.empty(3, 2, 500, 32, device="meta", dtype=torch.uint8)
-    for entries, lean in ((4096, True), (256, False)):
+    for entries, warps, lean in ((4096, 8, True), (4096, 12, False), (256, 8, False)):
         variant = cuda_decode.Variant(128, 4, entries, 4, entries, 4, False, "v8")
         monkeypatch.setattr(cuda_decode, "variant_for", lambda *args, variant=variant: variant)
         built.clear()
+        plain_warps["n"] = warps
         assert cuda_decode.build_error(q, k_codes, None, None) is None
         assert built == [variant] + ([dataclasses.replace(variant, lean=True)] if lean else [])
 

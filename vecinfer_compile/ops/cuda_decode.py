@@ -320,6 +320,13 @@ def kernels_for(variant: Variant, device: torch.device) -> Built:
 LEAN_MIN_BLOCKS_PER_WARP = 24  # 3-bit, H200: 31 blocks a warp and more gain 1-5%, 15.5 and fewer lose 0-14%
 
 
+def lean_may_gain(variant: Variant, plain: Built) -> bool:
+    """Whether ``variant`` has a lean build that could run more warps an SM than its plain build
+    ``plain`` (which does not already run the most that :data:`LAUNCHES` offers)."""
+    most = max(c * w for c, w in LAUNCHES[variant.version])
+    return variant.can_be_lean and plain.ctas_per_sm * plain.nwarps < most
+
+
 def lean_build(variant: Variant, device: torch.device, batch_heads: int, tmax: int) -> Built:
     """The build a call runs (v8): the lean one (:attr:`Variant.can_be_lean`) when it runs more warps
     an SM than the plain one and the call is long, at least :data:`LEAN_MIN_BLOCKS_PER_WARP` blocks of
@@ -328,7 +335,7 @@ def lean_build(variant: Variant, device: torch.device, batch_heads: int, tmax: i
     4096-entry books' gathers better in a long call, and cost more than they hide in a short one
     (every CTA fills its books; the query comes from shared memory): see docs/results.md."""
     plain = kernels_for(variant, device)
-    if not variant.can_be_lean:
+    if not lean_may_gain(variant, plain):
         return plain
     blocks = batch_heads * math.ceil(tmax / BLOCK_T)
     if blocks < LEAN_MIN_BLOCKS_PER_WARP * sm_count(device_index(device)) * plain.ctas_per_sm * plain.nwarps:
@@ -501,15 +508,15 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 def build_error(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
                 v_centroids: torch.Tensor) -> str | None:
-    """None if the variant for these inputs, and its lean build where it has one (:func:`lean_build`
-    picks between them at the call), compile and load on their device, else why not (compiles them as
-    a side effect: call it before tracing, never inside a CUDA-graph capture). Reads no batch size or
-    length, so a symbolic one (``dynamic=True``) is not specialised here."""
+    """None if the variant for these inputs, and its lean build where that may gain warps
+    (:func:`lean_may_gain`; :func:`lean_build` picks between them at the call), compile and load on
+    their device, else why not (compiles them as a side effect: call it before tracing, never inside
+    a CUDA-graph capture). Reads no batch size or length, so a symbolic one (``dynamic=True``) is not
+    specialised here."""
     group = int(q.shape[1]) // int(k_codes.shape[1])
     try:
         variant = variant_for(q, k_centroids, v_centroids, group)
-        kernels_for(variant, q.device)
-        if variant.can_be_lean:
+        if lean_may_gain(variant, kernels_for(variant, q.device)):
             kernels_for(dataclasses.replace(variant, lean=True), q.device)
     except (CudaBuildError, OSError) as exc:
         return str(exc)
