@@ -155,13 +155,13 @@ def kernel_resources(bits: float, version: str, dtype: torch.dtype = torch.bfloa
     variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
                                   preset.value.dims, dtype == torch.float16, version)
     device = torch.device("cuda", torch.cuda.current_device())
-    lines = []
-    for v in (variant, dataclasses.replace(variant, lean=True)) if variant.can_be_lean else (variant,):
-        built = cuda_decode.kernels_for(v, device)
-        lines.append(f"{'lean build (long calls)' if v.lean else 'kernel'}: {built.kernel.registers} registers, "
+    builds = [(variant, cuda_decode.kernels_for(variant, device))]
+    if cuda_decode.lean_may_gain(variant, builds[0][1]):  # the build long calls may take instead
+        lean = dataclasses.replace(variant, lean=True)
+        builds.append((lean, cuda_decode.kernels_for(lean, device)))
+    return "; ".join(f"{'lean build (long calls)' if v.lean else 'kernel'}: {built.kernel.registers} registers, "
                      f"{built.kernel.local_bytes} B local, {v.smem_bytes(built.nwarps) // 1024} KiB shared, "
-                     f"{built.ctas_per_sm} CTAs/SM of {built.nwarps} warps")
-    return "; ".join(lines)
+                     f"{built.ctas_per_sm} CTAs/SM of {built.nwarps} warps" for v, built in builds)
 
 
 def main(argv=None) -> list[dict]:

@@ -601,12 +601,13 @@ def test_lean_build_gives_v7s_output(specs, monkeypatch):
     book; the others build as v7): the same products, but 3 and 1.5 bits run 12 warps a CTA where
     v7 runs 8, so the positions are split among warps otherwise and the partials merged in another
     order: equal to v7 to rounding, and to the reference (rows ending inside a block and on its
-    edge, several blocks a warp and one, a window, left padding, GQA 4, 8 and 16, head_dim 64,
+    edge, several blocks a warp and one, a window, left padding, MHA, GQA 4, 8 and 16, head_dim 64,
     float16 and bfloat16). On the H200 one output of 4,096 differed from v7's, by 6e-8."""
     monkeypatch.setattr(cuda_decode, "LEAN_MIN_BLOCKS_PER_WARP", 0)
     cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
              (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16),
-             (2, 1, 16, 4096, 4096, 64, torch.bfloat16), (1, 2, 4, 65, 64, 128, torch.bfloat16)]
+             (2, 1, 16, 4096, 4096, 64, torch.bfloat16), (1, 2, 4, 65, 64, 128, torch.bfloat16),
+             (2, 2, 1, 700, 650, 128, torch.bfloat16)]
     for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
         args = _decode(dtype, 130 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=seed % 2 == 0)

@@ -212,7 +212,7 @@ class Variant:
 
 
 def kernel_version() -> str:
-    """``$VECINFER_CUDA_DECODE_VERSION`` (``v7`` unless set; see the module docstring)."""
+    """``$VECINFER_CUDA_DECODE_VERSION`` (:data:`DEFAULT_VERSION` unless set; see the module docstring)."""
     version = os.environ.get(VERSION_ENV, DEFAULT_VERSION).strip().lower() or DEFAULT_VERSION
     if version not in SOURCES:
         raise ValueError(f"{VERSION_ENV}={version!r}: use one of {', '.join(SOURCES)}")
