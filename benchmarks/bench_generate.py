@@ -140,6 +140,7 @@ import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, o
 from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attention, use_valid_length_attention
 from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 from vecinfer_compile.codebooks import model_geometry  # noqa: E402
+from vecinfer_compile.quant.score_aware import check_parallel_weight  # noqa: E402
 from vecinfer_compile.deferred_stop import defer_stop_check  # noqa: E402
 from vecinfer_compile.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 
@@ -665,7 +666,8 @@ def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> l
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
            "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry,
            "--prefill-chunk", str(args.prefill_chunk), "--synthetic-prefill", str(args.synthetic_prefill),
-           "--prefill-rows", str(args.prefill_rows), "--stop-check", args.stop_check]
+           "--prefill-rows", str(args.prefill_rows), "--stop-check", args.stop_check,
+           "--key-parallel-weight", str(args.key_parallel_weight)]
     if args.in_run_only:
         out.append("--in-run-only")
     if args.layers:
@@ -698,6 +700,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--new-tokens", type=int, default=None, help="N new tokens per timed run (default 32; smoke 3)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--bits", type=float, default=2.0)
+    ap.add_argument("--key-parallel-weight", type=float, default=1.0, metavar="W",
+                    help="ours: how the cache encodes keys (1: nearest centroid; above: score-aware codes, whose "
+                         "decode-step append runs as torch ops, not the CUDA append kernel)")
     ap.add_argument("--residual", type=int, default=None, help="VecInferCache window R (default 128; smoke 8)")
     ap.add_argument("--warmup-len", type=int, default=None,
                     help="prompt length of the untimed warm-up run (default 256; smoke 8)")
@@ -793,8 +798,12 @@ def main(argv=None) -> list[dict]:
         model = C.build_model(setup)
         built = f"built in {model._bench_build_s:.1f} s"
     codebooks = None if model is None else C.random_codebooks(setup.config, args.bits)
+    if codebooks is not None:
+        codebooks.metadata["key_parallel_weight"] = check_parallel_weight(args.key_parallel_weight)
     print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
-          f"ours = {args.bits:g}-bit VecInferCache R={residual}; N={new_tokens} new tokens, greedy; "
+          f"ours = {args.bits:g}-bit VecInferCache R={residual}"
+          f"{'' if args.key_parallel_weight == 1 else f' (score-aware keys, weight {args.key_parallel_weight:g})'}; "
+          f"N={new_tokens} new tokens, greedy; "
           f"stop check {args.stop_check}; "
           f"tok/s = B / (mean decode step), steps timed by CUDA events (host stamps on the CPU); "
           f"prefill s = time to first token of the N run (* chunked: prefill chunks "

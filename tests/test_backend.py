@@ -203,17 +203,18 @@ def test_graph_break_rewrites_each_subgraph_by_layer():
     assert sorted(backend.fitted) == [0, 1]  # layer ids from the module path, per subgraph
 
 
-@pytest.mark.parametrize("layer_bits", [[2.0, 2.0], [4.0, 1.0]])
-def test_compiled_simulate_matches_eager_simulate(layer_bits):
+@pytest.mark.parametrize("layer_bits, key_weight", [([2.0, 2.0], 1.0), ([4.0, 1.0], 1.0), ([2.0, 2.0], 8.0)])
+def test_compiled_simulate_matches_eager_simulate(layer_bits, key_weight):
     """Given codebooks and a residual window: the compiled model over codes matches the eager
     simulate attention (quantize -> dequantize K/V) with the same codebooks, also when the
-    layers use different presets."""
+    layers use different presets, and with score-aware key codes (key_parallel_weight)."""
     from vecinfer_compile.simulate import enable_simulation
 
     model = tiny_model("llama")
     layers = [random_layer_codebooks(2, 16, bits=b, seed=i) for i, b in enumerate(layer_bits)]
     bits = sum(layer_bits) / 2
-    codebooks = VecInferCodebooks("vecinfer", bits, layers, model_geometry(model.config), layer_bits=layer_bits)
+    codebooks = VecInferCodebooks("vecinfer", bits, layers, model_geometry(model.config),
+                                  {"key_parallel_weight": key_weight}, layer_bits=layer_bits)
     backend = vecinfer_backend.configure(codebooks, bits=bits, residual=4)
     text = ids(16, seed=6)
     with torch.no_grad():
@@ -223,6 +224,10 @@ def test_compiled_simulate_matches_eager_simulate(layer_bits):
         simulated = sim_model(input_ids=text, use_cache=False).logits
     torch.testing.assert_close(compiled, simulated, atol=1e-4, rtol=1e-4)
     assert (compiled - full).abs().max() > 1e-3  # really quantized
+    if key_weight != 1.0:  # and the weight changed the codes
+        codebooks.metadata["key_parallel_weight"] = 1.0
+        with torch.no_grad():
+            assert (sim_model(input_ids=text, use_cache=False).logits - simulated).abs().max() > 1e-4
 
 
 def test_tiny_trained_model_transform_is_exact(shared_tiny_dir):

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import vecinfer_compile.ops as ops
 from test_ops_reference import SPECS, attention_case, decode_case, expected_attention, expected_decode, make_codes
 from vecinfer_compile.quant import codebook, hadamard_matrix, unpack_codes
+from vecinfer_compile.quant.score_aware import parallel_loss
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp_only = pytest.mark.skipif(not INTERPRET, reason="run by test_kernels_under_triton_interpreter")
@@ -167,6 +168,30 @@ def test_interp_encode(spec, config, d):
         torch.testing.assert_close(values.float(), cent[got.long()].reshape(x.shape), atol=0,
                                    rtol=0 if exact else 2**-7)
         assert (ops.encode_triton(x_in, lam_in, rot_in, cent, config=ENCODE_CONFIGS[config]) == stored).all()
+
+
+def _assert_score_aware_match(x, cent, stored, values, weight):
+    """Triton's score-aware codes reach the reference's loss (equal codes but for near ties) and
+    its values are its codes' centroids."""
+    entries = cent.shape[0]
+    want = unpack_codes(ops.reference.encode(x, None, None, cent, weight), entries)
+    got = unpack_codes(stored, entries)
+    deq = lambda c: cent[c.long()].reshape(x.shape)  # noqa: E731
+    loss = lambda c: parallel_loss(x.float(), deq(c), weight)  # noqa: E731
+    torch.testing.assert_close(loss(got), loss(want), atol=1e-4, rtol=1e-4)
+    assert (got == want).float().mean() > 0.99
+    torch.testing.assert_close(values.float(), deq(got).to(values.dtype).float(), atol=0, rtol=0)
+
+
+@interp_only
+@pytest.mark.parametrize("spec", SPECS)
+def test_interp_encode_score_aware(spec):
+    """parallel_weight > 1: one kernel launch per scale, the selection in torch."""
+    gen = torch.Generator().manual_seed(spec[0] + spec[1])
+    x = torch.randn(2, 2, 13, 32, generator=gen) * 2
+    cent = torch.randn(*spec, generator=gen)
+    stored, values = ops.encode_triton(x, None, None, cent, values=True, parallel_weight=8.0)
+    _assert_score_aware_match(x, cent, stored, values, 8.0)
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -337,6 +362,19 @@ def test_cuda_encode(entries, dims):
 
 
 test_cuda_encode = pytest.mark.cuda(test_cuda_encode)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("entries,dims", SPECS)
+def test_cuda_encode_score_aware(entries, dims):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16) * 2
+    cent = torch.randn(entries, dims, device="cuda")
+    stored = torch.ops.vecinfer.encode(x, None, None, cent, 8.0)
+    values = torch.ops.vecinfer.quantize(x, None, None, cent, 8.0)
+    assert values.dtype == x.dtype
+    _assert_score_aware_match(x, cent, stored, values, 8.0)
 
 
 def test_cuda_compiled_ops_fullgraph_dynamic():

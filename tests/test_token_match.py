@@ -29,12 +29,13 @@ def test_prompts_are_disjoint_slices_and_short_text_is_an_error():
         prompts_from_ids(ids, 6, 20)
 
 
-@pytest.mark.parametrize("residual", [0, 16])
-def test_cache_matches_simulate_on_tiny_model(tiny_model, sample_text_path, residual):
+@pytest.mark.parametrize("residual, key_weight", [(0, 1.0), (16, 1.0), (16, 8.0)])
+def test_cache_matches_simulate_on_tiny_model(tiny_model, sample_text_path, residual, key_weight):
     """The cache reads codes for most of a 96-token prompt; same codebooks, same window -> same
-    greedy tokens as simulate mode with full_precision_prefill."""
+    greedy tokens as simulate mode with full_precision_prefill (also with score-aware key codes)."""
     model, tok = tiny_model
     codebooks = load_codebooks(default_codebooks_dir() / "vecinfer-2bit.safetensors")
+    codebooks.metadata["key_parallel_weight"] = key_weight
     prompts = prompts_from_ids(tokenize(tok, load_text(sample_text_path)), 2, 96)
     results = token_match(model, prompts, codebooks, new_tokens=12, residual=residual, progress=False)
     assert [r.first_mismatch for r in results] == [None, None]

@@ -217,7 +217,9 @@ class VecInferBackend:
         sites = self._coded(all_sites)
         if sites:
             layers = self._layers(gm, example_inputs, sites)
-            rewrite_sdpa(gm, sites, layers, quantize=self.config.quantize, residual=self.config.residual)
+            given = self.config.codebooks
+            rewrite_sdpa(gm, sites, layers, quantize=self.config.quantize, residual=self.config.residual,
+                         key_parallel_weight=1.0 if given is None else given.key_parallel_weight)
         elif not (with_cache or all_sites or cache_reads or self.fitted or self._warned_no_sdpa):
             self._warned_no_sdpa = True
             log.warning(

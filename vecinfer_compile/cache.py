@@ -34,6 +34,7 @@ from .ops import chunk_attention
 from .ops.chunk_attention import ChunkKeys
 from .ops.decode_inputs import chunk_mask_layout, kv_start_from_mask, mask_is_a_range, transform_queries
 from .quant.packing import packed_width
+from .quant.score_aware import check_parallel_weight
 from .tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 
 __all__ = ["VecInferCache", "VecInferLayer", "cache_kwargs", "cache_window_mask"]
@@ -142,6 +143,7 @@ class VecInferLayer(CacheLayerMixin):
         query_matrix: torch.Tensor | None = None,
         key_mean: torch.Tensor | None = None,
         model_config=None,
+        key_parallel_weight: float = 1.0,
     ):
         super().__init__()
         _ops()  # register the ops now, never while tracing
@@ -173,6 +175,7 @@ class VecInferLayer(CacheLayerMixin):
             self.key_matrix = fold(key_matrix.to(dev, torch.float32)).contiguous()
             self.key_read = fold(query_matrix.to(dev, torch.float32)).transpose(-1, -2).contiguous()
             self.rotation = None
+        self.key_parallel_weight = check_parallel_weight(key_parallel_weight)
         self.model_config = model_config  # its attention implementation decides the eager reads
         # a coded sliding-window layer says so: transformers builds the sliding mask's sizes and query
         # offset from the first layer that does, else from layer 0, which may hold no K/V (RecurrentGemma's
@@ -297,7 +300,8 @@ class VecInferLayer(CacheLayerMixin):
         n_code = max(t - self.residual, 0)
         n_win = t - n_code
         if n_code > 0:
-            self.k_codes[:, :, :n_code].copy_(ops.encode(kt[:, :, :n_code], None, None, self.key_centroids))
+            self.k_codes[:, :, :n_code].copy_(ops.encode(kt[:, :, :n_code], None, None, self.key_centroids,
+                                                         self.key_parallel_weight))
             self.v_codes[:, :, :n_code].copy_(ops.encode(v[:, :, :n_code], None, None, self.value_centroids))
         if n_win > 0:
             self.k_window[:, :, :n_win].copy_(kt[:, :, n_code:])
@@ -351,7 +355,7 @@ class VecInferLayer(CacheLayerMixin):
         torch.ops.vecinfer.cache_append(
             k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
             self.append_arrivals, self.key_centroids, self.value_centroids, self.key_mean, self.lam,
-            self._key_matrix(),
+            self._key_matrix(), self.key_parallel_weight,
         )
 
     def _chunk_keys(self, k: torch.Tensor, v: torch.Tensor, n_coded: int, n_window: int) -> ChunkKeys:
@@ -943,6 +947,7 @@ class VecInferCache(Cache):
                     query_matrix=lc.transform.query_matrix,
                     key_mean=lc.transform.mean,
                     model_config=config,
+                    key_parallel_weight=codebooks.key_parallel_weight,
                 )
             )
         super().__init__(layers=layers)

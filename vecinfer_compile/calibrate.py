@@ -16,6 +16,7 @@ from .layer_kinds import NO_KV_KINDS, coded_layers, kv_producers, layer_kinds
 from .methods import VQ_METHODS, check_method
 from .presets import get_preset
 from .quant.codebook import quantize_dequantize, subvectors
+from .quant.score_aware import check_parallel_weight
 from .quant.kmeans import kmeans
 from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
 from .quant.refine import LayerAttention, RefineConfig, refine_codebooks
@@ -122,6 +123,7 @@ def calibrate(
     max_fit_vectors: int = 262144,
     ridge: float = DEFAULT_RIDGE,
     refine: RefineConfig | None = RefineConfig(),
+    key_parallel_weight: float = 1.0,
     device=None,
     progress: bool = True,
 ) -> VecInferCodebooks:
@@ -138,7 +140,9 @@ def calibrate(
     prediction from the dequantized keys (:mod:`vecinfer_compile.quant.value_prediction`).
     The methods that refine (``qaware``; not ``qaware-norefine``) then move each layer's k-means
     centroids to lower its attention-output error on the calibration windows by ``refine``
-    (:mod:`vecinfer_compile.quant.refine`; None skips it).
+    (:mod:`vecinfer_compile.quant.refine`; None skips it). ``key_parallel_weight`` (stored in the
+    file) is how every path then encodes keys: 1 for the nearest centroid, above 1 for score-aware
+    codes (:mod:`vecinfer_compile.quant.score_aware`; the codebooks are fitted as for 1).
     By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
@@ -150,6 +154,7 @@ def calibrate(
     """
     if layer_bits is not None and allocate is not None:
         raise ValueError("give either layer_bits or allocate, not both")
+    key_parallel_weight = check_parallel_weight(key_parallel_weight)
     if allocate not in (None, "uniform", "retrieval"):
         raise ValueError(f"allocate must be 'uniform' or 'retrieval', got {allocate!r}")
     check_method(method)
@@ -234,6 +239,7 @@ def calibrate(
         "seq_len": seq_len,
         "kmeans_iters": iters,
         "seed": seed,
+        "key_parallel_weight": key_parallel_weight,
         **({"qaware_ridge": ridge} if spec.query_aware else {}),
         **({"refine": {**refine.as_dict(), "loss_ratio": refined}} if refine is not None else {}),
     }

@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from .methods import VQ_METHODS
 from .presets import Preset, get_preset
 from .quant.byte_centroids import snap_centroids
+from .quant.score_aware import check_parallel_weight
 from .quant.transform import KeyTransform
 from .quant.value_prediction import ValuePredictor
 from .weight_fingerprint import TOLERANCE, check_fingerprint, fingerprint_distance, graph_weights, weight_fingerprint
@@ -136,6 +137,7 @@ class VecInferCodebooks:
     _reported: set = field(default_factory=set, init=False, repr=False, compare=False)  # once-only log lines
 
     def __post_init__(self) -> None:
+        check_parallel_weight(self.key_parallel_weight)
         if not self.attention_layers():
             raise ValueError("codebooks need at least one attention layer; every entry of layers is None")
         if self.layer_bits is None:
@@ -167,6 +169,12 @@ class VecInferCodebooks:
     def layer_preset(self, index: int) -> Preset:
         """The preset of layer ``index``."""
         return get_preset(self.bits if self.layer_bits is None else self.layer_bits[index])
+
+    @property
+    def key_parallel_weight(self) -> float:
+        """How every path encodes keys (:mod:`vecinfer_compile.quant.score_aware`): the weight of
+        a key's error along its own direction, 1 for nearest-centroid codes (files without it)."""
+        return float(self.metadata.get("key_parallel_weight", 1.0))
 
     def bits_per_layer(self) -> list[float]:
         return [self.layer_preset(i).bits for i in range(len(self.layers))]

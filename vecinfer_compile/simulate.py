@@ -85,7 +85,7 @@ class LayerSimulator:
         positions = None
         if layer.transform.rope_inv_freq is not None:
             positions = key_positions(position_ids, k.shape[2], k.device)
-        kt_hat = quantize_dequantize(layer.transform.keys(k, positions), kc)
+        kt_hat = quantize_dequantize(layer.transform.keys(k, positions), kc, self.codebooks.key_parallel_weight)
         k_hat = layer.transform.keys_inverse(kt_hat, positions).to(k.dtype)
         if layer.value_predictor is None:
             return k_hat, quantize_dequantize(v, vc)

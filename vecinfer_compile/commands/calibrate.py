@@ -34,6 +34,11 @@ def register(subparsers) -> None:
                    help="qaware methods: ridge added to the normalised query/key moments (default "
                         "0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
                         "picks one on yours)")
+    p.add_argument("--key-parallel-weight", type=float, default=1.0, metavar="W",
+                   help="how keys are encoded, stored in the file: 1 (default) the nearest centroid; "
+                        "above 1, score-aware codes that weigh a key's error along its own direction W times "
+                        "(8 lowered 2-bit qaware's perplexity and raised its needle retrieval on evalmodel, "
+                        "docs/results.md; the CUDA decode-step append then runs as torch ops)")
     add_calib_args(p)
     p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
     add_progress_arg(p)
@@ -108,7 +113,7 @@ def run(args) -> int:
                    layer_bits=args.layer_bits,
                    allocate=None if args.allocate == "uniform" else args.allocate,
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,
-                   seed=args.seed, progress=args.progress,
+                   seed=args.seed, progress=args.progress, key_parallel_weight=args.key_parallel_weight,
                    **({} if args.ridge is None else {"ridge": args.ridge}))
     path = cb.save(args.out)
     per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"

@@ -126,6 +126,7 @@ def cache_append_cuda(
     key_mean: torch.Tensor | None,
     lam: torch.Tensor | None,
     key_matrix: torch.Tensor | None,
+    key_parallel_weight: float = 1.0,
 ) -> None:
     """The contract of ``vecinfer::cache_append`` (:mod:`.cache_append`) for one new token: key
     and value ``[B, Hkv, 1, D]`` in the windows' dtype (bf16/fp16); ``k_codes [B, Hkv, Tmax, Wk]``,
@@ -133,7 +134,12 @@ def cache_append_cuda(
     ``arrivals`` int32 ``[1]``, zero (the kernel leaves it zero); centroids float32 ``[E, d]``;
     ``key_mean``/``lam`` float32 ``[Hkv, D]`` or None; ``key_matrix`` float32 ``[D, D]`` or
     ``[Hkv, D, D]`` or None. Updates the buffers in place; raises :class:`CudaBuildError` when the
-    inputs or the machine do not fit the kernel."""
+    inputs or the machine do not fit the kernel. The kernel encodes nearest-centroid codes:
+    ``key_parallel_weight`` must be 1 (:func:`.decode_kernels.choose_append` sends score-aware
+    key codes to the torch form)."""
+    if key_parallel_weight != 1.0:
+        raise CudaBuildError(f"the CUDA append encodes nearest-centroid codes; key_parallel_weight "
+                             f"{key_parallel_weight:g} (score-aware key codes) runs as torch ops")
     reason = unsupported_reason(key, k_window, k_centroids, v_centroids)
     if reason is not None:
         raise CudaBuildError(f"the CUDA append cannot run this call: {reason}")

@@ -14,8 +14,10 @@ the choice is part of the graph (and of Inductor's cache key) rather than hidden
 
 Schemas::
 
-    vecinfer::encode(Tensor x, Tensor? lam, Tensor? rotation, Tensor centroids) -> Tensor
-    vecinfer::quantize(Tensor x, Tensor? lam, Tensor? rotation, Tensor centroids) -> Tensor
+    vecinfer::encode(Tensor x, Tensor? lam, Tensor? rotation, Tensor centroids,
+        float parallel_weight=1.0) -> Tensor
+    vecinfer::quantize(Tensor x, Tensor? lam, Tensor? rotation, Tensor centroids,
+        float parallel_weight=1.0) -> Tensor
     vecinfer::attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_centroids,
         Tensor v_centroids, Tensor? k_full, Tensor? v_full, Tensor? attn_mask, bool is_causal,
         float scale, int residual) -> Tensor
@@ -46,19 +48,21 @@ NAMESPACE = "vecinfer"
 
 
 def _encode(
-    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor
+    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor,
+    parallel_weight: float = 1.0,
 ) -> torch.Tensor:
     if x.device.type == "cuda":
-        return encode_triton(x, lam, rotation, centroids, wrap=True)
-    return reference.encode(x, lam, rotation, centroids)
+        return encode_triton(x, lam, rotation, centroids, parallel_weight=parallel_weight, wrap=True)
+    return reference.encode(x, lam, rotation, centroids, parallel_weight)
 
 
 def _quantize(
-    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor
+    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor,
+    parallel_weight: float = 1.0,
 ) -> torch.Tensor:
     if x.device.type == "cuda":
-        return encode_triton(x, lam, rotation, centroids, values=True, wrap=True)[1]
-    return reference.quantize(x, lam, rotation, centroids)
+        return encode_triton(x, lam, rotation, centroids, values=True, parallel_weight=parallel_weight, wrap=True)[1]
+    return reference.quantize(x, lam, rotation, centroids, parallel_weight)
 
 
 def _attention(

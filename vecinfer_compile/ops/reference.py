@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..quant.packing import pack_codes, unpack_codes
+from ..quant.score_aware import score_aware_indices
 from .checks import check_attention_args, check_decode_args, check_encode_args
 
 
@@ -25,14 +26,16 @@ def dequantize(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 
 
 def encode(
-    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor
+    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor,
+    parallel_weight: float = 1.0,
 ) -> torch.Tensor:
     """Codes of ``((x / lam) @ rotation)``.
 
     x ``[B, H, T, D]`` float; lam ``[H, D]`` float32 or None; rotation ``[D, D]`` or None;
     centroids ``[E, d]`` float32 -> stored codes ``[B, H, T, packed_width(D // d, E)]`` uint8 (one
     byte per code for E <= 256, 12-bit codes packed two in three bytes above): the nearest
-    centroid by squared distance in float32 (as ``quant.codebook.encode``).
+    centroid by squared distance in float32 (as ``quant.codebook.encode``), or with
+    ``parallel_weight > 1`` the score-aware codes of :mod:`..quant.score_aware` over that search.
     """
     check_encode_args(x, lam, rotation, centroids)
     work = x.float()
@@ -41,19 +44,24 @@ def encode(
     if rotation is not None:
         work = work @ rotation.float()
     entries, dims = centroids.shape
-    b, h, t, d = work.shape
-    sub = work.reshape(b, h, t, d // dims, dims)
     c = centroids.float()
-    dist = (sub * sub).sum(-1, keepdim=True) - 2.0 * (sub @ c.T) + (c * c).sum(-1)
-    return pack_codes(dist.argmin(-1), entries)
+
+    def nearest(y: torch.Tensor) -> torch.Tensor:
+        b, h, t, d = y.shape
+        sub = y.reshape(b, h, t, d // dims, dims)
+        dist = (sub * sub).sum(-1, keepdim=True) - 2.0 * (sub @ c.T) + (c * c).sum(-1)
+        return dist.argmin(-1)
+
+    return pack_codes(score_aware_indices(work, c, parallel_weight, nearest), entries)
 
 
 def quantize(
-    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor
+    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor,
+    parallel_weight: float = 1.0,
 ) -> torch.Tensor:
     """Quantize-dequantize: the centroid values of :func:`encode`'s codes, ``[B, H, T, D]`` in
     x.dtype (in the transformed space when ``lam``/``rotation`` are given)."""
-    return dequantize(encode(x, lam, rotation, centroids), centroids).to(x.dtype)
+    return dequantize(encode(x, lam, rotation, centroids, parallel_weight), centroids).to(x.dtype)
 
 
 def _safe_softmax_weights(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

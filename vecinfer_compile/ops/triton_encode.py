@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.packing import is_packed, packed_width
+from ..quant.packing import is_packed, pack_codes, packed_width, unpack_codes
+from ..quant.score_aware import score_aware_indices
 from .checks import check_encode_args
 from .triton_common import launch
 
@@ -155,6 +156,7 @@ def encode_triton(
     centroids: torch.Tensor,
     *,
     values: bool = False,
+    parallel_weight: float = 1.0,
     wrap: bool = False,
     config: EncodeConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +166,11 @@ def encode_triton(
     codes packed two in three bytes for E > 256); with ``values=True`` also the centroid values
     ``[B, H, T, D]`` in x.dtype (as :func:`vecinfer_compile.ops.reference.quantize`). ``wrap=True``
     launches through ``torch.library.wrap_triton`` (inside the op); ``config`` is the launch shape
-    (benchmarks sweep it)."""
+    (benchmarks sweep it). ``parallel_weight > 1``: the score-aware codes of
+    :mod:`vecinfer_compile.quant.score_aware`, one launch per scale of its search."""
     check_encode_args(x, lam, rotation, centroids)
+    if parallel_weight != 1.0:
+        return _score_aware(x, lam, rotation, centroids, values, parallel_weight, wrap, config)
     work = x
     if lam is not None or rotation is not None:
         work = x.float()
@@ -195,3 +200,23 @@ def encode_triton(
                entries, DPAD=max(16, triton.next_power_of_2(dims)), LANES=lanes, BLOCK_E=c.dot_block_e,
                num_warps=c.dot_warps, **shape)
     return (out, val) if values else out
+
+
+def _score_aware(x, lam, rotation, centroids, values, parallel_weight, wrap, config):
+    """:func:`encode_triton` with ``parallel_weight > 1``: each scale's nearest-centroid codes
+    come from the kernels above, the selection is torch."""
+    entries = centroids.shape[0]
+    work = x.float()
+    if lam is not None:
+        work = work / lam.float()[None, :, None, :]
+    if rotation is not None:
+        work = work @ rotation.float()
+
+    def nearest(y: torch.Tensor) -> torch.Tensor:
+        return unpack_codes(encode_triton(y, None, None, centroids, wrap=wrap, config=config), entries)
+
+    idx = score_aware_indices(work, centroids, parallel_weight, nearest)
+    codes = pack_codes(idx, entries)
+    if not values:
+        return codes
+    return codes, centroids.float()[idx].reshape(x.shape).to(x.dtype)

@@ -10,7 +10,7 @@ For each SDPA node (any argument form: positional or keyword, bool or float ``at
     (query-aware methods: ``q.float() @ (B_q @ H)`` and ``k.float() @ (A @ H)`` instead, with
     A: [Hkv, D, D] and B_q: [Hq, D, D] its inverse transpose for each query head's KV head)
     quantize, residual == 0:
-                     K^ = vecinfer.quantize(K~, None, None, key_centroids)
+                     K^ = vecinfer.quantize(K~, None, None, key_centroids[, key_parallel_weight])
                      V^ = vecinfer.quantize(v, None, None, value_centroids)
                      out = F.scaled_dot_product_attention(q~, K^, V^, mask, is_causal=...,
                                                           scale=scale, enable_gqa=Hq != Hkv)
@@ -290,7 +290,7 @@ def _shared_window_plan(emit: _Emitter, site: SdpaSite, residual: int, plans: di
 
 
 def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,
-                  residual: int, plans: dict) -> None:
+                  residual: int, plans: dict, key_parallel_weight: float) -> None:
     transform = layer.transform
     lam, key_m = transform.lam, transform.key_matrix
     heads, dim = site.kv_heads, site.head_dim
@@ -319,7 +319,8 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
         if quantize:
             kc = emit.constant("key_centroids", layer.key_centroids.float())
             vc = emit.constant("value_centroids", layer.value_centroids.float())
-            k_in = emit.call(torch.ops.vecinfer.quantize.default, k_t, None, None, kc)
+            weight = () if key_parallel_weight == 1.0 else (key_parallel_weight,)  # the schema's default: left out
+            k_in = emit.call(torch.ops.vecinfer.quantize.default, k_t, None, None, kc, *weight)
             v_in = emit.call(torch.ops.vecinfer.quantize.default, site.value, None, None, vc)
         if quantize and residual:
             plan = _shared_window_plan(emit, site, residual, plans)
@@ -345,14 +346,17 @@ def rewrite_sdpa(
     *,
     quantize: bool = True,
     residual: int = 0,
+    key_parallel_weight: float = 1.0,
 ) -> int:
     """Replace each site's SDPA node (see the module docstring); ``layers[site.layer]`` gives its
-    transform and codebooks. Returns the number of rewrites and recompiles ``gm``."""
+    transform and codebooks, ``key_parallel_weight`` how their keys are encoded
+    (:mod:`vecinfer_compile.quant.score_aware`). Returns the number of rewrites and recompiles ``gm``."""
     if residual < 0:
         raise ValueError(f"residual must be >= 0, got {residual}")
     plans: dict = {}
     for site in sites:
-        _rewrite_site(gm, site, layers[site.layer], quantize=quantize, residual=residual, plans=plans)
+        _rewrite_site(gm, site, layers[site.layer], quantize=quantize, residual=residual, plans=plans,
+                      key_parallel_weight=key_parallel_weight)
     gm.graph.lint()
     gm.recompile()
     return len(sites)

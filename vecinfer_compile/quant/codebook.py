@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .kmeans import nearest_centroid
+from .score_aware import score_aware_indices
 
 
 def code_dtype(entries: int) -> torch.dtype:
@@ -29,13 +30,19 @@ def subvectors(x: torch.Tensor, dims: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // dims, dims)
 
 
-def encode(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Nearest-centroid codes. ``x: [..., D]`` any float dtype, ``centroids: [E, d]``
-    -> codes ``[..., D // d]`` (uint8 if E <= 256 else int16)."""
+def encode(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0) -> torch.Tensor:
+    """Codes of ``x: [..., D]`` (any float dtype) with ``centroids: [E, d]`` -> ``[..., D // d]``
+    (uint8 if E <= 256 else int16): the nearest centroid of each sub-vector, or with
+    ``parallel_weight > 1`` the score-aware codes of :mod:`.score_aware` (keys)."""
     entries, dims = centroids.shape
-    sub = subvectors(x, dims)
-    idx, _ = nearest_centroid(sub.reshape(-1, dims), centroids)
-    return idx.to(code_dtype(entries)).reshape(sub.shape[:-1])
+
+    def nearest(y: torch.Tensor) -> torch.Tensor:
+        sub = subvectors(y, dims)
+        idx, _ = nearest_centroid(sub.reshape(-1, dims), centroids)
+        return idx.reshape(sub.shape[:-1])
+
+    idx = score_aware_indices(x, centroids, parallel_weight, nearest)
+    return idx.to(code_dtype(entries))
 
 
 def decode(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -45,6 +52,6 @@ def decode(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return out.reshape(*codes.shape[:-1], codes.shape[-1] * dims)
 
 
-def quantize_dequantize(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """``decode(encode(x))`` in x's dtype."""
-    return decode(encode(x, centroids), centroids.to(torch.float32)).to(x.dtype)
+def quantize_dequantize(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0) -> torch.Tensor:
+    """``decode(encode(x, centroids, parallel_weight))`` in x's dtype."""
+    return decode(encode(x, centroids, parallel_weight), centroids.to(torch.float32)).to(x.dtype)
