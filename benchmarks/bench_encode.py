@@ -6,9 +6,11 @@ Ours is ``torch.ops.vecinfer.encode`` / ``quantize`` (the Triton scan kernel for
 keys of one evalmodel-geometry layer (2 KV heads, head_dim 128, already transformed); every row
 checks that ours picks centroids no farther than the baseline's.
 
-    python benchmarks/bench_encode.py [--cases 1x8192,8x2048] [--bits 2,1.5,1] [--sweep]
+    python benchmarks/bench_encode.py [--cases 1x8192,8x2048] [--bits 2,1.5,1] [--sweep] [--key-parallel-weight 8]
 
-``--sweep`` also times the encode kernel alone at other launch shapes (``EncodeConfig``).
+``--sweep`` also times the encode kernel alone at other launch shapes (``EncodeConfig``);
+``--key-parallel-weight W`` adds our score-aware encode (:mod:`vecinfer_compile.quant.score_aware`:
+one launch per scale, the selection in torch) and its time over our nearest-centroid encode.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.triton_encode import SCAN_MAX_ENTRIES, EncodeConfig, encode_triton
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.packing import unpack_codes
+from vecinfer_compile.quant.score_aware import check_parallel_weight
 
 HKV, D = 2, 128
 SCAN_SWEEP = [EncodeConfig(scan_block_n=n, scan_unroll=u, scan_warps=w) for n, u, w in
@@ -45,14 +48,19 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default="1x8192,8x2048", help="BxT, comma-separated")
     ap.add_argument("--bits", default="2,1.5,1", help="presets, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="also time the kernel at other launch shapes")
+    ap.add_argument("--key-parallel-weight", type=float, default=1.0, metavar="W",
+                    help="also time the score-aware encode of weight W (> 1)")
     args = ap.parse_args(argv)
+    weight = check_parallel_weight(args.key_parallel_weight)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
     baseline = torch.compile(reference.encode, fullgraph=True)
     print(f"# encode, {torch.cuda.get_device_name()}, x: [B, {HKV}, T, {D}] bf16; median ms")
-    print("| bits | codebook | B | T | sub-vectors | ours encode | ours quantize | compiled torch | torch / ours | max distance excess |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    aware = weight != 1.0
+    print("| bits | codebook | B | T | sub-vectors | ours encode | ours quantize | compiled torch | torch / ours | max distance excess |"
+          + (f" ours score-aware (w={weight:g}) | score-aware / nearest |" if aware else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if aware else ""))
     for bits in map(float, args.bits.split(",")):
         spec = get_preset(bits).key
         for b, t in C.parse_cases(args.cases):
@@ -64,8 +72,12 @@ def main(argv=None) -> None:
             ours = bench(lambda: torch.ops.vecinfer.encode(x, None, None, cent))
             quant = bench(lambda: torch.ops.vecinfer.quantize(x, None, None, cent))
             base = bench(lambda: baseline(x, None, None, cent))
+            extra = ""
+            if aware:
+                scored = bench(lambda: torch.ops.vecinfer.encode(x, None, None, cent, weight))
+                extra = f" {scored:.3f} | {scored / ours:.1f}x |"
             print(f"| {bits:g} | {spec.entries}x{spec.dims} | {b} | {t} | {x.numel() // spec.dims} | {ours:.3f} | "
-                  f"{quant:.3f} | {base:.3f} | {base / ours:.2f}x | {excess:.1e} |", flush=True)
+                  f"{quant:.3f} | {base:.3f} | {base / ours:.2f}x | {excess:.1e} |{extra}", flush=True)
             if args.sweep:
                 sweep(x, cent, ours_codes, bench)
 

@@ -113,6 +113,8 @@ def test_op_schemas_take_the_weight():
 def test_a_bad_weight_is_refused(bad):
     with pytest.raises(ValueError, match="parallel weight must be a finite number >= 1"):
         check_parallel_weight(bad)
+    with pytest.raises(ValueError, match="parallel weight must be a finite number >= 1"):
+        torch.ops.vecinfer.encode(torch.randn(1, 1, 2, 8), None, None, torch.randn(4, 4), bad)
 
 
 def tiny_config():

@@ -61,6 +61,7 @@ def score_aware_indices(
     ``centroids: [E, d]``; ``nearest(y)`` gives the nearest-centroid indices ``[..., D // d]`` of a
     float32 ``y`` shaped like ``x`` (the caller's kernel). ``weight == 1`` is one call of
     ``nearest``; otherwise one per scale, ties kept by the earlier scale."""
+    weight = check_parallel_weight(weight)
     xf = x.float()
     if weight == 1.0:
         return nearest(xf).long()
