@@ -169,8 +169,6 @@ def encode_triton(
     (benchmarks sweep it). ``parallel_weight > 1``: the score-aware codes of
     :mod:`vecinfer_compile.quant.score_aware`, one launch per scale of its search."""
     check_encode_args(x, lam, rotation, centroids)
-    if parallel_weight != 1.0:
-        return _score_aware(x, lam, rotation, centroids, values, parallel_weight, wrap, config)
     work = x
     if lam is not None or rotation is not None:
         work = x.float()
@@ -178,6 +176,8 @@ def encode_triton(
             work = work / lam.float()[None, :, None, :]
         if rotation is not None:
             work = work @ rotation.float()
+    if parallel_weight != 1.0:
+        return _score_aware(work, x.dtype, centroids, values, parallel_weight, wrap, config)
     entries, dims = centroids.shape
     b, h, t, d = x.shape
     work = work.contiguous()
@@ -202,15 +202,10 @@ def encode_triton(
     return (out, val) if values else out
 
 
-def _score_aware(x, lam, rotation, centroids, values, parallel_weight, wrap, config):
-    """:func:`encode_triton` with ``parallel_weight > 1``: each scale's nearest-centroid codes
-    come from the kernels above, the selection is torch."""
+def _score_aware(work, dtype, centroids, values, parallel_weight, wrap, config):
+    """:func:`encode_triton` with ``parallel_weight > 1`` of the transformed ``work``: each scale's
+    nearest-centroid codes come from the kernels above, the selection is torch; values in ``dtype``."""
     entries = centroids.shape[0]
-    work = x.float()
-    if lam is not None:
-        work = work / lam.float()[None, :, None, :]
-    if rotation is not None:
-        work = work @ rotation.float()
 
     def nearest(y: torch.Tensor) -> torch.Tensor:
         return unpack_codes(encode_triton(y, None, None, centroids, wrap=wrap, config=config), entries)
@@ -219,4 +214,4 @@ def _score_aware(x, lam, rotation, centroids, values, parallel_weight, wrap, con
     codes = pack_codes(idx, entries)
     if not values:
         return codes
-    return codes, centroids.float()[idx].reshape(x.shape).to(x.dtype)
+    return codes, centroids.float()[idx].reshape(work.shape).to(dtype)
