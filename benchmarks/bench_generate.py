@@ -661,6 +661,16 @@ def per_method(text: str, methods: list[str], what: str) -> dict[str, int]:
     return out
 
 
+def with_identity_metrics(codebooks) -> None:
+    """Give every layer identity error metrics ``[H_kv, D, D]``: the weighted encode runs its full
+    descent (its cost does not depend on the metric's values)."""
+    h, d = codebooks.geometry["num_kv_heads"], codebooks.geometry["head_dim"]
+    for i in codebooks.attention_layers():
+        layer = codebooks.layer(i)
+        layer.key_metric = torch.eye(d).expand(h, d, d).contiguous()
+        layer.value_metric = layer.key_metric.clone()
+
+
 def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:
     """The options a child process of ``--isolate`` needs to measure the same thing."""
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
@@ -668,6 +678,8 @@ def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> l
            "--prefill-chunk", str(args.prefill_chunk), "--synthetic-prefill", str(args.synthetic_prefill),
            "--prefill-rows", str(args.prefill_rows), "--stop-check", args.stop_check,
            "--key-parallel-weight", str(args.key_parallel_weight)]
+    if args.weighted_codes:
+        out.append("--weighted-codes")
     if args.in_run_only:
         out.append("--in-run-only")
     if args.layers:
@@ -703,6 +715,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--key-parallel-weight", type=float, default=1.0, metavar="W",
                     help="ours: how the cache encodes keys (1: nearest centroid; above: score-aware codes, whose "
                          "decode-step append runs as torch ops, not the CUDA append kernel)")
+    ap.add_argument("--weighted-codes", action="store_true",
+                    help="ours: error-weighted codes (identity metrics: the encode's cost, not its quality), whose "
+                         "appends run as torch ops, not the CUDA append kernel")
     ap.add_argument("--residual", type=int, default=None, help="VecInferCache window R (default 128; smoke 8)")
     ap.add_argument("--warmup-len", type=int, default=None,
                     help="prompt length of the untimed warm-up run (default 256; smoke 8)")
@@ -800,9 +815,12 @@ def main(argv=None) -> list[dict]:
     codebooks = None if model is None else C.random_codebooks(setup.config, args.bits)
     if codebooks is not None:
         codebooks.metadata["key_parallel_weight"] = check_parallel_weight(args.key_parallel_weight)
+        if args.weighted_codes:
+            with_identity_metrics(codebooks)
     print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
           f"ours = {args.bits:g}-bit VecInferCache R={residual}"
-          f"{'' if args.key_parallel_weight == 1 else f' (score-aware keys, weight {args.key_parallel_weight:g})'}; "
+          f"{'' if args.key_parallel_weight == 1 else f' (score-aware keys, weight {args.key_parallel_weight:g})'}"
+          f"{' (error-weighted codes, identity metrics)' if args.weighted_codes else ''}; "
           f"N={new_tokens} new tokens, greedy; "
           f"stop check {args.stop_check}; "
           f"tok/s = B / (mean decode step), steps timed by CUDA events (host stamps on the CPU); "

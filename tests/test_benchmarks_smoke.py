@@ -87,6 +87,16 @@ def test_bench_generate_smoke(capsys):
     assert "# profile 2x24 full precision, valid-length flash, compiled" in out
 
 
+def test_bench_generate_weighted_codes_smoke(capsys):
+    """--weighted-codes: ours with identity metrics on every layer, the compiled step keeping the
+    opaque weigh_codes op (one row, no error; the header says what ran)."""
+    rows = load_script("generate", benchmarks_dir()).main(
+        ["--smoke", "--methods", "ours", "--cases", "1x16", "--new-tokens", "3", "--weighted-codes"])
+    assert [r["method"] for r in rows] == ["ours"] and "error" not in rows[0], rows
+    assert rows[0]["in_run_tok_s"] > 0
+    assert "(error-weighted codes, identity metrics)" in capsys.readouterr().out
+
+
 def _valid_length_inputs(device, dtype, b=3, hq=8, hkv=2, tq=1, tmax=40, d=16):
     g = torch.Generator(device="cpu").manual_seed(b * 100 + tq)
     q = torch.randn(b, hq, tq, d, generator=g).to(device, dtype)

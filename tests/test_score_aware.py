@@ -1,5 +1,6 @@
 """Score-aware key codes (:mod:`vecinfer_compile.quant.score_aware`): the search, every encoder
-that runs it, the file, the cache, the compiled pass and the CUDA append's refusal."""
+that runs it, the file, the compiled pass and the CUDA append's refusal (the cache's codes:
+tests/test_weighted_codes.py, with and without error metrics)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
-from vecinfer_compile.cache import VecInferLayer
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.ops import decode_kernels, reference
 from vecinfer_compile.ops.cache_append import encode_flush
@@ -130,36 +130,6 @@ def test_the_file_keeps_the_weight_and_refuses_a_bad_one(tmp_path):
     cb.metadata["key_parallel_weight"] = 0.0
     with pytest.raises(ValueError, match="parallel weight"):
         load_codebooks(cb.save(tmp_path / "bad.safetensors"))
-
-
-@settings(max_examples=25, deadline=None)
-@given(r=st.integers(0, 5), sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6), seed=st.integers(0, 2**16))
-def test_property_the_cache_stores_score_aware_codes(r, sizes, seed):
-    """Prefill, chunks and one-token appends all encode keys with the layer's weight (values
-    stay nearest-centroid)."""
-    cb = random_codebooks(tiny_config(), bits=2.0, method="qaware", seed=seed % 5)
-    lc = cb.layer(0)
-    layer = VecInferLayer(batch_size=1, num_kv_heads=2, head_dim=32, max_cache_len=sum(sizes), residual=r,
-                          dtype=torch.float32, device="cpu", key_centroids=lc.key_centroids,
-                          value_centroids=lc.value_centroids, lam=None, rotation=lc.transform.rotation(torch.float32, "cpu"),
-                          key_matrix=lc.transform.key_matrix, query_matrix=lc.transform.query_matrix,
-                          key_mean=lc.transform.mean, key_parallel_weight=8.0)
-    gen = torch.Generator().manual_seed(seed)
-    kts, vs = [], []
-    for t in sizes:
-        k, v = torch.randn(1, 2, t, 32, generator=gen) * 3, torch.randn(1, 2, t, 32, generator=gen)
-        kts.append(layer.transform_keys(k)), vs.append(v)
-        layer.update(k, v)
-    n = int(layer.n_coded)
-    kt = torch.cat(kts, 2)[:, :, :n]
-    kc, vc = layer.key_centroids, layer.value_centroids
-    stored = dequant(unpack_codes(layer.k_codes[:, :, :n], kc.shape[0]), kc)
-    expected = dequant(codebook.encode(kt, kc, 8.0).long(), kc)
-    torch.testing.assert_close(parallel_loss(kt, stored, 8.0), parallel_loss(kt, expected, 8.0), rtol=1e-5, atol=1e-6)
-    v_stored = unpack_codes(layer.v_codes[:, :, :n], vc.shape[0])
-    v = torch.cat(vs, 2)[:, :, :n]
-    torch.testing.assert_close(parallel_loss(v, dequant(v_stored, vc), 1.0),
-                               parallel_loss(v, dequant(codebook.encode(v, vc).long(), vc), 1.0), rtol=1e-5, atol=1e-6)
 
 
 def test_the_cuda_append_declines_score_aware_codes(monkeypatch):

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vecinfer_compile as vc
 from vecinfer_compile.backend import VecInferBackend
+from vecinfer_compile.codebooks import LayerCodebooks
 from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.tensor_parallel import TPShard, local_layer, model_shard, total_kv_bytes
 
@@ -37,11 +38,13 @@ def test_local_layer_cuts_per_head_state_and_keeps_codebooks_whole():
     local = local_layer(layer, TPShard(1, 2).kv_heads(2))
     assert torch.equal(local.transform.lam, layer.transform.lam[1:2])
     assert local.key_centroids is layer.key_centroids and local.value_centroids is layer.value_centroids
-    qa = SimpleNamespace(transform=KeyTransform(
-        4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)), key_centroids=torch.zeros(256, 4), value_centroids=torch.zeros(256, 4))
+    qa = LayerCodebooks(KeyTransform(4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)),
+                        torch.zeros(256, 4), torch.zeros(256, 4),
+                        key_metric=torch.randn(2, 4, 4), value_metric=torch.randn(2, 4, 4))
     cut = local_layer(qa, slice(0, 1))
     assert torch.equal(cut.transform.key_matrix, qa.transform.key_matrix[:1])
     assert torch.equal(cut.transform.query_matrix, qa.transform.query_matrix[:1])
+    assert torch.equal(cut.key_metric, qa.key_metric[:1]) and torch.equal(cut.value_metric, qa.value_metric[:1])
 
 
 class _Mesh:

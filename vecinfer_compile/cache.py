@@ -29,12 +29,13 @@ from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
 from .layer_kinds import HYBRID_KINDS, SLIDING, attention_kinds, check_codable, kv_producers, layer_kinds
 from .methods import check_runs_over_codes
-from .ops.cache_append import transform_keys
+from .ops.cache_append import transform_keys, weigh_codes
 from .ops import chunk_attention
 from .ops.chunk_attention import ChunkKeys
 from .ops.decode_inputs import chunk_mask_layout, kv_start_from_mask, mask_is_a_range, transform_queries
 from .quant.packing import packed_width
 from .quant.score_aware import check_parallel_weight
+from .quant.weighted_codes import check_metric
 from .tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 
 __all__ = ["VecInferCache", "VecInferLayer", "cache_kwargs", "cache_window_mask"]
@@ -144,6 +145,8 @@ class VecInferLayer(CacheLayerMixin):
         key_mean: torch.Tensor | None = None,
         model_config=None,
         key_parallel_weight: float = 1.0,
+        key_metric: torch.Tensor | None = None,
+        value_metric: torch.Tensor | None = None,
     ):
         super().__init__()
         _ops()  # register the ops now, never while tracing
@@ -176,6 +179,13 @@ class VecInferLayer(CacheLayerMixin):
             self.key_read = fold(query_matrix.to(dev, torch.float32)).transpose(-1, -2).contiguous()
             self.rotation = None
         self.key_parallel_weight = check_parallel_weight(key_parallel_weight)
+        if (key_metric is None) != (value_metric is None):
+            raise ValueError("key_metric and value_metric go together (error-weighted codes of keys and values)")
+        for metric in (key_metric, value_metric):
+            if metric is not None:
+                check_metric(metric, num_kv_heads, head_dim)
+        self.key_metric = None if key_metric is None else key_metric.to(dev, torch.float32).contiguous()
+        self.value_metric = None if value_metric is None else value_metric.to(dev, torch.float32).contiguous()
         self.model_config = model_config  # its attention implementation decides the eager reads
         # a coded sliding-window layer says so: transformers builds the sliding mask's sizes and query
         # offset from the first layer that does, else from layer 0, which may hold no K/V (RecurrentGemma's
@@ -300,9 +310,12 @@ class VecInferLayer(CacheLayerMixin):
         n_code = max(t - self.residual, 0)
         n_win = t - n_code
         if n_code > 0:
-            self.k_codes[:, :, :n_code].copy_(ops.encode(kt[:, :, :n_code], None, None, self.key_centroids,
-                                                         self.key_parallel_weight))
-            self.v_codes[:, :, :n_code].copy_(ops.encode(v[:, :, :n_code], None, None, self.value_centroids))
+            k_code, v_code = kt[:, :, :n_code], v[:, :, :n_code]
+            k_stored = ops.encode(k_code, None, None, self.key_centroids, self.key_parallel_weight)
+            v_stored = ops.encode(v_code, None, None, self.value_centroids)
+            self.k_codes[:, :, :n_code].copy_(weigh_codes(k_code, k_stored, self.key_centroids, self.key_metric,
+                                                          self.key_parallel_weight))
+            self.v_codes[:, :, :n_code].copy_(weigh_codes(v_code, v_stored, self.value_centroids, self.value_metric))
         if n_win > 0:
             self.k_window[:, :, :n_win].copy_(kt[:, :, n_code:])
             self.v_window[:, :, :n_win].copy_(v[:, :, n_code:])
@@ -355,7 +368,7 @@ class VecInferLayer(CacheLayerMixin):
         torch.ops.vecinfer.cache_append(
             k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
             self.append_arrivals, self.key_centroids, self.value_centroids, self.key_mean, self.lam,
-            self._key_matrix(), self.key_parallel_weight,
+            self._key_matrix(), self.key_parallel_weight, self.key_metric, self.value_metric,
         )
 
     def _chunk_keys(self, k: torch.Tensor, v: torch.Tensor, n_coded: int, n_window: int) -> ChunkKeys:
@@ -948,6 +961,8 @@ class VecInferCache(Cache):
                     key_mean=lc.transform.mean,
                     model_config=config,
                     key_parallel_weight=codebooks.key_parallel_weight,
+                    key_metric=lc.key_metric,
+                    value_metric=lc.value_metric,
                 )
             )
         super().__init__(layers=layers)

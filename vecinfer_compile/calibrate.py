@@ -17,6 +17,7 @@ from .methods import VQ_METHODS, check_method
 from .presets import get_preset
 from .quant.codebook import quantize_dequantize, subvectors
 from .quant.score_aware import check_parallel_weight
+from .quant.weighted_codes import key_metric, value_metric
 from .quant.kmeans import kmeans
 from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
 from .quant.refine import LayerAttention, RefineConfig, refine_codebooks
@@ -106,6 +107,21 @@ def _check_recorded_layers(config, recorded: list[int], *, per_layer_bits: bool)
                          "attention; calibrate one preset (bits=...)")
 
 
+def error_metrics(module, transform: KeyTransform, queries: torch.Tensor, num_kv_heads: int,
+                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key_metric, value_metric)`` ``[H_kv, D, D]`` of one layer (:mod:`.quant.weighted_codes`):
+    the code-domain second moment of the calibration ``queries: [H_q, N, D]`` (post-RoPE) per KV
+    head, and the Gram matrix of the attention ``module``'s ``o_proj`` weight."""
+    out_proj = getattr(module, "o_proj", None)
+    if not isinstance(getattr(out_proj, "weight", None), torch.Tensor):
+        raise ValueError(f"weighted codes need the attention's output projection (o_proj) to weigh value errors; "
+                         f"{type(module).__name__} has none: calibrate without --weighted-codes")
+    q = transform.queries(queries[None].float())[0]  # [H_q, N, D]
+    group = q.reshape(num_kv_heads, -1, q.shape[-1])  # [H_kv, group * N, D] (repeat_kv's grouping)
+    moment = (group.transpose(1, 2).double() @ group.double()).float() / max(1, q.shape[1])
+    return key_metric(moment), value_metric(out_proj.weight, num_kv_heads, head_dim)
+
+
 def calibrate(
     model,
     tokenizer,
@@ -124,6 +140,7 @@ def calibrate(
     ridge: float = DEFAULT_RIDGE,
     refine: RefineConfig | None = RefineConfig(),
     key_parallel_weight: float = 1.0,
+    weighted_codes: bool = False,
     device=None,
     progress: bool = True,
 ) -> VecInferCodebooks:
@@ -143,6 +160,9 @@ def calibrate(
     (:mod:`vecinfer_compile.quant.refine`; None skips it). ``key_parallel_weight`` (stored in the
     file) is how every path then encodes keys: 1 for the nearest centroid, above 1 for score-aware
     codes (:mod:`vecinfer_compile.quant.score_aware`; the codebooks are fitted as for 1).
+    ``weighted_codes`` stores each layer's error metrics (the calibration queries' second moment
+    for keys, ``o_proj``'s Gram matrix for values) and every path then chooses codes under them
+    (:mod:`vecinfer_compile.quant.weighted_codes`; the codebooks are fitted as without).
     By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
@@ -185,8 +205,12 @@ def calibrate(
     if spec.query_aware and not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it keeps the query moment invertible), got {ridge}")
     inv_freq = model_rope_frequencies(model, head_dim) if spec.pre_rope else None
+    if weighted_codes and (spec.pre_rope or spec.predict_values):
+        raise ValueError(f"weighted codes need keys whose scores the query transform keeps exact and plain value "
+                         f"codes; method {method!r} has neither: use --method qaware (or vecinfer)")
     refine = refine if spec.refine else None
-    recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=bool(spec.query_aware) or refine is not None)
+    with_queries = bool(spec.query_aware) or refine is not None or weighted_codes
+    recorded = collect_kv(model, token_ids, seq_len, progress, with_queries=with_queries)
     keys, values = recorded[:2]
     positions = recorded_positions(model, token_ids, seq_len) if spec.pre_rope else None
     _check_recorded_layers(model.config, sorted(keys), per_layer_bits=layer_bits is not None or allocate == "retrieval")
@@ -194,6 +218,7 @@ def calibrate(
     refined: dict[str, float] = {}  # "layer/bits" -> attention-output loss after / before refinement
     if refine is not None:
         lengths = window_lengths(model, token_ids, seq_len)
+    if refine is not None or weighted_codes:
         modules = {m.layer_idx: m for m in attention_modules(model)}
     coded = coded_layers(model.config)
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
@@ -210,6 +235,8 @@ def calibrate(
         transform = KeyTransform(head_dim, lam, spec.rotate, *matrices, mean=mean, rope_inv_freq=inv_freq)
         k_t = transform.keys(k, positions)
         layer_seed = seed + 1000 * layer
+        metrics = error_metrics(modules.get(layer), transform, recorded[2][layer], k.shape[1],
+                                head_dim) if weighted_codes else ()
         fitted[layer] = {}
         for b in candidates[layer]:
             preset = get_preset(b)
@@ -228,7 +255,7 @@ def calibrate(
                 key_cb, value_cb, before, after = refine_codebooks(q, k[0], v[0], lengths, transform, key_cb, value_cb,
                                                                    attn, refine, seed=layer_seed, device=device)
                 refined[f"{layer}/{b:g}"] = round(after / before, 4) if before > 0 else 1.0
-            fitted[layer][b] = LayerCodebooks(transform, key_cb, value_cb, predictor)
+            fitted[layer][b] = LayerCodebooks(transform, key_cb, value_cb, predictor, *metrics)
     fingerprint = weight_fingerprint(model.named_parameters())
     metadata = {
         "model_name": getattr(model.config, "_name_or_path", "") or "",

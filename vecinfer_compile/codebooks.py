@@ -12,7 +12,8 @@ centring methods ``key_mean [A, H_kv, D]`` (``mu``, subtracted from the keys bef
 the transform, :mod:`vecinfer_compile.quant.transform`); for the pre-RoPE methods
 ``rope_inv_freq [r/2]`` (the model's RoPE frequencies, :mod:`vecinfer_compile.quant.rope`) and,
 when values are predicted from keys, ``value_matrix [A, H_kv, D, D]`` and ``value_bias
-[A, H_kv, D]`` (:mod:`vecinfer_compile.quant.value_prediction`). The safetensors metadata key
+[A, H_kv, D]`` (:mod:`vecinfer_compile.quant.value_prediction`); with error-weighted codes
+``key_metric`` and ``value_metric [A, H_kv, D, D]`` (:mod:`vecinfer_compile.quant.weighted_codes`). The safetensors metadata key
 ``"vecinfer"`` holds a JSON object: method, bits (the average over layers), ``layer_bits`` (one
 preset per layer), the model fingerprint (geometry + a hash of it), the model name and, from
 :func:`vecinfer_compile.calibrate.calibrate`, the ``weight_fingerprint`` of the weights it was
@@ -101,16 +102,22 @@ class LayerCodebooks:
     of a prediction from the dequantized key, None otherwise (value_centroids then quantize that
     residual). Books of more than 256 entries hold 7-bit centroids, snapped here (the CUDA decode
     kernel's byte books: :mod:`vecinfer_compile.quant.byte_centroids`), so that every path reads
-    the same values."""
+    the same values. key_metric / value_metric: ``[H_kv, D, D]`` float32, the error metrics that
+    error-weighted codes are chosen under (:mod:`vecinfer_compile.quant.weighted_codes`), or both
+    None (nearest-centroid or score-aware codes)."""
 
     transform: KeyTransform
     key_centroids: torch.Tensor
     value_centroids: torch.Tensor
     value_predictor: ValuePredictor | None = None
+    key_metric: torch.Tensor | None = None
+    value_metric: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.key_centroids = snap_centroids(self.key_centroids)
         self.value_centroids = snap_centroids(self.value_centroids)
+        if (self.key_metric is None) != (self.value_metric is None):
+            raise ValueError("key_metric and value_metric go together (error-weighted codes of keys and values)")
 
 
 def average_bits(layer_bits: list[float]) -> float:
@@ -171,6 +178,11 @@ class VecInferCodebooks:
         return get_preset(self.bits if self.layer_bits is None else self.layer_bits[index])
 
     @property
+    def weighted_codes(self) -> bool:
+        """Whether codes are chosen under the file's error metrics (:mod:`.quant.weighted_codes`)."""
+        return self.layer(self.attention_layers()[0]).key_metric is not None
+
+    @property
     def key_parallel_weight(self) -> float:
         """How every path encodes keys (:mod:`vecinfer_compile.quant.score_aware`): the weight of
         a key's error along its own direction, 1 for nearest-centroid codes (files without it)."""
@@ -201,7 +213,7 @@ class VecInferCodebooks:
         """Bytes of each kind of state, float32 as the file stores it and a
         :class:`~vecinfer_compile.cache.VecInferCache` holds it, whatever the cache's length:
         ``{"codebooks", "smoothing factors", "query-aware matrices", "key means", "value predictors",
-        "RoPE frequencies"}`` (kinds the method has not are absent; the frequencies are one vector
+        "error metrics", "RoPE frequencies"}`` (kinds the method has not are absent; the frequencies are one vector
         for the model). The cache adds its Hadamard matrix (``D * D``) for the methods that rotate
         and are not query-aware (:func:`~vecinfer_compile.evaluation.kv_bytes.kv_bytes`)."""
         counts: dict[str, int] = {}
@@ -209,7 +221,8 @@ class VecInferCodebooks:
             t = layer.transform
             parts = (("codebooks", layer.key_centroids), ("codebooks", layer.value_centroids),
                      ("smoothing factors", t.lam), ("query-aware matrices", t.key_matrix),
-                     ("query-aware matrices", t.query_matrix), ("key means", t.mean))
+                     ("query-aware matrices", t.query_matrix), ("key means", t.mean),
+                     ("error metrics", layer.key_metric), ("error metrics", layer.value_metric))
             if layer.value_predictor is not None:
                 parts += (("value predictors", layer.value_predictor.matrix),
                           ("value predictors", layer.value_predictor.bias))
@@ -363,6 +376,9 @@ class VecInferCodebooks:
             tensors["key_mean"] = torch.stack([l.transform.mean.float().cpu() for l in layers])
         if layers[0].transform.rope_inv_freq is not None:
             tensors["rope_inv_freq"] = layers[0].transform.rope_inv_freq.float().cpu()
+        if layers[0].key_metric is not None:
+            tensors["key_metric"] = torch.stack([l.key_metric.float().cpu() for l in layers])
+            tensors["value_metric"] = torch.stack([l.value_metric.float().cpu() for l in layers])
         if layers[0].value_predictor is not None:
             tensors["value_matrix"] = torch.stack([l.value_predictor.matrix.float().cpu() for l in layers])
             tensors["value_bias"] = torch.stack([l.value_predictor.bias.float().cpu() for l in layers])
@@ -459,6 +475,7 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     mean = _key_mean(path, tensors, method, spec.center, meta.get("format") in (FORMAT, FORMAT_V4), geometry,
                      len(present))
     inv_freq, value_m, value_b = _pre_rope_state(path, tensors, method, spec, geometry, len(present))
+    key_w, value_w = _error_metrics(path, tensors, geometry, len(present))
     layers: list[LayerCodebooks | None] = [None] * num_layers
     for n, i in enumerate(present):  # n: the layer's row in the stacked tensors
         layers[i] = LayerCodebooks(
@@ -468,9 +485,28 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
             key_c[n],
             value_c[n],
             None if value_m is None else ValuePredictor(value_m[n], value_b[n]),
+            None if key_w is None else key_w[n],
+            None if value_w is None else value_w[n],
         )
     keep = {k: v for k, v in meta.items() if k not in ("method", "bits", "geometry", "layer_bits", "attention_layers")}
     return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
+
+
+def _error_metrics(path: Path, tensors: dict, geometry: dict, layers: int):
+    """``(key_metric, value_metric)`` ``[A, H_kv, D, D]`` of a file with error-weighted codes, or
+    (None, None), checked: both or neither, shaped for the geometry."""
+    present = [name for name in ("key_metric", "value_metric") if name in tensors]
+    if not present:
+        return None, None
+    if len(present) != 2:
+        raise ValueError(f"{path}: error-weighted codes need tensors 'key_metric' and 'value_metric' but the "
+                         f"file has only {present} (corrupt file): recalibrate with `vecinfer calibrate --weighted-codes`")
+    shape = (layers, geometry["num_kv_heads"], geometry["head_dim"], geometry["head_dim"])
+    for name in present:
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(tensors[name].shape)}, its {layers} attention layers "
+                             f"need {shape} (corrupt file)")
+    return tensors["key_metric"], tensors["value_metric"]
 
 
 def _attention_layers(path: Path, meta: dict, num_layers: int) -> list[int]:

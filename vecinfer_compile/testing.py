@@ -177,6 +177,21 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
     return VecInferCodebooks(method, average_bits(per_layer), layers, geo, metadata, layer_bits=per_layer)
 
 
+def cache_layer(layer: LayerCodebooks, *, num_kv_heads: int, head_dim: int, max_cache_len: int, residual: int,
+                key_parallel_weight: float = 1.0, batch_size: int = 1, dtype=torch.float32, device="cpu"):
+    """A :class:`~vecinfer_compile.cache.VecInferLayer` holding ``layer``'s codebooks, transform
+    and error metrics, as :class:`~vecinfer_compile.VecInferCache` builds one (tests of one layer)."""
+    from .cache import VecInferLayer
+
+    t = layer.transform
+    return VecInferLayer(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
+                         residual=residual, dtype=dtype, device=device, key_centroids=layer.key_centroids,
+                         value_centroids=layer.value_centroids, lam=t.lam, rotation=t.rotation(torch.float32, device),
+                         key_matrix=t.key_matrix, query_matrix=t.query_matrix, key_mean=t.mean,
+                         key_parallel_weight=key_parallel_weight, key_metric=layer.key_metric,
+                         value_metric=layer.value_metric)
+
+
 @dataclass
 class CheckReport:
     """What :func:`check_model` measured."""

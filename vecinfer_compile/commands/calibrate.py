@@ -39,6 +39,11 @@ def register(subparsers) -> None:
                         "above 1, score-aware codes that weigh a key's error along its own direction W times "
                         "(8 lowered 2-bit qaware's perplexity and raised its needle retrieval on evalmodel, "
                         "docs/results.md; the CUDA decode-step append then runs as torch ops)")
+    p.add_argument("--weighted-codes", action="store_true",
+                   help="store each layer's error metrics (the calibration queries for keys, o_proj for values) "
+                        "and choose codes under them, same bytes and decode kernels (docs/results.md); the cache "
+                        "and eager simulation encode them, the compiled simulate pass refuses them, and a decode "
+                        "step's append runs as torch ops, not the CUDA append kernel")
     add_calib_args(p)
     p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
     add_progress_arg(p)
@@ -114,6 +119,7 @@ def run(args) -> int:
                    allocate=None if args.allocate == "uniform" else args.allocate,
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,
                    seed=args.seed, progress=args.progress, key_parallel_weight=args.key_parallel_weight,
+                   weighted_codes=args.weighted_codes,
                    **({} if args.ridge is None else {"ridge": args.ridge}))
     path = cb.save(args.out)
     per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"

@@ -6,7 +6,8 @@ Schema::
     vecinfer::cache_append(Tensor key, Tensor value, Tensor(a!) k_codes, Tensor(b!) v_codes,
         Tensor(c!) k_window, Tensor(d!) v_window, Tensor(e!) n_coded, Tensor(f!) n_window,
         Tensor(g!) arrivals, Tensor k_centroids, Tensor v_centroids, Tensor? key_mean,
-        Tensor? lam, Tensor? key_matrix, float key_parallel_weight=1.0) -> ()
+        Tensor? lam, Tensor? key_matrix, float key_parallel_weight=1.0, Tensor? key_metric=None,
+        Tensor? value_metric=None) -> ()
 
 ``key``/``value`` ``[B, Hkv, T, D]`` are the new tokens (keys before the transform). The new keys
 become ``K~ = ((key - key_mean) / lam) @ key_matrix`` (float32, each factor optional, rounded to
@@ -15,7 +16,9 @@ n_window`` and ``R`` window slots, the virtual sequence ``window[:w] ++ new`` ke
 ``min(w + T, R)`` tokens in the window; the ones before are encoded into code slots ``n_coded ..``
 and ``n_coded`` advances by their count. ``arrivals`` (int32 ``[1]``, zero) is scratch for the
 CUDA kernel. ``key_parallel_weight`` is how keys are encoded (1: the nearest centroid; above:
-the score-aware codes of :mod:`vecinfer_compile.quant.score_aware`).
+the score-aware codes of :mod:`vecinfer_compile.quant.score_aware`); ``key_metric`` /
+``value_metric`` (``[Hkv, D, D]`` float32, both or neither) make the codes error-weighted
+(:mod:`vecinfer_compile.quant.weighted_codes`).
 
 Implementations: :func:`append_reference` (pure torch, any T; it is also what Inductor compiles
 when the CUDA kernel does not run) and ``vecinfer::cache_append_cuda`` (:mod:`.cuda_append`, one
@@ -38,7 +41,8 @@ NAMESPACE = "vecinfer"
 SCHEMA = (
     "cache_append(Tensor key, Tensor value, Tensor(a!) k_codes, Tensor(b!) v_codes, Tensor(c!) k_window, "
     "Tensor(d!) v_window, Tensor(e!) n_coded, Tensor(f!) n_window, Tensor(g!) arrivals, Tensor k_centroids, "
-    "Tensor v_centroids, Tensor? key_mean, Tensor? lam, Tensor? key_matrix, float key_parallel_weight=1.0) -> ()"
+    "Tensor v_centroids, Tensor? key_mean, Tensor? lam, Tensor? key_matrix, float key_parallel_weight=1.0, "
+    "Tensor? key_metric=None, Tensor? value_metric=None) -> ()"
 )
 FLUSH_DIRECT_MAX = 16  # tokens per update encoded by the plain-torch form on CUDA (more: the Triton op)
 
@@ -58,7 +62,8 @@ def transform_keys(k: torch.Tensor, key_mean: torch.Tensor | None, lam: torch.Te
     return work.to(k.dtype)
 
 
-def encode_flush(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0) -> torch.Tensor:
+def encode_flush(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0,
+                 metric: torch.Tensor | None = None) -> torch.Tensor:
     """Stored codes (uint8, packed as :mod:`..quant.packing` says) of the tokens an update moves
     out of the window (``x`` already transformed).
 
@@ -70,22 +75,37 @@ def encode_flush(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: floa
     the op's reference form ``argmin(|x|^2 - 2 x c^T + |c|^2)`` either: Inductor's CPU backend in
     torch 2.11 miscompiles it (the fused argmin returns indices rounded down to a multiple of 8);
     this one compiles correctly on 2.11 and 2.13. ``parallel_weight > 1``: score-aware codes
-    (:mod:`..quant.score_aware`) over the same search.
+    (:mod:`..quant.score_aware`) over the same search; ``metric`` (``[Hkv, D, D]``): those codes
+    then error-weighted (:func:`weigh_codes`).
     """
     if x.device.type == "cuda" and x.shape[2] > FLUSH_DIRECT_MAX:
-        return torch.ops.vecinfer.encode(x, None, None, centroids, parallel_weight)
-    entries, dims = centroids.shape
+        stored = torch.ops.vecinfer.encode(x, None, None, centroids, parallel_weight)
+    else:
+        entries, dims = centroids.shape
 
-    def nearest(y: torch.Tensor) -> torch.Tensor:
-        b, h, t, d = y.shape
-        sub = y.reshape(b, h, t, d // dims, 1, dims)
-        return ((sub - centroids) ** 2).sum(-1).argmin(-1)
+        def nearest(y: torch.Tensor) -> torch.Tensor:
+            b, h, t, d = y.shape
+            sub = y.reshape(b, h, t, d // dims, 1, dims)
+            return ((sub - centroids) ** 2).sum(-1).argmin(-1)
 
-    return pack_codes(score_aware_indices(x, centroids, parallel_weight, nearest), entries)
+        stored = pack_codes(score_aware_indices(x, centroids, parallel_weight, nearest), entries)
+    return weigh_codes(x, stored, centroids, metric, parallel_weight)
+
+
+def weigh_codes(x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor | None,
+                parallel_weight: float = 1.0) -> torch.Tensor:
+    """The stored codes ``[B, Hkv, T, W]`` (uint8, packed) of ``x: [B, Hkv, T, D]`` lowered under the
+    error ``metric: [Hkv, D, D]`` by the opaque op ``vecinfer::weigh_codes``
+    (:func:`~vecinfer_compile.quant.weighted_codes.weigh_stored`); ``stored`` itself when
+    ``metric`` is None."""
+    if metric is None:
+        return stored
+    return torch.ops.vecinfer.weigh_codes(x, stored, centroids, metric, parallel_weight)
 
 
 def append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-                     k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0) -> None:
+                     k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0,
+                     key_metric=None, value_metric=None) -> None:
     """The op's semantics in torch, without data-dependent Python (compiles with fullgraph=True).
 
     Virtual sequence ``S = window[:w] ++ new[:T]``. The first ``f = w + T - min(w + T, R)``
@@ -108,8 +128,8 @@ def append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, 
 
     j = torch.arange(t, device=dev)
     flush = source(j)
-    k_flush = encode_flush(ck.index_select(2, flush), k_centroids, key_parallel_weight)
-    v_flush = encode_flush(cv.index_select(2, flush), v_centroids)
+    k_flush = encode_flush(ck.index_select(2, flush), k_centroids, key_parallel_weight, key_metric)
+    v_flush = encode_flush(cv.index_select(2, flush), v_centroids, metric=value_metric)
     pos = (c + j).clamp(max=tmax - 1)
     k_codes.index_copy_(2, pos, k_flush)
     v_codes.index_copy_(2, pos, v_flush)
@@ -122,9 +142,10 @@ def append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, 
 
 
 def _cache_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-                  k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0) -> None:
+                  k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0,
+                  key_metric=None, value_metric=None) -> None:
     args = (key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-            k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight)
+            k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight, key_metric, value_metric)
     if key.device.type == "cuda" and decode_kernels.choose_append(*args) == "cuda":
         torch.ops.vecinfer.cache_append_cuda(*args)
     else:

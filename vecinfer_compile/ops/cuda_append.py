@@ -127,6 +127,8 @@ def cache_append_cuda(
     lam: torch.Tensor | None,
     key_matrix: torch.Tensor | None,
     key_parallel_weight: float = 1.0,
+    key_metric: torch.Tensor | None = None,
+    value_metric: torch.Tensor | None = None,
 ) -> None:
     """The contract of ``vecinfer::cache_append`` (:mod:`.cache_append`) for one new token: key
     and value ``[B, Hkv, 1, D]`` in the windows' dtype (bf16/fp16); ``k_codes [B, Hkv, Tmax, Wk]``,
@@ -136,10 +138,14 @@ def cache_append_cuda(
     ``[Hkv, D, D]`` or None. Updates the buffers in place; raises :class:`CudaBuildError` when the
     inputs or the machine do not fit the kernel. The kernel encodes nearest-centroid codes:
     ``key_parallel_weight`` must be 1 (:func:`.decode_kernels.choose_append` sends score-aware
-    key codes to the torch form)."""
+    key codes to the torch form), and ``key_metric``/``value_metric`` None (error-weighted codes
+    run as torch ops too)."""
     if key_parallel_weight != 1.0:
         raise CudaBuildError(f"the CUDA append encodes nearest-centroid codes; key_parallel_weight "
                              f"{key_parallel_weight:g} (score-aware key codes) runs as torch ops")
+    if key_metric is not None or value_metric is not None:
+        raise CudaBuildError("the CUDA append encodes nearest-centroid codes; error-weighted codes "
+                             "(key_metric/value_metric) run as torch ops")
     reason = unsupported_reason(key, k_window, k_centroids, v_centroids)
     if reason is not None:
         raise CudaBuildError(f"the CUDA append cannot run this call: {reason}")

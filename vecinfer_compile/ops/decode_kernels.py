@@ -76,13 +76,14 @@ def choose(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor, v_
 
 
 def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-                  k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0) -> str:
+                  k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0,
+                  key_metric=None, value_metric=None) -> str:
     """``"cuda"`` or ``"torch"`` for a ``vecinfer::cache_append`` call on CUDA tensors (the op's
     arguments; shapes and dtypes only, so it works on fake tensors; may compile the kernel once).
     Several new tokens (a prefill chunk) always take the torch form, whose encode is the Triton
     kernel for many tokens; the request governs the one-token decode append. Score-aware key
-    codes (``key_parallel_weight > 1``) take the torch form: the kernel encodes nearest-centroid
-    codes only."""
+    codes (``key_parallel_weight > 1``) and error-weighted codes (``key_metric``/``value_metric``)
+    take the torch form: the kernel encodes nearest-centroid codes only."""
     want = requested()
     if want == "triton" or int(key.shape[2]) != 1:
         return "torch"
@@ -90,6 +91,8 @@ def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_w
     if reason is None and key_parallel_weight != 1.0:
         reason = (f"score-aware key codes (key_parallel_weight {key_parallel_weight:g}): the CUDA append "
                   "encodes nearest-centroid codes only")
+    if reason is None and (key_metric is not None or value_metric is not None):
+        reason = "error-weighted codes (key_metric/value_metric): the CUDA append encodes nearest-centroid codes only"
     if reason is None:
         reason, level = cuda_append.build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix), logging.WARNING
     if reason is None:

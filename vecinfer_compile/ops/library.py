@@ -27,16 +27,22 @@ Schemas::
     vecinfer::decode_attention_cuda(...same...) -> Tensor
     vecinfer::decode_attention_triton(...same...) -> Tensor
     vecinfer::cache_append_cuda(...the schema of vecinfer::cache_append...) -> ()
+    vecinfer::weigh_codes(Tensor x, Tensor stored, Tensor centroids, Tensor metric,
+        float parallel_weight=1.0) -> Tensor
 
 ``cache_append_cuda`` is the CUDA kernel of :mod:`.cuda_append` as an opaque ``custom_op`` that
 mutates the cache buffers in place (Inductor re-inplaces it: no copies of the buffers); the
 dispatching op ``vecinfer::cache_append`` and its torch form are in :mod:`.cache_append`.
+``weigh_codes`` (:func:`~vecinfer_compile.quant.weighted_codes.weigh_stored`, torch ops on any
+device) is opaque too: the coordinate descent of error-weighted codes is a loop over sub-vectors
+that Inductor would otherwise unroll into thousands of nodes (minutes of compilation).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..quant.weighted_codes import weigh_stored
 from . import decode_kernels, reference
 from .cuda_append import cache_append_cuda
 from .cuda_decode import decode_attention_cuda
@@ -149,6 +155,9 @@ def register() -> None:
     if not _is_registered("cache_append_cuda"):
         op = torch.library.custom_op(f"{NAMESPACE}::cache_append_cuda", cache_append_cuda, mutates_args=APPEND_MUTATES)
         op.register_fake(lambda *args: None)
+    if not _is_registered("weigh_codes"):
+        op = torch.library.custom_op(f"{NAMESPACE}::weigh_codes", weigh_stored, mutates_args=())
+        op.register_fake(lambda x, stored, centroids, metric, parallel_weight=1.0: torch.empty_like(stored))
     if not _is_registered("decode_attention_cuda"):
         op = torch.library.custom_op(f"{NAMESPACE}::decode_attention_cuda", decode_attention_cuda, mutates_args=())
         op.register_fake(_decode_attention_cuda_fake)

@@ -13,6 +13,7 @@ import torch
 
 from .kmeans import nearest_centroid
 from .score_aware import score_aware_indices
+from .weighted_codes import weighted_indices
 
 
 def code_dtype(entries: int) -> torch.dtype:
@@ -30,10 +31,13 @@ def subvectors(x: torch.Tensor, dims: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // dims, dims)
 
 
-def encode(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0) -> torch.Tensor:
+def encode(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0,
+           metric: torch.Tensor | None = None) -> torch.Tensor:
     """Codes of ``x: [..., D]`` (any float dtype) with ``centroids: [E, d]`` -> ``[..., D // d]``
     (uint8 if E <= 256 else int16): the nearest centroid of each sub-vector, or with
-    ``parallel_weight > 1`` the score-aware codes of :mod:`.score_aware` (keys)."""
+    ``parallel_weight > 1`` the score-aware codes of :mod:`.score_aware` (keys); with ``metric:
+    [H, D, D]`` (``x: [B, H, T, D]``) those codes lowered further under the error metric
+    (:mod:`.weighted_codes`)."""
     entries, dims = centroids.shape
 
     def nearest(y: torch.Tensor) -> torch.Tensor:
@@ -42,6 +46,10 @@ def encode(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.
         return idx.reshape(sub.shape[:-1])
 
     idx = score_aware_indices(x, centroids, parallel_weight, nearest)
+    if metric is not None:
+        if x.dim() != 4:
+            raise ValueError(f"error-weighted codes need head vectors [B, H, T, D], got {tuple(x.shape)}")
+        idx = weighted_indices(x, idx, centroids, metric, parallel_weight)
     return idx.to(code_dtype(entries))
 
 
@@ -52,6 +60,7 @@ def decode(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return out.reshape(*codes.shape[:-1], codes.shape[-1] * dims)
 
 
-def quantize_dequantize(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0) -> torch.Tensor:
-    """``decode(encode(x, centroids, parallel_weight))`` in x's dtype."""
-    return decode(encode(x, centroids, parallel_weight), centroids.to(torch.float32)).to(x.dtype)
+def quantize_dequantize(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0,
+                        metric: torch.Tensor | None = None) -> torch.Tensor:
+    """``decode(encode(x, centroids, parallel_weight, metric))`` in x's dtype."""
+    return decode(encode(x, centroids, parallel_weight, metric), centroids.to(torch.float32)).to(x.dtype)
