@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from vecinfer_compile.codebooks import load_codebooks
+from vecinfer_compile.codebooks import LayerCodebooks, load_codebooks
 from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.methods import SIMULATE_ONLY, VQ_METHODS
 from vecinfer_compile.ops import reference
@@ -151,7 +150,7 @@ def test_tensor_parallel_cuts_the_mean_to_the_rank():
         cut = local_layer(layer, heads)
         assert torch.equal(cut.transform.mean, layer.transform.mean[heads])
         assert torch.equal(cut.transform.key_matrix, layer.transform.key_matrix[heads])
-    plain = SimpleNamespace(transform=KeyTransform(4, torch.ones(2, 4)), key_centroids=torch.zeros(256, 4), value_centroids=torch.zeros(256, 4))
+    plain = LayerCodebooks(KeyTransform(4, torch.ones(2, 4)), torch.zeros(256, 4), torch.zeros(256, 4))
     assert local_layer(plain, slice(1, 2)).transform.mean is None
 
 
