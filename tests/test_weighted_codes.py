@@ -290,3 +290,32 @@ def test_the_weigh_codes_op_passes_opcheck():
     x, c = torch.randn(1, 2, 5, 16, generator=gen), torch.randn(16, 4, generator=gen)
     stored = encode_flush(x, c)
     torch.library.opcheck(torch.ops.vecinfer.weigh_codes.default, (x, stored, c, spd(2, 16, gen), 8.0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_cache_stores_weighted_codes(dtype):
+    """On CUDA: a 300-token prefill (Triton encode, then the descent) and one-token appends (the
+    torch append: the CUDA kernel declines) store codes of the loss quant.codebook.encode reaches
+    on the keys and values the cache holds."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cb = with_metrics(random_codebooks(tiny_config(), bits=2.0, method="qaware", seed=3), 3)
+    lc = cb.layer(0)
+    layer = cache_layer(lc, num_kv_heads=2, head_dim=32, max_cache_len=320, residual=8, key_parallel_weight=8.0,
+                        dtype=dtype, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    kts, vs = [], []
+    for t in (300, 1, 1, 1, 1):
+        k = (torch.randn(1, 2, t, 32, generator=gen) * 3).to("cuda", dtype)
+        v = torch.randn(1, 2, t, 32, generator=gen).to("cuda", dtype)
+        kts.append(layer.transform_keys(k)), vs.append(v)
+        layer.update(k, v)
+    n = int(layer.n_coded)
+    assert n == 304 - 8
+    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], layer.k_codes, layer.key_centroids, lc.key_metric, 8.0),
+                               (torch.cat(vs, 2)[:, :, :n], layer.v_codes, layer.value_centroids, lc.value_metric, 1.0)):
+        m = m.cuda()
+        got = dequant(unpack_codes(stored[:, :, :n], c.shape[0]), c)
+        expected = dequant(codebook.encode(x.float(), c, w, m).long(), c)
+        torch.testing.assert_close(weighted_loss(x, got, m, w), weighted_loss(x, expected, m, w), rtol=1e-4, atol=1e-4)

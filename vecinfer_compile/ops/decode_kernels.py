@@ -88,11 +88,13 @@ def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_w
     if want == "triton" or int(key.shape[2]) != 1:
         return "torch"
     reason, level = cuda_append.unsupported_reason(key, k_window, k_centroids, v_centroids), logging.INFO
+    if reason is None and (key_metric is not None or value_metric is not None):
+        reason, level = ("error-weighted codes (key_metric/value_metric): the CUDA append encodes nearest-centroid "
+                         "codes only, and the torch descent makes each decode step many times slower (about 20x at "
+                         "B=1/T=32k on an H200, docs/results.md)"), logging.WARNING
     if reason is None and key_parallel_weight != 1.0:
         reason = (f"score-aware key codes (key_parallel_weight {key_parallel_weight:g}): the CUDA append "
                   "encodes nearest-centroid codes only")
-    if reason is None and (key_metric is not None or value_metric is not None):
-        reason = "error-weighted codes (key_metric/value_metric): the CUDA append encodes nearest-centroid codes only"
     if reason is None:
         reason, level = cuda_append.build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix), logging.WARNING
     if reason is None:

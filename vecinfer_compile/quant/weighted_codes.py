@@ -18,6 +18,11 @@ are coupled through ``M``'s off-diagonal blocks, so the encoder starts from the 
 turn takes the centroid of the lowest loss with the others fixed, a ``[N, d] x [d, E]`` product
 per sub-vector. The loss never rises (a property test checks it), the codes format, bytes,
 codebooks and decode kernels do not change.
+
+Measured (docs/results.md, "error-weighted codes"): evalmodel 2-bit ``qaware`` with score-aware
+keys, WikiText-2 every token quantized 1.075x -> 1.051x full precision, with the cache's window
+1.011x -> 1.009x, the needle through the cache 0.783 -> 0.800 (metrics and sweeps chosen on
+held-out calibration text).
 """
 
 from __future__ import annotations
