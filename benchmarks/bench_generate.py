@@ -714,10 +714,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bits", type=float, default=2.0)
     ap.add_argument("--key-parallel-weight", type=float, default=1.0, metavar="W",
                     help="ours: how the cache encodes keys (1: nearest centroid; above: score-aware codes, whose "
-                         "decode-step append runs as torch ops, not the CUDA append kernel)")
+                         "decode-step append adds the CUDA encoder's launch)")
     ap.add_argument("--weighted-codes", action="store_true",
                     help="ours: error-weighted codes (identity metrics: the encode's cost, not its quality), whose "
-                         "appends run as torch ops, not the CUDA append kernel")
+                         "decode-step append adds the CUDA encoder's launch")
     ap.add_argument("--residual", type=int, default=None, help="VecInferCache window R (default 128; smoke 8)")
     ap.add_argument("--warmup-len", type=int, default=None,
                     help="prompt length of the untimed warm-up run (default 256; smoke 8)")

@@ -28,7 +28,7 @@ V="python -m vecinfer_compile"
 # that mix attention kinds, ~2.4 before its Gemma 4 check became four processes of ~40-60 s each,
 # so give it TEST_TIMEOUT=480); TEST_GROUPS picks some, e.g. TEST_GROUPS="decode windowed".
 declare -A TEST_GROUP=(
-    [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py tests/test_weighted_codes.py"
+    [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py tests/test_ops_cuda_weigh.py tests/test_weighted_codes.py"
     [triton]="tests/test_ops_triton.py"
     [cache]="tests/test_eager_decode.py tests/test_cache_compile.py tests/test_deferred_stop.py tests/test_qaware.py tests/test_needle.py tests/test_ops_library.py tests/test_benchmarks_smoke.py"
     [windowed]="tests/test_windowed.py"
@@ -55,6 +55,7 @@ kernels() {
     sec simulate attention; timeout 180 python benchmarks/bench_simulate_attention.py --sweep --profile
     sec decode ceiling probe; timeout 90 python benchmarks/bench_gather_ceiling.py
     sec encode; timeout 120 python benchmarks/bench_encode.py --sweep
+    sec cache append; timeout 120 python benchmarks/bench_append.py --bits 2,1.5
 }
 
 memory() {

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from vecinfer_compile.codebooks import load_codebooks
-from vecinfer_compile.ops import decode_kernels, reference
+from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.cache_append import encode_flush
 from vecinfer_compile.quant import codebook
 from vecinfer_compile.quant.kmeans import kmeans
@@ -132,16 +132,3 @@ def test_the_file_keeps_the_weight_and_refuses_a_bad_one(tmp_path):
         load_codebooks(cb.save(tmp_path / "bad.safetensors"))
 
 
-def test_the_cuda_append_declines_score_aware_codes(monkeypatch):
-    """The CUDA kernel encodes nearest-centroid codes: a weight above 1 sends the step to the
-    torch form (and says why once), a weight of 1 still takes the kernel."""
-    from vecinfer_compile.ops import cuda_append
-
-    monkeypatch.setattr(cuda_append, "unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(cuda_append, "build_error", lambda *a: None)
-    key = torch.zeros(1, 2, 1, 32)
-    args = (key, key, None, None, None, None, None, None, None, None, None, None, None, None)
-    assert decode_kernels.choose_append(*args, 1.0) == "cuda"
-    assert decode_kernels.choose_append(*args, 8.0) == "torch"
-    with pytest.raises(RuntimeError, match="score-aware key codes"), decode_kernels.use_decode_kernel("cuda"):
-        decode_kernels.choose_append(*args, 8.0)

@@ -12,7 +12,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferLayer
 from vecinfer_compile.codebooks import load_codebooks
-from vecinfer_compile.ops import decode_kernels
 from vecinfer_compile.ops.cache_append import encode_flush
 from vecinfer_compile.quant import codebook
 from vecinfer_compile.quant.packing import unpack_codes
@@ -197,20 +196,6 @@ def test_the_cache_refuses_a_metric_of_the_wrong_shape():
                       rotation=None, key_metric=torch.eye(32)[None], value_metric=torch.eye(32)[None])
 
 
-def test_the_cuda_append_declines_weighted_codes(monkeypatch):
-    from vecinfer_compile.ops import cuda_append
-
-    monkeypatch.setattr(cuda_append, "unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(cuda_append, "build_error", lambda *a: None)
-    key = torch.zeros(1, 2, 1, 32)
-    args = (key, key, None, None, None, None, None, None, None, None, None, None, None, None, 1.0)
-    metric = torch.eye(32).expand(2, 32, 32)
-    assert decode_kernels.choose_append(*args) == "cuda"
-    assert decode_kernels.choose_append(*args, metric, metric) == "torch"
-    with pytest.raises(RuntimeError, match="error-weighted codes"), decode_kernels.use_decode_kernel("cuda"):
-        decode_kernels.choose_append(*args, metric, metric)
-
-
 def test_calibration_stores_the_metrics_the_model_gives(tmp_path):
     """calibrate(weighted_codes=True): the value metric is the layer's o_proj Gram, the key metric
     ``I + S / mean diag S`` of the calibration queries (symmetric, positive definite); the
@@ -259,15 +244,30 @@ def test_cache_matches_simulate_on_tiny_model(tiny_model, sample_text_path, comp
     assert len(results[0].cache_tokens) == 8
 
 
-def test_the_compiled_simulate_pass_refuses_weighted_codes():
+@pytest.mark.parametrize("residual", [0, 4])
+def test_the_compiled_simulate_pass_matches_eager_simulate(residual):
+    """The backend's simulate graph (encode, weigh_codes, centroid values) gives the eager simulate
+    path's logits with error-weighted score-aware codes, and not the logits without the metrics."""
     from vecinfer_compile import vecinfer_backend
+    from vecinfer_compile.simulate import simulation
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config()).eval()
+    plain = random_codebooks(tiny_config(), bits=2.0, method="qaware")
     cb = with_metrics(random_codebooks(tiny_config(), bits=2.0, method="qaware"))
-    compiled = torch.compile(model, backend=vecinfer_backend.configure(codebooks=cb), fullgraph=True)
-    with pytest.raises(Exception, match="compiled simulate pass does not encode"):
-        compiled(input_ids=torch.randint(0, 128, (1, 12)))
+    for c in (plain, cb):
+        c.metadata["key_parallel_weight"] = 8.0
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for name, c in (("plain", plain), ("weighted", cb)):
+        with simulation(model, "qaware", bits=2, codebooks=c, residual=residual), torch.no_grad():
+            logits[name] = model(input_ids=ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=vecinfer_backend.configure(codebooks=cb, residual=residual), fullgraph=True)
+    with torch.no_grad():
+        got = compiled(input_ids=ids).logits
+    torch.testing.assert_close(got, logits["weighted"], rtol=1e-4, atol=1e-4)
+    assert (got - logits["plain"]).abs().max() > 1e-3
 
 
 def test_simulate_reads_the_metrics(tiny_model, sample_text_path):
@@ -295,9 +295,10 @@ def test_the_weigh_codes_op_passes_opcheck():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_cache_stores_weighted_codes(dtype):
-    """On CUDA: a 300-token prefill (Triton encode, then the descent) and one-token appends (the
-    torch append: the CUDA kernel declines) store codes of the loss quant.codebook.encode reaches
-    on the keys and values the cache holds."""
+    """On CUDA: a 300-token prefill (Triton encode, then the descent's kernel) and one-token
+    appends (float32: the torch append; bfloat16: the CUDA encoder and append) store codes of the
+    loss quant.codebook.encode reaches on the keys and values the cache holds (on average: the
+    kernels' arithmetic order resolves near-ties their own way, tests/test_ops_cuda_weigh.py)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cb = with_metrics(random_codebooks(tiny_config(), bits=2.0, method="qaware", seed=3), 3)
@@ -318,4 +319,5 @@ def test_cuda_cache_stores_weighted_codes(dtype):
         m = m.cuda()
         got = dequant(unpack_codes(stored[:, :, :n], c.shape[0]), c)
         expected = dequant(codebook.encode(x.float(), c, w, m).long(), c)
-        torch.testing.assert_close(weighted_loss(x, got, m, w), weighted_loss(x, expected, m, w), rtol=1e-4, atol=1e-4)
+        got_loss, want_loss = weighted_loss(x, got, m, w).double(), weighted_loss(x, expected, m, w).double()
+        assert abs(float(got_loss.mean() - want_loss.mean())) <= 1e-3 * float(want_loss.mean())

@@ -218,13 +218,6 @@ class VecInferBackend:
         if sites:
             layers = self._layers(gm, example_inputs, sites)
             given = self.config.codebooks
-            if given is not None and given.weighted_codes:
-                raise ValueError(
-                    "these codebooks choose error-weighted codes (calibrated with --weighted-codes), which the "
-                    "compiled simulate pass does not encode yet: run them through VecInferCache (generate() with "
-                    "the cache, compiled or not) or in eager simulate mode (enable_simulation, vecinfer eval-ppl "
-                    "--backend eager)"
-                )
             rewrite_sdpa(gm, sites, layers, quantize=self.config.quantize, residual=self.config.residual,
                          key_parallel_weight=1.0 if given is None else given.key_parallel_weight)
         elif not (with_cache or all_sites or cache_reads or self.fitted or self._warned_no_sdpa):

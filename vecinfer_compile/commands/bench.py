@@ -1,4 +1,4 @@
-"""``vecinfer bench {decode,prefill,memory,generate,simulate,encode,ceiling} [ARGS...]``: run a benchmark script of the
+"""``vecinfer bench {decode,prefill,memory,generate,simulate,encode,append,ceiling} [ARGS...]``: run a benchmark script of the
 repository's ``benchmarks/`` folder (not part of the installed package) in this process.
 
 Everything after the benchmark's name goes to the script: ``vecinfer bench memory --smoke``,
@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-HELP = ("run a benchmark of the source checkout: decode, prefill, memory, generate, simulate, encode, ceiling "
+HELP = ("run a benchmark of the source checkout: decode, prefill, memory, generate, simulate, encode, append, ceiling "
         "(GPU; --smoke on CPU)")
 
 SCRIPTS: dict[str, tuple[str, str]] = {
@@ -25,6 +25,7 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "prefill": ("bench_prefill_attention.py", "a prefill chunk's attention over codes vs FP16 flash (GPU)"),
     "simulate": ("bench_simulate_attention.py", "compiled simulate (prefill) attention vs SDPA (GPU)"),
     "encode": ("bench_encode.py", "encode / quantize kernels vs compiled PyTorch nearest centroid (GPU)"),
+    "append": ("bench_append.py", "a decode step's cache append: nearest vs score-aware vs error-weighted codes (GPU)"),
     "ceiling": ("bench_gather_ceiling.py", "Triton code-read and centroid-gather floors of decode vs FP16 SDPA (GPU)"),
     "mask": ("bench_decode_mask.py", "host time of a decode step's attention mask: transformers' sdpa_mask vs ours (--smoke: CPU)"),
 }

@@ -12,6 +12,9 @@
 //            ([H, D, D], the query-aware key_matrix)
 //   MEAN, LAM  1 when the key mean / the smoothing factors are given ([H, D] float32)
 //   NTHREADS threads per CTA
+//   ENCODE   1: encode the leaving token here (nearest centroids); 0: its codes were written by
+//            vq_weigh_flush (cuda_weigh.cu) launched just before, for score-aware or error-weighted
+//            codes, and this kernel only moves the window and the counters
 //
 // Semantics (the torch reference is append_reference in cache_append.py). Per (batch row, KV
 // head), with c = n_coded, w = n_window, R the window's slots:
@@ -266,10 +269,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) vq_append(
     }
     ShiftPass shift;
     if (R > 1) shift.load(kw, vw, R, c0, 0);
+#if ENCODE
     FirstEntries<DK, EK> kfirst;
     FirstEntries<DV, EV> vfirst;
     kfirst.load(k_book);
     vfirst.load(v_book);
+#endif
     const bool flush = w >= R;  // the window is full (or there is none): its oldest token leaves
 
     // 1. the key transform, this CTA's COLS output channels
@@ -297,6 +302,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) vq_append(
     __syncthreads();
 
     // 2. the leaving token (window slot 0, or the new token itself without a window), encoded
+#if ENCODE
     if (flush) {
         if (tid < COLS) {
             kflush[tid] = to_float(R > 0 ? kold : knew[tid]);
@@ -314,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) vq_append(
             store_codes<VSUB, SV, VFMT>(v_codes + ((size_t)row * Tmax + c) * row_bytes(SV, VFMT), c0 / DV, vidx);
         }
     }
+#endif
 
     // 3. the window: shift out the leaving token (the first pass from registers, any further pass
     // loads before it stores), then the new one into its slot

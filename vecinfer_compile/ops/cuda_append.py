@@ -7,10 +7,15 @@ shift, counters), each a dependent launch of 1-5 us. This kernel does all of it 
 ``B * Hkv * D / 32`` CTAs: on the H200 at B=1, T=128k (8B geometry, 32 layers) a generate() step
 went from 12.38 to 9.33 ms in a same-call A/B (docs/results.md).
 
+Score-aware key codes (``key_parallel_weight > 1``) and error-weighted codes (the metrics) are a
+search over the whole head vector, which this kernel's split of a row across CTAs cannot do: for
+them :func:`.cuda_weigh.weigh_flush_cuda` encodes the leaving token first (one more launch, one
+CTA per head vector) and the append kernel is built without its encode (``ENCODE=0``).
+
 Compiled with NVRTC (:mod:`.nvrtc`) once per process and variant (head_dim, both codebook
-geometries, dtype, which key transforms are present) and launched on torch's current stream
-with no host synchronisation, so CUDA graphs capture it. The counters are advanced by the CTA
-that arrives last on the layer's ``arrivals`` counter, which that CTA resets to zero.
+geometries, dtype, which key transforms are present, whether it encodes) and launched on torch's
+current stream with no host synchronisation, so CUDA graphs capture it. The counters are advanced
+by the CTA that arrives last on the layer's ``arrivals`` counter, which that CTA resets to zero.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..quant.packing import is_packed, packed_width
+from . import cuda_weigh
 from .nvrtc import CudaBuildError, build_kernel, device_index
 
 SOURCE = Path(__file__).with_name("cuda_append.cu")
@@ -46,27 +52,36 @@ class AppendVariant:
     matrix: int  # 0 none, 1 one [D, D] matrix, 2 one per KV head
     mean: bool
     lam: bool
+    encode: bool = True  # False: vq_weigh_flush wrote the leaving token's codes
 
     def defines(self) -> list[str]:
         values = dict(
             D=self.head_dim, COLS=COLS, DK=self.k_dims, DV=self.v_dims, EK=self.k_entries, EV=self.v_entries,
             KFMT=2 if is_packed(self.k_entries) else 0, VFMT=2 if is_packed(self.v_entries) else 0,
             FP16=int(self.fp16), MATRIX=self.matrix, MEAN=int(self.mean), LAM=int(self.lam), NTHREADS=THREADS,
+            ENCODE=int(self.encode),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
 
-def variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix) -> AppendVariant:
+def variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched: bool = False) -> AppendVariant:
     (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
     matrix = 0 if key_matrix is None else (1 if key_matrix.dim() == 2 else 2)
     return AppendVariant(int(key.shape[-1]), ek, dk, ev, dv, key.dtype == torch.float16, matrix,
-                         key_mean is not None, lam is not None)
+                         key_mean is not None, lam is not None, not searched)
+
+
+def is_searched(key_parallel_weight: float, key_metric, value_metric) -> bool:
+    """Whether the leaving token's codes need the whole-vector search of :mod:`.cuda_weigh`
+    (score-aware or error-weighted codes) rather than the append kernel's nearest centroids."""
+    return key_parallel_weight != 1.0 or key_metric is not None or value_metric is not None
 
 
 def unsupported_reason(key: torch.Tensor, k_window: torch.Tensor, k_centroids: torch.Tensor,
-                       v_centroids: torch.Tensor) -> str | None:
-    """Why the CUDA append cannot run these inputs (None if it can). Shapes and dtypes only, so it
-    works on fake tensors; building is checked by :func:`build_error`."""
+                       v_centroids: torch.Tensor, searched: bool = False) -> str | None:
+    """Why the CUDA append cannot run these inputs (None if it can); ``searched``: score-aware or
+    error-weighted codes (:func:`is_searched`). Shapes and dtypes only, so it works on fake
+    tensors; building is checked by :func:`build_error`."""
     if key.device.type != "cuda":
         return f"the inputs are on {key.device.type}, not CUDA"
     if int(key.shape[2]) != 1:
@@ -83,6 +98,11 @@ def unsupported_reason(key: torch.Tensor, k_window: torch.Tensor, k_centroids: t
         entries, dims = (int(x) for x in c.shape)
         if dims not in CENTROID_DIMS or entries > MAX_ENTRIES:
             return f"a {entries}x{dims} {name} codebook (the CUDA append takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
+    if searched:
+        if int(k_window.shape[2]) == 0:
+            return ("score-aware or error-weighted codes without a window (residual 0): the CUDA encoder reads the "
+                    "leaving token from the window")
+        return cuda_weigh.unsupported_reason(k_window, k_centroids, v_centroids)
     return None
 
 
@@ -92,14 +112,17 @@ def _build(variant: AppendVariant, device_index: int):
                         ["--std=c++17", *variant.defines()])
 
 
-def build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix) -> str | None:
-    """None if the variant for these inputs compiles and loads on their device, else why not
-    (compiles it as a side effect: call it before tracing, never inside a CUDA-graph capture)."""
-    variant = variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix)
+def build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched: bool = False) -> str | None:
+    """None if the variant for these inputs (and, ``searched``, the encoder of :mod:`.cuda_weigh`)
+    compiles and loads on their device, else why not (compiles them as a side effect: call it
+    before tracing, never inside a CUDA-graph capture)."""
+    variant = variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched)
     try:
         _build(variant, device_index(key.device))
     except (CudaBuildError, OSError) as exc:
         return str(exc)
+    if searched:
+        return cuda_weigh.build_error(key, k_centroids, v_centroids, "vq_weigh_flush")
     return None
 
 
@@ -135,18 +158,12 @@ def cache_append_cuda(
     ``v_codes`` uint8; windows ``[B, Hkv, R, D]``; ``n_coded``/``n_window`` 0-d int64;
     ``arrivals`` int32 ``[1]``, zero (the kernel leaves it zero); centroids float32 ``[E, d]``;
     ``key_mean``/``lam`` float32 ``[Hkv, D]`` or None; ``key_matrix`` float32 ``[D, D]`` or
-    ``[Hkv, D, D]`` or None. Updates the buffers in place; raises :class:`CudaBuildError` when the
-    inputs or the machine do not fit the kernel. The kernel encodes nearest-centroid codes:
-    ``key_parallel_weight`` must be 1 (:func:`.decode_kernels.choose_append` sends score-aware
-    key codes to the torch form), and ``key_metric``/``value_metric`` None (error-weighted codes
-    run as torch ops too)."""
-    if key_parallel_weight != 1.0:
-        raise CudaBuildError(f"the CUDA append encodes nearest-centroid codes; key_parallel_weight "
-                             f"{key_parallel_weight:g} (score-aware key codes) runs as torch ops")
-    if key_metric is not None or value_metric is not None:
-        raise CudaBuildError("the CUDA append encodes nearest-centroid codes; error-weighted codes "
-                             "(key_metric/value_metric) run as torch ops")
-    reason = unsupported_reason(key, k_window, k_centroids, v_centroids)
+    ``[Hkv, D, D]`` or None. ``key_parallel_weight`` (score-aware key codes) and
+    ``key_metric``/``value_metric`` (``[Hkv, D, D]`` float32, symmetric: error-weighted codes) add
+    the launch of :func:`.cuda_weigh.weigh_flush_cuda` before the append. Updates the buffers in
+    place; raises :class:`CudaBuildError` when the inputs or the machine do not fit the kernels."""
+    searched = is_searched(key_parallel_weight, key_metric, value_metric)
+    reason = unsupported_reason(key, k_window, k_centroids, v_centroids, searched)
     if reason is not None:
         raise CudaBuildError(f"the CUDA append cannot run this call: {reason}")
     b, h, _, d = key.shape
@@ -166,7 +183,10 @@ def cache_append_cuda(
             raise ValueError(f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not [{b}, {h}, Tmax, {width}] uint8 codes")
     for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes"), (k_window, "k_window"), (v_window, "v_window")):
         _require_buffer(t, name)
-    variant = variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix)
+    if searched:
+        cuda_weigh.weigh_flush_cuda(k_window, v_window, k_codes, v_codes, n_coded, n_window, k_centroids, v_centroids,
+                                    key_metric, value_metric, key_parallel_weight)
+    variant = variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched)
     kernel = _build(variant, device_index(key.device))
     contiguous = [None if t is None else t.float().contiguous() for t in (k_centroids, v_centroids, key_mean, lam, key_matrix)]
     kernel.launch(

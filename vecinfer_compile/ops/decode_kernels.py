@@ -6,8 +6,9 @@ sets it while it compiles), the environment variable ``VECINFER_DECODE_KERNEL`` 
 then ``"auto"``. ``"auto"`` runs the CUDA kernel when it supports the inputs and builds on this
 machine, else the Triton kernel, and logs one line saying why (once per reason). An explicit
 ``"cuda"`` that cannot run raises instead: an explicit request never falls back silently.
-One request covers both ops: ``"triton"`` runs no CUDA kernel (the Triton decode kernel and the
-append as torch ops), ``"cuda"`` requires both CUDA kernels.
+One request covers these ops and ``vecinfer::weigh_codes`` (the prefill's error-weighted codes):
+``"triton"`` runs no CUDA kernel (the Triton decode kernel, the append and the descent as torch
+ops), ``"cuda"`` requires the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 
 import torch
 
-from . import cuda_append, cuda_decode
+from . import cuda_append, cuda_decode, cuda_weigh
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +84,17 @@ def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_w
     Several new tokens (a prefill chunk) always take the torch form, whose encode is the Triton
     kernel for many tokens; the request governs the one-token decode append. Score-aware key
     codes (``key_parallel_weight > 1``) and error-weighted codes (``key_metric``/``value_metric``)
-    take the torch form: the kernel encodes nearest-centroid codes only."""
+    add the CUDA encoder of :mod:`.cuda_weigh` (a window is needed: it reads the leaving token
+    there)."""
     want = requested()
     if want == "triton" or int(key.shape[2]) != 1:
         return "torch"
-    reason, level = cuda_append.unsupported_reason(key, k_window, k_centroids, v_centroids), logging.INFO
-    if reason is None and (key_metric is not None or value_metric is not None):
-        reason, level = ("error-weighted codes (key_metric/value_metric): the CUDA append encodes nearest-centroid "
-                         "codes only, and the torch descent makes each decode step many times slower (about 20x at "
-                         "B=1/T=32k on an H200, docs/results.md)"), logging.WARNING
-    if reason is None and key_parallel_weight != 1.0:
-        reason = (f"score-aware key codes (key_parallel_weight {key_parallel_weight:g}): the CUDA append "
-                  "encodes nearest-centroid codes only")
+    searched = cuda_append.is_searched(key_parallel_weight, key_metric, value_metric)
+    reason = cuda_append.unsupported_reason(key, k_window, k_centroids, v_centroids, searched)
+    level = logging.WARNING if searched else logging.INFO  # the torch search makes a decode step ~20x slower
     if reason is None:
-        reason, level = cuda_append.build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix), logging.WARNING
+        reason, level = cuda_append.build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix,
+                                                searched), logging.WARNING
     if reason is None:
         return "cuda"
     if want == "cuda":
@@ -105,4 +103,24 @@ def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_w
     if reason not in _logged:
         _logged.add(reason)
         log.log(level, "vecinfer: the cache append runs as torch ops: %s", reason)
+    return "torch"
+
+
+def choose_weigh(x: torch.Tensor, centroids: torch.Tensor) -> str:
+    """``"cuda"`` or ``"torch"`` for a ``vecinfer::weigh_codes`` call on CUDA tensors: the kernel of
+    :mod:`.cuda_weigh` when it supports the inputs and builds, else the torch descent (logged once
+    per reason, as a warning: it is many times slower)."""
+    want = requested()
+    if want == "triton":
+        return "torch"
+    reason = cuda_weigh.unsupported_reason(x, centroids) or cuda_weigh.build_error(x, centroids, centroids,
+                                                                                   "vq_weigh_rows")
+    if reason is None:
+        return "cuda"
+    if want == "cuda":
+        raise RuntimeError(f"decode_kernel='cuda' was requested but error-weighted codes cannot be encoded on CUDA: "
+                           f"{reason}; request 'auto' or 'triton'")
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("vecinfer: error-weighted codes run the torch descent: %s", reason)
     return "torch"

@@ -33,9 +33,10 @@ Schemas::
 ``cache_append_cuda`` is the CUDA kernel of :mod:`.cuda_append` as an opaque ``custom_op`` that
 mutates the cache buffers in place (Inductor re-inplaces it: no copies of the buffers); the
 dispatching op ``vecinfer::cache_append`` and its torch form are in :mod:`.cache_append`.
-``weigh_codes`` (:func:`~vecinfer_compile.quant.weighted_codes.weigh_stored`, torch ops on any
-device) is opaque too: the coordinate descent of error-weighted codes is a loop over sub-vectors
-that Inductor would otherwise unroll into thousands of nodes (minutes of compilation).
+``weigh_codes`` (:func:`~vecinfer_compile.quant.weighted_codes.weigh_stored` in torch; on CUDA the
+kernel of :mod:`.cuda_weigh` when :func:`.decode_kernels.choose_weigh` picks it) is opaque too:
+the coordinate descent of error-weighted codes is a loop over sub-vectors that Inductor would
+otherwise unroll into thousands of nodes (minutes of compilation).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..quant.weighted_codes import weigh_stored
 from . import decode_kernels, reference
 from .cuda_append import cache_append_cuda
 from .cuda_decode import decode_attention_cuda
+from .cuda_weigh import weigh_rows_cuda
 from .triton_attention import attention_triton
 from .triton_decode import decode_attention_triton
 from .triton_encode import encode_triton
@@ -147,6 +149,12 @@ def _decode_attention_cuda_fake(q, k_codes, v_codes, k_centroids, v_centroids, n
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _weigh_codes_cuda(x, stored, centroids, metric, parallel_weight=1.0):
+    if decode_kernels.choose_weigh(x, centroids) == "cuda":
+        return weigh_rows_cuda(x, stored, centroids, metric, parallel_weight)
+    return weigh_stored(x, stored, centroids, metric, parallel_weight)
+
+
 APPEND_MUTATES = ("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", "arrivals")
 
 
@@ -158,6 +166,7 @@ def register() -> None:
     if not _is_registered("weigh_codes"):
         op = torch.library.custom_op(f"{NAMESPACE}::weigh_codes", weigh_stored, mutates_args=())
         op.register_fake(lambda x, stored, centroids, metric, parallel_weight=1.0: torch.empty_like(stored))
+        op.register_kernel("cuda", _weigh_codes_cuda)
     if not _is_registered("decode_attention_cuda"):
         op = torch.library.custom_op(f"{NAMESPACE}::decode_attention_cuda", decode_attention_cuda, mutates_args=())
         op.register_fake(_decode_attention_cuda_fake)

@@ -12,6 +12,9 @@ For each SDPA node (any argument form: positional or keyword, bool or float ``at
     quantize, residual == 0:
                      K^ = vecinfer.quantize(K~, None, None, key_centroids[, key_parallel_weight])
                      V^ = vecinfer.quantize(v, None, None, value_centroids)
+                     (error-weighted codes, the layer has metrics: quantize_weighted(K~, key_centroids,
+                     key_metric, key_parallel_weight), the same for v: encode, vecinfer.weigh_codes,
+                     the centroids' values)
                      out = F.scaled_dot_product_attention(q~, K^, V^, mask, is_causal=...,
                                                           scale=scale, enable_gqa=Hq != Hkv)
     quantize, residual > 0:
@@ -54,6 +57,7 @@ from torch._dynamo.source import ConstantSource
 from torch._dynamo.utils import counters
 
 from ..codebooks import LayerCodebooks
+from ..quant.packing import unpack_codes
 from .cache_decode import CACHE_READ_META
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 from .windowed import window_plan, windowed_attention
@@ -289,13 +293,26 @@ def _shared_window_plan(emit: _Emitter, site: SdpaSite, residual: int, plans: di
     return plans[key]
 
 
+def quantize_weighted(x: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor,
+                      parallel_weight: float = 1.0) -> torch.Tensor:
+    """Error-weighted ``X^`` of ``x: [B, H, T, D]``: ``vecinfer::encode`` (score-aware for
+    ``parallel_weight > 1``), ``vecinfer::weigh_codes`` under ``metric: [H, D, D]``, then the
+    centroids' values (``centroids: [E, d]`` float32); returned in ``x.dtype``, as
+    :func:`~vecinfer_compile.quant.codebook.quantize_dequantize` with a metric computes it."""
+    stored = torch.ops.vecinfer.encode(x, None, None, centroids, parallel_weight)
+    stored = torch.ops.vecinfer.weigh_codes(x, stored, centroids, metric, parallel_weight)
+    return centroids[unpack_codes(stored, centroids.shape[0])].flatten(-2).to(x.dtype)
+
+
 def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,
                   residual: int, plans: dict, key_parallel_weight: float) -> None:
     transform = layer.transform
     lam, key_m = transform.lam, transform.key_matrix
     heads, dim = site.kv_heads, site.head_dim
     for what, state, shape in (("smoothing factors", lam, (heads, dim)), ("a key mean", transform.mean, (heads, dim)),
-                               ("query-aware matrices", key_m, (heads, dim, dim))):
+                               ("query-aware matrices", key_m, (heads, dim, dim)),
+                               ("key error metrics", layer.key_metric, (heads, dim, dim)),
+                               ("value error metrics", layer.value_metric, (heads, dim, dim))):
         if state is not None and tuple(state.shape) != shape:
             raise ValueError(
                 f"vecinfer: layer {site.layer} has {what} of shape {tuple(state.shape)} but its "
@@ -320,8 +337,14 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
             kc = emit.constant("key_centroids", layer.key_centroids.float())
             vc = emit.constant("value_centroids", layer.value_centroids.float())
             weight = () if key_parallel_weight == 1.0 else (key_parallel_weight,)  # the schema's default: left out
-            k_in = emit.call(torch.ops.vecinfer.quantize.default, k_t, None, None, kc, *weight)
-            v_in = emit.call(torch.ops.vecinfer.quantize.default, site.value, None, None, vc)
+            if layer.key_metric is not None:
+                km = emit.constant("key_metric", layer.key_metric.float())
+                vm = emit.constant("value_metric", layer.value_metric.float())
+                k_in = emit.call(quantize_weighted, k_t, kc, km, *weight)
+                v_in = emit.call(quantize_weighted, site.value, vc, vm)
+            else:
+                k_in = emit.call(torch.ops.vecinfer.quantize.default, k_t, None, None, kc, *weight)
+                v_in = emit.call(torch.ops.vecinfer.quantize.default, site.value, None, None, vc)
         if quantize and residual:
             plan = _shared_window_plan(emit, site, residual, plans)
             out = emit.call(windowed_attention, q_t, k_in, k_t, v_in, site.value, plan, site.scale)
@@ -349,8 +372,8 @@ def rewrite_sdpa(
     key_parallel_weight: float = 1.0,
 ) -> int:
     """Replace each site's SDPA node (see the module docstring); ``layers[site.layer]`` gives its
-    transform and codebooks, ``key_parallel_weight`` how their keys are encoded
-    (:mod:`vecinfer_compile.quant.score_aware`). Returns the number of rewrites and recompiles ``gm``."""
+    transform, codebooks and error metrics (error-weighted codes when present),
+    ``key_parallel_weight`` how their keys are encoded (:mod:`vecinfer_compile.quant.score_aware`). Returns the number of rewrites and recompiles ``gm``."""
     if residual < 0:
         raise ValueError(f"residual must be >= 0, got {residual}")
     plans: dict = {}

@@ -103,15 +103,18 @@ def weighted_indices(
     check_metric(metric, h_, dim)
     if b_ * t_ == 0:
         return start.long()
+    c = centroids.float().to(x.device)
+    m = metric.float().to(x.device)
+    blocks = m.unflatten(1, (dim // d, d)).unflatten(-1, (dim // d, d)).diagonal(dim1=1, dim2=3)  # [H, d, d, S]
+    cmc = torch.einsum("ed,hdfs,ef->she", c, blocks, c)  # [S, H, E]: c^T M_ss c of every entry
     step = max(1, CHUNK_ELEMENTS // max(1, b_ * h_ * entries))
-    return torch.cat([_descend(x[:, :, i:i + step], start[:, :, i:i + step], centroids, metric, parallel_weight, sweeps)
+    return torch.cat([_descend(x[:, :, i:i + step], start[:, :, i:i + step], c, m, cmc, parallel_weight, sweeps)
                       for i in range(0, t_, step)], dim=2)
 
 
-def _descend(x, start, centroids, metric, parallel_weight, sweeps):
-    """:func:`weighted_indices` of one chunk of tokens."""
-    c = centroids.float().to(x.device)
-    m = metric.float().to(x.device)
+def _descend(x, start, c, m, cmc, parallel_weight, sweeps):
+    """:func:`weighted_indices` of one chunk of tokens (``c``, ``m`` float32 on x's device;
+    ``cmc: [S, H, E]``)."""
     entries, d = c.shape
     xf = x.float()
     idx = start.long().clone()
@@ -123,9 +126,8 @@ def _descend(x, start, centroids, metric, parallel_weight, sweeps):
         for s in range(idx.shape[-1]):
             sl = slice(s * d, (s + 1) * d)
             m_cols, m_block = m[:, :, sl], m[:, sl, sl]  # [H, D, d], [H, d, d]
-            cmc = torch.einsum("ed,hdf,ef->he", c, m_block, c)  # [H, E]
             z = torch.einsum("bhtd,hde->bhte", r, m_cols) + torch.einsum("bhtd,hde->bhte", x_hat[..., sl], m_block)
-            loss = cmc[None, :, None, :] - 2 * z @ c.T  # [B, H, T, E], up to a per-row constant
+            loss = cmc[s][None, :, None, :] - 2 * z @ c.T  # [B, H, T, E], up to a per-row constant
             if parallel:
                 alpha = (r * u).sum(-1, keepdim=True) - (r[..., sl] * u[..., sl]).sum(-1, keepdim=True) \
                     + (xf[..., sl] * u[..., sl]).sum(-1, keepdim=True)

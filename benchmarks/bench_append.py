@@ -1,0 +1,114 @@
+"""The decode step's cache append, per layer: how the codes of the token leaving the window are
+chosen, side by side on one GPU.
+
+Rows: the CUDA append with nearest-centroid codes (one launch; the baseline), with score-aware key
+codes (``vq_weigh_flush`` then the append), with error-weighted codes (the same, the descent under
+random symmetric metrics) and the torch form of the last (what ran before the CUDA encoder: the
+ops Inductor would compile, here eager). Each CUDA row is ``STEPS`` appends captured in one CUDA
+graph and replayed, timed by CUDA events (device time per append, launch gaps included); the
+window is full, so every append encodes a token. Shapes: a Llama-3.1-8B layer (8 KV heads,
+head_dim 128, bf16 windows of 128 slots).
+
+    python benchmarks/bench_append.py [--batches 1,8] [--bits 2,1.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
+from vecinfer_compile.ops.cache_append import append_reference
+from vecinfer_compile.presets import get_preset
+from vecinfer_compile.quant.packing import pack_codes
+
+HKV, D, R = 8, 128, 128
+STEPS, REPLAYS = 32, 20
+ROWS = (("nearest (CUDA append)", 1.0, False), ("score-aware keys, w=8", 8.0, False),
+        ("error-weighted, w=8", 8.0, True))
+
+
+def layer_state(b: int, bits: float, weight: float, weighted: bool, gen: torch.Generator) -> dict:
+    """The op's arguments for one layer with a full window and room for every timed append."""
+    preset = get_preset(bits)
+    tmax = 16 + STEPS * (REPLAYS + 2)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def spd():
+        a = randn(HKV, D, D)
+        return (a @ a.transpose(-1, -2) / D + 0.1 * torch.eye(D)).cuda()
+
+    k, v = preset.key, preset.value
+    args = dict(
+        key=randn(b, HKV, 1, D), value=randn(b, HKV, 1, D),
+        k_codes=pack_codes(torch.randint(0, k.entries, (b, HKV, tmax, D // k.dims), generator=gen), k.entries),
+        v_codes=pack_codes(torch.randint(0, v.entries, (b, HKV, tmax, D // v.dims), generator=gen), v.entries),
+        k_window=randn(b, HKV, R, D), v_window=randn(b, HKV, R, D),
+        n_coded=torch.tensor(16), n_window=torch.tensor(R), arrivals=torch.zeros(1, dtype=torch.int32),
+        k_centroids=randn(k.entries, k.dims), v_centroids=randn(v.entries, v.dims),
+        key_mean=None, lam=None, key_matrix=(randn(D, D) / D**0.5),
+    )
+    args = {n: (t.cuda().to(torch.bfloat16) if n in ("key", "value", "k_window", "v_window") else t.cuda())
+            if isinstance(t, torch.Tensor) else t for n, t in args.items()}
+    args.update(key_parallel_weight=weight, key_metric=spd() if weighted else None,
+                value_metric=spd() if weighted else None)
+    return args
+
+
+def time_graph(args: dict) -> float:
+    """Device microseconds per append: STEPS appends in one CUDA graph, replayed REPLAYS times."""
+    torch.ops.vecinfer.cache_append_cuda(*args.values())  # build and load outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(STEPS):
+            torch.ops.vecinfer.cache_append_cuda(*args.values())
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (REPLAYS * STEPS)
+
+
+def time_torch(args: dict, n: int = 5) -> float:
+    """Microseconds per append of the torch form, eager, synchronised."""
+    append_reference(*args.values())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        append_reference(*args.values())
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    ap.add_argument("--bits", default="2", help="presets, comma-separated")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    print(f"# decode-step cache append of one layer, {torch.cuda.get_device_name()}: {HKV} KV heads, head_dim {D}, "
+          f"bf16 window of {R} (full); us per append, device-timed ({STEPS} appends per CUDA graph)")
+    print("| bits | B | codes | us / append | vs nearest |")
+    print("|---|---|---|---|---|")
+    for bits in (float(b) for b in args.bits.split(",")):
+        for b in (int(x) for x in args.batches.split(",")):
+            gen = torch.Generator().manual_seed(0)
+            base = None
+            for label, weight, weighted in ROWS:
+                us = time_graph(layer_state(b, bits, weight, weighted, gen))
+                base = us if base is None else base
+                print(f"| {bits:g} | {b} | {label} | {us:.1f} | {us / base:.2f}x |")
+            us = time_torch(layer_state(b, bits, 8.0, True, gen))
+            print(f"| {bits:g} | {b} | error-weighted, w=8, torch ops (eager) | {us:.1f} | {us / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
