@@ -388,9 +388,11 @@ def test_calibrate_states_the_real_precision_and_the_fixed_and_per_token_bytes(c
     assert "fp16" not in printed
     # tiny: 4 layers, 2 KV heads, head_dim 64; float32
     matrices, codebooks, means = 4 * 2 * 2 * 64 * 64 * 4, 4 * 2 * 256 * 4 * 4, 4 * 2 * 64 * 4
-    assert (f"state: {matrices + codebooks + means:,} bytes of float32, the precision the cache uses it in "
-            f"(codebooks {codebooks:,}, query-aware matrices {matrices:,}, key means {means:,})") in printed
-    assert (f"a VecInferCache of this model: {matrices + codebooks + means:,} bytes fixed, whatever its length, "
+    metrics = matrices  # qaware's error-weighted codes: a key and a value metric per layer and KV head
+    total = matrices + codebooks + means + metrics
+    assert (f"state: {total:,} bytes of float32, the precision the cache uses it in (codebooks {codebooks:,}, "
+            f"query-aware matrices {matrices:,}, key means {means:,}, error metrics {metrics:,})") in printed
+    assert (f"a VecInferCache of this model: {total:,} bytes fixed, whatever its length, "
             "+ 256 bytes per token (full precision: 2,048)") in printed
 
 
@@ -419,13 +421,21 @@ def test_cache_bytes_report_the_fixed_state_apart_from_the_tokens(tiny_dir):
     cb = random_codebooks(config, 2.0, "qaware")
     short, long = (cache_bytes(VecInferCache(config, cb, batch_size=b, max_cache_len=n, residual=16,
                                              dtype=torch.bfloat16)) for b, n in ((1, 64), (3, 640)))
-    acc = kv_bytes("qaware", 2, config, residual=16)
+    acc = kv_bytes("qaware", 2, config, residual=16, weighted_codes=False)  # random codebooks have no metrics
     assert short.fixed == long.fixed == acc.fixed_bytes == cb.nbytes() == 296_960
     assert short.bytes_per_token == long.bytes_per_token == acc.bytes_per_token == 256
     assert long.codes == 3 * 640 * 256
     assert long.window == 3 * 4 * 2 * 2 * 16 * 64 * 2 + 4 * 2 * 8  # bf16 windows [B, H, R, D], K and V; counters
     cache = VecInferCache(config, cb, batch_size=1, max_cache_len=64, residual=16, dtype=torch.bfloat16)
     assert cache_bytes(cache).total == cache.kv_bytes() > cache.fp_kv_bytes()  # more than full precision
+    metrics = 2 * 4 * 2 * 64 * 64 * 4  # key and value metrics [H, D, D] per layer, float32
+    assert kv_bytes("qaware", 2, config).fixed_bytes == 296_960 + metrics  # the method's default: weighted codes
+    weighted = random_codebooks(config, 2.0, "qaware")
+    for i in weighted.attention_layers():
+        layer = weighted.layer(i)
+        layer.key_metric, layer.value_metric = (torch.eye(64).expand(2, 64, 64).clone() for _ in range(2))
+    held = cache_bytes(VecInferCache(config, weighted, batch_size=1, max_cache_len=64, residual=16, dtype=torch.bfloat16))
+    assert held.fixed == weighted.nbytes() == 296_960 + metrics
     n = acc.break_even_tokens()
     assert acc.total(n) < n * acc.fp16_bytes_per_token <= acc.total(n - 1) + acc.fp16_bytes_per_token
 

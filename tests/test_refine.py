@@ -125,8 +125,10 @@ def test_calibration_refines_qaware_only(tiny_model, sample_text_path, tmp_path)
     # a file knows its recipe: a codebook cache must not hand back k-means qaware files as refined
     assert recipe_mismatch(refined, "qaware", SMALL) is None and recipe_mismatch(plain, "qaware-norefine") is None
     assert recipe_mismatch(refined, "qaware").startswith("its centroids were refined with")  # other settings
-    old = dataclasses.replace(plain, method="qaware")  # a qaware file written before refinement
-    assert "k-means" in recipe_mismatch(old, "qaware")
+    old = dataclasses.replace(refined, metadata={k: v for k, v in refined.metadata.items() if k != "refine"})
+    assert "k-means" in recipe_mismatch(old, "qaware")  # a qaware file written before refinement
+    older = dataclasses.replace(plain, method="qaware")  # and before its score-aware, error-weighted codes
+    assert "parallel weight 1" in recipe_mismatch(older, "qaware")
     cache = tmp_path / "cache"
     cache.mkdir()
     old.save(cache / codebook_filename("qaware", 2))

@@ -65,7 +65,15 @@ def recipe_mismatch(codebooks: VecInferCodebooks, method: str,
                     refine: RefineConfig | None = RefineConfig()) -> str | None:
     """Why ``codebooks`` (a file of ``method``) differ from what :func:`calibrate` fits for
     ``method`` with ``refine``, or None when they do not. A codebook cache checks it so that it
-    never hands back files of an older recipe (``qaware`` files from before its refinement)."""
+    never hands back files of an older recipe (``qaware`` files from before its refinement or
+    before its error-weighted codes)."""
+    spec = VQ_METHODS[method]
+    if codebooks.key_parallel_weight != spec.key_parallel_weight:
+        return (f"it encodes keys with parallel weight {codebooks.key_parallel_weight:g}, {method!r} with "
+                f"{spec.key_parallel_weight:g}")
+    if codebooks.weighted_codes != spec.weighted_codes:
+        return (f"it {'has' if codebooks.weighted_codes else 'has no'} error metrics, which {method!r} "
+                f"{'does not use' if codebooks.weighted_codes else 'needs'}")
     want = refine.as_dict() if VQ_METHODS[method].refine and refine is not None else None
     have = codebooks.metadata.get("refine")
     have = None if have is None else {k: v for k, v in have.items() if k != "loss_ratio"}
@@ -139,8 +147,8 @@ def calibrate(
     max_fit_vectors: int = 262144,
     ridge: float = DEFAULT_RIDGE,
     refine: RefineConfig | None = RefineConfig(),
-    key_parallel_weight: float = 1.0,
-    weighted_codes: bool = False,
+    key_parallel_weight: float | None = None,
+    weighted_codes: bool | None = None,
     device=None,
     progress: bool = True,
 ) -> VecInferCodebooks:
@@ -162,7 +170,9 @@ def calibrate(
     codes (:mod:`vecinfer_compile.quant.score_aware`; the codebooks are fitted as for 1).
     ``weighted_codes`` stores each layer's error metrics (the calibration queries' second moment
     for keys, ``o_proj``'s Gram matrix for values) and every path then chooses codes under them
-    (:mod:`vecinfer_compile.quant.weighted_codes`; the codebooks are fitted as without).
+    (:mod:`vecinfer_compile.quant.weighted_codes`; the codebooks are fitted as without). Both
+    default to the method's (:data:`~vecinfer_compile.methods.VQ_METHODS`: ``qaware`` 8 and
+    True, the others 1 and False).
     By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
@@ -174,7 +184,6 @@ def calibrate(
     """
     if layer_bits is not None and allocate is not None:
         raise ValueError("give either layer_bits or allocate, not both")
-    key_parallel_weight = check_parallel_weight(key_parallel_weight)
     if allocate not in (None, "uniform", "retrieval"):
         raise ValueError(f"allocate must be 'uniform' or 'retrieval', got {allocate!r}")
     check_method(method)
@@ -197,6 +206,9 @@ def calibrate(
         preset.key.check_head_dim(head_dim)
         preset.value.check_head_dim(head_dim)
     spec = VQ_METHODS[method]
+    key_parallel_weight = check_parallel_weight(spec.key_parallel_weight if key_parallel_weight is None
+                                                else key_parallel_weight)
+    weighted_codes = spec.weighted_codes if weighted_codes is None else bool(weighted_codes)
     if spec.rotate:
         KeyTransform(head_dim).rotation(torch.float32, "cpu")  # clear error for bad head dims
     device = device or next(model.parameters()).device

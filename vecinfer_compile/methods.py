@@ -11,7 +11,13 @@ keys (their matrix geometric mean, see :mod:`vecinfer_compile.quant.query_aware`
 on by default because it lowered the loss on held-out calibration text (docs/results.md).
 After k-means, ``qaware``'s centroids are refined against the layer's attention-output error on
 the calibration text (:mod:`vecinfer_compile.quant.refine`; no change at inference); ablation
-``qaware-norefine``: the k-means centroids as they were.
+``qaware-norefine``: the k-means centroids as they were. ``qaware`` then chooses its codes for the
+error the model reads, not the squared error: score-aware keys (weight 8,
+:mod:`vecinfer_compile.quant.score_aware`) lowered under the calibration queries' metric, values
+under ``o_proj``'s (:mod:`vecinfer_compile.quant.weighted_codes`); same bytes, books and decode
+kernels. Ablations ``qaware-nearest`` (nearest-centroid codes, as ``qaware`` was until issue 30's
+error-weighted codes) and ``qaware-scoreaware`` (score-aware keys alone). The other ``qaware-*``
+ablations keep nearest-centroid codes, as they were measured.
 Ablation rows: ``qaware-nocenter`` (no centring, no refinement), and, uncentred as they were measured,
 ``qaware-nohadamard`` (no Hadamard) and ``qaware-sqrt`` (``A = S^(1/2)``, the queries alone:
 k-means error = expected score error). ``vecinfer-center``: VecInfer with centred keys (smoothing
@@ -29,8 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-norefine", "qaware-nocenter",
-           "qaware-nohadamard", "qaware-sqrt", "vecinfer-center", "prerope", "prerope-keys")
+METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nearest", "qaware-scoreaware",
+           "qaware-norefine", "qaware-nocenter", "qaware-nohadamard", "qaware-sqrt", "vecinfer-center", "prerope",
+           "prerope-keys")
 KIVI_BITS = (2, 4)
 
 
@@ -42,7 +49,10 @@ class KeyTransformSpec:
     :mod:`vecinfer_compile.quant.transform`); pre_rope: undo RoPE before the rest
     (:mod:`vecinfer_compile.quant.rope`); predict_values: code values as the residual of a
     prediction from the dequantized key (:mod:`vecinfer_compile.quant.value_prediction`); refine: move
-    the k-means centroids to lower the attention-output error (:mod:`vecinfer_compile.quant.refine`)."""
+    the k-means centroids to lower the attention-output error (:mod:`vecinfer_compile.quant.refine`);
+    key_parallel_weight and weighted_codes: how codes are chosen unless calibration is told
+    otherwise (score-aware keys, :mod:`vecinfer_compile.quant.score_aware`; error-weighted codes,
+    :mod:`vecinfer_compile.quant.weighted_codes`)."""
 
     smooth: bool
     rotate: bool
@@ -51,6 +61,8 @@ class KeyTransformSpec:
     pre_rope: bool = False
     predict_values: bool = False
     refine: bool = False
+    key_parallel_weight: float = 1.0
+    weighted_codes: bool = False
 
 
 VQ_METHODS: dict[str, KeyTransformSpec] = {
@@ -58,7 +70,11 @@ VQ_METHODS: dict[str, KeyTransformSpec] = {
     "vq": KeyTransformSpec(smooth=False, rotate=False),
     "smooth": KeyTransformSpec(smooth=True, rotate=False),
     "hadamard": KeyTransformSpec(smooth=False, rotate=True),
-    "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True, refine=True),
+    "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True, refine=True,
+                               key_parallel_weight=8.0, weighted_codes=True),
+    "qaware-nearest": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True, refine=True),
+    "qaware-scoreaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True, refine=True,
+                                          key_parallel_weight=8.0),
     "qaware-norefine": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True),
     "qaware-nocenter": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean"),
     "qaware-nohadamard": KeyTransformSpec(smooth=False, rotate=False, query_aware="geomean"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from . import add_calib_args, add_model_args, add_progress_arg, bits_arg, layer_bits_arg
@@ -27,23 +28,22 @@ def register(subparsers) -> None:
     p.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
                    help="vecinfer (default), an ablation (vq, smooth, hadamard), the query-aware "
                         "transform (qaware, whose k-means centroids are then refined against the attention-output "
-                        "error; ablations qaware-norefine, qaware-nocenter, qaware-nohadamard, qaware-sqrt) "
+                        "error, and its codes chosen for the error the model reads; ablations qaware-nearest, qaware-scoreaware, "
+                        "qaware-norefine, qaware-nocenter, qaware-nohadamard, qaware-sqrt) "
                         "VecInfer with centred keys (vecinfer-center), or keys quantized before RoPE with "
                         "values predicted from them (prerope; ablation prerope-keys; simulate mode only)")
     p.add_argument("--ridge", type=float, default=None, metavar="R",
                    help="qaware methods: ridge added to the normalised query/key moments (default "
                         "0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
                         "picks one on yours)")
-    p.add_argument("--key-parallel-weight", type=float, default=1.0, metavar="W",
-                   help="how keys are encoded, stored in the file: 1 (default) the nearest centroid; "
-                        "above 1, score-aware codes that weigh a key's error along its own direction W times "
-                        "(8 lowered 2-bit qaware's perplexity and raised its needle retrieval on evalmodel, "
-                        "docs/results.md; the CUDA decode-step append then runs as torch ops)")
-    p.add_argument("--weighted-codes", action="store_true",
+    p.add_argument("--key-parallel-weight", type=float, default=None, metavar="W",
+                   help="how keys are encoded, stored in the file: 1 the nearest centroid; above 1, score-aware "
+                        "codes that weigh a key's error along its own direction W times (default: 8 for qaware, "
+                        "chosen on held-out calibration text, docs/results.md; 1 for the other methods)")
+    p.add_argument("--weighted-codes", action=argparse.BooleanOptionalAction, default=None,
                    help="store each layer's error metrics (the calibration queries for keys, o_proj for values) "
-                        "and choose codes under them, same bytes and decode kernels (docs/results.md); the cache "
-                        "and eager simulation encode them, the compiled simulate pass refuses them, and a decode "
-                        "step's append runs as torch ops, not the CUDA append kernel")
+                        "and choose codes under them in every path, same bytes and decode kernels "
+                        "(docs/results.md; default: on for qaware, off for the other methods)")
     add_calib_args(p)
     p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
     add_progress_arg(p)
@@ -57,8 +57,9 @@ def memory_summary(cb) -> str:
     from ..evaluation.kv_bytes import kv_bytes
 
     parts = ", ".join(f"{kind} {n:,}" for kind, n in cb.state_bytes().items())
-    acc = kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits)
-    windowed = kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, residual=DEFAULT_RESIDUAL)
+    acc = kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, weighted_codes=cb.weighted_codes)
+    windowed = kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, residual=DEFAULT_RESIDUAL,
+                        weighted_codes=cb.weighted_codes)
     return (f"state: {cb.nbytes():,} bytes of float32, the precision the cache uses it in ({parts})\n"
             f"a VecInferCache of this model: {acc.fixed_bytes:,} bytes fixed, whatever its length, + "
             f"{acc.bytes_per_token:g} bytes per token (full precision: {acc.fp16_bytes_per_token:,}); fewer "
@@ -106,8 +107,8 @@ def run(args) -> int:
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
-        raise ValueError(f"--ridge is for the query-aware methods (qaware, qaware-norefine, qaware-nocenter, qaware-nohadamard, "
-                         f"qaware-sqrt), not {args.method!r}")
+        raise ValueError(f"--ridge is for the query-aware methods "
+                         f"({', '.join(m for m, spec in VQ_METHODS.items() if spec.query_aware)}), not {args.method!r}")
     check_model_dir(args.model)
     check_file(args.text)
     t0 = time.perf_counter()

@@ -30,7 +30,9 @@ LABELS = {
     "vq": "VQ (plain)",
     "smooth": "VQ + smoothing",
     "hadamard": "VQ + Hadamard",
-    "qaware": "query-aware + Hadamard, centred, refined centroids",
+    "qaware": "query-aware + Hadamard, centred, refined centroids, error-weighted codes",
+    "qaware-nearest": "query-aware + Hadamard, centred, refined centroids, nearest codes",
+    "qaware-scoreaware": "query-aware + Hadamard, centred, refined centroids, score-aware keys",
     "qaware-norefine": "query-aware + Hadamard, centred, k-means centroids",
     "qaware-nocenter": "query-aware + Hadamard, uncentred",
     "qaware-nohadamard": "query-aware, uncentred",
@@ -65,6 +67,8 @@ ABLATION_ROWS: list[tuple[str, float]] = [
     ("hadamard", 1.5),
     ("qaware", 2),
     ("qaware", 1.5),
+    ("qaware-nearest", 2),
+    ("qaware-scoreaware", 2),
     ("qaware-norefine", 2),
     ("qaware-nocenter", 2),
     ("qaware-nohadamard", 2),
@@ -213,7 +217,8 @@ def evaluate_row(
     window_len: int, residual: int = 0, backend: str = "eager", progress: bool = True,
 ) -> Row:
     acc = kv_bytes(method, None if method == "fp16" else bits, model.config, residual=residual,
-                   layer_bits=getattr(codebooks, "layer_bits", None))  # a per-layer allocation's own presets
+                   layer_bits=getattr(codebooks, "layer_bits", None),  # a per-layer allocation's own presets
+                   weighted_codes=getattr(codebooks, "weighted_codes", None))
     t0 = time.perf_counter()
     with applied(model, method, bits, codebooks=codebooks, residual=residual, backend=backend) as m:
         res = perplexity(m, token_ids, windows=windows, window_len=window_len, progress=progress)

@@ -47,7 +47,7 @@ class KVBytes:
     physical_bits_per_element: float  # as stored: codes (+ scales), K and V averaged
     bytes_per_token: float  # all layers, K and V, one quantized token
     fp16_bytes_per_token: int  # all layers, K and V, one full-precision token
-    fixed_bytes: int  # float32 codebooks, smoothing factors, matrices, key means, rotation (0 for fp16 / kivi)
+    fixed_bytes: int  # float32 codebooks, smoothing factors, matrices, key means, error metrics, rotation (0 for fp16 / kivi)
     residual: int = 0  # most recent tokens kept in fp16
 
     def total(self, tokens: int) -> float:
@@ -81,10 +81,12 @@ def _geometry(geometry) -> dict:
 
 
 def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
-             layer_bits: list[float] | None = None) -> KVBytes:
+             layer_bits: list[float] | None = None, weighted_codes: bool | None = None) -> KVBytes:
     """The memory accounting of ``method`` at ``bits`` for a model ``geometry`` (a dict with
     ``num_layers``, ``num_kv_heads``, ``head_dim``, or a HF config). ``layer_bits``: one VQ
-    preset per layer (a per-layer allocation; ``bits`` is then their average)."""
+    preset per layer (a per-layer allocation; ``bits`` is then their average). ``weighted_codes``:
+    whether the cache holds error metrics (two ``[heads, D, D]`` per layer; default: the method's,
+    :data:`~vecinfer_compile.methods.VQ_METHODS`)."""
     check_method(method, bits)
     g = _geometry(geometry)
     layers, heads, head_dim = g["num_layers"], g["num_kv_heads"], g["head_dim"]
@@ -111,7 +113,10 @@ def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
             spec.check_head_dim(head_dim)
             code_bytes += heads * packed_width(head_dim // spec.dims, spec.entries)  # per token, this layer
             fixed += spec.entries * spec.dims * STATE_BYTES
-    fixed += _transform_bytes(VQ_METHODS[method], layers, heads, head_dim)
+    spec = VQ_METHODS[method]
+    fixed += _transform_bytes(spec, layers, heads, head_dim)
+    if spec.weighted_codes if weighted_codes is None else weighted_codes:
+        fixed += STATE_BYTES * layers * heads * 2 * head_dim * head_dim  # the key and value error metrics
     return KVBytes(
         method,
         average_bits(per_layer),
@@ -173,7 +178,8 @@ class CacheBytes:
         return self.fixed + self.codes + self.window + self.full_precision_layers
 
 
-_FIXED_STATE = ("key_centroids", "value_centroids", "lam", "rotation", "key_matrix", "key_read", "key_mean")
+_FIXED_STATE = ("key_centroids", "value_centroids", "lam", "rotation", "key_matrix", "key_read", "key_mean",
+                "key_metric", "value_metric")
 _CODE_SLOTS = ("k_codes", "v_codes")
 _WINDOW_STATE = ("k_window", "v_window", "n_coded", "n_window")
 
