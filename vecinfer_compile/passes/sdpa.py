@@ -57,7 +57,7 @@ from torch._dynamo.source import ConstantSource
 from torch._dynamo.utils import counters
 
 from ..codebooks import LayerCodebooks
-from ..quant.packing import unpack_codes
+from ..ops.reference import dequantize
 from .cache_decode import CACHE_READ_META
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 from .windowed import window_plan, windowed_attention
@@ -301,7 +301,7 @@ def quantize_weighted(x: torch.Tensor, centroids: torch.Tensor, metric: torch.Te
     :func:`~vecinfer_compile.quant.codebook.quantize_dequantize` with a metric computes it."""
     stored = torch.ops.vecinfer.encode(x, None, None, centroids, parallel_weight)
     stored = torch.ops.vecinfer.weigh_codes(x, stored, centroids, metric, parallel_weight)
-    return centroids[unpack_codes(stored, centroids.shape[0])].flatten(-2).to(x.dtype)
+    return dequantize(stored, centroids).to(x.dtype)
 
 
 def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,
