@@ -97,12 +97,14 @@ def test_layer_attention_reads_the_module():
     from transformers import MistralConfig
     from transformers.models.mistral.modeling_mistral import MistralAttention
 
+    from vecinfer_compile.output_projection import output_projection_weight
+
     cfg = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=7)
     module = MistralAttention(cfg, layer_idx=0)
-    attn = LayerAttention.of(module, 4, 16)
+    attn = LayerAttention.of(module, output_projection_weight(module, 4, 16), 16)
     assert torch.equal(attn.out_weight, module.o_proj.weight) and attn.scaling == module.scaling
     assert attn.sliding_window == getattr(module, "sliding_window", None)
-    bare = LayerAttention.of(None, 4, 16)
+    bare = LayerAttention.of(None, None, 16)
     assert bare.out_weight is None and bare.scaling == 16 ** -0.5 and bare.sliding_window is None
 
 

@@ -14,6 +14,7 @@ from .allocate import allocation_choices, retrieval_allocation
 from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
 from .layer_kinds import NO_KV_KINDS, coded_layers, kv_producers, layer_kinds
 from .methods import VQ_METHODS, check_method
+from .output_projection import NAMES as OUTPUT_PROJECTION_NAMES, output_projection_weight
 from .presets import get_preset
 from .quant.codebook import quantize_dequantize, subvectors
 from .quant.score_aware import check_parallel_weight
@@ -119,15 +120,18 @@ def error_metrics(module, transform: KeyTransform, queries: torch.Tensor, num_kv
                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(key_metric, value_metric)`` ``[H_kv, D, D]`` of one layer (:mod:`.quant.weighted_codes`):
     the code-domain second moment of the calibration ``queries: [H_q, N, D]`` (post-RoPE) per KV
-    head, and the Gram matrix of the attention ``module``'s ``o_proj`` weight."""
-    out_proj = getattr(module, "o_proj", None)
-    if not isinstance(getattr(out_proj, "weight", None), torch.Tensor):
-        raise ValueError(f"weighted codes need the attention's output projection (o_proj) to weigh value errors; "
-                         f"{type(module).__name__} has none: calibrate without --weighted-codes")
+    head, and the Gram matrix of the attention ``module``'s output projection
+    (:func:`~vecinfer_compile.output_projection.output_projection_weight`)."""
+    out_weight = output_projection_weight(module, queries.shape[0], head_dim)
+    if out_weight is None:
+        raise ValueError(f"weighted codes weigh value errors through the attention's output projection, and "
+                         f"{type(module).__name__} has none that maps its {queries.shape[0]} x {head_dim} head outputs "
+                         f"(looked for {', '.join(OUTPUT_PROJECTION_NAMES)}): calibrate with --no-weighted-codes "
+                         "(weighted_codes=False)")
     q = transform.queries(queries[None].float())[0]  # [H_q, N, D]
     group = q.reshape(num_kv_heads, -1, q.shape[-1])  # [H_kv, group * N, D] (repeat_kv's grouping)
     moment = (group.transpose(1, 2).double() @ group.double()).float() / max(1, q.shape[1])
-    return key_metric(moment), value_metric(out_proj.weight, num_kv_heads, head_dim)
+    return key_metric(moment), value_metric(out_weight, num_kv_heads, head_dim)
 
 
 def calibrate(
@@ -263,7 +267,8 @@ def calibrate(
                                      seed=layer_seed + 1, max_vectors=max_fit_vectors, device=device)
             if refine is not None:
                 q = recorded[2][layer]
-                attn = LayerAttention.of(modules.get(layer), q.shape[0], head_dim)
+                module = modules.get(layer)
+                attn = LayerAttention.of(module, output_projection_weight(module, q.shape[0], head_dim), head_dim)
                 key_cb, value_cb, before, after = refine_codebooks(q, k[0], v[0], lengths, transform, key_cb, value_cb,
                                                                    attn, refine, seed=layer_seed, device=device)
                 refined[f"{layer}/{b:g}"] = round(after / before, 4) if before > 0 else 1.0

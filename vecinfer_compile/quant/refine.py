@@ -45,23 +45,20 @@ class RefineConfig:
 @dataclass(frozen=True)
 class LayerAttention:
     """What the loss needs of one attention module: ``out_weight`` ``[hidden, Hq * D]`` (its
-    ``o_proj``; None for the identity), ``scaling`` and ``sliding_window`` (None: full causal)."""
+    output projection; None for the identity), ``scaling`` and ``sliding_window`` (None: full causal)."""
 
     out_weight: torch.Tensor | None
     scaling: float
     sliding_window: int | None = None
 
     @classmethod
-    def of(cls, module, num_query_heads: int, head_dim: int) -> "LayerAttention":
-        """From a transformers attention module: its ``o_proj`` when it is a plain linear map of
-        the heads' outputs, its ``scaling`` (default ``D ** -0.5``) and ``sliding_window``."""
-        proj = getattr(module, "o_proj", None)
-        weight = getattr(proj, "weight", None)
-        if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == num_query_heads * head_dim):
-            weight = None
+    def of(cls, module, out_weight: torch.Tensor | None, head_dim: int) -> "LayerAttention":
+        """From a transformers attention module: ``out_weight`` (its output projection, found by
+        :func:`~vecinfer_compile.output_projection.output_projection_weight`; None for the
+        identity), its ``scaling`` (default ``D ** -0.5``) and ``sliding_window``."""
         scaling = getattr(module, "scaling", None)
         window = getattr(module, "sliding_window", None)
-        return cls(None if weight is None else weight.detach().float(),
+        return cls(None if out_weight is None else out_weight.detach().float(),
                    float(scaling) if scaling is not None else head_dim ** -0.5,
                    int(window) if isinstance(window, int) and window > 0 else None)
 
