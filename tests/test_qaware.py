@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vecinfer_compile.codebooks import VecInferCodebooks, load_codebooks, model_geometry
-from vecinfer_compile.quant.query_aware import query_aware_matrices, second_moment
+from vecinfer_compile.quant.query_aware import RIDGE_FLOOR, query_aware_matrices, second_moment
 from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.testing import random_codebooks, random_layer_codebooks, tiny_model
 
@@ -70,9 +70,10 @@ def test_score_error_is_euclidean_error_symbolically():
 @given(hkv=st.integers(1, 3), group=st.integers(1, 3), d=st.sampled_from([16, 32]),
        ridge=st.sampled_from([1e-3, 1e-2, 1.0]), seed=st.integers(0, 2**16))
 def test_expected_score_error_equals_transformed_euclidean_error(hkv, group, d, ridge, seed):
-    """Over the calibration queries themselves: ``mean_q (q e^T)^2 = s (|e A|^2 - ridge |e|^2)``
-    with ``s = trace(S) / D`` (the normalisation of :func:`query_aware_matrices`), per KV head,
-    with and without the Hadamard after A."""
+    """Over the calibration queries themselves: ``mean_q (q e^T)^2 = s (|e A|^2 - e R e^T)`` with
+    ``s = trace(S) / D`` (the normalisation of :func:`query_aware_matrices`) and ``R`` the ridge
+    (``ridge`` times the normalised moment's diagonal, plus the floor), per KV head, with and
+    without the Hadamard after A."""
     queries = anisotropic_queries(hkv * group, 64, d, seed)
     s = second_moment(queries, hkv)
     a, b = query_aware_matrices(s, None, ridge)  # the sqrt kind
@@ -83,7 +84,8 @@ def test_expected_score_error_equals_transformed_euclidean_error(hkv, group, d, 
     for rotate in (False, True):
         t = KeyTransform(d, rotate=rotate, key_matrix=a, query_matrix=b)
         et = t.keys(e[None])[0]  # the transform is linear: the error maps like a key
-        got = mean_eig[:, None] * ((et ** 2).sum(-1) - ridge * (e ** 2).sum(-1))
+        ridged = ridge * torch.diagonal(s, dim1=1, dim2=2) / mean_eig[:, None] + RIDGE_FLOOR  # [hkv, d]
+        got = mean_eig[:, None] * ((et ** 2).sum(-1) - (e ** 2 * ridged[:, None]).sum(-1))
         torch.testing.assert_close(got, expected, rtol=2e-4, atol=1e-6 * expected.abs().max().item())
 
 
@@ -136,12 +138,33 @@ def test_transform_preserves_scores_and_inverts(b, hkv, group, t, d, rotate, see
     torch.testing.assert_close(tr.keys_inverse(tr.keys(k)), k, rtol=1e-4, atol=1e-4)
 
 
+@settings(max_examples=20, deadline=None)
+@given(hkv=st.integers(1, 2), d=st.sampled_from([8, 16]), ridge=st.sampled_from([1e-2, 1e-1, 1.0]),
+       seed=st.integers(0, 2**16))
+def test_the_transform_follows_a_rescaling_of_key_channels(hkv, d, ridge, seed):
+    """Keys ``K G`` and queries ``q G^(-1)`` (``G`` diagonal, a few channels 6-16x: the scores do
+    not change) give ``P' = G^(-1) P G^(-1)`` (``P = A A``), so ``K~`` only turns by an orthogonal
+    matrix (P up to a scalar, the moments' normalisations; and up to the ridge's floor)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = second_moment(anisotropic_queries(hkv, 64, d, seed), hkv)
+    c = second_moment(anisotropic_queries(hkv, 64, d, seed + 7), hkv)
+    g = torch.ones(hkv, d, dtype=torch.float64)
+    g[:, torch.randperm(d, generator=gen)[:2]] = 6 + 10 * torch.rand(hkv, 2, generator=gen, dtype=torch.float64)
+    a, _ = query_aware_matrices(s, c, ridge)
+    a2, _ = query_aware_matrices(s / g[:, :, None] / g[:, None, :], g[:, :, None] * c * g[:, None, :], ridge)
+    a, a2 = a.double(), a2.double()
+    p, p2 = a @ a, g[:, :, None] * (a2 @ a2) * g[:, None, :]
+    p2 = p2 * (torch.einsum("hii->h", p) / torch.einsum("hii->h", p2))[:, None, None]  # the normalisations' scalar
+    torch.testing.assert_close(p2, p, rtol=2e-3, atol=2e-3 * p.abs().max().item())
+
+
 def test_matrices_are_the_ridged_square_root():
     q = anisotropic_queries(4, 200, 16, 3)
     s = second_moment(q, 2)
     torch.testing.assert_close(s[1], q[2:].reshape(-1, 16).T @ q[2:].reshape(-1, 16) / 400)
     a, b = query_aware_matrices(s, None, 0.05)
-    s_r = s / (torch.diagonal(s, dim1=1, dim2=2).sum(-1) / 16)[:, None, None] + 0.05 * torch.eye(16, dtype=s.dtype)
+    s_n = s / (torch.diagonal(s, dim1=1, dim2=2).sum(-1) / 16)[:, None, None]
+    s_r = s_n + torch.diag_embed(0.05 * torch.diagonal(s_n, dim1=1, dim2=2) + RIDGE_FLOOR)
     torch.testing.assert_close((a.double() @ a.double()), s_r, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(a.double().transpose(1, 2) @ b.double(), torch.eye(16, dtype=torch.float64).expand(2, 16, 16),
                                rtol=1e-4, atol=1e-4)

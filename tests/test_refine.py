@@ -131,6 +131,9 @@ def test_calibration_refines_qaware_only(tiny_model, sample_text_path, tmp_path)
     assert "k-means" in recipe_mismatch(old, "qaware")  # a qaware file written before refinement
     older = dataclasses.replace(plain, method="qaware")  # and before its score-aware, error-weighted codes
     assert "parallel weight 1" in recipe_mismatch(older, "qaware")
+    isotropic = dataclasses.replace(refined, metadata={k: v for k, v in refined.metadata.items()
+                                                       if k != "qaware_ridge_form"})  # and before its diagonal ridge
+    assert "older ridge (ridge * I)" in recipe_mismatch(isotropic, "qaware", SMALL)
     cache = tmp_path / "cache"
     cache.mkdir()
     old.save(cache / codebook_filename("qaware", 2))

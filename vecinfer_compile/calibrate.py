@@ -20,7 +20,7 @@ from .quant.codebook import quantize_dequantize, subvectors
 from .quant.score_aware import check_parallel_weight
 from .quant.weighted_codes import key_metric, value_metric
 from .quant.kmeans import kmeans
-from .quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
+from .quant.query_aware import DEFAULT_RIDGE, RIDGE_FORM, query_aware_matrices, second_moment
 from .quant.refine import LayerAttention, RefineConfig, refine_codebooks
 from .quant.rope import model_rope_frequencies, rotate
 from .quant.transform import KeyTransform, centre_keys, smoothing_factors
@@ -67,8 +67,12 @@ def recipe_mismatch(codebooks: VecInferCodebooks, method: str,
     """Why ``codebooks`` (a file of ``method``) differ from what :func:`calibrate` fits for
     ``method`` with ``refine``, or None when they do not. A codebook cache checks it so that it
     never hands back files of an older recipe (``qaware`` files from before its refinement or
-    before its error-weighted codes)."""
+    before its error-weighted codes, or before the ridge of their matrices was diagonal)."""
     spec = VQ_METHODS[method]
+    form = codebooks.metadata.get("qaware_ridge_form")
+    if spec.query_aware and form != RIDGE_FORM:
+        return (f"its query-aware matrices were fitted with an older ridge ({form or 'ridge * I'}), "
+                f"{method!r} with a {RIDGE_FORM} one")
     if codebooks.key_parallel_weight != spec.key_parallel_weight:
         return (f"it encodes keys with parallel weight {codebooks.key_parallel_weight:g}, {method!r} with "
                 f"{spec.key_parallel_weight:g}")
@@ -284,7 +288,7 @@ def calibrate(
         "kmeans_iters": iters,
         "seed": seed,
         "key_parallel_weight": key_parallel_weight,
-        **({"qaware_ridge": ridge} if spec.query_aware else {}),
+        **({"qaware_ridge": ridge, "qaware_ridge_form": RIDGE_FORM} if spec.query_aware else {}),
         **({"refine": {**refine.as_dict(), "loss_ratio": refined}} if refine is not None else {}),
     }
     if allocate == "retrieval":

@@ -7,8 +7,8 @@ hybrid model's linear-attention, convolution or state-space layers hold no K/V a
 codebooks) and, stacked over those ``A`` layers: when the method smooths, ``lam [A, H_kv, D]``;
 for the query-aware methods ``key_matrix [A, H_kv, D, D]``
 and ``query_matrix [A, H_kv, D, D]`` (``A`` and ``A^(-T)``, see
-:mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` they were made with; for the
-centring methods ``key_mean [A, H_kv, D]`` (``mu``, subtracted from the keys before the rest of
+:mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` and ``qaware_ridge_form`` they
+were made with; for the centring methods ``key_mean [A, H_kv, D]`` (``mu``, subtracted from the keys before the rest of
 the transform, :mod:`vecinfer_compile.quant.transform`); for the pre-RoPE methods
 ``rope_inv_freq [r/2]`` (the model's RoPE frequencies, :mod:`vecinfer_compile.quant.rope`) and,
 when values are predicted from keys, ``value_matrix [A, H_kv, D, D]`` and ``value_bias

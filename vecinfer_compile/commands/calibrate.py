@@ -33,8 +33,8 @@ def register(subparsers) -> None:
                         "VecInfer with centred keys (vecinfer-center), or keys quantized before RoPE with "
                         "values predicted from them (prerope; ablation prerope-keys; simulate mode only)")
     p.add_argument("--ridge", type=float, default=None, metavar="R",
-                   help="qaware methods: ridge added to the normalised query/key moments (default "
-                        "0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
+                   help="qaware methods: the normalised query/key moments get R times their own diagonal "
+                        "added (default 0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
                         "picks one on yours)")
     p.add_argument("--key-parallel-weight", type=float, default=None, metavar="W",
                    help="how keys are encoded, stored in the file: 1 the nearest centroid; above 1, score-aware "
