@@ -1,6 +1,7 @@
 """Error-weighted codes (:mod:`vecinfer_compile.quant.weighted_codes`): the descent, the metrics,
-calibration and the file, the simulate path, the cache (prefill, chunks, one-token appends and
-generate() against simulate), and the refusals (CUDA append, compiled simulate pass)."""
+calibration and the file, the simulate path (eager and compiled), the cache (prefill, chunks,
+one-token appends and generate() against simulate, across attention kinds), the CUDA encoder's
+append."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ def spd(heads: int, dim: int, gen: torch.Generator, spread: float = 1.0) -> torc
     """Random symmetric positive definite ``[heads, dim, dim]``."""
     a = torch.randn(heads, dim, dim, generator=gen) * spread
     return a @ a.transpose(-1, -2) / dim + 0.1 * torch.eye(dim)
+
+
+class CharIds:
+    """A tokenizer stand-in for calibrate(): any text is its characters' ids (mod 128)."""
+
+    bos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(ch) % 128 for ch in text]}
 
 
 def dequant(idx, centroids):
@@ -204,15 +214,8 @@ def test_calibration_stores_the_metrics_the_model_gives(tmp_path):
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(2)).eval()
-
-    class Tok:  # any text is its characters' ids
-        bos_token_id = None
-
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": [ord(ch) % 128 for ch in text]}
-
     text = "the quick brown fox jumps over the lazy dog. " * 40
-    cb = calibrate(model, Tok(), text, bits=2, method="qaware", max_tokens=1024, seq_len=256, iters=2,
+    cb = calibrate(model, CharIds(), text, bits=2, method="qaware", max_tokens=1024, seq_len=256, iters=2,
                    refine=None, weighted_codes=True, progress=False)
     assert cb.weighted_codes
     for i in (0, 1):
@@ -224,7 +227,7 @@ def test_calibration_stores_the_metrics_the_model_gives(tmp_path):
         torch.testing.assert_close(km.diagonal(dim1=-2, dim2=-1).mean(-1), torch.full((2,), 2.0))
         assert torch.linalg.eigvalsh(km).min() >= 1 - 1e-4
     with pytest.raises(ValueError, match="use --method qaware"):
-        calibrate(model, Tok(), text, bits=2, method="prerope", max_tokens=1024, seq_len=256, iters=2,
+        calibrate(model, CharIds(), text, bits=2, method="prerope", max_tokens=1024, seq_len=256, iters=2,
                   weighted_codes=True, progress=False)
 
 
@@ -242,6 +245,51 @@ def test_cache_matches_simulate_on_tiny_model(tiny_model, sample_text_path, comp
     results = token_match(model, prompts, codebooks, new_tokens=8, residual=16, compiled=compiled, progress=False)
     assert [r.first_mismatch for r in results] == [None]
     assert len(results[0].cache_tokens) == 8
+
+
+KINDS = {  # attention kinds beside the tiny Llama's GQA: (model class, config class, config overrides)
+    "sliding window (Mistral)": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=8)),
+    "sliding and full layers (Gemma 3)": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "MHA (Qwen2)": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=4)),
+    "MQA (Llama)": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=1)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_cache_follows_simulate_with_qaware_defaults_across_attention_kinds(kind):
+    """qaware's default calibration (score-aware keys, error-weighted codes) of a random model of
+    each attention kind, then greedy generation through VecInferCache gives the simulate path's
+    tokens and logits (within 1e-4; without the metrics the cache is off by 2e-2 or more) with the
+    prompt in full precision, as the cache prefills it (window 4: older tokens read codes)."""
+    import transformers
+
+    from vecinfer_compile.cache import VecInferCache, cache_kwargs
+    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.simulate import simulation
+
+    model_cls, config_cls, overrides = KINDS[kind]
+    config = getattr(transformers, config_cls)(**{
+        **dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0), **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    text = "the quick brown fox jumps over the lazy dog. " * 8
+    cb = calibrate(model, CharIds(), text, bits=2, method="qaware", max_tokens=256, seq_len=64, iters=2,
+                   progress=False)
+    assert cb.weighted_codes and cb.key_parallel_weight == 8.0
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    def generate(**kwargs):
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             **kwargs)
+        return out.sequences, torch.stack(out.logits, 1)
+
+    with simulation(model, "qaware", bits=2, codebooks=cb, residual=4, full_precision_prefill=True):
+        tokens, logits = generate()
+    got_tokens, got_logits = generate(**cache_kwargs(VecInferCache(model.config, cb, residual=4, max_cache_len=64)))
+    assert torch.equal(got_tokens, tokens)
+    torch.testing.assert_close(got_logits, logits, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("residual", [0, 4])
