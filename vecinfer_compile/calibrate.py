@@ -120,13 +120,12 @@ def _check_recorded_layers(config, recorded: list[int], *, per_layer_bits: bool)
                          "attention; calibrate one preset (bits=...)")
 
 
-def error_metrics(module, transform: KeyTransform, queries: torch.Tensor, num_kv_heads: int,
-                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def error_metrics(module, out_weight: torch.Tensor | None, transform: KeyTransform, queries: torch.Tensor,
+                  num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(key_metric, value_metric)`` ``[H_kv, D, D]`` of one layer (:mod:`.quant.weighted_codes`):
     the code-domain second moment of the calibration ``queries: [H_q, N, D]`` (post-RoPE) per KV
-    head, and the Gram matrix of the attention ``module``'s output projection
-    (:func:`~vecinfer_compile.output_projection.output_projection_weight`)."""
-    out_weight = output_projection_weight(module, queries.shape[0], head_dim)
+    head, and the Gram matrix of the attention ``module``'s output projection ``out_weight``
+    (:func:`~vecinfer_compile.output_projection.output_projection_weight`; None is refused)."""
     if out_weight is None:
         raise ValueError(f"weighted codes weigh value errors through the attention's output projection, and "
                          f"{type(module).__name__} has none that maps its {queries.shape[0]} x {head_dim} head outputs "
@@ -238,8 +237,7 @@ def calibrate(
     refined: dict[str, float] = {}  # "layer/bits" -> attention-output loss after / before refinement
     if refine is not None:
         lengths = window_lengths(model, token_ids, seq_len)
-    if refine is not None or weighted_codes:
-        modules = {m.layer_idx: m for m in attention_modules(model)}
+    modules = {m.layer_idx: m for m in attention_modules(model)} if refine is not None or weighted_codes else {}
     coded = coded_layers(model.config)
     for layer in tqdm(sorted(keys), desc="fitting codebooks", disable=not progress):
         k, v = keys[layer][None], values[layer][None]  # [1, H_kv, N, D]
@@ -255,7 +253,9 @@ def calibrate(
         transform = KeyTransform(head_dim, lam, spec.rotate, *matrices, mean=mean, rope_inv_freq=inv_freq)
         k_t = transform.keys(k, positions)
         layer_seed = seed + 1000 * layer
-        metrics = error_metrics(modules.get(layer), transform, recorded[2][layer], k.shape[1],
+        module = modules.get(layer)  # queries are recorded when modules are needed (refinement, metrics)
+        out_weight = output_projection_weight(module, recorded[2][layer].shape[0], head_dim) if modules else None
+        metrics = error_metrics(module, out_weight, transform, recorded[2][layer], k.shape[1],
                                 head_dim) if weighted_codes else ()
         fitted[layer] = {}
         for b in candidates[layer]:
@@ -271,8 +271,7 @@ def calibrate(
                                      seed=layer_seed + 1, max_vectors=max_fit_vectors, device=device)
             if refine is not None:
                 q = recorded[2][layer]
-                module = modules.get(layer)
-                attn = LayerAttention.of(module, output_projection_weight(module, q.shape[0], head_dim), head_dim)
+                attn = LayerAttention.of(module, out_weight, head_dim)
                 key_cb, value_cb, before, after = refine_codebooks(q, k[0], v[0], lengths, transform, key_cb, value_cb,
                                                                    attn, refine, seed=layer_seed, device=device)
                 refined[f"{layer}/{b:g}"] = round(after / before, 4) if before > 0 else 1.0
