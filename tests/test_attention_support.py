@@ -22,7 +22,7 @@ from vecinfer_compile.codebooks import model_geometry
 from vecinfer_compile.evaluation.outcomes import REFUSED, outcome_of
 from vecinfer_compile.recording import bos_token_id, collect_kv
 from vecinfer_compile.simulate import LayerSimulator, simulation, vecinfer_attention_forward
-from vecinfer_compile.testing import random_codebooks
+from vecinfer_compile.testing import FixedIds, random_codebooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,13 +47,6 @@ def _build(cls, config):
     return cls(config).eval()
 
 
-class _Ids:
-    """A tokenizer stand-in for calibrate(): any text is these ids."""
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": list(range(3, 35))}
-
-
 def _ids(n: int = 12) -> torch.Tensor:
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(1))
 
@@ -75,7 +68,7 @@ def test_calibration_refuses_attention_that_needs_more_than_sdpa(refused_model):
     call (before transformers' SDPA refuses softcap, or a codebook fit crashes on the dims)."""
     model, message = refused_model
     with pytest.raises(NotImplementedError) as info:
-        calibrate(model, _Ids(), "text", bits=2, max_tokens=32, seq_len=32, iters=1, progress=False)
+        calibrate(model, FixedIds(range(3, 35)), "text", bits=2, max_tokens=32, seq_len=32, iters=1, progress=False)
     assert "\n" not in _refusal(info)
     assert info.match(message)
 

@@ -28,7 +28,7 @@ from vecinfer_compile.evaluation.kv_bytes import cache_bytes
 from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
 from vecinfer_compile.layer_kinds import coded_layers, layer_kinds
 from vecinfer_compile.simulate import FULL_PRECISION, simulation
-from vecinfer_compile.testing import random_codebooks
+from vecinfer_compile.testing import FixedIds, random_codebooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -298,11 +298,7 @@ def test_gemma4_batched_left_padded_generate_equals_the_simulate_path(method, gl
 
 
 # -- layers without attention (linear attention, convolutions, state-space) ---------------------------
-class _Ids:
-    """A tokenizer stand-in for calibrate(): any text is these token ids."""
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": torch.randint(3, 128, (96,), generator=torch.Generator().manual_seed(2)).tolist()}
+IDS = FixedIds(torch.randint(3, 128, (96,), generator=torch.Generator().manual_seed(2)))  # calibrate()'s tokenizer
 
 
 def build_lfm2():
@@ -317,7 +313,7 @@ def test_layers_without_attention_get_no_codebooks(tmp_path):
     """Calibration fits the attention layers only; the file keeps the gap (format 5) and the
     cache keeps the convolution's own state: greedy tokens equal the simulate path."""
     model = build_lfm2()
-    cb = calibrate(model, _Ids(), "ids", bits=2, max_tokens=96, seq_len=48, iters=2, progress=False)
+    cb = calibrate(model, IDS, "ids", bits=2, max_tokens=96, seq_len=48, iters=2, progress=False)
     assert cb.layers[0] is None and cb.attention_layers() == [1]
     back = load_codebooks(cb.save(tmp_path / "cb.safetensors"))
     assert back.layers[0] is None and torch.equal(back.layer(1).key_centroids, cb.layer(1).key_centroids)
@@ -334,7 +330,7 @@ def test_layers_without_attention_get_no_codebooks(tmp_path):
 def test_layers_without_attention_refusals(tmp_path):
     model = build_lfm2()
     with pytest.raises(ValueError, match=r"layers \[0\] have no attention \(\['conv'\]\): per-layer bits"):
-        calibrate(model, _Ids(), "ids", layer_bits=[2, 2], max_tokens=96, seq_len=48, iters=2, progress=False)
+        calibrate(model, IDS, "ids", layer_bits=[2, 2], max_tokens=96, seq_len=48, iters=2, progress=False)
     model.config.layer_types = [FULL, FULL]  # a config that says layer 0 has attention: it ran none
     with pytest.raises(ValueError, match=r"recorded attention in 1 of the model's 2 layers: layers \[0\]"):
-        calibrate(model, _Ids(), "ids", bits=2, max_tokens=96, seq_len=48, iters=2, progress=False)
+        calibrate(model, IDS, "ids", bits=2, max_tokens=96, seq_len=48, iters=2, progress=False)

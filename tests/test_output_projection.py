@@ -13,6 +13,7 @@ from vecinfer_compile.calibrate import calibrate
 from vecinfer_compile.output_projection import output_projection_weight
 from vecinfer_compile.quant.weighted_codes import value_metric
 from vecinfer_compile.simulate import attention_modules
+from vecinfer_compile.testing import FixedIds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,13 +31,7 @@ MODELS = {  # name: (model class, config); 4 heads of 16 dims, the projection's 
 }
 
 
-class _Ids:
-    """A tokenizer stand-in for calibrate(): any text is these ids."""
-
-    bos_token_id = 1
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": list(range(3, 67))}
+IDS = FixedIds(range(3, 67))  # calibrate()'s tokenizer
 
 
 def _model(name):
@@ -65,7 +60,7 @@ def test_the_weight_found_is_the_map_of_the_heads_outputs(name):
 @pytest.mark.parametrize("name", ["gpt_neox", "gpt2"])
 def test_qaware_default_calibrates_and_weighs_values_through_the_projection(name):
     model = _model(name)
-    cb = calibrate(model, _Ids(), "x", bits=2, method="qaware", seq_len=32, max_tokens=64, iters=2, progress=False)
+    cb = calibrate(model, IDS, "x", bits=2, method="qaware", seq_len=32, max_tokens=64, iters=2, progress=False)
     attention = attention_modules(model)[0]
     layer = cb.layer(attention.layer_idx)
     expected = value_metric(output_projection_weight(attention, 4, 16), 4, 16)
@@ -77,7 +72,7 @@ def test_a_model_without_an_output_projection_is_refused_with_the_fix():
     for attention in attention_modules(model):
         attention.o_proj = torch.nn.Identity()
     with pytest.raises(ValueError, match=r"has none that maps its 4 x 16 head outputs .*--no-weighted-codes"):
-        calibrate(model, _Ids(), "x", bits=2, method="qaware", seq_len=32, max_tokens=64, iters=2, progress=False)
-    cb = calibrate(model, _Ids(), "x", bits=2, method="qaware", weighted_codes=False, seq_len=32, max_tokens=64,
+        calibrate(model, IDS, "x", bits=2, method="qaware", seq_len=32, max_tokens=64, iters=2, progress=False)
+    cb = calibrate(model, IDS, "x", bits=2, method="qaware", weighted_codes=False, seq_len=32, max_tokens=64,
                    iters=2, progress=False)
     assert cb.layer(0).value_metric is None

@@ -23,7 +23,7 @@ from vecinfer_compile.quant.rope import model_rope_frequencies, rotate
 from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.quant.value_prediction import fit_value_predictor
 from vecinfer_compile.simulate import LayerSimulator, key_positions, simulation
-from vecinfer_compile.testing import random_codebooks, tiny_model
+from vecinfer_compile.testing import FixedIds, random_codebooks, tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cache import tiny_config  # noqa: E402
@@ -202,12 +202,7 @@ def test_other_families_calibrate_and_simulate(family, sample_text_path):
     finds their rotary embedding, and simulation with the window covering every key is exact."""
     model = tiny_model(family, sliding_window=16) if family == "mistral" else tiny_model(family)
     ids = torch.randint(3, 120, (1, 600), generator=torch.Generator().manual_seed(0))
-
-    class Tok:  # the random model's ids, as a tokenizer would give them
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": ids[0].tolist()}
-
-    cb = calibrate(model, Tok(), "ids", bits=2, method="prerope", max_tokens=600, seq_len=200, iters=2,
+    cb = calibrate(model, FixedIds(ids[0]), "ids", bits=2, method="prerope", max_tokens=600, seq_len=200, iters=2,
                    progress=False)
     assert torch.equal(cb.layer(0).transform.rope_inv_freq, model_rope_frequencies(model, 16))
     x = ids[:, :40]

@@ -5,7 +5,7 @@
 - :func:`check_model`: compile a model with the exact key transform (no quantization) and check
   that it matches eager and that every SDPA was rewritten.
 - :func:`tiny_model`, :func:`random_layer_codebooks`: small random models and quantizers (no
-  downloads) for fast CPU tests.
+  downloads) for fast CPU tests; :class:`FixedIds`: a tokenizer stand-in for :func:`calibrate`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ from .quant.transform import KeyTransform
 from .quant.value_prediction import ValuePredictor
 
 MASK_KINDS = ("none", "causal", "bool", "float")
+
+
+class FixedIds:
+    """A tokenizer stand-in for ``calibrate(model, tokenizer, text, ...)`` with a random model:
+    whatever the text, it tokenizes to ``ids`` (a list of ints or a 1-D integer tensor)."""
+
+    def __init__(self, ids) -> None:
+        self.ids = [int(i) for i in ids]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(self.ids)}
 
 
 @dataclass(frozen=True)
