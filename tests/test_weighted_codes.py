@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from vecinfer_compile.cache import VecInferLayer
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.ops.cache_append import encode_flush
-from vecinfer_compile.quant import codebook
+from vecinfer_compile.quant import codebook, weighted_codes
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.weighted_codes import key_metric, value_metric, weighted_indices, weighted_loss
 from vecinfer_compile.testing import cache_layer, random_codebooks
@@ -74,6 +74,23 @@ def test_property_one_subvector_takes_the_exact_optimum(t, dims, weight, seed):
                            every.reshape(1, 2, t * 64, dims), m, weight).reshape(1, 2, t, 64)
     chosen = losses.gather(-1, idx)
     torch.testing.assert_close(chosen[..., 0], losses.min(-1).values, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(1, 2), t=st.integers(2, 40), entries=st.sampled_from([16, 256]),
+       weight=st.sampled_from([1.0, 8.0]), seed=st.integers(0, 2**16))
+def test_property_the_codes_do_not_depend_on_the_chunking(b, t, entries, weight, seed):
+    """The descent runs over chunks of tokens (:data:`CHUNK_ELEMENTS` losses at a time); one token
+    a chunk gives the codes of one chunk for all."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, 2, t, 16, generator=gen) * 2
+    c = torch.randn(entries, 4, generator=gen)
+    m = spd(2, 16, gen)
+    start = codebook.encode(x, c, weight).long()
+    whole = weighted_indices(x, start, c, m, weight)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(weighted_codes, "CHUNK_ELEMENTS", 1)
+        assert torch.equal(weighted_indices(x, start, c, m, weight), whole)
 
 
 def test_the_identity_metric_keeps_the_nearest_centroid():

@@ -32,7 +32,7 @@ import torch
 from .packing import pack_codes, unpack_codes
 
 SWEEPS = 2
-CHUNK_ELEMENTS = 1 << 24  # rows x entries of one sub-vector's loss evaluated at once
+CHUNK_ELEMENTS = 1 << 18  # rows x entries of one sub-vector's loss evaluated at once (1 MiB: the passes stay in cache)
 
 
 def value_metric(o_proj_weight: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -122,16 +122,24 @@ def _descend(x, start, c, m, cmc, parallel_weight, sweeps):
     r = xf - x_hat
     u = xf / xf.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     parallel = parallel_weight - 1.0
+    c_t = c.T.contiguous()  # [d, E]
     for _ in range(sweeps):
         for s in range(idx.shape[-1]):
             sl = slice(s * d, (s + 1) * d)
             m_cols, m_block = m[:, :, sl], m[:, sl, sl]  # [H, D, d], [H, d, d]
             z = torch.einsum("bhtd,hde->bhte", r, m_cols) + torch.einsum("bhtd,hde->bhte", x_hat[..., sl], m_block)
-            loss = cmc[s][None, :, None, :] - 2 * z @ c.T  # [B, H, T, E], up to a per-row constant
+            cmc_s = cmc[s][None, :, None, :]
+            # loss: [B, H, T, E], up to a per-row constant
             if parallel:
                 alpha = (r * u).sum(-1, keepdim=True) - (r[..., sl] * u[..., sl]).sum(-1, keepdim=True) \
                     + (xf[..., sl] * u[..., sl]).sum(-1, keepdim=True)
-                loss = loss + parallel * (alpha - u[..., sl] @ c.T) ** 2
+                # parallel * (alpha - u_s . c)^2 expanded, its parallel * alpha^2 (a per-row constant)
+                # left out: two products and two passes over the losses
+                uc = u[..., sl] @ c_t
+                y = (z + parallel * alpha * u[..., sl]) @ c_t
+                loss = torch.addcmul(cmc_s, uc, uc, value=parallel).sub_(y, alpha=2)
+            else:
+                loss = torch.add(cmc_s, z @ c_t, alpha=-2)
             current = loss.gather(-1, idx[..., s:s + 1])
             best_loss, best = loss.min(-1, keepdim=True)
             best = torch.where(best_loss < current, best, idx[..., s:s + 1])
