@@ -61,12 +61,14 @@ def encoded_once(sim: LayerSimulator, k: torch.Tensor, v: torch.Tensor, position
 
 
 class IdealQuantizer:
-    """Keys (coded domain of ``codebooks``) and values through per-layer :class:`IdealChannel` s."""
+    """Keys (coded domain of ``codebooks``) and values through per-layer :class:`IdealChannel` s,
+    for the layers the codebooks code (a hybrid model's others attend in full precision)."""
 
     def __init__(self, codebooks, keys: dict, values: dict, bits: float, noise_seed: int):
         self.codebooks = codebooks
-        self.keys = {i: IdealChannel.fit(self._coded(i, k).permute(1, 0, 2), bits) for i, k in keys.items()}
-        self.values = {i: IdealChannel.fit(v.permute(1, 0, 2), bits) for i, v in values.items()}
+        coded = [i for i in keys if codebooks.layers[i] is not None]
+        self.keys = {i: IdealChannel.fit(self._coded(i, keys[i]).permute(1, 0, 2), bits) for i in coded}
+        self.values = {i: IdealChannel.fit(values[i].permute(1, 0, 2), bits) for i in coded}
         self.noise_seed = noise_seed
         self._noise: dict[tuple[int, int], torch.Tensor] = {}
 

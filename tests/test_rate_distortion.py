@@ -62,6 +62,24 @@ def test_channel_error_is_the_predicted_distortion_and_falls_with_the_rate():
     assert (errors[1] < 2 ** -4).all() and (errors[0] / errors[1] > 3).all()
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 4), st.integers(1, 9), st.sampled_from([16, 64, 128]), st.integers(0, 99))
+def test_property_channel_keeps_shapes_and_is_exact_at_a_very_high_rate(batch, heads, tokens, dim, seed):
+    """Any batch, head count (MQA's one to MHA's several) and head_dim: the output has the input's
+    shape, one noise draw a token serves every row of the batch, and 40 bits an element returns
+    the input."""
+    g = torch.Generator().manual_seed(seed)
+    samples = torch.randn(4 * dim, heads, dim, generator=g) * torch.logspace(0, -1, dim)
+    x = torch.randn(1, heads, tokens, dim, generator=g).expand(batch, -1, -1, -1)
+    noise = torch.randn(tokens, heads, dim, generator=g)
+    high, low = IdealChannel.fit(samples, 40.0), IdealChannel.fit(samples, 1.0)
+    assert high.relative_error.shape == (heads,) and high.basis.shape == (heads, dim, dim)
+    assert torch.allclose(high(x, noise), x, atol=1e-4)
+    out = low(x, noise)
+    assert out.shape == x.shape and torch.allclose(out[:1].expand_as(out), out, atol=1e-5)
+    assert not torch.allclose(out, x, atol=1e-3)
+
+
 def test_channel_refuses_samples_without_a_head_axis():
     with pytest.raises(ValueError, match=r"\[N >= 2, H, D\]"):
         IdealChannel.fit(torch.randn(10, 4), 2.0)
@@ -121,9 +139,21 @@ def test_ideal_quantizer_at_a_very_high_rate_returns_its_input(tiny_codebooks_2b
     assert (k_low - k).abs().max() > 0.1
 
 
+def test_ideal_quantizer_leaves_layers_the_codebooks_do_not_code(tiny_codebooks_2bit):
+    """A hybrid model's full-precision layers (None in the codebooks) get no channel."""
+    import dataclasses
+
+    script = _script()
+    hybrid = dataclasses.replace(tiny_codebooks_2bit, layers=[None, *tiny_codebooks_2bit.layers[1:]])
+    g = torch.Generator().manual_seed(2)
+    recorded = {i: torch.randn(TINY_KV_HEADS, 300, TINY_HEAD_DIM, generator=g) for i in range(len(hybrid.layers))}
+    ideal = script.IdealQuantizer(hybrid, recorded, recorded, 2.0, noise_seed=0)
+    assert sorted(ideal.keys) == sorted(ideal.values) == list(range(1, len(hybrid.layers)))
+
+
 def test_needle_ideal_quantizer_runs_every_row_on_the_tiny_model(tmp_path, tiny_dir, sample_text_path, capsys):
     """The script's rows on the embedded model: full precision, the file's codes, an ideal channel
-    at a very high rate (which must reproduce full precision's answers) and at a low one."""
+    at a very high rate (no error to speak of) and at a low one."""
     haystack = tmp_path / "hay"
     haystack.mkdir()
     (haystack / "a.txt").write_text(sample_text_path.read_text(encoding="utf-8"), encoding="utf-8")
