@@ -12,11 +12,10 @@ enough independent copies of its inputs that together they exceed the 60 MB L2, 
 time is divided by the number of copies (median of several replays). So launch overhead is the
 graph's and no method reads its inputs from a warm L2. Every method is timed in ``--passes``
 rounds (2 by default), each round timing all of them in turn, and keeps its fastest: in one pass
-the first kernel timed after a long FP16 case sometimes read ~20% slow (2-bit B=32/T=32k,
-whichever version came first; issue 29's notes). Prints a markdown table with the ratio
-FP16 / ours for each kernel. ``--versions v6,v5`` also times the previous CUDA kernel (issue 29,
-``VECINFER_CUDA_DECODE_VERSION``) in the same run, as its own column; ``--no-triton`` skips the
-Triton kernel.
+the first kernel timed after a long FP16 case sometimes read ~20% slow (2-bit B=32/T=32k).
+Prints a markdown table with the ratio FP16 / ours for each kernel; ``--no-triton`` skips the
+Triton kernel. To time a kernel change, run this script from two checkouts in one GPU session
+(the README's contributing notes).
 
     python benchmarks/bench_decode_attention.py [--bits 2,1.5] [--batches 1,8,32] [--lengths 4096,32768,131072]
 """
@@ -27,10 +26,8 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -85,12 +82,7 @@ def sdpa_variants(q, k, v):
         yield f"{backend.name.lower()}-packed", packed
 
 
-def kernel_names(versions: list[str], triton: bool) -> list[str]:
-    """Timed kernels: ``cuda`` (the first version), ``cuda_<version>`` for the others, ``triton``."""
-    return ["cuda"] + [f"cuda_{v}" for v in versions[1:]] + (["triton"] if triton else [])
-
-
-def run_case(b: int, t: int, bits: float, versions: list[str], triton: bool = True, passes: int = 2,
+def run_case(b: int, t: int, bits: float, triton: bool = True, passes: int = 2,
              dtype: torch.dtype = torch.bfloat16) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     row = {"B": b, "T": t, "bits": bits, "dtype": str(dtype).removeprefix("torch.")}
@@ -98,21 +90,17 @@ def run_case(b: int, t: int, bits: float, versions: list[str], triton: bool = Tr
     code_bytes = first[1].nbytes + first[2].nbytes + first[6].nbytes + first[7].nbytes
     sets = [first] + [code_inputs(b, t, bits, g, dtype) for _ in range(copies_for(code_bytes) - 1)]
     row["code_copies"] = len(sets)
-    kernels = {name: (cuda_decode.decode_attention_cuda, version)
-               for name, version in zip(kernel_names(versions, False), versions)}
+    kernels = {"cuda": cuda_decode.decode_attention_cuda}
     if triton:
-        kernels["triton"] = (decode_attention_triton, None)
+        kernels["triton"] = decode_attention_triton
     for _ in range(passes):
-        for name, (fn, version) in kernels.items():
-            with mock.patch.dict(os.environ, {} if version is None else {cuda_decode.VERSION_ENV: version}):
-                ms = graph_time_ms([lambda a=a, fn=fn: fn(*a) for a in sets])
-                row[f"{name}_ms"] = min(ms, row.get(f"{name}_ms", ms))
-    for name, (fn, version) in kernels.items():
-        with mock.patch.dict(os.environ, {} if version is None else {cuda_decode.VERSION_ENV: version}):
-            if t <= CHECK_MAX_T:
-                got = fn(*first)
-                want = reference.decode_attention(*first)
-                row[f"{name}_max_err"] = (got.float() - want.float()).abs().max().item()
+        for name, fn in kernels.items():
+            ms = graph_time_ms([lambda a=a, fn=fn: fn(*a) for a in sets])
+            row[f"{name}_ms"] = min(ms, row.get(f"{name}_ms", ms))
+    if t <= CHECK_MAX_T:
+        want = reference.decode_attention(*first)
+        for name, fn in kernels.items():
+            row[f"{name}_max_err"] = (fn(*first).float() - want.float()).abs().max().item()
     del sets, first
     torch.cuda.empty_cache()
     kv_bytes = 2 * b * HKV * t * D * 2
@@ -150,10 +138,10 @@ def err_text(err: float | None) -> str:
     return "-" if err is None else f"{err:.1e}"
 
 
-def kernel_resources(bits: float, version: str, dtype: torch.dtype = torch.bfloat16) -> str:
+def kernel_resources(bits: float, dtype: torch.dtype = torch.bfloat16) -> str:
     preset = get_preset(bits)
     variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
-                                  preset.value.dims, dtype == torch.float16, version)
+                                  preset.value.dims, dtype == torch.float16)
     device = torch.device("cuda", torch.cuda.current_device())
     builds = [(variant, cuda_decode.kernels_for(variant, device))]
     if cuda_decode.lean_may_gain(variant, builds[0][1]):  # the build long calls may take instead
@@ -169,8 +157,6 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bits", default="2", help="comma-separated presets, e.g. 4,3,2,1.5,1.25,1")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
-    ap.add_argument("--versions", default=cuda_decode.DEFAULT_VERSION,
-                    help="CUDA kernel versions to time, the first as 'cuda' (e.g. v6,v5; see ops/cuda_decode.py)")
     ap.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel")
     ap.add_argument("--passes", type=int, default=2,
                     help="time every kernel and FP16 backend this many times in turn and keep each one's fastest")
@@ -184,18 +170,16 @@ def main(argv=None) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     print(f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, {args.dtype}; "
           "ms per call, CUDA-graph replay over L2-defeating input copies, median")
-    versions = args.versions.split(",")
-    names = kernel_names(versions, not args.no_triton)
-    labels = {n: ("Triton" if n == "triton" else f"CUDA {v}") for n, v in zip(names, versions + ["triton"])}
+    names = ["cuda"] + (["triton"] if not args.no_triton else [])
+    labels = {"cuda": "CUDA", "triton": "Triton"}
     for bits in map(float, args.bits.split(",")):
-        for version in versions:
-            print(f"\n{bits:g}-bit CUDA {version}: {kernel_resources(bits, version, dtype)}")
+        print(f"\n{bits:g}-bit CUDA: {kernel_resources(bits, dtype)}")
         print("| bits | B | T | " + " | ".join(f"ours {labels[n]} ms" for n in names) + " | best FP16 SDPA ms | FP16 backend | "
               + " | ".join(f"{labels[n]} vs FP16" for n in names) + " | " + " | ".join(f"{labels[n]} max err" for n in names) + " |")
         print("|---|---|---|" + "---:|" * len(names) + "---:|---|" + "---:|" * (2 * len(names)))
         for b in map(int, args.batches.split(",")):
             for t in map(int, args.lengths.split(",")):
-                r = run_case(b, t, bits, versions, not args.no_triton, args.passes, dtype)
+                r = run_case(b, t, bits, not args.no_triton, args.passes, dtype)
                 rows.append(r)
                 print(f"| {bits:g} | {b} | {t} | " + " | ".join(f"{r[n + '_ms']:.4f}" for n in names)
                       + f" | {r['baseline_ms']:.4f} | {r['baseline']} | "

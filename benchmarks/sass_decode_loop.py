@@ -1,17 +1,17 @@
-"""Instructions in the CUDA decode kernel's main loop, per kernel version, without a GPU.
+"""Instructions in the CUDA decode kernel's main loop, per build, without a GPU.
 
 Compiles ``ops/cuda_decode.cu`` with NVRTC for sm_90 at ``--warps`` warps per CTA (12 by default;
 the H200 runs 8 where a 12-warp build spills: the launch line of ``bench_decode_attention.py``
 says which), disassembles the cubin with
-``nvdisasm`` (from the ``nvidia-cuda-nvdisasm`` wheel or ``PATH``), and prints, for each version,
-the build's registers a thread and stack bytes (spills, which the product's launch refuses: it
+``nvdisasm`` (from the ``nvidia-cuda-nvdisasm`` wheel or ``PATH``), and prints, for the plain
+build and (4096-entry books) the lean one, the build's registers a thread and stack bytes (spills, which the product's launch refuses: it
 takes the next launch shape instead), and the innermost loops that hold tensor-core products: their length and most frequent opcodes. The
 first of them is the loop over codebook blocks (64 positions a warp), the second the
 full-precision window's. A static count, not a timing: it says where a change moves the issued
-instructions (issue 29's 2-bit kernel is issue-bound), and ``bench_decode_attention.py`` on the GPU
-says whether that is time.
+instructions (the 2-bit kernel is issue-bound), and ``bench_decode_attention.py`` on the GPU
+says whether that is time. Run it from two checkouts to compare a kernel change.
 
-    python benchmarks/sass_decode_loop.py --versions v6,v5 --bits 2 [--head-dim 128 --group 4]
+    python benchmarks/sass_decode_loop.py --bits 2 [--head-dim 128 --group 4]
 """
 
 from __future__ import annotations
@@ -115,13 +115,13 @@ def resources(cubin: bytes) -> dict[str, int]:
     return found
 
 
-def disassemble(version: str, head_dim: int, group: int, kspec: tuple[int, int], vspec: tuple[int, int],
+def disassemble(head_dim: int, group: int, kspec: tuple[int, int], vspec: tuple[int, int],
                 warps: int, lean: bool = False) -> tuple[str, dict[str, int]]:
     from vecinfer_compile.ops import cuda_decode
     from vecinfer_compile.ops.nvrtc import compile_source
 
-    variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, False, version, lean=lean)
-    image, is_cubin = compile_source(cuda_decode._source(version), "vq_decode", 90,
+    variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, False, lean=lean)
+    image, is_cubin = compile_source(cuda_decode.source(), "vq_decode", 90,
                                      ["--use_fast_math", "--std=c++17", *variant.defines(warps), "-DMINB=1"])
     if not is_cubin:
         raise SystemExit("NVRTC returned PTX, not a cubin: this NVRTC cannot target sm_90")
@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from vecinfer_compile.presets import get_preset
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--versions", default="v6,v5", help="CUDA kernel versions, e.g. v6,v5")
     ap.add_argument("--bits", default="2", help="comma-separated presets, e.g. 4,3,2,1.5,1.25,1")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
@@ -150,19 +149,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         kspec, vspec = (p.key.entries, p.key.dims), (p.value.entries, p.value.dims)
         print(f"\n{bits}-bit (K {kspec[0]}x{kspec[1]}, V {vspec[0]}x{vspec[1]}), head_dim {args.head_dim}, "
               f"group {args.group}, {args.warps} warps, sm_90")
-        print("| version | registers | stack bytes | loop | instructions | HMMA | LDS | opcodes |\n"
+        print("| build | registers | stack bytes | loop | instructions | HMMA | LDS | opcodes |\n"
               "|---|---:|---:|---|---:|---:|---:|---|")
-        for version in args.versions.split(","):
-            plain = cuda_decode.Variant(args.head_dim, args.group, *kspec, *vspec, False, version)
-            for lean in (False, True) if plain.can_be_lean else (False,):  # v8 on: also its lean build
-                name = f"{version} lean" if lean else version
-                sass, res = disassemble(version, args.head_dim, args.group, kspec, vspec, args.warps, lean)
-                for i, loop in enumerate(innermost_mma_loops(sass)):
-                    common = ", ".join(f"{k} {v}" for k, v in loop.opcodes.most_common(args.top))
-                    print(f"| {name} | {res.get('registers', '?')} | {res.get('stack_bytes', '?')} | {i} | {loop.length} "
-                          f"| {loop.opcodes['HMMA']} | {loop.opcodes['LDS']} | {common} |")
-                    rows.append(dict(bits=float(bits), version=version, lean=lean, loop=i, instructions=loop.length,
-                                     opcodes=dict(loop.opcodes), **res))
+        plain = cuda_decode.Variant(args.head_dim, args.group, *kspec, *vspec, False)
+        for lean in (False, True) if plain.can_be_lean else (False,):
+            name = "lean" if lean else "plain"
+            sass, res = disassemble(args.head_dim, args.group, kspec, vspec, args.warps, lean)
+            for i, loop in enumerate(innermost_mma_loops(sass)):
+                common = ", ".join(f"{k} {v}" for k, v in loop.opcodes.most_common(args.top))
+                print(f"| {name} | {res.get('registers', '?')} | {res.get('stack_bytes', '?')} | {i} | {loop.length} "
+                      f"| {loop.opcodes['HMMA']} | {loop.opcodes['LDS']} | {common} |")
+                rows.append(dict(bits=float(bits), lean=lean, loop=i, instructions=loop.length,
+                                 opcodes=dict(loop.opcodes), **res))
     return rows
 
 

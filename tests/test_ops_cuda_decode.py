@@ -1,17 +1,17 @@
 """The CUDA decode-attention kernel (``ops/cuda_decode.cu``) and the choice between it and Triton.
 
-- CPU: every preset's variant of every kernel version (v3's cluster build too) compiles with NVRTC to an sm_90 cubin
+- CPU: every preset's builds (plain, cluster, paired values, lean) compile with NVRTC to an sm_90 cubin
   (syntax and PTX errors are caught without a GPU; NVRTC comes from the ``nvidia-cuda-nvrtc``
   wheel of the dev extras), and the kernel-choice rules.
 - ``cuda``: the kernel against the reference on random shapes (hypothesis: every preset, GQA
   groups 1-16, head_dim 64/128, lengths off every block size, empty/partial/full windows,
   left padding), with the rule ``err(ours) <= 2 * err(torch bf16 SDPA on the dequantized K/V) +
   atol``; CUDA-graph capture with a length that changes between replays; the op's dispatch; the
-  persistent per-stream arrival counters (left zero, shared by shapes, graphs and streams), v3's
-  cluster merge against v2's global one at every cluster size, v5's lazy softmax on scores that
-  climb and fall across blocks by far more than its slack, v6's paired value product against v5
-  at every group size it takes, v7's byte books against v6 bit for bit, and the previous kernel
-  versions.
+  persistent per-stream arrival counters (left zero, shared by shapes, graphs and streams), the
+  cluster merge against the global one at every cluster size, the lazy softmax on scores that
+  climb and fall across blocks by far more than its slack, and each shape-chosen layout (interleaved
+  books, paired values, byte books, the lean build) against the layout it replaces, forced for the
+  test (:func:`_against_layout`).
 """
 
 from __future__ import annotations
@@ -43,113 +43,86 @@ def _nvrtc_or_skip():
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("version", sorted(cuda_decode.SOURCES))
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
-def test_cuda_source_compiles_for_sm90(kspec, vspec, version):
-    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, v8 to v3
-    in their cluster builds (v8's lean build at 12 warps; v8 to v6 with and without their paired value product) (v2 shares their source; v1, kept for the benchmark, in one configuration)."""
+def test_cuda_source_compiles_for_sm90(kspec, vspec):
+    """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, plain and in
+    its cluster build (the lean build at 12 warps where the books have one; GQA 3 with the paired
+    value product, GQA 16 without)."""
     _nvrtc_or_skip()
-    configs = ((128, 4, False, 4), (64, 16, True, 12), (64, 2, False, 4))
-    clustered = version in cuda_decode.CLUSTER_VERSIONS
-    paired = cuda_decode.Variant(128, 3, *kspec, *vspec, True, version).paired_values
-    lean = cuda_decode.Variant(128, 4, *kspec, *vspec, False, version).can_be_lean
-    for head_dim, group, fp16, nwarps in (configs if clustered else configs[:1]) + (((128, 3, True, 12),) if paired else ()):
-        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, version, cluster=clustered,
-                                      lean=lean and nwarps == 12)  # v8 on: its lean build in the 12-warp configs
-        image, is_cubin = compile_source(cuda_decode._source(version), "vq_decode", 90,
+    lean = cuda_decode.Variant(128, 4, *kspec, *vspec, False).can_be_lean
+    for head_dim, group, fp16, nwarps, cluster in ((128, 4, False, 4, False), (128, 4, False, 4, True),
+                                                   (64, 16, True, 12, True), (64, 2, False, 4, True),
+                                                   (128, 3, True, 12, False)):
+        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, cluster=cluster,
+                                      lean=lean and nwarps == 12)
+        image, is_cubin = compile_source(cuda_decode.source(), "vq_decode", 90,
                                          ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), "-DMINB=1"])
         assert is_cubin and image[:4] == b"\x7fELF"
         assert b"vq_decode" in image
 
 
-def test_kernel_version_from_the_environment(monkeypatch):
-    monkeypatch.delenv(cuda_decode.VERSION_ENV, raising=False)
-    assert cuda_decode.kernel_version() == "v8"
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "V1")
-    assert cuda_decode.kernel_version() == "v1"
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v9")
-    with pytest.raises(ValueError, match="use one of v8, v7, v6, v5, v4, v3, v2, v1"):
-        cuda_decode.kernel_version()
-
-
 def test_variant_shared_memory_copies_and_launch_shapes():
     assert cuda_decode.Variant.copies(256, 4) == 16 and cuda_decode.Variant.copies(256, 8) == 8
     assert cuda_decode.Variant.copies(256, 2) == 32 and cuda_decode.Variant.copies(4096, 8) == 1
-    two_bit = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v3")
-    assert two_bit.smem_bytes(4) == 64 * 1024 and cuda_decode.launches_for(two_bit)[:2] == [(1, 12), (1, 8)]
-    old = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v1")
-    assert cuda_decode.launches_for(old)[:2] == [(1, 12), (3, 4)]
-    one_and_half = cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v3")
-    # 128 KiB of 16-bit codebooks leave room for one CTA per SM: it gets 12 warps rather than 4
-    assert one_and_half.smem_bytes(12) == 128 * 1024
-    assert cuda_decode.launches_for(one_and_half) == [(1, 12), (1, 8), (1, 4)]
-    three = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v3")  # 2 x 32 KiB
-    assert three.smem_bytes(8) == 64 * 1024 and cuda_decode.launches_for(three)[:3] == [(1, 12), (1, 8), (3, 4)]
-    three_v1 = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v1")
-    assert cuda_decode.launches_for(three_v1)[:3] == [(1, 12), (3, 4), (2, 4)]
-    # v4 interleaves two 256-entry books in 256-byte rows at a 64 KiB boundary: 128 KiB with that
-    # room, still one CTA of 12 warps; books of 4096 entries stay apart, as in v3
-    assert not two_bit.interleaved
+    # two 256-entry books are interleaved in 256-byte rows at a 64 KiB boundary: 128 KiB with that
+    # room, one CTA of 12 warps
     for k, v in ((256, 4), (256, 4)), ((256, 2), (256, 2)), ((256, 8), (256, 8)):
-        interleaved = cuda_decode.Variant(128, 4, *k, *v, False, "v4")
+        interleaved = cuda_decode.Variant(128, 4, *k, *v, False)
         assert interleaved.interleaved and interleaved.smem_bytes(12) == 128 * 1024
         assert cuda_decode.launches_for(interleaved) == [(1, 12), (1, 8), (1, 4)]
         assert "-DINTERLEAVE=1" in interleaved.defines(12)
-    for k, v in ((4096, 4), (4096, 4)), ((4096, 8), (256, 8)):
-        apart = cuda_decode.Variant(128, 4, *k, *v, False, "v4")
-        assert not apart.interleaved and "-DINTERLEAVE=0" in apart.defines(12)
-        assert apart.smem_bytes(12) == cuda_decode.Variant(128, 4, *k, *v, False, "v3").smem_bytes(12)
-    # the launch shapes follow the device's shared memory: on sm_86/89 (100 KiB an SM, 99 a CTA) v4
-    # keeps v3's 64 KiB layout, and 128 KiB of 4096-entry books fit no shape (the reason says so)
-    small = dict(smem_per_sm=100 * 1024)
-    consumer = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v4", **small)
-    assert not consumer.interleaved and consumer.smem_bytes(12) == 64 * 1024
-    assert cuda_decode.launches_for(consumer) == [(1, 12), (1, 8), (1, 4)]
-    assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v4", **small)) == []
-    a100 = dict(smem_per_sm=164 * 1024)
-    assert cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v4", **a100).interleaved
-    assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v4", **a100))[:3] == [
-        (1, 12), (1, 8), (2, 4)]
-    # v7 keeps the 4096-entry books (of 4 or 8 dims) as one byte a channel: half the shared memory,
-    # so that 1.5 bits fits the 99 KiB of sm_86/89 too; 256-entry books stay 16-bit
-    for (k, v), kib in ((((4096, 4), (4096, 4)), 32), (((4096, 8), (4096, 8)), 64), (((4096, 8), (256, 8)), 64),
-                        (((256, 4), (256, 4)), 128)):
-        byte = cuda_decode.Variant(128, 4, *k, *v, False, "v7")
+    # 4096-entry books of 4 or 8 dims stay apart, one byte a channel: half the shared memory of
+    # 16-bit centroids, so that 1.5 bits fits the 99 KiB of sm_86/89 too; 256-entry books stay 16-bit
+    for (k, v), kib in ((((4096, 4), (4096, 4)), 32), (((4096, 8), (4096, 8)), 64), (((4096, 8), (256, 8)), 64)):
+        byte = cuda_decode.Variant(128, 4, *k, *v, False)
+        assert not byte.interleaved and "-DINTERLEAVE=0" in byte.defines(8)
         assert byte.smem_bytes(8) == kib * 1024
         assert f"-DKBYTE={int(k[0] > 256)}" in byte.defines(8) and f"-DVBYTE={int(v[0] > 256)}" in byte.defines(8)
-    assert not cuda_decode.Variant(128, 4, 4096, 2, 4096, 2, False, "v7").byte_book(4096, 2)
-    assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, "v7", **small))[:1] == [(1, 12)]
-    # v8's lean build puts the query fragments after non-interleaved books (NH x KSTEPS x 32 lanes x
-    # 8 bytes) and keeps one block of codes; its plain build, and the interleaved (256-entry)
-    # presets, build exactly as v7
+    three = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False)
+    assert cuda_decode.launches_for(three)[:3] == [(1, 12), (1, 8), (3, 4)]
+    assert not cuda_decode.Variant(128, 4, 4096, 2, 4096, 2, False).byte_book(4096, 2)
+    # a 4096 x 2 book keeps 16-bit centroids (16 KiB): with another, 32 KiB
+    assert cuda_decode.Variant(128, 4, 4096, 2, 4096, 2, False).smem_bytes(8) == 32 * 1024
+    # the launch shapes follow the device's shared memory: on sm_86/89 (100 KiB an SM, 99 a CTA) the
+    # 256-entry books are not interleaved (64 KiB), and the 1.5-bit byte books (64 KiB) fit
+    small = dict(smem_per_sm=100 * 1024)
+    consumer = cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, **small)
+    assert not consumer.interleaved and consumer.smem_bytes(12) == 64 * 1024
+    assert cuda_decode.launches_for(consumer) == [(1, 12), (1, 8), (1, 4)]
+    assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, **small))[:1] == [(1, 12)]
+    a100 = dict(smem_per_sm=164 * 1024)
+    assert cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, **a100).interleaved
+    assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, **a100))[:3] == [
+        (1, 12), (1, 8), (2, 4)]
+    # the lean build puts the query fragments after non-interleaved books (NH x KSTEPS x 32 lanes x
+    # 8 bytes) and keeps one block of codes; interleaved (256-entry) presets have none
     for (k, v), can in ((((4096, 4), (4096, 4)), True), (((4096, 8), (256, 8)), True), (((256, 4), (256, 4)), False)):
         for group, d in ((4, 128), (16, 64)):
-            v8, v7 = (cuda_decode.Variant(d, group, *k, *v, False, version) for version in ("v8", "v7"))
-            assert v8.can_be_lean == can and not v7.can_be_lean
-            assert v8.book_bytes() == v7.book_bytes() and v8.defines(12) == v7.defines(12)
+            plain = cuda_decode.Variant(d, group, *k, *v, False)
+            assert plain.can_be_lean == can and "-DQSMEM=0" in plain.defines(12)
             if not can:
                 with pytest.raises(ValueError, match="no lean build"):
-                    dataclasses.replace(v8, lean=True)
+                    dataclasses.replace(plain, lean=True)
                 continue
-            lean = dataclasses.replace(v8, lean=True)
-            assert lean.book_bytes() == v7.book_bytes() + (group + 7) // 8 * (d // 16) * 256
+            lean = dataclasses.replace(plain, lean=True)
+            assert lean.book_bytes() == plain.book_bytes() + (group + 7) // 8 * (d // 16) * 256
             assert "-DQSMEM=1" in lean.defines(12) and "-DSTAGGER=1" in lean.defines(12)
     # the warps' partials reuse the codebook memory; it is grown when they need more
-    assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False, "v3").smem_bytes(4) == 32 * 1024 + 32 * 1024
-    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, "v3").smem_bytes(4) == 4 * 16 * 130 * 4
-    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, "v3").smem_bytes(12) == 12 * 16 * 130 * 4
+    assert cuda_decode.Variant(128, 16, 256, 8, 256, 8, False, **small).smem_bytes(4) == 32 * 1024 + 32 * 1024
+    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, **small).smem_bytes(4) == 4 * 16 * 130 * 4
+    assert cuda_decode.Variant(128, 16, 16, 8, 16, 8, False, **small).smem_bytes(12) == 12 * 16 * 130 * 4
 
 
 def test_lean_build_only_for_long_calls_that_gain_warps(monkeypatch):
-    """v8 runs its lean build when that build has more warps an SM than the plain one and the call
-    has at least LEAN_MIN_BLOCKS_PER_WARP blocks of 64 positions a warp of the plain build (shapes
-    only); the plain build otherwise, and always for the 256-entry presets and v7."""
+    """A call runs the lean build when that build has more warps an SM than the plain one and the
+    call has at least LEAN_MIN_BLOCKS_PER_WARP blocks of 64 positions a warp of the plain build
+    (shapes only); the plain build otherwise, and always for the 256-entry presets."""
     plain, lean = (cuda_decode.Built(f"kernel-{w}", w, 1) for w in (8, 12))
     builds = {False: plain, True: lean}
     monkeypatch.setattr(cuda_decode, "kernels_for", lambda variant, device: builds[variant.lean])
     monkeypatch.setattr(cuda_decode, "sm_count", lambda index: 132)
     monkeypatch.setattr(cuda_decode, "device_index", lambda device: 0)
-    three_bit = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False, "v8")
+    three_bit = cuda_decode.Variant(128, 4, 4096, 4, 4096, 4, False)
     need = cuda_decode.LEAN_MIN_BLOCKS_PER_WARP * 132 * 8  # blocks: 25,344 for the threshold of 24
     assert cuda_decode.lean_build(three_bit, None, 64, 131072) is lean  # B=8, Hkv=8, T=128k: 131,072 blocks
     assert cuda_decode.lean_build(three_bit, None, 8, 131072) is plain  # B=1: 16,384
@@ -158,8 +131,7 @@ def test_lean_build_only_for_long_calls_that_gain_warps(monkeypatch):
     assert cuda_decode.lean_build(three_bit, None, 32, 32768) is plain  # B=4/T=32k: 16,384
     assert cuda_decode.lean_build(three_bit, None, need // 64, 64 * 64) is lean
     assert cuda_decode.lean_build(three_bit, None, need // 64 - 1, 64 * 64) is plain
-    assert cuda_decode.lean_build(dataclasses.replace(three_bit, version="v7"), None, 64, 131072) is plain
-    assert cuda_decode.lean_build(cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, "v8"), None, 64, 131072) is plain
+    assert cuda_decode.lean_build(cuda_decode.Variant(128, 4, 256, 4, 256, 4, False), None, 64, 131072) is plain
     builds[True] = cuda_decode.Built("kernel-12", 12, 1)  # a variant whose plain build has 12 warps already
     builds[False] = cuda_decode.Built("kernel-12p", 12, 1)
     assert cuda_decode.lean_build(three_bit, None, 64, 131072) is builds[False]
@@ -179,7 +151,7 @@ def test_build_error_compiles_the_lean_build_too(monkeypatch):
     q = torch.empty(3, 8, 1, 128, device="meta", dtype=torch.bfloat16)
     k_codes = torch.empty(3, 2, 500, 32, device="meta", dtype=torch.uint8)
     for entries, warps, lean in ((4096, 8, True), (4096, 12, False), (256, 8, False)):
-        variant = cuda_decode.Variant(128, 4, entries, 4, entries, 4, False, "v8")
+        variant = cuda_decode.Variant(128, 4, entries, 4, entries, 4, False)
         monkeypatch.setattr(cuda_decode, "variant_for", lambda *args, variant=variant: variant)
         built.clear()
         plain_warps["n"] = warps
@@ -188,7 +160,7 @@ def test_build_error_compiles_the_lean_build_too(monkeypatch):
 
 
 def test_prepared_book_is_kept_until_its_codebook_changes():
-    """The v2 kernel's 16-bit codebooks: one conversion per codebook tensor and dtype, made again
+    """The kernel's 16-bit codebooks: one conversion per codebook tensor and dtype, made again
     after an in-place change, dropped with the codebook."""
     cent = torch.randn(256, 4)
     book = cuda_decode.prepared_book(cent, torch.bfloat16)
@@ -230,8 +202,8 @@ class _StubClusterKernel:
 
 
 def test_cluster_merge_only_where_every_row_fits_at_once():
-    """v3's rule: clusters up to 8 CTAs, only when all rows' clusters are resident together (else
-    the global merge), a split of one always, none without the cluster build (sm_80, v2)."""
+    """Clusters up to 8 CTAs, only when all rows' clusters are resident together (else the global
+    merge), a split of one always, none without the cluster build (before sm_90)."""
     stub = _StubClusterKernel(active=12)
     built = cuda_decode.Built(kernel=None, nwarps=8, ctas_per_sm=1, cluster=stub)
     assert cuda_decode.cluster_size(built, 8, 8) == 8
@@ -290,16 +262,25 @@ def _check(args, got):
     _check_rule(got, want, _decode_baseline_err(args, want))
 
 
-def _against_version(args, monkeypatch, version: str, previous: str, *, exact: bool) -> None:
-    """Kernel ``version`` on ``args`` against the reference, then against kernel ``previous``: bit
-    for bit when ``exact`` (a change of layout only), else to rounding (the same products summed in
-    another order). ``$VECINFER_CUDA_DECODE_VERSION`` is left at ``version``."""
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
+def _without(monkeypatch, layout: str):
+    """Build the kernel without ``layout`` (a :class:`cuda_decode.Variant` property or the
+    ``byte_book`` method, forced False), as it runs for shapes that do not take it; the compiled
+    builds are dropped on both sides so that none leaks into another test."""
+    off = (lambda self, entries, dims: False) if layout == "byte_book" else property(lambda self: False)
+    monkeypatch.setattr(cuda_decode.Variant, layout, off)
+    cuda_decode._build.cache_clear()
+
+
+def _against_layout(args, monkeypatch, layout: str, *, exact: bool) -> None:
+    """The kernel on ``args`` (its shape-chosen build, which takes ``layout``) against the reference,
+    then against the build without ``layout`` (:func:`_without`): bit for bit when ``exact`` (a
+    change of where data sits only), else to rounding (the same products summed in another order)."""
     got = ops.decode_attention_cuda(*args)
     _check(args, got)
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, previous)
-    want = ops.decode_attention_cuda(*args)
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
+    with monkeypatch.context() as m:
+        _without(m, layout)
+        want = ops.decode_attention_cuda(*args)
+    cuda_decode._build.cache_clear()
     if exact:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     else:
@@ -404,10 +385,10 @@ def test_cuda_kernel_in_a_cuda_graph_follows_the_length():
 @pytest.mark.cuda
 @needs_cuda
 def test_persistent_arrival_counters_are_left_zero_across_shapes_graphs_and_streams(monkeypatch):
-    """v2 launches share one counter buffer per stream (no memset): after calls of several grid
+    """Launches with the global merge share one counter buffer per stream (no memset): after calls of several grid
     shapes, a captured graph's replays and calls on a second stream, every counter is zero again and
     every output matches the reference."""
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v2")  # v3 merges short calls without counters
+    monkeypatch.setattr(cuda_decode, "cluster_size", lambda *a: None)  # the cluster merge uses no counters
     cases = [list(_decode(torch.bfloat16, 20 + i, b=b, hkv=hkv, group=4, tmax=t, n_coded=n, r=128, n_window=w, d=128,
                           kspec=(256, 4), vspec=(256, 4), with_start=True))
              for i, (b, hkv, t, n, w) in enumerate([(2, 8, 5000, 4900, 100), (1, 2, 300, 0, 7), (3, 4, 9000, 8999, 128)])]
@@ -434,21 +415,9 @@ def test_persistent_arrival_counters_are_left_zero_across_shapes_graphs_and_stre
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("specs", PRESET_SPECS)
-def test_previous_kernel_version_still_matches_the_reference(specs, monkeypatch):
-    """v1 (kept for the benchmark's side-by-side column) against the reference, memset counters."""
-    monkeypatch.setenv(cuda_decode.VERSION_ENV, "v1")
-    args = _decode(torch.bfloat16, 9, b=2, hkv=4, group=4, tmax=3000, n_coded=2900, r=128, n_window=60,
-                   d=128, kspec=specs[0], vspec=specs[1], with_start=True)
-    _check(args, ops.decode_attention_cuda(*args))
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("specs", PRESET_SPECS)
-@pytest.mark.parametrize("version", cuda_decode.CLUSTER_VERSIONS)
-def test_cluster_merge_at_every_cluster_size(specs, version, monkeypatch):
-    """v4 and v3 on sm_90: one row's CTAs as clusters of 1 to 8 (the lengths set the split), in a CUDA
-    graph too; each output matches the reference and v2's global merge of the same partials to rounding."""
+def test_cluster_merge_at_every_cluster_size(specs, monkeypatch):
+    """On sm_90: one row's CTAs as clusters of 1 to 8 (the lengths set the split), in a CUDA graph
+    too; each output matches the reference and the global merge of the same partials to rounding."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("thread-block clusters need sm_90")
     sizes = set()
@@ -456,7 +425,6 @@ def test_cluster_merge_at_every_cluster_size(specs, version, monkeypatch):
                                         (1, 1, 4096), (1, 8, 4096)]):
         args = list(_decode(torch.bfloat16, 40 + i, b=b, hkv=hkv, group=4, tmax=tmax, n_coded=tmax - 9, r=128,
                             n_window=100, d=128, kspec=specs[0], vspec=specs[1], with_start=True))
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
         variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
         built = cuda_decode.kernels_for(variant, args[0].device)
         splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, ops.nvrtc.sm_count(0), built.nwarps)
@@ -471,22 +439,23 @@ def test_cluster_merge_at_every_cluster_size(specs, version, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(graph_out, got, rtol=0, atol=0)
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, "v2")
-        torch.testing.assert_close(ops.decode_attention_cuda(*args).float(), got.float(), rtol=1e-2, atol=1e-3)
+        with monkeypatch.context() as m:
+            m.setattr(cuda_decode, "cluster_size", lambda *a: None)
+            torch.testing.assert_close(ops.decode_attention_cuda(*args).float(), got.float(), rtol=1e-2, atol=1e-3)
     assert None not in sizes and len(sizes) >= 5, sizes  # every case clustered; sizes 1-8 (8 warps), 1-6 (12)
 
 
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("specs", PRESET_SPECS)
-def test_interleaved_books_give_v3s_output_exactly(specs, monkeypatch):
-    """v4 changes where the 256-entry books sit in shared memory and how a gather's address is
-    formed, not what is gathered or the order of the arithmetic: its output equals v3's bit for bit
-    (short and long rows, a window, left padding, GQA 4 and 8)."""
+def test_interleaved_books_give_separate_books_output_exactly(specs, monkeypatch):
+    """Interleaving changes where the 256-entry books sit in shared memory and how a gather's
+    address is formed, not what is gathered or the order of the arithmetic: the output equals that
+    of separate books bit for bit (short and long rows, a window, left padding, GQA 4 and 8)."""
     for seed, (b, hkv, group, tmax, n_coded) in enumerate([(2, 4, 4, 3000, 2900), (3, 2, 8, 9000, 8871), (1, 8, 4, 200, 70)]):
         args = _decode(torch.bfloat16, 60 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=128, kspec=specs[0], vspec=specs[1], with_start=True)
-        _against_version(args, monkeypatch, "v4", "v3", exact=True)
+        _against_layout(args, monkeypatch, "interleaved", exact=True)
         assert cuda_decode.variant_for(args[0], args[3], args[4], group).interleaved == (max(specs[0][0], specs[1][0]) <= 256)
 
 
@@ -517,16 +486,15 @@ def _sawtooth(direction: int, n_window: int, dtype: torch.dtype):
 @pytest.mark.parametrize("direction", [1, -1])
 @pytest.mark.parametrize("n_window", [0, 77])
 def test_lazy_softmax_follows_scores_that_climb_and_fall(dtype, direction, n_window, monkeypatch):
-    """v5 moves its running max only when a block's score passes it by more than 2^8: on rows whose
-    scores climb 6 log2 units a block (a rescale every other block, probabilities up to 2^8 in
-    between) or fall the same way (a max kept for many blocks), its output matches the reference and
-    v4 (which rescales at every block). A v5 that never moved its max would overflow float16's P
-    (2^16) here (checked by a mutation run on the H200, docs/results.md)."""
+    """The kernel moves its running max only when a block's score passes it by more than 2^8: on
+    rows whose scores climb 6 log2 units a block (a rescale every other block, probabilities up to
+    2^8 in between) or fall the same way (a max kept for many blocks), its output matches the
+    reference. A kernel that never moved its max would overflow float16's P (2^16) here (checked by
+    a mutation run on the H200, docs/results)."""
     args = _sawtooth(direction, n_window, dtype)
-    _against_version(args, monkeypatch, "v5", "v4", exact=False)
+    _check(args, ops.decode_attention_cuda(*args))
     variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
     built = cuda_decode.kernels_for(variant, args[0].device)
-    assert variant.lazy_softmax
     assert cuda_decode.num_splits(args[1].shape[1], args[1].shape[2], built.ctas_per_sm,
                                   ops.nvrtc.sm_count(0), built.nwarps) == 1
 
@@ -538,16 +506,16 @@ _PAIRED_CASES = [(specs, 4, 128) for specs in PRESET_SPECS] + [
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("specs,group,d", _PAIRED_CASES)
-def test_paired_value_product_matches_v5(specs, group, d, monkeypatch):
-    """v6 contracts the value product over channel pairs (N = 4 heads x 2 parities) for groups of up
-    to 4 query heads and keeps v5's layout above (group 8 here): against the reference and against
-    v5 (the same products, summed in another order) on a short and a long row, with a window and
+def test_paired_value_product_matches_the_position_pairs(specs, group, d, monkeypatch):
+    """The value product contracts over channel pairs (N = 4 heads x 2 parities) for groups of up
+    to 4 query heads and over position pairs above (group 8 here): against the reference and against
+    the position pairs (the same products, summed in another order) on a short and a long row, with a window and
     left padding; every preset at GQA 4, the 2-bit one at other groups and head_dim 64. (Each case
     compiles two variants: the random shapes of test_cuda_kernel_matches_reference cover the rest.)"""
     for seed, (b, hkv, tmax, n_coded) in enumerate([(2, 3, 3000, 2900), (1, 8, 200, 70)]):
         args = _decode(torch.bfloat16, 80 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=True)
-        _against_version(args, monkeypatch, "v6", "v5", exact=False)
+        _against_layout(args, monkeypatch, "paired_values", exact=False)
         assert cuda_decode.variant_for(args[0], args[3], args[4], group).paired_values == (group <= 4)
 
 
@@ -555,54 +523,56 @@ def test_paired_value_product_matches_v5(specs, group, d, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("direction", [1, -1])
 def test_paired_value_product_follows_the_lazy_rescale(direction, monkeypatch):
-    """v6 keeps its accumulator per head tig, not in the scores' layout: a rescale reaches it through
-    a shuffle. On rows whose scores climb or fall across blocks (see _sawtooth), v6 matches the
-    reference and v5."""
+    """The paired value product keeps its accumulator per head tig, not in the scores' layout: a
+    rescale reaches it through a shuffle. On rows whose scores climb or fall across blocks (see
+    _sawtooth), it matches the reference and the position pairs."""
     args = _sawtooth(direction, 77, torch.float16)
-    _against_version(args, monkeypatch, "v6", "v5", exact=False)
+    _against_layout(args, monkeypatch, "paired_values", exact=False)
     assert cuda_decode.variant_for(args[0], args[3], args[4], 4).paired_values
 
 
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("specs", [s for s in PRESET_SPECS if max(s[0][0], s[1][0]) > 256])
-def test_byte_books_give_v6s_output_exactly(specs, monkeypatch):
-    """v7 holds the 4096-entry books as bytes and widens each gathered centroid to the 16-bit value
-    v6 reads from its 16-bit book (the codebooks' centroids are 7-bit: make_codes snaps them as
-    LayerCodebooks does), so its output equals v6's bit for bit (short and long rows, a window,
+def test_byte_books_give_16_bit_books_output_exactly(specs, monkeypatch):
+    """The 4096-entry books sit in shared memory as bytes, each gathered centroid widened to the
+    16-bit value a 16-bit book holds (the codebooks' centroids are 7-bit: make_codes snaps them as
+    LayerCodebooks does), so its output equals the 16-bit book's bit for bit (short and long rows, a window,
     left padding, GQA 4 and 8, head_dim 64, float16 and bfloat16, float16 centroids near its range)."""
     cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
              (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16)]
     for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
         args = _decode(dtype, 90 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=True)
-        _against_version(args, monkeypatch, "v7", "v6", exact=True)
+        _against_layout(args, monkeypatch, "byte_book", exact=True)
         variant = cuda_decode.variant_for(args[0], args[3], args[4], group)
         assert [variant.byte_book(*c.shape) for c in args[3:5]] == [c.shape[0] > 256 for c in args[3:5]]
     # float16 centroids of ~16,000 (a step of 256: -(1024 + 64) * step is past float16's range, so
-    # the float16 widening adds before it multiplies) still equal v6's
+    # the float16 widening adds before it multiplies) still equal the 16-bit book's
     args = list(_decode(torch.float16, 95, b=1, hkv=2, group=4, tmax=700, n_coded=650, r=128, n_window=40,
                         d=128, kspec=specs[0], vspec=specs[1], with_start=False))
     args[0], args[3], args[4] = args[0] / 4096, args[3] * 4096, args[4] * 4096
-    outs = {}
-    for version in ("v7", "v6"):
-        monkeypatch.setenv(cuda_decode.VERSION_ENV, version)
-        outs[version] = ops.decode_attention_cuda(*args)
-    assert torch.isfinite(outs["v7"]).all()
-    torch.testing.assert_close(outs["v7"], outs["v6"], rtol=0, atol=0)
+    byte = ops.decode_attention_cuda(*args)
+    with monkeypatch.context() as m:
+        _without(m, "byte_book")
+        wide = ops.decode_attention_cuda(*args)
+    cuda_decode._build.cache_clear()
+    assert torch.isfinite(byte).all()
+    torch.testing.assert_close(byte, wide, rtol=0, atol=0)
 
 
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("specs", PRESET_SPECS)
-def test_lean_build_gives_v7s_output(specs, monkeypatch):
-    """v8's lean build (forced here for every length) reads the query fragments from shared memory
+def test_lean_build_gives_the_plain_builds_output(specs, monkeypatch):
+    """The lean build (forced here for every length) reads the query fragments from shared memory
     and refills each part of one block of codes with the next block's once gathered (a 4096-entry
-    book; the others build as v7): the same products, but 3 and 1.5 bits run 12 warps a CTA where
-    v7 runs 8, so the positions are split among warps otherwise and the partials merged in another
-    order: equal to v7 to rounding, and to the reference (rows ending inside a block and on its
-    edge, several blocks a warp and one, a window, left padding, MHA, GQA 4, 8 and 16, head_dim 64,
-    float16 and bfloat16). On the H200 one output of 4,096 differed from v7's, by 6e-8."""
+    book; the others have no lean build): the same products, but 3 and 1.5 bits run 12 warps a CTA
+    where the plain build runs 8, so the positions are split among warps otherwise and the partials
+    merged in another order: equal to the plain build to rounding, and to the reference (rows ending
+    inside a block and on its edge, several blocks a warp and one, a window, left padding, MHA, GQA
+    4, 8 and 16, head_dim 64, float16 and bfloat16). On the H200 one output of 4,096 differed from
+    the plain build's, by 6e-8."""
     monkeypatch.setattr(cuda_decode, "LEAN_MIN_BLOCKS_PER_WARP", 0)
     cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
              (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16),
@@ -611,5 +581,5 @@ def test_lean_build_gives_v7s_output(specs, monkeypatch):
     for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
         args = _decode(dtype, 130 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
                        n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=seed % 2 == 0)
-        _against_version(args, monkeypatch, "v8", "v7", exact=False)
+        _against_layout(args, monkeypatch, "can_be_lean", exact=False)
 

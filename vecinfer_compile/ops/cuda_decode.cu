@@ -14,18 +14,16 @@
 //   FP16         1: q, windows, output and the tensor-core operands are float16; 0: bfloat16
 //   NWARPS       warps per CTA of the split kernel
 //   MINB         CTAs per SM the split kernel's register budget is sized for
-//   LAZY         1 (v5, v6): the online softmax rescales only when the running max grows by more
-//                than RESCALE_SLACK (see block_step)
-//   VPAIR        1 (v6, v7; G <= 4): the value product pairs channels instead of positions (see
+//   VPAIR        1 (G <= 4): the value product pairs channels instead of positions (see
 //                block_step): its A fragments are the gathered centroid words as they land
-//   KBYTE, VBYTE 1 (v7, single-copy books of 4 or 8 dims): the key / value book holds each centroid as bytes
+//   KBYTE, VBYTE 1 (single-copy books of 4 or 8 dims): the key / value book holds each centroid as bytes
 //                u = k + 64 of a 7-bit k in [-64, 63] with one power-of-two step per book
 //                (centroid = k * step, see quant/byte_centroids.py), widened after the gather
 //                (widen)
-//   QSMEM        1 (v8's lean build): the query fragments, the same in every warp of a CTA, sit in shared memory
+//   QSMEM        1 (the lean build): the query fragments, the same in every warp of a CTA, sit in shared memory
 //                after the books (NH x KSTEPS x 32 x 8 bytes) and each score k-step loads its pair, instead of 16
 //                registers a thread held through the loop (see QueryFrags)
-//   STAGGER      1 (v8's lean build): one block of codes in registers, not two: each m-tile's codes are replaced
+//   STAGGER      1 (the lean build): one block of codes in registers, not two: each m-tile's codes are replaced
 //                by the next block's as soon as their centroids are gathered (see CodebookRows), with
 //                loads the compiler may not move ahead of the gathers (asm volatile), so the next
 //                block's codes are in flight for a block, as before, with half the registers
@@ -66,9 +64,6 @@
 #ifndef INTERLEAVE
 #define INTERLEAVE 0
 #endif
-#ifndef LAZY
-#define LAZY 0
-#endif
 #ifndef VPAIR
 #define VPAIR 0
 #endif
@@ -84,7 +79,7 @@
 #ifndef STAGGER
 #define STAGGER 0
 #endif
-#define RESCALE_SLACK 8.0f  // LAZY: how far (log2 units) a score may pass the running max before it moves
+#define RESCALE_SLACK 8.0f  // how far (log2 units) a score may pass the running max before it moves
 #define BLOCK_T 64              // positions per warp iteration
 #define NT (BLOCK_T / 8)        // score n-tiles per iteration
 #define KSTEPS (D / 16)         // k-steps of the score product
@@ -595,7 +590,7 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
     }
 
     // Online softmax per head (heads 8 nh + 2 tig + e); a head's positions are spread over the 8
-    // lanes of one tig (lane bits 2-4). LAZY (v5): the running max m moves only when a score of the
+    // lanes of one tig (lane bits 2-4). The running max m moves only when a score of the
     // block exceeds it by more than RESCALE_SLACK (log2 units; the whole warp votes, so m stays
     // the same in every lane of a head); otherwise the block's probabilities are taken against the
     // old m (at most 2^RESCALE_SLACK: exact in fp32, and a 16-bit P keeps its relative precision)
@@ -610,12 +605,10 @@ __device__ __forceinline__ void block_step(const Rows& rows, int t0, int hi, int
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) bm[nh][e] = fmaxf(bm[nh][e], fmaxf(sc[mt][nh][e], sc[mt][nh][2 + e]));
         }
-#if LAZY
     bool grows = false;
 #pragma unroll
     for (int nh = 0; nh < NH; ++nh) grows |= bm[nh][0] > m[nh][0] + RESCALE_SLACK || bm[nh][1] > m[nh][1] + RESCALE_SLACK;
     if (__any_sync(0xffffffffu, grows))
-#endif
     {
 #pragma unroll
         for (int nh = 0; nh < NH; ++nh)

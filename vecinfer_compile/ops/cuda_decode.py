@@ -7,46 +7,41 @@ graphs capture it. The per-row arrival counters (which CTA merges the partials) 
 and per stream: the merging CTA zeroes its row's counter for the next launch, so a call launches
 no memset (:func:`arrival_counters`).
 
-Kernel versions (``$VECINFER_CUDA_DECODE_VERSION``, kept so that the benchmark measures them side
-by side until the new one wins everywhere, issue 29): ``v8``, the default, is ``v7`` with a second
-build for a 4096-entry codebook that reads the query fragments from shared memory and holds one
-block of codes in registers instead of two (:attr:`Variant.lean`), so that the 3- and 1.5-bit
-presets run 12 warps an SM without spilling where v7 runs 8; a call takes it only when it gains
-warps and the call is long (:func:`lean_build`; forced everywhere, 3-bit was 3-4% faster at B=8/T=128k and 5-12%
-slower at T=4k, docs/results.md), and v7's build otherwise. ``v7`` is ``v6`` whose 4096-entry codebooks
-(the 3-, 1.5- and 1.25-bit presets) sit in shared memory as one byte a channel, 7-bit centroids on a
-power-of-two step per book that the kernel widens exactly after the gather
-(:meth:`Variant.byte_book`, :mod:`vecinfer_compile.quant.byte_centroids`; the codebooks hold those
-values, so the output is v6's bit for bit): a gather moves half the bytes and collides on fewer
-banks. ``v6`` is ``v5`` whose value
-product, for GQA groups of up to 4 query heads, contracts pairs of channels instead of pairs of
-positions: its N = 8 columns hold 4 heads x 2 channel parities, so a gathered centroid's words are
-the tensor-core A fragments as they land, and the 4 byte permutes per product that transposed
-them go (:attr:`Variant.paired_values`; larger groups run v5's layout). ``v5`` is ``v4`` whose online
-softmax rescales lazily: the running max moves, and the accumulator is rescaled, only when a
-block's score passes it by more than 2^8 (a warp vote; otherwise the block's probabilities are
-taken against the old max), which drops the cross-lane max and the rescale from most blocks
-(:attr:`Variant.lazy_softmax`). ``v4`` is ``v3`` with two
-256-entry codebooks (4-, 2- and 1-bit presets) interleaved in shared memory: entry e's key copies
-and value copies fill one 256-byte row of a 64 KiB-aligned region, so that a gather's address is
-its code byte dropped into byte 1 of a per-lane base, one byte permute instead of extracting,
-multiplying and adding (:attr:`Variant.interleaved`; books of 4096 entries, and GPUs with less than
-128 KiB of shared memory a CTA, keep v3's layout). ``v3`` is ``v2`` whose CTAs
-of one (batch row, KV head) form a thread-block cluster on sm_90 when the split is at most
-:data:`MAX_CLUSTER` CTAs and every row's cluster fits on the GPU at once (short calls): they merge
-their partials through distributed shared memory, with no global partials, counter or last CTA
-(:func:`cluster_size`); elsewhere it launches ``v2``. ``v2`` fills the codebooks a batch of
-centroid loads at a time, gives the full-precision window's blocks to the warps that have codes
-(no CTA of its own), uses the persistent counters and prefers one CTA of 8 warps per SM to two or
-three CTAs of 4 where 12 warps spill (:data:`LAUNCHES`); ``v1`` (``cuda_decode_v1.cu``) is the
-kernel before that, with counters zeroed by a memset before every launch.
+Builds, chosen by the inputs' shapes (:class:`Variant`; each is a set of the source's defines):
+
+- interleaved books (:attr:`Variant.interleaved`): two codebooks of at most 256 entries (the 4-, 2-
+  and 1-bit presets) share shared memory as rows of 256 bytes at a 64 KiB boundary, entry e's key
+  copies beside its value copies, so a gather's address is its code byte dropped into byte 1 of a
+  per-lane base (one byte permute). Not where a CTA gets less than 128 KiB of shared memory.
+- byte books (:meth:`Variant.byte_book`): a 4096-entry book of 4 or 8 dims (the 3-, 1.5- and
+  1.25-bit presets) sits in shared memory as one byte a channel, 7-bit centroids on a power-of-two
+  step per book that the kernel widens exactly after the gather
+  (:mod:`vecinfer_compile.quant.byte_centroids`; the codebooks hold those values, so the output
+  equals a 16-bit book's bit for bit): a gather moves half the bytes and collides on fewer banks.
+- paired values (:attr:`Variant.paired_values`): for GQA groups of up to 4 query heads the value
+  product contracts pairs of channels instead of pairs of positions (N = 8 columns hold 4 heads x 2
+  channel parities), so a gathered centroid's words are the tensor-core A fragments as they land.
+- the lean build (:attr:`Variant.lean`, :func:`lean_build`): for books that are not interleaved,
+  the query fragments sit in shared memory and one block of codes in registers instead of two, so
+  that the 3- and 1.5-bit presets run 12 warps an SM without spilling; a call takes it only when it
+  gains warps and the call is long.
+- the cluster merge (:func:`cluster_size`): on sm_90, the CTAs of one (batch row, KV head) form a
+  thread-block cluster when the split is at most :data:`MAX_CLUSTER` CTAs and every row's cluster
+  fits on the GPU at once (short calls); they merge their partials through distributed shared
+  memory, with no global partials or counters. Elsewhere the last CTA of a row to arrive (the
+  persistent counters) merges the global partials.
+
+Every build's online softmax rescales lazily: the running max moves, and the accumulator is
+rescaled, only when a block's score passes it by more than 2^8 (a warp vote). The codebooks are
+filled a batch of centroid loads at a time, and the full-precision window's blocks go to the warps
+that have codes.
 
 Variants are cached per (head_dim, group size, key/value codebook geometry, dtype, device
 architecture). Why a shared-memory codebook: the Triton kernel gathers 8-byte centroid rows
 through L1, and those random gathers bound it below FP16 SDPA (``bench_gather_ceiling.py``).
 Each 256-entry codebook is replicated ``64 // dims`` times (32 KiB) so that the lanes of one
 shared-memory wavefront read distinct copies and never collide on a bank; 4096-entry codebooks
-(32 or 64 KiB) are stored once, copied straight in with ``cp.async``. The v2 kernel reads its
+(32 or 64 KiB) are stored once, copied straight in with ``cp.async``. The kernel reads its
 codebooks as 16-bit centroids in the query's dtype, converted once per codebook tensor and kept
 (:func:`prepared_book`), so that a call moves half the bytes of the float32 ones and converts
 nothing. Resident warps per SM hide the gathers' latency: a variant runs the first launch shape
@@ -59,7 +54,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,27 +67,15 @@ from .checks import check_decode_args
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count)
 
-_SOURCE = Path(__file__).with_name("cuda_decode.cu")  # v8-v2: CLUSTER builds v3 on, INTERLEAVE v4 on, LAZY v5 on, VPAIR v6 on, KBYTE/VBYTE v7, QSMEM/STAGGER v8's lean build
-SOURCES = {"v8": _SOURCE, "v7": _SOURCE, "v6": _SOURCE, "v5": _SOURCE, "v4": _SOURCE, "v3": _SOURCE, "v2": _SOURCE, "v1": Path(__file__).with_name("cuda_decode_v1.cu")}
-VERSION_ENV = "VECINFER_CUDA_DECODE_VERSION"
-DEFAULT_VERSION = "v8"
-
-
-def since(version: str, first: str) -> bool:
-    """Whether kernel ``version`` is ``first`` or a later one (each version keeps its predecessors'
-    features: see the module docstring)."""
-    return int(version[1:]) >= int(first[1:])
-
+SOURCE = Path(__file__).with_name("cuda_decode.cu")
 
 _log = logging.getLogger(__name__)
-# (resident CTAs per SM, warps per CTA) per kernel version, in order of preference: twelve warps
-# per SM, in one CTA first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257
-# vs 0.286 at B=8/T=128k against three CTAs of four), then fewer warps where registers spill. v2
-# takes one CTA of 8 before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4,
-# B=8/T=128k 0.54 vs 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results.md, issue 29).
-_V2_LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
-LAUNCHES = {v: _V2_LAUNCHES if since(v, "v2") else ((1, 12), (3, 4), (2, 4), (1, 8), (1, 4)) for v in SOURCES}
-CLUSTER_VERSIONS = tuple(v for v in SOURCES if since(v, "v3"))  # versions with a cluster build on sm_90
+# (resident CTAs per SM, warps per CTA), in order of preference: twelve warps per SM, in one CTA
+# first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257 vs 0.286 at
+# B=8/T=128k against three CTAs of four), then fewer warps where registers spill, one CTA of 8
+# before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4, B=8/T=128k 0.54 vs
+# 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results).
+LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
 INTERLEAVED_BOOK_BYTES = 2 * 65536  # 64 KiB of rows at the first 64 KiB boundary of the allocation
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
 MAX_SPLITS = 64  # CTAs per (batch row, KV head): one wave's worth at B * Hkv = 2; more only add merge work
@@ -120,14 +102,13 @@ class Variant:
     v_entries: int
     v_dims: int
     fp16: bool
-    version: str = DEFAULT_VERSION
-    cluster: bool = False  # the CLUSTER build (v3-v8 on sm_90): partials merged in distributed shared memory
-    lean: bool = False  # v8's lean build of a non-interleaved variant (see lean_build)
+    cluster: bool = False  # the cluster build (sm_90): partials merged in distributed shared memory
+    lean: bool = False  # the lean build of a non-interleaved variant (see lean_build)
     smem_per_sm: int = SMEM_PER_SM  # the device's (228 KiB on sm_90, 164 on sm_80, 100 on sm_86/89)
 
     def __post_init__(self) -> None:
         if self.lean and not self.can_be_lean:
-            raise ValueError(f"{self}: no lean build (v8 on, a codebook of more than 256 entries)")
+            raise ValueError(f"{self}: no lean build (it needs a codebook of more than 256 entries)")
 
     @property
     def smem_limit(self) -> int:
@@ -142,38 +123,31 @@ class Variant:
 
     @property
     def interleaved(self) -> bool:
-        """v4-v8 with two books of at most 256 entries (128 bytes of copies an entry): entry e's key
-        and value copies share a 256-byte row, so a gather's address is one byte permute of its
-        code (the source's INTERLEAVE). Not where the device's shared memory is too small for
-        the layout's 128 KiB (sm_86/89: 99 KiB a CTA): there they keep v3's layout."""
-        return (since(self.version, "v4") and self.k_entries <= 256 and self.v_entries <= 256
-                and INTERLEAVED_BOOK_BYTES <= self.smem_limit)
-
-    @property
-    def lazy_softmax(self) -> bool:
-        """v5 on: the online softmax moves its running max (and rescales the accumulator) only
-        when a block's score passes it by more than 2^8 (the source's LAZY)."""
-        return since(self.version, "v5")
+        """Two books of at most 256 entries (128 bytes of copies an entry): entry e's key and value
+        copies share a 256-byte row, so a gather's address is one byte permute of its code (the
+        source's INTERLEAVE). Not where the device's shared memory is too small for the layout's
+        128 KiB (sm_86/89: 99 KiB a CTA): there each book keeps its own copies."""
+        return self.k_entries <= 256 and self.v_entries <= 256 and INTERLEAVED_BOOK_BYTES <= self.smem_limit
 
     @property
     def paired_values(self) -> bool:
-        """v6-v8 with at most 4 query heads per KV head: the value product's N holds 4 heads x 2
-        channel parities and its A fragments are the gathered words, untransposed (the source's
-        VPAIR; see block_step there)."""
-        return since(self.version, "v6") and self.group <= 4
+        """At most 4 query heads per KV head: the value product's N holds 4 heads x 2 channel
+        parities and its A fragments are the gathered words, untransposed (the source's VPAIR; see
+        block_step there)."""
+        return self.group <= 4
 
     def byte_book(self, entries: int, dims: int) -> bool:
-        """v7 on for a book of more than 256 entries of 4 or 8 dims: one byte a channel in shared
-        memory (the source's KBYTE / VBYTE; see :mod:`vecinfer_compile.quant.byte_centroids`)."""
-        return since(self.version, "v7") and entries >= BYTE_BOOK_ENTRIES and dims in (4, 8)
+        """A book of more than 256 entries of 4 or 8 dims: one byte a channel in shared memory (the
+        source's KBYTE / VBYTE; see :mod:`vecinfer_compile.quant.byte_centroids`)."""
+        return entries >= BYTE_BOOK_ENTRIES and dims in (4, 8)
 
     @property
     def can_be_lean(self) -> bool:
-        """v8 on, books not interleaved (a 4096-entry book): a lean build exists, with the query
-        fragments in shared memory after the books instead of 16 registers a thread (the source's
-        QSMEM) and one block of codes in registers, each part replaced by the next block's codes
-        once gathered (STAGGER): 3- and 1.5-bit fit 12 warps an SM without spilling (v7: 8)."""
-        return since(self.version, "v8") and not self.interleaved
+        """Books not interleaved (a 4096-entry book): a lean build exists, with the query fragments
+        in shared memory after the books instead of 16 registers a thread (the source's QSMEM) and
+        one block of codes in registers, each part replaced by the next block's codes once gathered
+        (STAGGER): 3- and 1.5-bit fit 12 warps an SM without spilling (the plain build: 8)."""
+        return not self.interleaved
 
     def book_bytes(self) -> int:
         """Both codebooks in shared memory, copies included (interleaved: with the room to start
@@ -204,19 +178,11 @@ class Variant:
             VFMT=self.code_format(self.v_entries),
             KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
             FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
-            INTERLEAVE=int(self.interleaved), LAZY=int(self.lazy_softmax), VPAIR=int(self.paired_values),
+            INTERLEAVE=int(self.interleaved), VPAIR=int(self.paired_values),
             KBYTE=int(self.byte_book(self.k_entries, self.k_dims)), VBYTE=int(self.byte_book(self.v_entries, self.v_dims)),
             QSMEM=int(self.lean), STAGGER=int(self.lean),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
-
-
-def kernel_version() -> str:
-    """``$VECINFER_CUDA_DECODE_VERSION`` (:data:`DEFAULT_VERSION` unless set; see the module docstring)."""
-    version = os.environ.get(VERSION_ENV, DEFAULT_VERSION).strip().lower() or DEFAULT_VERSION
-    if version not in SOURCES:
-        raise ValueError(f"{VERSION_ENV}={version!r}: use one of {', '.join(SOURCES)}")
-    return version
 
 
 @functools.cache
@@ -227,7 +193,7 @@ def _smem_per_sm(device_index: int) -> int:
 def variant_for(q: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor, group: int) -> Variant:
     (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
     smem = _smem_per_sm(device_index(q.device))
-    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16, kernel_version(), smem_per_sm=smem)
+    return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16, smem_per_sm=smem)
 
 
 def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
@@ -253,20 +219,21 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
             return f"a {entries}x{dims} {name} codebook (the CUDA kernel takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
     variant = variant_for(q, k_centroids, v_centroids, group)
     if not launches_for(variant):
-        smem = min(variant.smem_bytes(w) for _, w in LAUNCHES[variant.version])
+        smem = min(variant.smem_bytes(w) for _, w in LAUNCHES)
         return f"the codebooks need {smem} bytes of shared memory, more than this GPU's {variant.smem_limit} per block"
     return None
 
 
 @functools.cache
-def _source(version: str = DEFAULT_VERSION) -> str:
-    return SOURCES[version].read_text()
+def source() -> str:
+    """The kernel's CUDA C++ source (every build compiles it with its own defines)."""
+    return SOURCE.read_text()
 
 
 @dataclass(frozen=True)
 class Built:
-    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (v3-v8 on
-    sm_90) its cluster build with the same launch shape."""
+    """The loaded kernel of one variant, its warps per CTA and resident CTAs per SM, and (on sm_90)
+    its cluster build with the same launch shape."""
 
     kernel: Kernel
     nwarps: int
@@ -277,14 +244,14 @@ class Built:
 def launches_for(variant: Variant) -> list[tuple[int, int]]:
     """The (CTAs per SM, warps per CTA) of :data:`LAUNCHES` whose shared memory fits the SM, in
     order of preference; empty when none does (:func:`unsupported_reason` then names the need)."""
-    return [(c, w) for c, w in LAUNCHES[variant.version]
+    return [(c, w) for c, w in LAUNCHES
             if variant.smem_bytes(w) <= variant.smem_limit
             and c * (variant.smem_bytes(w) + RESERVED_SMEM) <= variant.smem_per_sm]
 
 
 def _compile(variant: Variant, device: torch.device, ctas: int, nwarps: int) -> Kernel:
     major, minor = torch.cuda.get_device_capability(device)
-    image, _ = compile_source(_source(variant.version), "vq_decode", major * 10 + minor,
+    image, _ = compile_source(source(), "vq_decode", major * 10 + minor,
                               ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), f"-DMINB={ctas}"])
     return load_kernels(image, ["vq_decode"], device)["vq_decode"]
 
@@ -292,7 +259,7 @@ def _compile(variant: Variant, device: torch.device, ctas: int, nwarps: int) -> 
 @functools.cache
 def _build(variant: Variant, device_index: int) -> Built:
     """Compile the first launch shape of :func:`launches_for` whose register budget does not make
-    the compiler spill to local memory (the last one otherwise); for v3-v8 on sm_90 also the cluster
+    the compiler spill to local memory (the last one otherwise); on sm_90 also the cluster
     build of that shape, if its shared memory fits."""
     device = torch.device("cuda", device_index)
     shapes = launches_for(variant)
@@ -306,7 +273,7 @@ def _build(variant: Variant, device_index: int) -> Built:
     cluster = None
     clustered = dataclasses.replace(variant, cluster=True)
     major, minor = torch.cuda.get_device_capability(device)
-    if variant.version in CLUSTER_VERSIONS and major * 10 + minor >= CLUSTER_ARCH and (ctas, nwarps) in launches_for(clustered):
+    if major * 10 + minor >= CLUSTER_ARCH and (ctas, nwarps) in launches_for(clustered):
         cluster = _compile(clustered, device, ctas, nwarps)
         cluster.set_dynamic_smem(clustered.smem_bytes(nwarps))
     return Built(kernel, nwarps, ctas, cluster)
@@ -323,17 +290,17 @@ LEAN_MIN_BLOCKS_PER_WARP = 24  # 3-bit, H200: 31 blocks a warp and more gain 1-5
 def lean_may_gain(variant: Variant, plain: Built) -> bool:
     """Whether ``variant`` has a lean build that could run more warps an SM than its plain build
     ``plain`` (which does not already run the most that :data:`LAUNCHES` offers)."""
-    most = max(c * w for c, w in LAUNCHES[variant.version])
+    most = max(c * w for c, w in LAUNCHES)
     return variant.can_be_lean and plain.ctas_per_sm * plain.nwarps < most
 
 
 def lean_build(variant: Variant, device: torch.device, batch_heads: int, tmax: int) -> Built:
-    """The build a call runs (v8): the lean one (:attr:`Variant.can_be_lean`) when it runs more warps
+    """The build a call runs: the lean one (:attr:`Variant.can_be_lean`) when it runs more warps
     an SM than the plain one and the call is long, at least :data:`LEAN_MIN_BLOCKS_PER_WARP` blocks of
     64 positions for each of the plain build's warps on the GPU (its shapes only, as the split: the
     codes' capacity ``tmax``, not their fill); the plain build otherwise. More warps hide the
     4096-entry books' gathers better in a long call, and cost more than they hide in a short one
-    (every CTA fills its books; the query comes from shared memory): see docs/results.md."""
+    (every CTA fills its books; the query comes from shared memory): see docs/results."""
     plain = kernels_for(variant, device)
     if not lean_may_gain(variant, plain):
         return plain
@@ -348,7 +315,7 @@ def num_splits(batch_heads: int, tmax: int, ctas_per_sm: int, sms: int, nwarps: 
     """CTAs per (batch row, KV head): as many as fill one wave of the SMs without starting a second
     (a partial second wave doubles the time), but no more warps than there are 64-position blocks
     in ``tmax``, the codes' capacity (a cache's codes and window together hold at most that many
-    positions; v1's window CTAs come on top and run after the others). Depends on shapes only
+    positions). Depends on shapes only
     (never on the cache's fill), so CUDA graphs and compile do not specialise on the length; each
     warp's range is cut from the actual ``n_coded`` and ``n_window`` on the device."""
     wave = sms * ctas_per_sm
@@ -360,7 +327,7 @@ _ACTIVE_CLUSTERS: dict[tuple[int, int], int] = {}
 
 
 def cluster_size(built: Built, batch_heads: int, splits: int) -> int | None:
-    """The cluster of a v3-v8 launch: ``splits`` (each row's CTAs one cluster) when the cluster build
+    """The cluster of a launch: ``splits`` (each row's CTAs one cluster) when the cluster build
     exists (sm_90), the split is at most :data:`MAX_CLUSTER` CTAs, and all ``batch_heads`` rows'
     clusters fit on the GPU at once (a second wave of clusters would cost more than the merge
     saves; a split of one CTA is a cluster of one, scheduled as any CTA); None for the global merge."""
@@ -383,7 +350,7 @@ _BOOKS: dict[tuple[int, torch.dtype | None], tuple[weakref.ref, int, int, torch.
 
 def prepared_book(centroids: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """float32 centroids ``[E, d]`` -> the same ``[E, d]`` in ``dtype`` (16-bit, 16-byte aligned), as
-    the v2 kernel reads them, or for ``dtype`` None v7's byte book (int16 pairs of the bytes of
+    the kernel reads them, or for ``dtype`` None the byte book (int16 pairs of the bytes of
     :func:`vecinfer_compile.quant.byte_centroids.packed_byte_book`): converted once per codebook
     tensor and kept while that tensor lives, so that a decode step launches no conversion. The copy is made again when the tensor has been
     modified in place (its version counter moved) or moved in memory. Inside a CUDA-graph capture a
@@ -392,8 +359,7 @@ def prepared_book(centroids: torch.Tensor, dtype: torch.dtype | None) -> torch.T
     A kept CUDA copy lives outside torch's allocator (:func:`.nvrtc.device_copy`): made during a
     CUDA-graph tree's warm-up, a copy from torch's allocator would sit in that graph's pool, and
     the capture refuses live tensors there that it does not return.
-    (The kernel rounds to 16 bits either way: the float32 kernel converted each centroid with the
-    same round-to-nearest.) Inference tensors keep no version counter: theirs is read as 0, so a
+    Inference tensors keep no version counter: theirs is read as 0, so a
     codebook made under ``torch.inference_mode`` and then changed in place there would not be
     seen; codebooks are constants after calibration. Each conversion bumps
     ``counters["vecinfer"]["decode_book_conversions"]`` (a compiled decode step should add none)."""
@@ -415,14 +381,14 @@ _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[>= n]`` zeros: the arrival counters of a v2 launch on the current stream.
+    """int32 ``[>= n]`` zeros: the arrival counters of a launch on the current stream.
 
     One buffer per (device, stream), so that launches sharing it are ordered by their stream; the
     merging CTA of each row zeroes it again. It lives outside torch's allocator (never freed):
     a CUDA graph that captured it keeps using it, and no graph pool can hand its memory to
     another tensor. A buffer is made only outside a capture; a capture on a stream that has none
     yet (its warm-up ran on another stream) gets zeros from torch's allocator, memset inside the
-    graph, as the v1 kernel always does. (A graph replayed while eager calls run on its capture
+    graph. (A graph replayed while eager calls run on its capture
     stream at the same time would share counters; torch's CUDA-graph trees warm up and capture on
     a stream of their own and synchronize the device before each warm-up.)"""
     key = (device_index(device),
@@ -471,23 +437,17 @@ def decode_attention_cuda(
     q = q.contiguous()
     k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
     k_window, v_window = _aligned(k_window.to(q.dtype)), _aligned(v_window.to(q.dtype))
-    v1 = variant.version == "v1"  # float32 centroids converted by the kernel, a CTA of its own for the window
-    if v1:
-        k_centroids, v_centroids = _aligned(k_centroids), _aligned(v_centroids)
-    else:
-        k_centroids, v_centroids = (prepared_book(c, None if variant.byte_book(*c.shape) else q.dtype)
-                                    for c in (k_centroids, v_centroids))
+    k_centroids, v_centroids = (prepared_book(c, None if variant.byte_book(*c.shape) else q.dtype)
+                                for c in (k_centroids, v_centroids))
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, sm_count(device_index(q.device)), built.nwarps)
-    cluster = None if v1 else cluster_size(built, b * hkv, splits)
+    cluster = cluster_size(built, b * hkv, splits)
     if cluster is not None:  # partials stay in shared memory: none in global memory, no counters
         kernel, units, partials = built.cluster, splits, [None, None, None, None]
     else:
-        kernel, units = built.kernel, splits + 1 if v1 else splits  # one partial per CTA
+        kernel, units = built.kernel, splits  # one partial per CTA
         part_m = torch.empty((b * hkv, units, group), dtype=torch.float32, device=q.device)
         part_acc = torch.empty((b * hkv, units, group, d), dtype=torch.float32, device=q.device)
-        arrivals = (torch.zeros((b * hkv,), dtype=torch.int32, device=q.device) if v1
-                    else arrival_counters(b * hkv, q.device))
-        partials = [part_m, torch.empty_like(part_m), part_acc, arrivals]
+        partials = [part_m, torch.empty_like(part_m), part_acc, arrival_counters(b * hkv, q.device)]
     out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
     start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
     kernel.launch(
