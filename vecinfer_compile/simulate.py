@@ -40,6 +40,7 @@ from .layer_kinds import kv_producers, some_coded_layers
 from .methods import VQ_METHODS, check_method
 from .quant.codebook import quantize_dequantize
 from .quant.kivi import kivi_keys, kivi_values
+from .window import simulate_mask
 
 ATTN_NAME = "vecinfer"
 UNSKIPPED_MASKS_NAME = "vecinfer_unskipped_masks"  # the same attention, for eager-only models
@@ -109,15 +110,6 @@ def key_positions(position_ids: torch.Tensor | None, tk: int, device) -> torch.T
     return position_ids[:, -1:].to(device) - (tk - 1) + torch.arange(tk, device=device)
 
 
-def window_mask(tq: int, tk: int, residual: int, device) -> torch.Tensor:
-    """``[Tq, Tk]`` bool: True where key j is inside query i's full-precision window
-    (``0 <= (i + Tk - Tq) - j < residual``: keys after the query's position, visible only
-    through a non-causal mask, are quantized)."""
-    i = torch.arange(tq, device=device)[:, None] + (tk - tq)
-    j = torch.arange(tk, device=device)[None, :]
-    return (i - j >= 0) & (i - j < residual)
-
-
 def simulated_attention(q, k, v, k_hat, v_hat, attn_mask, is_causal, scale, residual):
     """Attention where keys/values inside the residual window are exact and the rest are the
     dequantized ``k_hat``/``v_hat``. q: ``[B, Hq, Tq, D]``; k, v, k_hat, v_hat:
@@ -130,7 +122,7 @@ def simulated_attention(q, k, v, k_hat, v_hat, attn_mask, is_causal, scale, resi
             q, k_hat, v_hat, attn_mask=attn_mask, is_causal=is_causal, scale=scale
         )
     tq, tk = q.shape[2], k.shape[2]
-    exact = window_mask(tq, tk, residual, q.device)
+    exact = simulate_mask(tq, tk, residual, q.device)
     qf = q.float()
     scores = torch.where(exact, qf @ k.float().transpose(-1, -2), qf @ k_hat.float().transpose(-1, -2))
     scores = scores * scale

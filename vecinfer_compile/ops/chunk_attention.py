@@ -1,18 +1,12 @@
 """Attention of a chunk of new tokens entering a non-empty compressed cache layer.
 
-**The rule** (the one place it is written; :class:`~vecinfer_compile.cache.VecInferCache` and
-:func:`~vecinfer_compile.cache.cache_window_mask` refer here). A chunk of ``C >= 2`` tokens
+**The rule** is the chunk case of :mod:`vecinfer_compile.window`. A chunk of ``C >= 2`` tokens
 appended to a layer that holds ``n_coded`` coded slots and ``w`` window slots attends over::
 
     [ the n_coded coded slots, dequantized ; the w window slots ; the chunk's own C keys ]
 
-the last ``w + C`` in full precision (the cache dtype), causal within the chunk (query ``i`` sees
-chunk keys ``j <= i``) and with left padding (slots before ``kv_start[b]``) masked; only then is
-the chunk appended (the tokens that leave the window are encoded). Every query therefore sees at
-least its last ``R`` keys in full precision (``w = min(R, held)``), and the whole chunk, so a
-chunked prompt is never less accurate than the simulate path at the same ``R``. One token (a
-decode step) is the other case: it is appended first and reads the window of the ``R`` newest
-tokens, itself included.
+the last ``w + C`` in full precision (the cache dtype), causal within the chunk and with left
+padding (slots before ``kv_start[b]``) masked; only then is the chunk appended.
 
 Everything here is in the cache's *code domain*: queries ``q~`` (the query-side transform of
 :mod:`.decode_inputs`), keys ``K~`` as the window and the codebooks hold them. For the centring

@@ -14,6 +14,7 @@ import torch
 
 from ..quant.packing import pack_codes, unpack_codes
 from ..quant.score_aware import score_aware_indices
+from ..window import simulate_mask
 from .checks import check_attention_args, check_decode_args, check_encode_args
 
 
@@ -105,9 +106,9 @@ def attention(
 
     q ``[B, Hq, Tq, D]`` (q~) fp16/bf16/fp32; k_codes ``[B, Hkv, Tk, Wk]``, v_codes
     ``[B, Hkv, Tk, Wv]`` uint8 stored codes (``W = packed_width(D // d, E)``); centroids float32 ``[E, d]``; k_full/v_full ``[B, Hkv, Tk, D]``
-    replace the codes of key j for query i when ``0 <= (i + Tk - Tq) - j < residual``: the
-    ``residual`` most recent keys up to the query's own position (queries bottom-right aligned);
-    keys after it, which only a non-causal mask makes visible, stay quantized; attn_mask bool
+    replace the codes of key j for query i inside its window of ``residual`` keys by the simulate
+    rule of :mod:`vecinfer_compile.window` (keys after the query's position, which only a
+    non-causal mask makes visible, stay quantized); attn_mask bool
     (True = attend) or additive float, broadcastable to ``[B, Hq, Tq, Tk]``; is_causal: key
     ``j <= i`` (top-left, as SDPA). Fully masked rows give zeros. Returns ``[B, Hq, Tq, D]``
     in q.dtype.
@@ -122,8 +123,7 @@ def attention(
     i = torch.arange(tq, device=q.device)[:, None]
     j = torch.arange(tk, device=q.device)[None, :]
     if residual > 0:
-        back = i + (tk - tq) - j
-        full = (back >= 0) & (back < residual)
+        full = simulate_mask(tq, tk, residual, q.device)
         full_scores = (qf @ k_full.float().transpose(-1, -2)).reshape(b, hkv, group, tq, tk) * scale
         scores = torch.where(full, full_scores, scores)
     if attn_mask is not None:

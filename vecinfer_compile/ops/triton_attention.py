@@ -91,7 +91,7 @@ def _attention_kernel(
             s = tl.dot(q, tl.trans(k))
         if HAS_RESIDUAL:
             near = (i_lo + TK - TQ) - (j0 + BLOCK_N - 1) < residual
-            back = qi[:, None] + (TK - TQ) - offs_j[None, :]
+            back = qi[:, None] + (TK - TQ) - offs_j[None, :]  # the simulate rule of vecinfer_compile.window
             full = (back >= 0) & (back < residual)
             if near:
                 kf = tl.load(kf_ptr + b * skf_b + kvh * skf_h + offs_j[:, None] * skf_t + d[None, :],

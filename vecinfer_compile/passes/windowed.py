@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from ..ops.flash_kernels import cudnn_serves as _cudnn_serves
 from ..ops.flash_kernels import flash_serves as _flash_serves
 from ..ops.lse_merge import merge_by_lse
+from ..window import in_window
 
 aten = torch.ops.aten
 
@@ -162,8 +163,7 @@ def _quantized_bias(q, tq, tk, residual, is_causal, allowed, bias):
     """The bias form of the quantized part: (additive bias, rows with a visible key)."""
     i = torch.arange(tq, device=q.device)[:, None]
     j = torch.arange(tk, device=q.device)[None, :]
-    pos = i + (tk - tq)
-    visible = (j <= pos - residual) | (j > pos)
+    visible = ~in_window(i + (tk - tq), j, residual)
     if is_causal:
         visible = visible & (j <= i)
     visible = visible[None, None] if allowed is None else visible & allowed
@@ -190,8 +190,7 @@ def _band_bias(q, hkv, tq, tk, residual, block, is_causal, allowed, bias):
     rows = c * block + torch.arange(block, device=q.device)[None, :]  # [nc, block]
     keys = c * block + (off - residual + 1) + torch.arange(slab, device=q.device)[None, :]  # [nc, slab]
     i, j = rows[:, :, None], keys[:, None, :]
-    back = i + off - j
-    visible = (back >= 0) & (back < residual) & (j >= 0) & (j < tk) & (i < tq)  # [nc, block, slab]
+    visible = in_window(i + off, j, residual) & (j >= 0) & (j < tk) & (i < tq)  # [nc, block, slab]
     if is_causal:
         visible = visible & (j <= i)
     key_index = keys.clamp(0, tk - 1)
