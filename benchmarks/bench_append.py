@@ -19,7 +19,7 @@ import argparse
 import torch
 
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
-from vecinfer_compile.ops.cache_append import append_reference
+from vecinfer_compile.ops.append import append_reference
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.packing import pack_codes
 

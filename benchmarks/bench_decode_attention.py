@@ -36,8 +36,9 @@ if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout,
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import copies_for, graph_time_ms  # a sibling: benchmarks/ is on sys.path
-from vecinfer_compile.ops import cuda_decode, reference
-from vecinfer_compile.ops.triton_decode import decode_attention_triton
+from vecinfer_compile.ops import reference
+from vecinfer_compile.ops.cuda import decode as cuda_decode
+from vecinfer_compile.ops.triton.decode import decode_attention_triton
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.byte_centroids import snap_centroids
 from vecinfer_compile.quant.packing import pack_codes

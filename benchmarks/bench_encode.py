@@ -23,7 +23,7 @@ import triton
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.ops import reference
-from vecinfer_compile.ops.triton_encode import SCAN_MAX_ENTRIES, EncodeConfig, encode_triton
+from vecinfer_compile.ops.triton.encode import SCAN_MAX_ENTRIES, EncodeConfig, encode_triton
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.score_aware import check_parallel_weight

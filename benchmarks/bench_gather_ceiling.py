@@ -25,7 +25,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
-from vecinfer_compile.ops.triton_decode import SplitConfig, decode_attention_triton, num_splits
+from vecinfer_compile.ops.triton.decode import SplitConfig, decode_attention_triton, num_splits
 
 HQ, HKV, D, NSUB, DSUB, R = 32, 8, 128, 32, 4, 128
 SHAPES = ((64, 4, 4), (128, 4, 4), (64, 8, 8), (32, 4, 8), (128, 8, 4))  # block_n, warps, waves

@@ -63,7 +63,7 @@ B=16, T=32k on an H200 both baselines ran out of memory that way, right after ou
 ``--prefill-chunk N`` runs every method's prompt through the model in eager chunks of N tokens
 before ``generate`` (``ours=128,fp16=1024``: per method): at B=16, T=32k HF's static cache cannot
 prefill in one eager forward on an H200, and at the largest batches no method can (ours' chunks
-read the older tokens from codes, by the rule of ``vecinfer_compile.ops.chunk_attention``, so its
+read the older tokens from codes, by the rule of ``vecinfer_compile.ops.split_attention.chunk``, so its
 prompt numerics change; the timed decode step does not). ``--until-error`` skips a method at
 larger batch sizes of a length once it failed at a smaller one, so a list of batch sizes finds the
 largest that fits; ``--in-run-only`` skips the 1-token run there (its prefill is most of a large

@@ -7,8 +7,8 @@ head_dim 128, bf16), 2-bit codes by default:
 - ours: what an eager chunk over a :class:`~vecinfer_compile.VecInferCache` runs on CUDA
   (:meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>` after its
   mask check, no padding): the query-side transform (``lam``, Hadamard) and
-  :func:`vecinfer_compile.ops.chunk_attention.split_flash`: the coded prefix dequantized a few rows
-  at a time (the CUDA kernel, :mod:`vecinfer_compile.ops.cuda_dequant`) and read by cuDNN attention
+  :func:`vecinfer_compile.ops.split_attention.chunk.split_flash`: the coded prefix dequantized a few rows
+  at a time (the CUDA kernel, :mod:`vecinfer_compile.ops.cuda.dequant`) and read by cuDNN attention
   (non-causal, GQA in the kernel), the window and the chunk through FlashAttention-2 (causal),
   merged by log-sum-exp.
 - FP16: FlashAttention-2 (``aten._flash_attention_forward``, GQA in the kernel) of the same
@@ -22,7 +22,7 @@ faster. Ours' two main stages are timed alone too, with the kernels ours runs (t
 of every row's prefix, K and V; the prefix attention over a ready workspace); the rest of ours is
 the window attention, the merge and the query transform. ``TFLOP/s`` is the FP16 kernel's rate on the chunk's causal FLOPs
 (``4 B Hq C (T + R + C / 2) D``). On the smaller cases ours is checked against the float32 oracle
-(:func:`~vecinfer_compile.ops.chunk_attention.reference`).
+(:func:`~vecinfer_compile.ops.split_attention.chunk.reference`).
 
     python benchmarks/bench_prefill_attention.py [--chunks 512,2048,4096] [--lengths 8192,32768,131072]
         [--batches 1,8] [--bits 2] [--prefix-kernel auto|cudnn|flash] [--dequantize auto|cuda|triton]
@@ -36,9 +36,11 @@ import argparse
 import torch
 
 from bench_common import copies_for, graph_time_ms, write_json  # a sibling: benchmarks/ is on sys.path
-from vecinfer_compile.ops import chunk_attention as ca
-from vecinfer_compile.ops import cuda_dequant
-from vecinfer_compile.ops.triton_dequant import dequantize_triton
+from vecinfer_compile.ops import reference
+from vecinfer_compile.ops.cuda import dequant as cuda_dequant
+from vecinfer_compile.ops.dequantize import dequantize_into
+from vecinfer_compile.ops.split_attention import chunk as ca
+from vecinfer_compile.ops.triton.dequant import dequantize_triton
 from vecinfer_compile.ops.decode_inputs import transform_queries
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant import hadamard_matrix
@@ -67,7 +69,7 @@ def our_inputs(b: int, t: int, c: int, bits: float, g: torch.Generator):
     return q, keys, lam, hadamard_matrix(D, torch.float32, dev)
 
 
-DEQUANTIZE = {"auto": ca.dequantize_into, "cuda": cuda_dequant.dequantize_cuda, "triton": dequantize_triton}
+DEQUANTIZE = {"auto": dequantize_into, "cuda": cuda_dequant.dequantize_cuda, "triton": dequantize_triton}
 PREFIX = {"auto": None, "cudnn": "cudnn", "flash": "flash"}
 CHOICE = {"dequantize": "auto", "prefix": "auto"}  # --dequantize / --prefix-kernel
 
@@ -132,7 +134,7 @@ def run_case(b: int, t: int, c: int, bits: float) -> dict:
     if b * HQ * c * (t + R + c) <= CHECK_MAX_SCORES:
         q, keys, lam, rot = first
         q_t = transform_queries(q, lam, rot)
-        want = ca.reference(q_t.float(), keys, None, D ** -0.5)
+        want = reference.chunk_attention(q_t.float(), keys, None, D ** -0.5)
         row["max_err"] = (ours(*first).float() - want).abs().max().item()
     del sets, first, dequant, prefix
     torch.cuda.empty_cache()

@@ -28,8 +28,8 @@ import triton
 
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
-from vecinfer_compile.ops.triton_attention import DEFAULT_CONFIG, AttentionConfig, attention_triton
-from vecinfer_compile.passes.windowed import window_plan, windowed_attention
+from vecinfer_compile.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, attention_triton
+from vecinfer_compile.ops.split_attention.windowed import window_plan, windowed_attention
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.transform import KeyTransform
 

@@ -1,6 +1,6 @@
 """Instructions in the CUDA decode kernel's main loop, per build, without a GPU.
 
-Compiles ``ops/cuda_decode.cu`` with NVRTC for sm_90 at ``--warps`` warps per CTA (12 by default;
+Compiles ``ops/cuda/decode.cu`` with NVRTC for sm_90 at ``--warps`` warps per CTA (12 by default;
 the H200 runs 8 where a 12-warp build spills: the launch line of ``bench_decode_attention.py``
 says which), disassembles the cubin with
 ``nvdisasm`` (from the ``nvidia-cuda-nvdisasm`` wheel or ``PATH``), and prints, for the plain
@@ -117,8 +117,8 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 def disassemble(head_dim: int, group: int, kspec: tuple[int, int], vspec: tuple[int, int],
                 warps: int, lean: bool = False) -> tuple[str, dict[str, int]]:
-    from vecinfer_compile.ops import cuda_decode
-    from vecinfer_compile.ops.nvrtc import compile_source
+    from vecinfer_compile.ops.cuda import decode as cuda_decode
+    from vecinfer_compile.ops.cuda.nvrtc import compile_source
 
     variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, False, lean=lean)
     image, is_cubin = compile_source(cuda_decode.source(), "vq_decode", 90,
@@ -133,7 +133,7 @@ def disassemble(head_dim: int, group: int, kspec: tuple[int, int], vspec: tuple[
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from vecinfer_compile.ops import cuda_decode
+    from vecinfer_compile.ops.cuda import decode as cuda_decode
     from vecinfer_compile.presets import get_preset
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

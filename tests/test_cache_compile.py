@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferCache, cache_kwargs
-from vecinfer_compile.ops.cache_append import append_reference
-from vecinfer_compile.ops.cache_ops import is_cache_kv
+from vecinfer_compile.ops.append import append_reference
+from vecinfer_compile.ops.registry import is_op
 from vecinfer_compile.passes.cache_append import rewrite_cache_append
 from vecinfer_compile.ops.decode_inputs import kv_start_from_mask, transform_queries
 from vecinfer_compile.passes.cache_decode import CACHE_READ_META, rewrite_cache_attention
@@ -69,7 +69,7 @@ def _full_length_float_nodes(gm, tmax, head_dim):
 def _check_rewritten_graph(gm, layers, tmax, head_dim):
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert sum(t in DECODE_OPS for t in targets) == layers
-    assert not any(is_cache_kv(t) for t in targets), "dequantized cache read left in the graph"
+    assert not any(is_op(t, "cache_kv") for t in targets), "dequantized cache read left in the graph"
     assert F.scaled_dot_product_attention not in targets
     assert "decode_attention" in gm.code and "cache_kv" not in gm.code
     assert _full_length_float_nodes(gm, tmax, head_dim) == []
@@ -298,7 +298,7 @@ def test_compiled_chunked_prefill_equals_eager(method="qaware"):
     """generate(prefill_chunk_size=...) with a compile config: transformers builds each chunk's mask
     eagerly and runs the chunk compiled (as it does on CUDA). Every chunk's logits and the tokens
     equal the eager run's: the first chunk's attention stays in full precision (the backend keeps
-    it so, as the eager prefill does), the later chunks follow ops.chunk_attention's rule, and the
+    it so, as the eager prefill does), the later chunks follow the chunk rule of vecinfer_compile.window, and the
     mask is as long as the compiled read (it used to be the valid slots: a shape error)."""
     from vecinfer_compile.backend import vecinfer_backend
 

@@ -20,7 +20,7 @@ from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.methods import SIMULATE_ONLY, VQ_METHODS
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.decode_inputs import transform_queries
-from vecinfer_compile.passes.windowed import window_plan, windowed_attention
+from vecinfer_compile.ops.split_attention.windowed import window_plan, windowed_attention
 from vecinfer_compile.quant.codebook import quantize_dequantize
 from vecinfer_compile.quant.query_aware import query_aware_matrices, second_moment
 from vecinfer_compile.quant.transform import KeyTransform, centre_keys, smoothing_factors

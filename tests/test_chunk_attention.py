@@ -1,4 +1,4 @@
-"""Chunk attention over a compressed cache (:mod:`vecinfer_compile.ops.chunk_attention`) against
+"""Chunk attention over a compressed cache (:mod:`vecinfer_compile.ops.split_attention.chunk`) against
 its oracle.
 
 - CPU: the fast path's orchestration (the varlen offsets of each row's padding, row groups of the
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vecinfer_compile.ops import chunk_attention as ca
+from vecinfer_compile.ops.split_attention import chunk as ca
+from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.reference import dequantize
 from vecinfer_compile.quant.packing import pack_codes
 
@@ -67,7 +68,7 @@ def dense_cudnn_prefix(q, k, v, scale):
 
 
 def torch_dequantize_into(codes, centroids, length, out):
-    """:func:`ca.dequantize_triton`'s contract by the torch reference."""
+    """:func:`dequantize_triton`'s contract by the torch reference."""
     out.copy_(dequantize(codes[:, :, :length], centroids.float()).transpose(1, 2).to(out.dtype))
     return out
 
@@ -126,7 +127,7 @@ def test_split_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, windo
     with mock.patch.object(ca, "flash_varlen", dense_flash_varlen), mock.patch.object(ca, "WORKSPACE_BYTES", workspace), \
             mock.patch.object(ca, "cudnn_prefix", dense_cudnn_prefix):
         got = ca.split_flash(q, keys, kv_start, 0.3, dequantize=torch_dequantize_into, prefix_kernel=prefix_kernel)
-    torch.testing.assert_close(got, ca.reference(q, keys, kv_start, 0.3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3), rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
@@ -150,14 +151,14 @@ def test_dense_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, windo
     kv_start = start_of(gen, b, keys.length - 1)  # every row sees its last query's key at least
     mask = None
     if mask_kind != "none":
-        mask = ca.standard_mask(b, chunk, keys.length, kv_start, "cpu").expand(b, hkv * group, chunk, keys.length)
+        mask = reference.chunk_mask(b, chunk, keys.length, kv_start, "cpu").expand(b, hkv * group, chunk, keys.length)
         mask = mask & (torch.rand(mask.shape, generator=gen) > 0.2)  # holes, per head
         if mask_kind == "float":
             mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")) - torch.rand(mask.shape, generator=gen)
     workspace = 1 << 30 if rows_at_once is None else 1
     with mock.patch.object(ca, "WORKSPACE_BYTES", workspace):
         got = ca.reference_by_rows(q, keys, kv_start, 0.3, mask)
-    torch.testing.assert_close(got, ca.reference(q, keys, kv_start, 0.3, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3, mask), rtol=1e-5, atol=1e-5)
 
 
 def test_standard_mask_is_hf_chunk_mask():
@@ -167,7 +168,7 @@ def test_standard_mask_is_hf_chunk_mask():
     padding = torch.tensor([[1] * 9, [0, 0, 0] + [1] * 6])
     hf = sdpa_mask(batch_size=2, q_length=4, kv_length=9, q_offset=5, kv_offset=0,
                    mask_function=causal_mask_function, attention_mask=padding, allow_is_causal_skip=False)
-    ours = ca.standard_mask(2, 4, 9, torch.tensor([0, 3]), "cpu")
+    ours = reference.chunk_mask(2, 4, 9, torch.tensor([0, 3]), "cpu")
     assert torch.equal(hf, ours)
 
 
@@ -177,7 +178,7 @@ def test_chunk_mask_check_is_once_per_mask():
     from vecinfer_compile.ops.decode_inputs import chunk_mask_layout
 
     start = torch.tensor([0, 2])
-    mask = ca.standard_mask(2, 3, 8, start, "cpu").clone()
+    mask = reference.chunk_mask(2, 3, 8, start, "cpu").clone()
     arange = torch.arange
     with mock.patch("torch.arange", side_effect=arange) as calls:
         assert chunk_mask_layout(mask, start, 8) == (True, True)
@@ -186,7 +187,7 @@ def test_chunk_mask_check_is_once_per_mask():
     assert first > 0 and calls.call_count == first
     mask[1, 0, 2, 4] = False  # a hole
     assert chunk_mask_layout(mask, start, 8) == (False, True)
-    unpadded = ca.standard_mask(2, 3, 8, torch.tensor([0, 0]), "cpu")
+    unpadded = reference.chunk_mask(2, 3, 8, torch.tensor([0, 0]), "cpu")
     assert chunk_mask_layout(unpadded, torch.tensor([0, 0]), 8) == (True, False)
     wide = torch.nn.functional.pad(unpadded, (0, 5))  # over 13 cache slots, 8 valid
     assert chunk_mask_layout(wide, torch.tensor([0, 0]), 8) == (True, False)
@@ -240,7 +241,8 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
 def test_cuda_dequant_source_compiles_for_sm90(book, d):
     """The CUDA prefix dequantization compiles with NVRTC to an sm_90 cubin for every preset's book
     and head dim (syntax and PTX errors caught without a GPU)."""
-    from vecinfer_compile.ops import cuda_dequant, nvrtc
+    from vecinfer_compile.ops.cuda import dequant as cuda_dequant
+    from vecinfer_compile.ops.cuda import nvrtc
 
     try:
         nvrtc.nvrtc()
@@ -263,7 +265,8 @@ def test_cuda_dequantize_kernels_equal_the_reference(kernel, book, d):
     codes, every preset's book; nothing past ``length`` is written."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vecinfer_compile.ops import cuda_dequant, triton_dequant
+    from vecinfer_compile.ops.cuda import dequant as cuda_dequant
+    from vecinfer_compile.ops.triton import dequant as triton_dequant
 
     gen = torch.Generator().manual_seed(d + book[0] + book[1])
     codes = pack_codes(torch.randint(0, book[0], (4, 3, 1001, d // book[1]), generator=gen), book[0]).cuda()
@@ -306,9 +309,9 @@ def test_cuda_chunk_attention_equals_the_oracle(seed, b, hkv, group, d, chunk, n
     assert ca.fast_path_serves(q)
     got = ca.attend(q, keys, kv_start, scale)
     assert got.dtype == dtype and got.isfinite().all()
-    want = ca.reference(q.float(), keys, kv_start, scale)
-    k, v = ca._full_keys(keys, slice(None), dtype)
-    mask = ca.standard_mask(b, chunk, keys.length, kv_start, "cuda")
+    want = reference.chunk_attention(q.float(), keys, kv_start, scale)
+    k, v = reference.chunk_kv_dense(keys, slice(None), dtype)
+    mask = reference.chunk_mask(b, chunk, keys.length, kv_start, "cuda")
     low = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     low = torch.where(mask.any(-1, keepdim=True), low, 0)  # rows that see nothing: zeros, as ours
     err, base = (got.float() - want).abs().max().item(), (low.float() - want).abs().max().item()

@@ -78,8 +78,8 @@ def test_record_undo_opcheck(residual):
 def _opaque_append():
     """``vecinfer::cache_append``'s torch form as an opaque op that mutates the cache buffers,
     as the CUDA append is (that kernel runs on CUDA only)."""
-    from vecinfer_compile.ops.cache_append import append_reference
-    from vecinfer_compile.ops.library import APPEND_MUTATES
+    from vecinfer_compile.ops.append import append_reference
+    from vecinfer_compile.ops.append import MUTATES as APPEND_MUTATES
 
     if not hasattr(torch.ops.vecinfer_test, "opaque_append"):
         def opaque_append(key: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,

@@ -124,7 +124,7 @@ def _chunk_mask(batch, prompt, chunk, pad):
 def test_attend_chunk_reads_the_old_cache_and_itself_in_full_precision(method, group, hkv, d, batch, residual,
                                                                        prompt, chunk, explicit_mask,
                                                                        one_row_at_a_time, seed):
-    """An eager chunk (a codes read) attends by the rule of ``ops.chunk_attention``: it equals one
+    """An eager chunk (a codes read) attends by the chunk rule of ``vecinfer_compile.window``: it equals one
     SDPA over the layer's dequantized read *before* the chunk (codes and window, original key
     domain) followed by the chunk's own K/V as given, with HF's causal + left-padding mask or,
     without a mask, bottom-right causal; chunks shorter and longer than the window, every
@@ -137,7 +137,7 @@ def test_attend_chunk_reads_the_old_cache_and_itself_in_full_precision(method, g
         mask[:] = _chunk_mask(1, prompt, chunk, [0])
     kk, vv = (torch.cat([a, b], 2).repeat_interleave(group, 1) for a, b in ((bk, k), (bv, v)))
     want = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
-    with mock.patch("vecinfer_compile.ops.chunk_attention.WORKSPACE_BYTES", 1 if one_row_at_a_time else 1 << 30):
+    with mock.patch("vecinfer_compile.ops.split_attention.chunk.WORKSPACE_BYTES", 1 if one_row_at_a_time else 1 << 30):
         got = layer.attend_chunk(q, mask if explicit_mask else None, None, keys)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
@@ -156,7 +156,7 @@ def test_attend_chunk_applies_a_mask_it_cannot_reduce_to_left_padding(change):
     elif change == "bias":
         mask[0, :, :, :9] = -0.5 * torch.arange(9.0)
     kk, vv = (torch.cat([a, b], 2).repeat_interleave(2, 1) for a, b in ((bk, k), (bv, v)))
-    from vecinfer_compile.ops import chunk_attention
+    from vecinfer_compile.ops.split_attention import chunk as chunk_attention
 
     with mock.patch.object(chunk_attention, "reference_by_rows", side_effect=chunk_attention.reference_by_rows) as dense:
         got = layer.attend_chunk(q, mask, None, keys)
@@ -296,7 +296,8 @@ def test_attend_chunk_on_cuda_takes_the_fast_path(method):
     chunked prefill on CUDA: that path is the compiled one)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vecinfer_compile.ops import chunk_attention
+    from vecinfer_compile.ops import reference
+    from vecinfer_compile.ops.split_attention import chunk as chunk_attention
 
     torch.manual_seed(0)
     b, hkv, group, d, prompt, chunk = 3, 2, 4, 128, 301, 77
@@ -306,13 +307,13 @@ def test_attend_chunk_on_cuda_takes_the_fast_path(method):
     k, _ = layer.update(*(torch.randn(b, hkv, chunk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
     keys = getattr(k, eager_decode._CHUNK)
     start = torch.tensor([0, 5, 200], device="cuda")
-    mask = chunk_attention.standard_mask(b, chunk, prompt + chunk, start, "cuda")
+    mask = reference.chunk_mask(b, chunk, prompt + chunk, start, "cuda")
     q = torch.randn(b, hkv * group, chunk, d, device="cuda", dtype=torch.bfloat16)
     with mock.patch.object(chunk_attention, "reference_by_rows", side_effect=AssertionError("dense path")):
         got = layer.attend_chunk(q, mask, None, keys)
     from vecinfer_compile.ops.decode_inputs import transform_queries
 
-    want = chunk_attention.reference(transform_queries(q, layer.lam, layer.rotation, layer.key_read).float(), keys,
+    want = reference.chunk_attention(transform_queries(q, layer.lam, layer.rotation, layer.key_read).float(), keys,
                                      start, d ** -0.5)
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 

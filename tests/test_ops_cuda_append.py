@@ -1,4 +1,4 @@
-"""The CUDA cache append (``ops/cuda_append.cu``), its torch reference and the choice between them.
+"""The CUDA cache append (``ops/cuda/append.cu``), its torch reference and the choice between them.
 
 - CPU: every preset's and key transform's variant compiles with NVRTC to an sm_90 cubin; the
   choice rules; the backend pass puts the torch form into CPU graphs.
@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 import vecinfer_compile.ops as ops  # noqa: F401  registers the ops
 from test_cache import assert_nearest
-from vecinfer_compile.ops import cuda_append, decode_kernels
-from vecinfer_compile.ops.cache_append import append_reference, transform_keys
-from vecinfer_compile.ops.nvrtc import CudaBuildError, compile_source
+from vecinfer_compile.ops.cuda import append as cuda_append
+from vecinfer_compile.ops import append, kernel_request
+from vecinfer_compile.ops.append import append_reference, transform_keys
+from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
 from vecinfer_compile.presets import PRESETS
 from vecinfer_compile.quant.packing import pack_codes, unpack_codes
 
@@ -31,7 +32,7 @@ BUFFERS = ("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", 
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_append_source_compiles_for_sm90(kspec, vspec):
     try:
-        ops.nvrtc.nvrtc()
+        ops.cuda.nvrtc.nvrtc()
     except CudaBuildError as exc:
         pytest.skip(str(exc))
     for head_dim, fp16, matrix, mean, lam in ((128, False, 1, False, True), (64, True, 2, True, False),
@@ -69,14 +70,14 @@ def _clone(args):
 
 
 def test_choice_rules(monkeypatch):
-    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    monkeypatch.delenv(kernel_request.ENV, raising=False)
     gen = torch.Generator().manual_seed(0)
     chunk = _args(gen, b=1, hkv=2, d=64, tmax=8, r=2, n_coded=0, n_window=0, kspec=(256, 4), vspec=(256, 4),
                   dtype=torch.bfloat16, t=3)
-    assert decode_kernels.choose_append(*chunk.values()) == "torch"  # several tokens: always torch
-    with decode_kernels.use_decode_kernel("triton"):
+    assert append.choose_append(*chunk.values()) == "torch"  # several tokens: always torch
+    with kernel_request.use_decode_kernel("triton"):
         one = dict(chunk, key=chunk["key"][:, :, :1], value=chunk["value"][:, :, :1])
-        assert decode_kernels.choose_append(*one.values()) == "torch"
+        assert append.choose_append(*one.values()) == "torch"
     reason = cuda_append.unsupported_reason(one["key"], one["k_window"], one["k_centroids"], one["v_centroids"])
     assert "not CUDA" in reason
     with pytest.raises(CudaBuildError, match="not CUDA"):
@@ -242,17 +243,17 @@ def test_op_dispatches_to_cuda_and_env_forces_torch(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     args = _args(gen, b=2, hkv=2, d=128, tmax=50, r=8, n_coded=20, n_window=8, kspec=(256, 4), vspec=(256, 4),
                  dtype=torch.bfloat16, lam=True, matrix=1, device="cuda")
-    monkeypatch.delenv(decode_kernels.ENV, raising=False)
-    assert decode_kernels.choose_append(*args.values()) == "cuda"
+    monkeypatch.delenv(kernel_request.ENV, raising=False)
+    assert append.choose_append(*args.values()) == "cuda"
     got, kernel = _clone(args), _clone(args)
     torch.ops.vecinfer.cache_append(*got.values())
     torch.ops.vecinfer.cache_append_cuda(*kernel.values())
     for name in BUFFERS:
         assert torch.equal(got[name], kernel[name]), name
-    monkeypatch.setenv(decode_kernels.ENV, "triton")
-    assert decode_kernels.choose_append(*args.values()) == "torch"
+    monkeypatch.setenv(kernel_request.ENV, "triton")
+    assert append.choose_append(*args.values()) == "torch"
     fp32 = _args(gen, b=1, hkv=2, d=128, tmax=50, r=8, n_coded=20, n_window=8, kspec=(256, 4), vspec=(256, 4),
                  dtype=torch.float32, device="cuda")
-    monkeypatch.setenv(decode_kernels.ENV, "cuda")
+    monkeypatch.setenv(kernel_request.ENV, "cuda")
     with pytest.raises(RuntimeError, match="cache append cannot run on CUDA.*bfloat16/float16"):
-        decode_kernels.choose_append(*fp32.values())
+        append.choose_append(*fp32.values())

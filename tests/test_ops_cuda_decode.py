@@ -1,4 +1,4 @@
-"""The CUDA decode-attention kernel (``ops/cuda_decode.cu``) and the choice between it and Triton.
+"""The CUDA decode-attention kernel (``ops/cuda/decode.cu``) and the choice between it and Triton.
 
 - CPU: every preset's builds (plain, cluster, paired values, lean) compile with NVRTC to an sm_90 cubin
   (syntax and PTX errors are caught without a GPU; NVRTC comes from the ``nvidia-cuda-nvrtc``
@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 import vecinfer_compile.ops as ops
 from test_ops_reference import decode_case
 from test_ops_triton import _check_rule, _cuda, _decode_baseline_err
-from vecinfer_compile.ops import cuda_decode, decode_kernels
-from vecinfer_compile.ops.nvrtc import CudaBuildError, compile_source
+from vecinfer_compile.ops.cuda import decode as cuda_decode
+from vecinfer_compile.ops import decode, kernel_request
+from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
 from vecinfer_compile.presets import PRESETS
 
 PRESET_SPECS = sorted({((p.key.entries, p.key.dims), (p.value.entries, p.value.dims)) for p in PRESETS.values()})
@@ -38,7 +39,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _nvrtc_or_skip():
     try:
-        ops.nvrtc.nvrtc()
+        ops.cuda.nvrtc.nvrtc()
     except CudaBuildError as exc:
         pytest.skip(str(exc))
 
@@ -226,18 +227,18 @@ def test_unsupported_reasons_name_the_limit():
 
 
 def test_decode_kernel_request(monkeypatch):
-    monkeypatch.delenv(decode_kernels.ENV, raising=False)
-    assert decode_kernels.requested() == "auto"
-    monkeypatch.setenv(decode_kernels.ENV, "Triton")
-    assert decode_kernels.requested() == "triton"
-    with decode_kernels.use_decode_kernel("cuda"):
-        assert decode_kernels.requested() == "cuda"
-    assert decode_kernels.requested() == "triton"
-    monkeypatch.setenv(decode_kernels.ENV, "fast")
+    monkeypatch.delenv(kernel_request.ENV, raising=False)
+    assert kernel_request.requested() == "auto"
+    monkeypatch.setenv(kernel_request.ENV, "Triton")
+    assert kernel_request.requested() == "triton"
+    with kernel_request.use_decode_kernel("cuda"):
+        assert kernel_request.requested() == "cuda"
+    assert kernel_request.requested() == "triton"
+    monkeypatch.setenv(kernel_request.ENV, "fast")
     with pytest.raises(ValueError, match="use one of auto, cuda, triton"):
-        decode_kernels.requested()
+        kernel_request.requested()
     with pytest.raises(ValueError, match="decode_kernel must be one of"):
-        decode_kernels.check_kernel_name("cutlass")
+        kernel_request.check_kernel_name("cutlass")
 
 
 def test_cuda_op_on_cpu_names_the_fix():
@@ -333,26 +334,26 @@ def test_cuda_kernel_long_context(specs):
 def test_op_dispatches_to_cuda_and_env_forces_triton(monkeypatch):
     args = _decode(torch.bfloat16, 3, b=2, hkv=2, group=4, tmax=900, n_coded=800, r=128, n_window=50, d=128,
                    kspec=(256, 4), vspec=(256, 4), with_start=False)
-    monkeypatch.delenv(decode_kernels.ENV, raising=False)
-    assert decode_kernels.choose(args[0], args[1], args[3], args[4]) == "cuda"
+    monkeypatch.delenv(kernel_request.ENV, raising=False)
+    assert decode.choose(args[0], args[1], args[3], args[4]) == "cuda"
     torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_cuda(*args), rtol=0, atol=0)
-    monkeypatch.setenv(decode_kernels.ENV, "triton")
+    monkeypatch.setenv(kernel_request.ENV, "triton")
     torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_triton(*args), rtol=0, atol=0)
 
 
 @pytest.mark.cuda
 @needs_cuda
 def test_float32_queries_run_triton_with_one_log_line(monkeypatch, caplog):
-    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    monkeypatch.delenv(kernel_request.ENV, raising=False)
     args = _decode(torch.float32, 4, b=1, hkv=2, group=2, tmax=100, n_coded=90, r=16, n_window=3, d=128,
                    kspec=(256, 4), vspec=(256, 4), with_start=False)
-    decode_kernels._logged.clear()
-    with caplog.at_level(logging.INFO, logger="vecinfer_compile.ops.decode_kernels"):
-        assert decode_kernels.choose(args[0], args[1], args[3], args[4]) == "triton"
-        assert decode_kernels.choose(args[0], args[1], args[3], args[4]) == "triton"
+    kernel_request._logged.clear()
+    with caplog.at_level(logging.INFO, logger=kernel_request.log.name):
+        assert decode.choose(args[0], args[1], args[3], args[4]) == "triton"
+        assert decode.choose(args[0], args[1], args[3], args[4]) == "triton"
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
     assert "bfloat16/float16" in caplog.records[0].getMessage()
-    with decode_kernels.use_decode_kernel("cuda"), pytest.raises(RuntimeError, match="decode_kernel='cuda'"):
+    with kernel_request.use_decode_kernel("cuda"), pytest.raises(RuntimeError, match="decode_kernel='cuda'"):
         torch.ops.vecinfer.decode_attention(*args)
 
 
@@ -427,7 +428,7 @@ def test_cluster_merge_at_every_cluster_size(specs, monkeypatch):
                             n_window=100, d=128, kspec=specs[0], vspec=specs[1], with_start=True))
         variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
         built = cuda_decode.kernels_for(variant, args[0].device)
-        splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, ops.nvrtc.sm_count(0), built.nwarps)
+        splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, ops.cuda.nvrtc.sm_count(0), built.nwarps)
         sizes.add(cuda_decode.cluster_size(built, b * hkv, splits))
         got = ops.decode_attention_cuda(*args)
         _check(args, got)
@@ -496,7 +497,7 @@ def test_lazy_softmax_follows_scores_that_climb_and_fall(dtype, direction, n_win
     variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
     built = cuda_decode.kernels_for(variant, args[0].device)
     assert cuda_decode.num_splits(args[1].shape[1], args[1].shape[2], built.ctas_per_sm,
-                                  ops.nvrtc.sm_count(0), built.nwarps) == 1
+                                  ops.cuda.nvrtc.sm_count(0), built.nwarps) == 1
 
 
 _PAIRED_CASES = [(specs, 4, 128) for specs in PRESET_SPECS] + [

@@ -25,9 +25,11 @@ from hypothesis import strategies as st
 
 import vecinfer_compile.ops as ops  # noqa: F401  registers the ops
 from test_ops_cuda_append import _args, _clone
-from vecinfer_compile.ops import cuda_append, cuda_weigh, decode_kernels
-from vecinfer_compile.ops.cache_append import append_reference, encode_flush
-from vecinfer_compile.ops.nvrtc import CudaBuildError, compile_source
+from vecinfer_compile.ops.cuda import append as cuda_append
+from vecinfer_compile.ops.cuda import weigh as cuda_weigh
+from vecinfer_compile.ops import append, encode, kernel_request
+from vecinfer_compile.ops.append import append_reference, encode_flush
+from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
 from vecinfer_compile.presets import PRESETS
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.weighted_codes import weigh_stored, weighted_loss
@@ -65,7 +67,7 @@ def assert_same_descent(x, start, got, want, centroids, metric, weight, what):
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_weigh_source_compiles_for_sm90(kspec, vspec):
     try:
-        ops.nvrtc.nvrtc()
+        ops.cuda.nvrtc.nvrtc()
     except CudaBuildError as exc:
         pytest.skip(str(exc))
     for head_dim, fmt in ((128, 2), (64, 1), (256, 0)):
@@ -91,29 +93,29 @@ def test_the_append_asks_for_the_search_when_the_codes_need_it(monkeypatch, capl
 
     monkeypatch.setattr(cuda_append, "unsupported_reason", reason)
     monkeypatch.setattr(cuda_append, "build_error", lambda *a, **k: None)
-    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    monkeypatch.delenv(kernel_request.ENV, raising=False)
     key = torch.zeros(1, 2, 1, 32)
     args = (key, key, None, None, None, None, None, None, None, None, None, None, None, None)
     metric = torch.eye(32).expand(2, 32, 32)
-    assert decode_kernels.choose_append(*args, 1.0) == "cuda" and seen == [False]
-    with caplog.at_level(logging.WARNING, logger=decode_kernels.__name__):
-        assert decode_kernels.choose_append(*args, 8.0) == "torch"
-        assert decode_kernels.choose_append(*args, 1.0, metric, metric) == "torch"
+    assert append.choose_append(*args, 1.0) == "cuda" and seen == [False]
+    with caplog.at_level(logging.WARNING, logger=kernel_request.log.name):
+        assert append.choose_append(*args, 8.0) == "torch"
+        assert append.choose_append(*args, 1.0, metric, metric) == "torch"
     assert seen == [False, True, True] and "no window" in caplog.text
-    with pytest.raises(RuntimeError, match="no window"), decode_kernels.use_decode_kernel("cuda"):
-        decode_kernels.choose_append(*args, 1.0, metric, metric)
+    with pytest.raises(RuntimeError, match="no window"), kernel_request.use_decode_kernel("cuda"):
+        append.choose_append(*args, 1.0, metric, metric)
 
 
 def test_weigh_codes_takes_the_torch_descent_when_the_kernel_cannot_run(monkeypatch, caplog):
-    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    monkeypatch.delenv(kernel_request.ENV, raising=False)
     x, c = torch.zeros(1, 2, 3, 32), torch.zeros(256, 4)
-    with decode_kernels.use_decode_kernel("triton"):
-        assert decode_kernels.choose_weigh(x, c) == "torch"
-    with caplog.at_level(logging.WARNING, logger=decode_kernels.__name__):
-        assert decode_kernels.choose_weigh(x, c) == "torch"  # CPU tensors
+    with kernel_request.use_decode_kernel("triton"):
+        assert encode.choose_weigh(x, c) == "torch"
+    with caplog.at_level(logging.WARNING, logger=kernel_request.log.name):
+        assert encode.choose_weigh(x, c) == "torch"  # CPU tensors
     assert "torch descent" in caplog.text
-    with pytest.raises(RuntimeError, match="not CUDA"), decode_kernels.use_decode_kernel("cuda"):
-        decode_kernels.choose_weigh(x, c)
+    with pytest.raises(RuntimeError, match="not CUDA"), kernel_request.use_decode_kernel("cuda"):
+        encode.choose_weigh(x, c)
 
 
 # --- GPU -----------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def test_searched_append_matches_reference(seed, specs, d, b, hkv, r, window, we
     gen = torch.Generator().manual_seed(seed)
     before = _searched_args(gen, specs=specs, b=b, hkv=hkv, d=d, tmax=40, r=r, n_coded=17,
                             n_window=r if window == "full" else r // 2, weight=weight, metrics=metrics, dtype=dtype)
-    assert decode_kernels.choose_append(*before.values()) == "cuda"
+    assert append.choose_append(*before.values()) == "cuda"
     want, got = _clone(before), _clone(before)
     append_reference(*want.values())
     torch.ops.vecinfer.cache_append_cuda(*got.values())
@@ -260,14 +262,14 @@ def test_searched_append_sequence_in_a_cuda_graph():
 @pytest.mark.cuda
 @needs_cuda
 def test_weigh_codes_op_dispatches_to_the_kernel(monkeypatch):
-    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    monkeypatch.delenv(kernel_request.ENV, raising=False)
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(1, 2, 33, 128, generator=gen).cuda()
     c = torch.randn(256, 4, generator=gen).cuda()
     m = spd(2, 128, gen).cuda()
     start = encode_flush(x, c, 8.0)
-    assert decode_kernels.choose_weigh(x, c) == "cuda"
+    assert encode.choose_weigh(x, c) == "cuda"
     assert torch.equal(torch.ops.vecinfer.weigh_codes(x, start, c, m, 8.0), cuda_weigh.weigh_rows_cuda(x, start, c, m, 8.0))
-    monkeypatch.setenv(decode_kernels.ENV, "triton")
+    monkeypatch.setenv(kernel_request.ENV, "triton")
     assert torch.equal(torch.ops.vecinfer.weigh_codes(x, start, c, m, 8.0), weigh_stored(x, start, c, m, 8.0))
 

@@ -122,7 +122,7 @@ def test_interp_dequantize(seed, b, h, tmax, frac, d, spec, dtype, strided):
     """The chunk attention's prefix dequantization: the first ``length`` positions of every preset's
     stored codes (packed 12-bit too), a row slice of a larger buffer, into a position-major
     workspace, equal to the reference gather; positions past ``length`` untouched."""
-    from vecinfer_compile.ops.triton_dequant import dequantize_triton
+    from vecinfer_compile.ops.triton.dequant import dequantize_triton
 
     gen = torch.Generator().manual_seed(seed)
     codes, cent = make_codes(gen, (b + int(strided), h, tmax), *spec, d)
@@ -136,8 +136,8 @@ def test_interp_dequantize(seed, b, h, tmax, frac, d, spec, dtype, strided):
 
 
 ENCODE_CONFIGS = {
-    "default": ops.triton_encode.DEFAULT_CONFIG,
-    "other": ops.triton_encode.EncodeConfig(scan_block_n=1024, scan_unroll=8, scan_warps=4, dot_block_n=64,
+    "default": ops.triton.encode.DEFAULT_CONFIG,
+    "other": ops.triton.encode.EncodeConfig(scan_block_n=1024, scan_unroll=8, scan_warps=4, dot_block_n=64,
                                             dot_block_e=128),
 }
 

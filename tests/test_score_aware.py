@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.ops import reference
-from vecinfer_compile.ops.cache_append import encode_flush
+from vecinfer_compile.ops.append import encode_flush
 from vecinfer_compile.quant import codebook
 from vecinfer_compile.quant.kmeans import kmeans
 from vecinfer_compile.quant.packing import unpack_codes

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferLayer
 from vecinfer_compile.codebooks import load_codebooks
-from vecinfer_compile.ops.cache_append import encode_flush
+from vecinfer_compile.ops.append import encode_flush
 from vecinfer_compile.quant import codebook, weighted_codes
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.weighted_codes import key_metric, value_metric, weighted_indices, weighted_loss

@@ -1,4 +1,4 @@
-"""Windowed simulate attention (:mod:`vecinfer_compile.passes.windowed`: a fused kernel over the
+"""Windowed simulate attention (:mod:`vecinfer_compile.ops.split_attention.windowed`: a fused kernel over the
 quantized keys and a blockwise band over the full-precision window, merged by log-sum-exp)
 against an independent float64 computation and against ``vecinfer::attention``'s reference:
 eager, compiled on CPU (Inductor, fullgraph, dynamic), through the SDPA pass, and on CUDA."""
@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import vecinfer_compile.ops as ops
 from test_ops_reference import SPECS, assert_close, attention_case, dequant64, naive_attention
-from vecinfer_compile.passes.windowed import window_plan, windowed_attention
+from vecinfer_compile.ops.split_attention.windowed import window_plan, windowed_attention
 
 MASK_KINDS = ["none", "bool", "float", "left_pad", "left_pad_float"]
 
@@ -133,7 +133,7 @@ def test_flash_band_plan_matches_naive(seed, b, hkv, group, tq, extra, causal, r
     so what runs here is the plan's index arithmetic (top-left ``is_causal`` against the kernel's
     bottom-right window, Tk > Tq, R below and above the offset) against the float64 reference;
     MHA (group 1), GQA and MQA (one KV head), batch 1-3."""
-    import vecinfer_compile.passes.windowed as windowed
+    import vecinfer_compile.ops.split_attention.windowed as windowed
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(windowed, "_flash_serves", lambda device: True)

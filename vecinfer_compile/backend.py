@@ -41,7 +41,7 @@ from torch._dynamo.utils import counters
 from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
 from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
 from .methods import VQ_METHODS, check_runs_over_codes
-from .ops.decode_kernels import check_kernel_name
+from .ops.kernel_request import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
 from .passes.cache_append import rewrite_cache_append
 from .passes.cache_decode import (CACHE_READ_META, keep_prefill_in_full_precision, rewrite_cache_attention,

@@ -29,9 +29,9 @@ from . import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
 from .layer_kinds import HYBRID_KINDS, SLIDING, attention_kinds, check_codable, kv_producers, layer_kinds
 from .methods import check_runs_over_codes
-from .ops.cache_append import transform_keys, weigh_codes
-from .ops import chunk_attention
-from .ops.chunk_attention import ChunkKeys
+from .ops.append import transform_keys, weigh_codes
+from .ops.split_attention import chunk as chunk_attention
+from .ops.split_attention.chunk import ChunkKeys
 from .ops.decode_inputs import chunk_mask_layout, kv_start_from_mask, mask_is_a_range, transform_queries
 from .quant.packing import packed_width
 from .quant.score_aware import check_parallel_weight
@@ -77,7 +77,7 @@ def cache_window_mask(tq: int, tk: int, residual: int, *, prefill: bool = False,
       simulate rule ``i - j < residual``.
     - a chunk of ``Tq >= 2`` tokens appended to a non-empty cache: the window as it was before the
       chunk and the chunk itself, i.e. iff ``j >= Tk - Tq - residual`` (the rule of
-      :mod:`vecinfer_compile.ops.chunk_attention`): at least the simulate rule's keys for every query.
+      :mod:`vecinfer_compile.ops.split_attention.chunk`): at least the simulate rule's keys for every query.
 
     Causality is not part of this mask (combine with the causal/padding mask as usual).
     """
@@ -327,12 +327,12 @@ class VecInferLayer(CacheLayerMixin):
         return k, v
 
     def _append(self, k: torch.Tensor, v: torch.Tensor):
-        """Append ``T`` tokens with ``vecinfer::cache_append`` (:mod:`.ops.cache_append`: no
+        """Append ``T`` tokens with ``vecinfer::cache_append`` (:mod:`.ops.append`: no
         data-dependent Python, so it compiles with fullgraph=True; one CUDA launch per decode
         step where the kernel runs), then return what attention reads.
 
         One token reads the layer after the append. A chunk of several reads what the rule of
-        :mod:`.ops.chunk_attention` says: the coded slots and the window as they were before the
+        :mod:`.ops.split_attention.chunk` says: the coded slots and the window as they were before the
         append, then its own tokens in full precision; what it needs of the old state is taken
         before the append (the append writes only code slots at or after ``n_coded``)."""
         t = k.shape[2]
@@ -423,7 +423,7 @@ class VecInferLayer(CacheLayerMixin):
     def attend_chunk(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None,
                      keys: ChunkKeys) -> torch.Tensor:
         """Attention of an eager chunk of ``C`` query tokens over this layer by the rule of
-        :mod:`.ops.chunk_attention` (``keys``: what :meth:`_chunk_keys` took before the append):
+        :mod:`.ops.split_attention.chunk` (``keys``: what :meth:`_chunk_keys` took before the append):
         the coded prefix and the full-precision window and chunk, merged by log-sum-exp, on CUDA
         without any dequantized copy of the whole batch. ``q: [B, Hq, C, D]``; ``attn_mask``: HF's
         ``[B|1, 1|Hq, C, S]`` over the cache's ``S = max_cache_len`` slots (or the ``L =
@@ -511,7 +511,7 @@ class VecInferLayer(CacheLayerMixin):
         codes read stands for (:mod:`.eager_decode`), zeros past the valid slots: after one token,
         every slot (:meth:`dequantized`); after a chunk (``chunk``: what :meth:`_chunk_keys` took
         before its append), the coded slots before it, then the old window and the chunk in full
-        precision, the rule of :mod:`.ops.chunk_attention`."""
+        precision, the rule of :mod:`.ops.split_attention.chunk`."""
         if chunk is None:
             return self.dequantized()
         full = torch.tensor(chunk.k_full.shape[1], device=self.device)
@@ -841,7 +841,7 @@ class VecInferCache(Cache):
     - **A chunk** of several tokens appended to a non-empty cache (a chunked prefill, ``generate()``
       with ``prefill_chunk_size``) attends over the coded slots, the window as it was before the
       chunk and its own tokens, the last two in full precision, and is encoded only after: the
-      rule of :mod:`vecinfer_compile.ops.chunk_attention`, where it is written once. So no query
+      rule of :mod:`vecinfer_compile.ops.split_attention.chunk`, where it is written once. So no query
       sees fewer than its last ``R`` keys in full precision. :func:`cache_window_mask` states
       these rules as masks.
     - **What decode returns**: full-length ``[B, H_kv, max_cache_len, D]`` dequantized K

@@ -16,7 +16,7 @@ attention function receives one it asks the layer instead: for one query token
 of :mod:`.ops.decode_inputs`), the op the compiled decode step runs (a mask that is more than
 left padding over the valid slots gets SDPA over the dequantized cache instead); for a chunk of several,
 :meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>` attends by the
-rule of :mod:`.ops.chunk_attention` (the coded prefix and the full-precision window and chunk, merged
+rule of :mod:`.ops.split_attention.chunk` (the coded prefix and the full-precision window and chunk, merged
 by log-sum-exp; on CUDA the prefix a few rows at a time into cuDNN or FlashAttention-2). Every other call (the prefill of an empty
 cache, other caches, anything traced by Dynamo) goes to ``sdpa_attention_forward`` unchanged, so a
 model on this implementation compiles to the same graph.
@@ -48,7 +48,7 @@ from .attention_support import check_attention_call
 
 ATTN_NAME = "vecinfer_sdpa"
 _LAYER = "_vecinfer_codes_layer"  # the attribute of a codes read that names its layer
-_CHUNK = "_vecinfer_chunk_keys"  # and, for a chunk, what its attention reads (ops.chunk_attention.ChunkKeys)
+_CHUNK = "_vecinfer_chunk_keys"  # and, for a chunk, what its attention reads (ops.split_attention.chunk.ChunkKeys)
 # (a sliding window is fine: transformers' SDPA path applies it through the mask, and so do the codes reads;
 # a T5-style position_bias gets SDPA over the dequantized read, as transformers' SDPA adds it to the scores;
 # what attention over codes cannot compute, sinks, softcap, sparse indices, is refused by
@@ -110,7 +110,7 @@ def codes_read(layer, shape: tuple[int, int, int, int], dtype: torch.dtype,
                device: torch.device, chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for ``(K, V)`` of ``shape`` ``[B, H_kv, L, D]``: :class:`CodesRead` s naming
     ``layer`` for :func:`codes_attention_forward`; a chunk's also carry ``chunk`` (its
-    :class:`~vecinfer_compile.ops.chunk_attention.ChunkKeys`)."""
+    :class:`~vecinfer_compile.ops.split_attention.chunk.ChunkKeys`)."""
     pending = _Pending(layer, chunk)
     reads = []
     for index in range(2):

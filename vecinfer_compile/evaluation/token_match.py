@@ -11,7 +11,7 @@ Both paths use the same codebooks and the same window semantics:
 
 With ``prefill_chunk`` the cache's prompt goes through ``generate(prefill_chunk_size=...)``: its
 first chunk attends in full precision, every later one over the codes of the tokens before it,
-the old window and itself in full precision (:mod:`vecinfer_compile.ops.chunk_attention`). The
+the old window and itself in full precision (:mod:`vecinfer_compile.ops.split_attention.chunk`). The
 simulate side then reads the prompt with the per-query window (key ``j`` in full precision for
 query ``i`` iff ``i - j < R``), which no chunk sees less of: the two differ in how many prompt keys
 are read in full precision, so a late flip at a near-tie is possible and is reported as it is.

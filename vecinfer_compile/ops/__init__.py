@@ -1,24 +1,23 @@
-"""The ``vecinfer`` custom ops (registered at import) and their implementations.
+"""The ``vecinfer`` custom ops (registered at import, through :func:`.registry.define`), one module
+per op family, each with its schema, fake, dispatch and kernel choice:
 
-- ``torch.ops.vecinfer.encode`` / ``quantize`` / ``attention`` / ``decode_attention`` (and its
-  kernel-specific twins ``decode_attention_cuda`` / ``decode_attention_triton``): see :mod:`.library`.
-- :mod:`.reference`: pure-torch oracle (CPU path).
-- :func:`encode_triton`, :func:`attention_triton`, :func:`decode_attention_triton`: the CUDA
-  kernels' launchers, callable directly (benchmarks) or, with ``wrap=True``, inside the ops;
-  :func:`decode_attention_cuda`: the CUDA decode kernel (NVRTC, :mod:`.nvrtc`); :mod:`.decode_kernels`
-  chooses between it and Triton.
-- ``torch.ops.vecinfer.cache_kv``: the compressed cache's eager read, see :mod:`.cache_ops`.
-- ``torch.ops.vecinfer.cache_append`` (and ``cache_append_cuda``): the compressed cache's
-  in-place append, see :mod:`.cache_append` and :mod:`.cuda_append`; ``record_undo``: what
-  undoing it needs, see :mod:`.cache_undo`.
+- :mod:`.decode`: ``decode_attention`` (and its kernels ``decode_attention_cuda`` /
+  ``decode_attention_triton``), one query token over the codes; :class:`.decode.CodedKV`;
+- :mod:`.append`: ``cache_append`` (and ``cache_append_cuda``), ``record_undo``;
+- :mod:`.encode`: ``encode``, ``quantize``, ``weigh_codes``;
+- :mod:`.dequantize`: ``cache_kv`` (the cache's eager read), ``prefill_read``, a chunk's prefix;
+- :mod:`.attention`: ``attention`` over codes (prefill, simulate);
+- :mod:`.split_attention`: chunk and windowed attention, merged by log-sum-exp.
+
+Kernels: :mod:`.cuda` (NVRTC) and :mod:`.triton`; :mod:`.reference` holds every float32 oracle;
+:mod:`.kernel_request` the user's choice of kernels; :mod:`.decode_inputs` the query-side inputs.
 """
 
-from . import cache_append, cache_ops, cache_undo, decode_kernels, nvrtc, reference
-from .cuda_decode import decode_attention_cuda
-from .library import register
-from .triton_attention import attention_triton
-from .triton_decode import decode_attention_triton
-from .triton_encode import encode_triton
+from . import append, attention, decode, dequantize, encode, reference
+from .cuda.decode import decode_attention_cuda
+from .triton.attention import attention_triton
+from .triton.decode import decode_attention_triton
+from .triton.encode import encode_triton
 
-__all__ = ["attention_triton", "cache_append", "cache_ops", "cache_undo", "decode_attention_cuda", "decode_attention_triton", "decode_kernels",
-           "encode_triton", "nvrtc", "reference", "register"]
+__all__ = ["append", "attention", "attention_triton", "decode", "decode_attention_cuda", "decode_attention_triton",
+           "dequantize", "encode", "encode_triton", "reference"]

@@ -10,12 +10,17 @@ data-dependent Python, so the functions trace with symbolic shapes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..quant.packing import pack_codes, unpack_codes
 from ..quant.score_aware import score_aware_indices
 from ..window import simulate_mask
 from .checks import check_attention_args, check_decode_args, check_encode_args
+
+if TYPE_CHECKING:
+    from .split_attention.chunk import ChunkKeys
 
 
 def dequantize(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -180,3 +185,51 @@ def decode_attention(
     p, denom = _safe_softmax_weights(scores)
     out = _normalise(p @ values, denom)
     return out.reshape(b, hq, 1, d).to(q.dtype)
+
+
+def chunk_mask(batch: int, chunk: int, length: int, kv_start: torch.Tensor | None, device) -> torch.Tensor:
+    """The rule's visibility as a bool mask ``[B|1, 1, C, L]`` (True = attend) over the ``L``
+    slots: the chunk's queries are the last ``C`` slots (bottom-right causal), slots before
+    ``kv_start[b]`` (``[B]`` int, or None for no padding) hidden. HF's mask for a chunk with left
+    padding is exactly this."""
+    i = torch.arange(chunk, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    visible = (j <= i + (length - chunk))[None]
+    if kv_start is not None:
+        visible = visible & (j[None] >= kv_start.to(device).long()[:, None, None])
+    return visible[:, None]
+
+
+def chunk_kv_dense(keys: ChunkKeys, rows: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, H, L, D]`` keys and values of ``rows`` of a chunk's
+    :class:`~vecinfer_compile.ops.split_attention.chunk.ChunkKeys`: the prefix dequantized, then
+    the full-precision part (the chunk case of :mod:`vecinfer_compile.window`)."""
+    n = keys.n_coded
+    k = torch.cat([dequantize(keys.k_codes[rows, :, :n], keys.key_centroids).to(dtype),
+                   keys.k_full[rows].transpose(1, 2).to(dtype)], dim=2)
+    v = torch.cat([dequantize(keys.v_codes[rows, :, :n], keys.value_centroids).to(dtype),
+                   keys.v_full[rows].transpose(1, 2).to(dtype)], dim=2)
+    return k, v
+
+
+def chunk_attention(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
+              attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The chunk attention's oracle (:mod:`.split_attention.chunk`): float32 attention of ``q: [B, Hq, C, D]`` (``q~``) over all ``L`` slots of
+    ``keys`` with :func:`chunk_mask` (or ``attn_mask``, bool True = attend or additive float,
+    broadcastable to ``[B, Hq, C, L]``). Rows with no visible key are zeros. Returns
+    ``[B, Hq, C, D]`` in q.dtype."""
+    b, hq, c, d = q.shape
+    k, v = chunk_kv_dense(keys, slice(None), torch.float32)
+    group = hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q.float() @ k.transpose(-1, -2)) * scale
+    mask = chunk_mask(b, c, keys.length, kv_start, q.device) if attn_mask is None else attn_mask
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    top = scores.amax(-1, keepdim=True)
+    p = torch.exp(scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    total = p.sum(-1, keepdim=True)
+    out = (p @ v) / torch.where(total > 0, total, torch.ones_like(total))
+    return out.to(q.dtype)

@@ -14,7 +14,7 @@ becomes::
                                          k_window, v_window, n_window, kv_start, s)
 
 On CUDA the op emitted is the kernel-specific one the request resolves to
-(:func:`vecinfer_compile.ops.decode_kernels.choose`): ``decode_attention_cuda`` (the NVRTC kernel)
+(:func:`vecinfer_compile.ops.decode.choose`): ``decode_attention_cuda`` (the NVRTC kernel)
 or ``decode_attention_triton``, so the choice is in the graph; elsewhere ``decode_attention``.
 
 For the query-aware methods the cache returns ``K = (cache_kv(...)[0].float() @ key_read).to(dtype)``
@@ -55,9 +55,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from ..ops import cache_ops  # noqa: F401  registers vecinfer::cache_kv
-from ..ops import decode_kernels
-from ..ops.cache_ops import is_cache_kv, is_prefill_read
+from ..ops import decode, kernel_request
+from ..ops.registry import is_op
 from ..ops.decode_inputs import kv_start_from_mask, transform_queries
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 
@@ -86,7 +85,7 @@ def _cache_output(node: fx.Node, index: int) -> fx.Node | None:
         and node.args[1] == index
         and isinstance(node.args[0], fx.Node)
         and node.args[0].op == "call_function"
-        and is_cache_kv(node.args[0].target)
+        and is_op(node.args[0].target, "cache_kv")
     ):
         return node.args[0]
     return None
@@ -138,7 +137,7 @@ def keep_prefill_in_full_precision(gm: fx.GraphModule) -> int:
     HF's repeat_kv chain or not) is tagged ``vecinfer_cache_read``, so the generic rewrite leaves
     it in full precision as the eager prefill is; then the marker's outputs are replaced by its
     inputs and it is erased. Returns the number of tagged attentions."""
-    markers = [n for n in gm.graph.nodes if n.op == "call_function" and is_prefill_read(n.target)]
+    markers = [n for n in gm.graph.nodes if n.op == "call_function" and is_op(n.target, "prefill_read")]
     if not markers:
         return 0
     tagged = 0
@@ -196,9 +195,9 @@ def _decode_op(q, cache_args, decode_kernel: str):
     k_codes, k_cent, v_cent = (_example(cache_args[i]) for i in (K_CODES, K_CENT, V_CENT))
     if k_codes is None or k_cent is None or v_cent is None:  # no shapes here: the op decides when traced
         return torch.ops.vecinfer.decode_attention.default
-    request = contextlib.nullcontext() if decode_kernel is None else decode_kernels.use_decode_kernel(decode_kernel)
+    request = contextlib.nullcontext() if decode_kernel is None else kernel_request.use_decode_kernel(decode_kernel)
     with request:
-        kernel = decode_kernels.choose(q, k_codes, k_cent, v_cent)
+        kernel = decode.choose(q, k_codes, k_cent, v_cent)
     counters["vecinfer"][f"cache_decode_{kernel}"] += 1
     return getattr(torch.ops.vecinfer, f"decode_attention_{kernel}").default
 

@@ -57,10 +57,10 @@ from torch._dynamo.source import ConstantSource
 from torch._dynamo.utils import counters
 
 from ..codebooks import LayerCodebooks
-from ..ops.reference import dequantize
+from ..ops.encode import quantize_weighted
 from .cache_decode import CACHE_READ_META
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
-from .windowed import window_plan, windowed_attention
+from ..ops.split_attention.windowed import window_plan, windowed_attention
 
 log = logging.getLogger(__name__)
 
@@ -291,17 +291,6 @@ def _shared_window_plan(emit: _Emitter, site: SdpaSite, residual: int, plans: di
         plans[key] = emit.call(window_plan, site.query, site.key, site.attn_mask, site.is_causal, residual)
         counters["vecinfer"]["window_plans"] += 1
     return plans[key]
-
-
-def quantize_weighted(x: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor,
-                      parallel_weight: float = 1.0) -> torch.Tensor:
-    """Error-weighted ``X^`` of ``x: [B, H, T, D]``: ``vecinfer::encode`` (score-aware for
-    ``parallel_weight > 1``), ``vecinfer::weigh_codes`` under ``metric: [H, D, D]``, then the
-    centroids' values (``centroids: [E, d]`` float32); returned in ``x.dtype``, as
-    :func:`~vecinfer_compile.quant.codebook.quantize_dequantize` with a metric computes it."""
-    stored = torch.ops.vecinfer.encode(x, None, None, centroids, parallel_weight)
-    stored = torch.ops.vecinfer.weigh_codes(x, stored, centroids, metric, parallel_weight)
-    return dequantize(stored, centroids).to(x.dtype)
 
 
 def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,

@@ -4,7 +4,7 @@
 Why: the CUDA decode kernel keeps a 4096-entry codebook (the 3-, 1.5- and 1.25-bit presets) as
 one copy in shared memory, where random gathers collide on banks; as bytes, a gather moves half
 the bytes of 16-bit centroids and meets fewer collisions, and the kernel widens each byte to the
-exact 16-bit value (``ops/cuda_decode.cu``, ``widen``). Codebooks hold these centroids exactly
+exact 16-bit value (``ops/cuda/decode.cu``, ``widen``). Codebooks hold these centroids exactly
 (:class:`vecinfer_compile.codebooks.LayerCodebooks` snaps them), so every path (simulate, the
 reference, Triton, CUDA) reads the same values. Rounding to 7 bits moves a centroid by at most
 half a step (1/126 of the book's largest magnitude), far below the quantization error of a

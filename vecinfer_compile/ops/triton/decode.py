@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.packing import is_packed
-from .checks import check_decode_args
-from .triton_common import (
+from ...quant.packing import is_packed
+from ..checks import check_decode_args
+from .common import (
     LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, rows_for_head_dim, softmax_step,
     unit_last_stride,
 )
@@ -230,7 +230,7 @@ def decode_attention_triton(
     ``[B, Hq, 1, D]`` in q.dtype. ``score``: ``"dequant"`` (gather centroids into a K tile) or
     ``"lut"`` (per-query lookup table). ``wrap=True`` launches through ``wrap_triton``;
     ``config`` is the split kernel's launch shape (benchmarks sweep it); heads wider than 128 take
-    fewer positions per step in both kernels (:func:`~.triton_common.rows_for_head_dim`)."""
+    fewer positions per step in both kernels (:func:`~.common.rows_for_head_dim`)."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)

@@ -9,7 +9,7 @@ the last ``w + C`` in full precision (the cache dtype), causal within the chunk 
 padding (slots before ``kv_start[b]``) masked; only then is the chunk appended.
 
 Everything here is in the cache's *code domain*: queries ``q~`` (the query-side transform of
-:mod:`.decode_inputs`), keys ``K~`` as the window and the codebooks hold them. For the centring
+:mod:`..decode_inputs`), keys ``K~`` as the window and the codebooks hold them. For the centring
 methods every score of a query is then shifted by the same ``-q . mu`` in both parts, which the
 softmax (and the merge by log-sum-exp) ignores.
 
@@ -19,8 +19,8 @@ log-sum-exp, merged by :func:`.lse_merge.merge_by_lse`:
 - the coded prefix: every query sees all of it (only left padding masks it), so it is a
   non-causal attention. On CUDA (fp16/bf16, FlashAttention-2 available, power-of-two head dims)
   a few batch rows at a time (:data:`WORKSPACE_BYTES`) are dequantized into a position-major
-  workspace (:func:`dequantize_into`: the CUDA kernel of :mod:`.cuda_dequant`, the Triton one of
-  :mod:`.triton_dequant` where it cannot run) and read by cuDNN attention
+  workspace (:func:`..dequantize.dequantize_into`: the CUDA kernel of :mod:`..cuda.dequant`, the
+  Triton one of :mod:`..triton.dequant` where it cannot run) and read by cuDNN attention
   (``aten._scaled_dot_product_cudnn_attention``, GQA in the kernel) when no row is padded, else
   by torch's FlashAttention-2 in varlen mode (``aten._flash_attention_forward``: each row's keys
   start at its ``kv_start`` through the ``cum_seq_k`` offset and ``seqused_k``; no mask tensor).
@@ -39,8 +39,8 @@ dtype per chunk and layer (``benchmarks/bench_prefill_attention.py`` times ours 
 flash, and the alternatives with ``--prefix-kernel`` / ``--dequantize``).
 
 Elsewhere (CPU, float32, other head dims, or a mask that is not causal + left padding)
-:func:`reference_by_rows` computes the same rule densely, a few rows at a time; :func:`reference`
-is the oracle the tests compare both with.
+:func:`reference_by_rows` computes the same rule densely, a few rows at a time;
+:func:`..reference.chunk_attention` is the oracle the tests compare both with.
 """
 
 from __future__ import annotations
@@ -51,11 +51,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cuda_dequant
-from .flash_kernels import cudnn_serves, flash_serves
+from ..reference import chunk_kv_dense, chunk_mask
+from ..dequantize import dequantize_into
+from .flash import cudnn_serves, flash_serves
 from .lse_merge import flash_lse, merge_by_lse
-from .reference import dequantize
-from .triton_dequant import dequantize_triton
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -89,58 +88,12 @@ class ChunkKeys:
         return self.n_coded + self.k_full.shape[1]
 
 
-def standard_mask(batch: int, chunk: int, length: int, kv_start: torch.Tensor | None, device) -> torch.Tensor:
-    """The rule's visibility as a bool mask ``[B|1, 1, C, L]`` (True = attend) over the ``L``
-    slots: the chunk's queries are the last ``C`` slots (bottom-right causal), slots before
-    ``kv_start[b]`` (``[B]`` int, or None for no padding) hidden. HF's mask for a chunk with left
-    padding is exactly this."""
-    i = torch.arange(chunk, device=device)[:, None]
-    j = torch.arange(length, device=device)[None, :]
-    visible = (j <= i + (length - chunk))[None]
-    if kv_start is not None:
-        visible = visible & (j[None] >= kv_start.to(device).long()[:, None, None])
-    return visible[:, None]
-
-
-def _full_keys(keys: ChunkKeys, rows: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[rows, H, L, D]`` keys and values of ``rows``: the prefix dequantized, then the full-precision part."""
-    n = keys.n_coded
-    k = torch.cat([dequantize(keys.k_codes[rows, :, :n], keys.key_centroids).to(dtype),
-                   keys.k_full[rows].transpose(1, 2).to(dtype)], dim=2)
-    v = torch.cat([dequantize(keys.v_codes[rows, :, :n], keys.value_centroids).to(dtype),
-                   keys.v_full[rows].transpose(1, 2).to(dtype)], dim=2)
-    return k, v
-
-
-def reference(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
-              attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The oracle: float32 attention of ``q: [B, Hq, C, D]`` (``q~``) over all ``L`` slots of
-    ``keys`` with :func:`standard_mask` (or ``attn_mask``, bool True = attend or additive float,
-    broadcastable to ``[B, Hq, C, L]``). Rows with no visible key are zeros. Returns
-    ``[B, Hq, C, D]`` in q.dtype."""
-    b, hq, c, d = q.shape
-    k, v = _full_keys(keys, slice(None), torch.float32)
-    group = hq // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = (q.float() @ k.transpose(-1, -2)) * scale
-    mask = standard_mask(b, c, keys.length, kv_start, q.device) if attn_mask is None else attn_mask
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    else:
-        scores = scores + mask.float()
-    top = scores.amax(-1, keepdim=True)
-    p = torch.exp(scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
-    total = p.sum(-1, keepdim=True)
-    out = (p @ v) / torch.where(total > 0, total, torch.ones_like(total))
-    return out.to(q.dtype)
-
-
 def reference_by_rows(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
                       attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The rule by torch SDPA over the ``L`` slots, a few batch rows at a time (K/V of a row group
     near :data:`WORKSPACE_BYTES`, whatever the batch): the path off the fast kernels, and the one
     for a mask that is more than causal + left padding (``attn_mask`` then replaces
-    :func:`standard_mask`). Arguments and result as :func:`reference`."""
+    :func:`..reference.chunk_mask`). Arguments and result as :func:`..reference.chunk_attention`."""
     b, hq, c, d = q.shape
     h, length = keys.k_full.shape[2], keys.length
     per_row = 2 * h * length * d * q.element_size()
@@ -148,9 +101,9 @@ def reference_by_rows(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor |
     out = q.new_empty((b, hq, c, d))
     for i in range(0, b, rows):
         j = min(i + rows, b)
-        k, v = _full_keys(keys, slice(i, j), q.dtype)
+        k, v = chunk_kv_dense(keys, slice(i, j), q.dtype)
         if attn_mask is None:
-            mask = standard_mask(j - i, c, length, None if kv_start is None else kv_start[i:j], q.device)
+            mask = chunk_mask(j - i, c, length, None if kv_start is None else kv_start[i:j], q.device)
         else:
             mask = attn_mask if attn_mask.shape[0] == 1 else attn_mask[i:j]
         out[i:j] = F.scaled_dot_product_attention(q[i:j], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -168,18 +121,6 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
     out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                        scale=scale, seqused_k=used_k)[:2]
     return out, lse
-
-
-def dequantize_into(codes: torch.Tensor, centroids: torch.Tensor, length: int, out: torch.Tensor) -> torch.Tensor:
-    """The prefix workspace: :func:`.cuda_dequant.dequantize_cuda` where it runs, else
-    :func:`.triton_dequant.dequantize_triton` (one log line says why, once per reason)."""
-    reason = cuda_dequant.unsupported_reason(codes, centroids, out) or cuda_dequant.build_error(codes, centroids, out)
-    if reason is None:
-        return cuda_dequant.dequantize_cuda(codes, centroids, length, out)
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("vecinfer: a chunk's prefix is dequantized by the Triton kernel: %s", reason)
-    return dequantize_triton(codes, centroids, length, out)
 
 
 def cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

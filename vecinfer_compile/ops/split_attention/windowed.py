@@ -8,7 +8,7 @@ other key is read quantize-dequantized (``K^``, ``V^``): the older keys ``j <= i
 the keys after the query's position ``j > i + off``, which only a non-causal mask can make
 visible (as :func:`vecinfer_compile.ops.reference.attention`). The two key sets are disjoint, so
 the softmax over all visible keys splits into two attentions merged by their log-sum-exp
-(:func:`vecinfer_compile.ops.lse_merge.merge_by_lse`):
+(:func:`vecinfer_compile.ops.split_attention.lse_merge.merge_by_lse`):
 
 - the quantized part ``(o1, L1)``, over ``K^``/``V^``: one fused attention kernel that returns
   its log-sum-exp. Without a tensor mask and with ``is_causal`` (and ``Tk >= Tq``) the rule is
@@ -71,10 +71,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops.flash_kernels import cudnn_serves as _cudnn_serves
-from ..ops.flash_kernels import flash_serves as _flash_serves
-from ..ops.lse_merge import merge_by_lse
-from ..window import in_window
+from ...window import in_window
+from .flash import cudnn_serves as _cudnn_serves
+from .flash import flash_serves as _flash_serves
+from .lse_merge import merge_by_lse
 
 aten = torch.ops.aten
 

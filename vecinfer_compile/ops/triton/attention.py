@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.packing import is_packed
-from .checks import check_attention_args
-from .triton_common import LOG2E, check_head_dim_pow2, dequant_tile_2d, launch, softmax_step, unit_last_stride
+from ...quant.packing import is_packed
+from ..checks import check_attention_args
+from .common import LOG2E, check_head_dim_pow2, dequant_tile_2d, launch, softmax_step, unit_last_stride
 
 
 @dataclass(frozen=True)

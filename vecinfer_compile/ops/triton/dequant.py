@@ -1,6 +1,6 @@
 """Triton dequantization of stored codes into a position-major workspace.
 
-The chunk attention of :mod:`.chunk_attention` reads a layer's coded prefix through a varlen
+The chunk attention of :mod:`..split_attention.chunk` reads a layer's coded prefix through a varlen
 flash-attention kernel, which wants keys and values as ``[B * T, H, D]`` rows. This kernel
 writes exactly that from the stored codes in one pass: one program per (batch row, KV head,
 block of ``BLOCK_T`` positions) loads each code once (12-bit codes unpacked as
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.packing import is_packed
-from .triton_common import check_head_dim_pow2, launch, load_codes
+from ...quant.packing import is_packed
+from .common import check_head_dim_pow2, launch, load_codes
 
 BLOCK_T = 64
 NUM_WARPS = 4

@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.packing import is_packed, pack_codes, packed_width, unpack_codes
-from ..quant.score_aware import score_aware_indices
-from .checks import check_encode_args
-from .triton_common import launch
+from ...quant.packing import is_packed, pack_codes, packed_width, unpack_codes
+from ...quant.score_aware import score_aware_indices
+from ..checks import check_encode_args
+from .common import launch
 
 SCAN_MAX_ENTRIES = 256
 

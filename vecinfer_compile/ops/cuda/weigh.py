@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ..quant.packing import is_packed, packed_width
-from ..quant.weighted_codes import SWEEPS
+from ...quant.packing import is_packed, packed_width
+from ...quant.weighted_codes import SWEEPS
 from .nvrtc import CudaBuildError, build_kernel, device_index
 
-SOURCE = Path(__file__).with_name("cuda_weigh.cu")
+SOURCE = Path(__file__).with_name("weigh.cu")
 CENTROID_DIMS = (2, 4, 8)
 MAX_ENTRIES = 4096
 MIN_ARCH = 80  # redux.sync, cvt.rn.bf16.f32

@@ -1,6 +1,6 @@
 """CUDA decode attention over a compressed cache: codebooks in shared memory, tensor-core maths.
 
-The kernel is in ``cuda_decode.cu`` (read its header for the algorithm); this module picks a
+The kernel is in ``decode.cu`` (read its header for the algorithm); this module picks a
 variant for the inputs, compiles it once per process with NVRTC (:mod:`.nvrtc`), sizes the split
 from shapes only, and launches it on torch's current stream with no host synchronisation, so CUDA
 graphs capture it. The per-row arrival counters (which CTA merges the partials) are persistent
@@ -61,13 +61,13 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from ..quant.byte_centroids import BYTE_BOOK_ENTRIES, packed_byte_book
-from ..quant.packing import is_packed
-from .checks import check_decode_args
+from ...quant.byte_centroids import BYTE_BOOK_ENTRIES, packed_byte_book
+from ...quant.packing import is_packed
+from ..checks import check_decode_args
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count)
 
-SOURCE = Path(__file__).with_name("cuda_decode.cu")
+SOURCE = Path(__file__).with_name("decode.cu")
 
 _log = logging.getLogger(__name__)
 # (resident CTAs per SM, warps per CTA), in order of preference: twelve warps per SM, in one CTA

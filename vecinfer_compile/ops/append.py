@@ -21,29 +21,46 @@ the score-aware codes of :mod:`vecinfer_compile.quant.score_aware`); ``key_metri
 (:mod:`vecinfer_compile.quant.weighted_codes`).
 
 Implementations: :func:`append_reference` (pure torch, any T; it is also what Inductor compiles
-when the CUDA kernel does not run) and ``vecinfer::cache_append_cuda`` (:mod:`.cuda_append`, one
-launch, T = 1). The op itself is ``CompositeImplicitAutograd``: run eagerly it dispatches to
-the CUDA kernel when :func:`.decode_kernels.choose_append` picks it, else runs the reference. In
-a compiled graph the backend's pass (:mod:`vecinfer_compile.passes.cache_append`) makes that choice
-part of the graph instead (so Inductor's caches key on it).
+when the CUDA kernel does not run) and ``vecinfer::cache_append_cuda`` (:mod:`.cuda.append`, one
+launch, T = 1, opaque and mutating its buffers in place; Inductor re-inplaces it). The op itself
+is composite: run eagerly it dispatches to the CUDA kernel when :func:`choose_append` picks it,
+else runs the reference. In a compiled graph the backend's pass
+(:mod:`vecinfer_compile.passes.cache_append`) makes that choice part of the graph instead (so
+Inductor's caches key on it).
+
+``vecinfer::record_undo(Tensor(a!) undo_counts, Tensor(b!) undo_kv, Tensor n_coded, Tensor
+n_window, Tensor k_window, Tensor v_window) -> ()`` keeps what undoing a decode step's append
+needs, before the append: window slot 0 (the token a full window moves into the codes) and the
+two counters, into the undo buffers of a layer that records its past (transformers' deferred stop
+check). An opaque op, not ``copy_`` in the layer: compiled, Inductor computes a plain copy of a
+window slice lazily, and when the append that follows is the opaque, re-inplaced CUDA kernel the
+copy then read the window *after* the append (torch 2.11 on the H200, and 2.13 on the CPU with
+any opaque mutating op; a clone does not help). Extern kernels run in graph order, so this one
+reads the window before the append writes it.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from ..quant.packing import pack_codes
 from ..quant.rows import rows_matmul
 from ..quant.score_aware import score_aware_indices
-from . import decode_kernels
+from .cuda import append as cuda_append
+from .cuda.append import cache_append_cuda
+from .kernel_request import fall_back, requested
+from .registry import define
 
-NAMESPACE = "vecinfer"
-SCHEMA = (
-    "cache_append(Tensor key, Tensor value, Tensor(a!) k_codes, Tensor(b!) v_codes, Tensor(c!) k_window, "
+SCHEMA_ARGS = (
+    "(Tensor key, Tensor value, Tensor(a!) k_codes, Tensor(b!) v_codes, Tensor(c!) k_window, "
     "Tensor(d!) v_window, Tensor(e!) n_coded, Tensor(f!) n_window, Tensor(g!) arrivals, Tensor k_centroids, "
     "Tensor v_centroids, Tensor? key_mean, Tensor? lam, Tensor? key_matrix, float key_parallel_weight=1.0, "
     "Tensor? key_metric=None, Tensor? value_metric=None) -> ()"
 )
+MUTATES = ("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", "arrivals")
+UNDO_MUTATES = ("undo_counts", "undo_kv")
 FLUSH_DIRECT_MAX = 16  # tokens per update encoded by the plain-torch form on CUDA (more: the Triton op)
 
 
@@ -141,28 +158,53 @@ def append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, 
     n_window.copy_(w_new)
 
 
-def _cache_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
+def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
                   k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0,
-                  key_metric=None, value_metric=None) -> None:
-    args = (key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-            k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight, key_metric, value_metric)
-    if key.device.type == "cuda" and decode_kernels.choose_append(*args) == "cuda":
+                  key_metric=None, value_metric=None) -> str:
+    """``"cuda"`` or ``"torch"`` for a ``vecinfer::cache_append`` call on CUDA tensors (the op's
+    arguments; shapes and dtypes only, so it works on fake tensors; may compile the kernel once).
+    Several new tokens (a prefill chunk) always take the torch form, whose encode is the Triton
+    kernel for many tokens; the request (:mod:`.kernel_request`) governs the one-token decode
+    append. Score-aware key codes (``key_parallel_weight > 1``) and error-weighted codes
+    (``key_metric``/``value_metric``) add the CUDA encoder of :mod:`.cuda.weigh` (a window is
+    needed: it reads the leaving token there)."""
+    if requested() == "triton" or int(key.shape[2]) != 1:
+        return "torch"
+    searched = cuda_append.is_searched(key_parallel_weight, key_metric, value_metric)
+    reason = cuda_append.unsupported_reason(key, k_window, k_centroids, v_centroids, searched)
+    level = logging.WARNING if searched else logging.INFO  # the torch search makes a decode step ~20x slower
+    if reason is None:
+        reason, level = cuda_append.build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix,
+                                                searched), logging.WARNING
+    if reason is None:
+        return "cuda"
+    fall_back(reason, level, "the cache append runs as torch ops", "the cache append cannot run on CUDA")
+    return "torch"
+
+
+def _cache_append(*args) -> None:
+    if args[0].device.type == "cuda" and choose_append(*args) == "cuda":
         torch.ops.vecinfer.cache_append_cuda(*args)
     else:
         append_reference(*args)
 
 
-def _is_registered(name: str) -> bool:
-    return hasattr(getattr(torch.ops, NAMESPACE), name)
+def record_undo(undo_counts: torch.Tensor, undo_kv: torch.Tensor, n_coded: torch.Tensor,
+                n_window: torch.Tensor, k_window: torch.Tensor, v_window: torch.Tensor) -> None:
+    """``undo_counts`` (int64 ``[2]``) <- ``(n_coded, n_window)`` (0-d int64); ``undo_kv [2, B, H,
+    D]`` <- slot 0 of ``k_window``/``v_window [B, H, R, D]`` (nothing when ``R == 0``). Two
+    kernels (``stack`` into the buffers), not four copies: inside a decode step's CUDA graph every
+    launch of every layer counts."""
+    torch.stack((n_coded, n_window), out=undo_counts)
+    if k_window.shape[2]:
+        torch.stack((k_window[:, :, 0], v_window[:, :, 0]), out=undo_kv)
 
 
-_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # kept alive: it owns the registration
-if not _is_registered("cache_append"):
-    _LIBRARY.define(SCHEMA)
-    _LIBRARY.impl("cache_append", _cache_append, "CompositeImplicitAutograd")
+def register() -> None:
+    define("cache_append_cuda", cache_append_cuda, kind="opaque", schema="cache_append_cuda" + SCHEMA_ARGS,
+           mutates=MUTATES, fake=lambda *args: None)
+    define("cache_append", _cache_append, kind="composite", schema="cache_append" + SCHEMA_ARGS)
+    define("record_undo", record_undo, kind="opaque", mutates=UNDO_MUTATES, fake=lambda *args: None)
 
 
-def is_cache_append(target) -> bool:
-    """Whether an FX node target is this op (packet or overload)."""
-    op = torch.ops.vecinfer.cache_append
-    return target is op or target is op.default
+register()

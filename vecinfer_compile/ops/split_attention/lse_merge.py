@@ -6,8 +6,8 @@ sets (``L`` the log of the sum of ``exp(score)``), the attention over their unio
     out = (exp(L1 - m) o1 + exp(L2 - m) o2) / (exp(L1 - m) + exp(L2 - m)),   m = max(L1, L2)
 
 A row with no key in a set has ``L = -inf`` there; a row with none in either is zeros. Shared by
-the windowed simulate attention (:mod:`vecinfer_compile.passes.windowed`: quantized keys + the
-full-precision band) and the chunk attention over a compressed cache (:mod:`.chunk_attention`:
+the windowed simulate attention (:mod:`.windowed`: quantized keys + the
+full-precision band) and the chunk attention over a compressed cache (:mod:`.chunk`:
 the coded prefix + the full-precision window and chunk).
 """
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..quant.packing import is_packed
+from ...quant.packing import is_packed
 from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count
 
-SOURCE = Path(__file__).with_name("cuda_dequant.cu")
+SOURCE = Path(__file__).with_name("dequant.cu")
 THREADS = 256
 CENTROID_DIMS = (2, 4, 8)
 MAX_ENTRIES = 4096

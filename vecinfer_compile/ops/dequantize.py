@@ -1,4 +1,6 @@
-"""``vecinfer::cache_kv``: the full-length K/V that a :class:`~vecinfer_compile.cache.VecInferCache`
+"""Dequantizing a cache: ``vecinfer::cache_kv``, ``vecinfer::prefill_read`` and the chunk's prefix workspace.
+
+``vecinfer::cache_kv``: the full-length K/V that a :class:`~vecinfer_compile.cache.VecInferCache`
 layer stands for, dequantized in the original (untransformed) key domain.
 
 Schema::
@@ -19,12 +21,18 @@ arguments are exactly the cache state: :mod:`vecinfer_compile.passes.cache_decod
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..quant.packing import packed_width, unpack_codes
+from .cuda import dequant as cuda_dequant
+from .registry import define
+from .triton.dequant import dequantize_triton
 
-NAMESPACE = "vecinfer"
-QUALNAME = f"{NAMESPACE}::cache_kv"
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
 
 
 def _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation):
@@ -75,7 +83,6 @@ def _assemble(codes, centroids, n_coded, window, n_window) -> torch.Tensor:
 ROW_CHUNK_ELEMENTS = 1 << 26  # float32 elements of K (or V) dequantized at once: 256 MiB of temporaries
 
 
-@torch.library.custom_op(QUALNAME, mutates_args=())
 def cache_kv(
     k_codes: torch.Tensor,
     v_codes: torch.Tensor,
@@ -110,8 +117,7 @@ def cache_kv(
     return k_out, v_out
 
 
-@cache_kv.register_fake
-def _(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation):
+def _cache_kv_fake(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation):
     _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation)
     b, h, tmax, _ = k_codes.shape
     d = k_window.shape[-1]
@@ -120,13 +126,6 @@ def _(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n
     return k, v
 
 
-def is_cache_kv(target) -> bool:
-    """Whether an FX node target is this op (packet or overload)."""
-    op = torch.ops.vecinfer.cache_kv
-    return target is op or target is op.default
-
-
-@torch.library.custom_op(f"{NAMESPACE}::prefill_read", mutates_args=())
 def prefill_read(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the prefill of an empty cache layer returns when compiled: its own K/V (copies: an op
     cannot return its inputs), marked so that :mod:`vecinfer_compile.passes.cache_decode` keeps
@@ -137,12 +136,18 @@ def prefill_read(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, 
     return key.clone(), value.clone()
 
 
-@prefill_read.register_fake
-def _(key, value):
-    return torch.empty_like(key), torch.empty_like(value)
+def dequantize_into(codes: torch.Tensor, centroids: torch.Tensor, length: int, out: torch.Tensor) -> torch.Tensor:
+    """A chunk's prefix workspace (:mod:`.split_attention.chunk`): :func:`.cuda.dequant.dequantize_cuda`
+    where it runs, else :func:`.triton.dequant.dequantize_triton` (one log line says why, once per
+    reason)."""
+    reason = cuda_dequant.unsupported_reason(codes, centroids, out) or cuda_dequant.build_error(codes, centroids, out)
+    if reason is None:
+        return cuda_dequant.dequantize_cuda(codes, centroids, length, out)
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("vecinfer: a chunk's prefix is dequantized by the Triton kernel: %s", reason)
+    return dequantize_triton(codes, centroids, length, out)
 
 
-def is_prefill_read(target) -> bool:
-    """Whether an FX node target is :func:`prefill_read` (packet or overload)."""
-    op = torch.ops.vecinfer.prefill_read
-    return target is op or target is op.default
+define("cache_kv", cache_kv, kind="opaque", fake=_cache_kv_fake)
+define("prefill_read", prefill_read, kind="opaque", fake=lambda key, value: (torch.empty_like(key), torch.empty_like(value)))

@@ -1,6 +1,6 @@
 """CUDA append of one decode token to a compressed cache layer: one launch per layer and step.
 
-The kernel is in ``cuda_append.cu`` (its header states the semantics and the work split). In the
+The kernel is in ``append.cu`` (its header states the semantics and the work split). In the
 compiled decode step the same update as torch ops (:func:`.cache_append.append_reference`) becomes
 about a dozen small Inductor kernels per layer (key transform, flush encode, code write, window
 shift, counters), each a dependent launch of 1-5 us. This kernel does all of it in one launch of
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ..quant.packing import is_packed, packed_width
-from . import cuda_weigh
+from ...quant.packing import is_packed, packed_width
+from . import weigh as cuda_weigh
 from .nvrtc import CudaBuildError, build_kernel, device_index
 
-SOURCE = Path(__file__).with_name("cuda_append.cu")
+SOURCE = Path(__file__).with_name("append.cu")
 COLS = 32  # channels per CTA: whole sub-vectors, an even number of them (packed nibbles stay in one CTA)
 THREADS = 128
 CENTROID_DIMS = (2, 4, 8)

@@ -19,7 +19,7 @@
 //                   codes for weight 1) and the value's nearest codes, each lowered under its
 //                   metric when one is given, written at code slot n_coded (if below Tmax).
 //                   grid (B * H, 2): y = 0 the key, y = 1 the value. It runs before the append
-//                   kernel, which then skips its own encode (cuda_append.cu, ENCODE 0) and shifts
+//                   kernel, which then skips its own encode (append.cu, ENCODE 0) and shifts
 //                   the window.
 //
 // The loss of a head vector x (code domain) and its dequantized x_hat, r = x - x_hat, u = x / |x|:
