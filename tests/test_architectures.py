@@ -159,7 +159,7 @@ def test_sweep_command_names_a_close_architecture(capsys):
 
 def test_readme_quotes_the_sweep_it_was_generated_from():
     """README's support paragraph is docs/architectures.md's summary, pasted (not written by hand):
-    after a new sweep, paste its "Of the ..." paragraph into README's Limitations."""
+    after a new sweep, paste its "Of the ..." paragraph into README's "Supported models"."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
