@@ -320,9 +320,9 @@ def synthetic_prefill(model, ids: torch.Tensor, cache, real: int, chunk: int) ->
     prefill_in_chunks(model, ids[:, :real + 1], cache, chunk)
     for layer in cache.layers:
         if isinstance(layer, VecInferLayer):
-            layer.k_codes.random_(0, 256)
-            layer.v_codes.random_(0, 256)
-            layer.n_coded.fill_(held - int(layer.n_window))
+            layer.storage.k_codes.random_(0, 256)
+            layer.storage.v_codes.random_(0, 256)
+            layer.storage.n_coded.fill_(held - int(layer.storage.n_window))
         elif isinstance(layer, ValidLengthLayer):
             layer.k_store[:, real:held].normal_()
             layer.v_store[:, real:held].normal_()

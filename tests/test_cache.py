@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_kwargs, cache_window_mask
+from vecinfer_compile.cache import VecInferCache, cache_kwargs
 from vecinfer_compile.ops import dequantize as cache_ops
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.evaluation.kv_bytes import kv_bytes
-from vecinfer_compile.testing import random_codebooks
+from vecinfer_compile.testing import cache_layer, random_codebooks
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,11 +51,8 @@ def make_layer(b, h, d, r, tmax, bits=2.0, seed=0, dtype=torch.float32):
     cfg = tiny_config(num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=h,
                       head_dim=d, hidden_size=h * d)
     cb = random_codebooks(cfg, bits=bits, seed=seed)
-    lc = cb.layer(0)
-    return VecInferLayer(batch_size=b, num_kv_heads=h, head_dim=d, max_cache_len=tmax, residual=r,
-                         dtype=dtype, device="cpu", key_centroids=lc.key_centroids,
-                         value_centroids=lc.value_centroids, lam=lc.transform.lam,
-                         rotation=lc.transform.rotation(torch.float32, "cpu"))
+    return cache_layer(cb.layer(0), num_kv_heads=h, head_dim=d, max_cache_len=tmax, residual=r, batch_size=b,
+                       dtype=dtype)
 
 
 def assert_nearest(codes, x, centroids, what):
@@ -85,26 +82,27 @@ def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks
     sizes = [prefill] + chunks
     tmax = sum(sizes)
     layer = make_layer(b, h, d, r, tmax, bits=bits, seed=seed % 7)
+    s, qz = layer.storage, layer.quantizer
     gen = torch.Generator().manual_seed(seed)
     ks, kts, vs = [], [], []
     for i, t in enumerate(sizes):
         k = torch.randn(b, h, t, d, generator=gen)
         v = torch.randn(b, h, t, d, generator=gen)
         ks.append(k), vs.append(v), kts.append(layer.transform_keys(k))
-        coded_before = int(layer.n_coded)
+        coded_before = int(s.n_coded)
         rk, rv = layer.update(k, v)
         total = sum(sizes[: i + 1])
-        n_coded, n_window = int(layer.n_coded), int(layer.n_window)
+        n_coded, n_window = int(s.n_coded), int(s.n_window)
         assert n_coded + n_window == total
         assert n_window == min(r, total)
         assert layer.get_seq_length() == total
         kt_all, v_all, k_all = torch.cat(kts, 2), torch.cat(vs, 2), torch.cat(ks, 2)
         # full precision window == the last n_window tokens exactly
-        assert torch.equal(layer.k_window[:, :, :n_window], kt_all[:, :, n_coded:])
-        assert torch.equal(layer.v_window[:, :, :n_window], v_all[:, :, n_coded:])
+        assert torch.equal(s.k_window[:, :, :n_window], kt_all[:, :, n_coded:])
+        assert torch.equal(s.v_window[:, :, :n_window], v_all[:, :, n_coded:])
         # codes == encode(all tokens but the last R), in order
-        assert_nearest(layer.k_codes[:, :, :n_coded], kt_all[:, :, :n_coded], layer.key_centroids, "keys")
-        assert_nearest(layer.v_codes[:, :, :n_coded], v_all[:, :, :n_coded], layer.value_centroids, "values")
+        assert_nearest(s.k_codes[:, :, :n_coded], kt_all[:, :, :n_coded], qz.key_centroids, "keys")
+        assert_nearest(s.v_codes[:, :, :n_coded], v_all[:, :, :n_coded], qz.value_centroids, "values")
         if i == 0:  # prefill returns the full-precision inputs
             assert rk is k and rv is v
             assert layer.get_mask_sizes(1) == (tmax, 0)
@@ -116,8 +114,8 @@ def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks
             coded = n_coded if t == 1 else coded_before
             torch.testing.assert_close(rk[:, :, coded:total], k_all[:, :, coded:], rtol=1e-5, atol=1e-5)
             assert torch.equal(rv[:, :, coded:total], v_all[:, :, coded:])
-            v_idx = unpack_codes(layer.v_codes[:, :, :n_coded], layer.value_centroids.shape[0])
-            dec_v = layer.value_centroids[v_idx].reshape(b, h, n_coded, d)
+            v_idx = unpack_codes(s.v_codes[:, :, :n_coded], qz.value_centroids.shape[0])
+            dec_v = qz.value_centroids[v_idx].reshape(b, h, n_coded, d)
             assert torch.equal(rv[:, :, :coded], dec_v[:, :, :coded])
             full_k, full_v = layer.dequantized()  # the static read: every slot, zeros past the valid ones
             assert full_k.shape == (b, h, tmax, d) and torch.equal(full_v[:, :, :n_coded], dec_v)
@@ -131,20 +129,11 @@ def test_prefill_longer_than_window_and_reset():
     assert layer.get_mask_sizes(7) == (7, 0) and layer.get_seq_length() == 0
     k, v = torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
     layer.update(k, v)
-    assert (int(layer.n_coded), int(layer.n_window)) == (6, 4)
+    assert (int(layer.storage.n_coded), int(layer.storage.n_window)) == (6, 4)
     layer.reset()
-    assert layer.get_seq_length() == 0 and int(layer.n_coded) == 0 and not layer.k_codes.any()
+    assert layer.get_seq_length() == 0 and int(layer.storage.n_coded) == 0 and not layer.storage.k_codes.any()
     layer.update(k[:, :, :3], v[:, :, :3])
-    assert (int(layer.n_coded), int(layer.n_window)) == (0, 3)
-
-
-def test_cache_window_mask():
-    m = cache_window_mask(1, 10, 4)
-    assert m.tolist() == [[False] * 6 + [True] * 4]
-    assert cache_window_mask(3, 5, 2, prefill=True).all()
-    m = cache_window_mask(2, 6, 3)  # a chunk of 2 after 4 tokens: the old window (slots 1-3) and itself
-    assert m.tolist() == [[False] + [True] * 5] * 2
-    assert cache_window_mask(3, 4, 5).all()  # the cache held 1 token, all in the window
+    assert (int(layer.storage.n_coded), int(layer.storage.n_window)) == (0, 3)
 
 
 # -- eager generate ------------------------------------------------------------------------------
@@ -170,7 +159,7 @@ def test_generate_small_window_reads_codes(tiny_model):
     out = generate(tiny_model, ids, mask, cache, max_new_tokens=8, do_sample=False)
     assert out.shape == (2, 18)
     layer = cache.layers[0]
-    assert (int(layer.n_coded), int(layer.n_window)) == (14, 3)  # 10 + 8 - 1 tokens went through
+    assert (int(layer.storage.n_coded), int(layer.storage.n_window)) == (14, 3)  # 10 + 8 - 1 tokens went through
     # the decoded logits differ from full precision (codes are read) but stay finite
     full = tiny_model(out, attention_mask=torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], 1)).logits
     assert torch.isfinite(full).all()
@@ -195,7 +184,7 @@ def test_generate_tiny_checkpoint(shared_tiny_dir):
     assert torch.equal(generate(model, ids, mask, cache, max_new_tokens=6, do_sample=False), ref)
     cache = VecInferCache(model, cb, batch_size=2, max_cache_len=17, residual=4)
     out = generate(model, ids, mask, cache, max_new_tokens=6, do_sample=False)
-    assert out.shape == (2, 18) and int(cache.layers[0].n_coded) == 13
+    assert out.shape == (2, 18) and int(cache.layers[0].storage.n_coded) == 13
 
 
 @pytest.mark.parametrize("method,heads,kv_heads,head_dim", [
@@ -211,7 +200,7 @@ def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads
     read that compiled code sees (forced here by making the cache believe it is being compiled),
     batch 2 with left padding, for a prompt, a 5-token chunk and a 1-token step. HF's mask is
     ``max_cache_len`` long either way (``get_mask_sizes``)."""
-    import vecinfer_compile.cache as cache_mod
+    from vecinfer_compile.cache import layer as layer_module
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -225,7 +214,7 @@ def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads
         out = []
         with monkeypatch.context() as m:
             if static:
-                m.setattr(cache_mod, "_is_compiling", lambda: True)
+                m.setattr(layer_module, "_is_compiling", lambda: True)
             for a, b in chunks:
                 pos = torch.arange(a, b)
                 if a:  # the mask length HF will build for this update
@@ -234,7 +223,7 @@ def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads
                     out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], **cache_kwargs(cache),
                                           use_cache=True, cache_position=pos).logits)
         layer = cache.layers[0]
-        assert (int(layer.n_coded), int(layer.n_window)) == (13, 3)
+        assert (int(layer.storage.n_coded), int(layer.storage.n_window)) == (13, 3)
         return out
 
     for got, want in zip(logits(False), logits(True)):
@@ -312,9 +301,10 @@ def test_error_beyond_max_cache_len(tiny_model):
 
 def _valid_state(layer) -> list[torch.Tensor]:
     """What a layer's reads depend on: the counters, the filled code slots and window slots."""
-    c, w = int(layer.n_coded), int(layer.n_window)
-    return [layer.n_coded, layer.n_window, layer.k_codes[:, :, :c], layer.v_codes[:, :, :c],
-            layer.k_window[:, :, :w], layer.v_window[:, :, :w]]
+    s = layer.storage
+    c, w = int(s.n_coded), int(s.n_window)
+    return [s.n_coded, s.n_window, s.k_codes[:, :, :c], s.v_codes[:, :, :c],
+            s.k_window[:, :, :w], s.v_window[:, :, :w]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -391,9 +381,9 @@ def _cache_kv_args(lam=True, rot=True, bits=2.0):
     layer = make_layer(2, 2, 16, 4, 12, bits=bits)
     layer.update(torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16))
     layer.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))
-    return (layer.k_codes, layer.v_codes, layer.key_centroids, layer.value_centroids, layer.n_coded,
-            layer.k_window, layer.v_window, layer.n_window, layer.lam if lam else None,
-            layer.rotation if rot else None)
+    s, qz = layer.storage, layer.quantizer
+    return (s.k_codes, s.v_codes, qz.key_centroids, qz.value_centroids, s.n_coded, s.k_window, s.v_window,
+            s.n_window, qz.lam if lam else None, qz.rotation if rot else None)
 
 
 @pytest.mark.parametrize("lam,rot,bits", [(True, True, 2.0), (False, False, 1.25), (True, False, 3.0)])
@@ -490,10 +480,10 @@ def test_filling_rows_equals_filling_the_batch(tiny_model):
             _prefill(tiny_model, ids[start:stop, :-1], part, chunk=5)
     for a, b in zip(whole.layers, grouped.layers):  # (a batch of 2 rows rounds its matmuls unlike 5)
         for name in ("k_codes", "v_codes", "n_coded", "n_window"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), name
+            assert torch.equal(getattr(a.storage, name), getattr(b.storage, name)), name
         for name in ("k_window", "v_window"):
-            torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
-    assert (int(grouped.layers[0].n_coded), int(grouped.layers[0].n_window)) == (9, 3)
+            torch.testing.assert_close(getattr(a.storage, name), getattr(b.storage, name), atol=1e-5, rtol=1e-5)
+    assert (int(grouped.layers[0].storage.n_coded), int(grouped.layers[0].storage.n_window)) == (9, 3)
     mask = torch.ones_like(ids)
     out_whole = generate(tiny_model, ids, mask, whole, max_new_tokens=4, do_sample=False)
     out_grouped = generate(tiny_model, ids, mask, grouped, max_new_tokens=4, do_sample=False)

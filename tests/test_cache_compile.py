@@ -104,9 +104,9 @@ def test_compiled_decode_matches_eager_and_holds_no_dequantized_kv(layer_bits):
     assert sum(n.target is append_reference for n in backend.graphs[0].graph.nodes) == cfg.num_hidden_layers
     _check_rewritten_graph(backend.graphs[0], cfg.num_hidden_layers, tmax, cfg.head_dim)
     for a, b in zip(eager_cache.layers, cache.layers):  # same state after compiled updates
-        assert int(a.n_coded) == int(b.n_coded) and int(a.n_window) == int(b.n_window)
-        assert torch.equal(a.k_codes, b.k_codes) and torch.equal(a.v_codes, b.v_codes)
-        torch.testing.assert_close(a.k_window, b.k_window)
+        assert int(a.storage.n_coded) == int(b.storage.n_coded) and int(a.storage.n_window) == int(b.storage.n_window)
+        assert torch.equal(a.storage.k_codes, b.storage.k_codes) and torch.equal(a.storage.v_codes, b.storage.v_codes)
+        torch.testing.assert_close(a.storage.k_window, b.storage.k_window)
 
 
 def test_compiled_decode_tiny_checkpoint_dynamic(shared_tiny_dir):
@@ -140,7 +140,7 @@ def test_decode_attention_equals_sdpa_over_cache_kv():
     layer.update(torch.randn(b, hkv, 11, d), torch.randn(b, hkv, 11, d))
     for _ in range(3):
         k, v = layer.update(torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d))
-    length = int(layer.n_coded) + int(layer.n_window)
+    length = int(layer.storage.n_coded) + int(layer.storage.n_window)
     pad = torch.tensor([0, 2, 5])
     slots = torch.arange(tmax)
     mask = ((slots[None] >= pad[:, None]) & (slots[None] < length))[:, None, None, :]
@@ -150,10 +150,11 @@ def test_decode_attention_equals_sdpa_over_cache_kv():
                                          attn_mask=mask, scale=scale)
     kv_start = kv_start_from_mask(mask, q)
     assert kv_start.tolist() == pad.tolist() and kv_start.dtype == torch.int32
+    s, qz = layer.storage, layer.quantizer
     out = torch.ops.vecinfer.decode_attention(
-        transform_queries(q, layer.lam, layer.rotation), layer.k_codes, layer.v_codes,
-        layer.key_centroids, layer.value_centroids, layer.n_coded, layer.k_window, layer.v_window,
-        layer.n_window, kv_start, scale)
+        transform_queries(q, qz.lam, qz.rotation), s.k_codes, s.v_codes,
+        qz.key_centroids, qz.value_centroids, s.n_coded, s.k_window, s.v_window,
+        s.n_window, kv_start, scale)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     float_mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     assert torch.equal(kv_start_from_mask(float_mask, q), kv_start)
@@ -185,9 +186,10 @@ def test_kv_start_compiles_for_a_dynamic_mask_length(device):
 
 
 def _attention_fn(q, layer, mask):
+    s, qz = layer.storage, layer.quantizer
     k, v = torch.ops.vecinfer.cache_kv(
-        layer.k_codes, layer.v_codes, layer.key_centroids, layer.value_centroids, layer.n_coded,
-        layer.k_window, layer.v_window, layer.n_window, layer.lam, layer.rotation)
+        s.k_codes, s.v_codes, qz.key_centroids, qz.value_centroids, s.n_coded,
+        s.k_window, s.v_window, s.n_window, qz.lam, qz.rotation)
     k = k[:, :, None, :, :].expand(k.shape[0], k.shape[1], 2, k.shape[2], k.shape[3]).reshape(k.shape[0], -1, k.shape[2], k.shape[3])
     v = v[:, :, None, :, :].expand(v.shape[0], v.shape[1], 2, v.shape[2], v.shape[3]).reshape(v.shape[0], -1, v.shape[2], v.shape[3])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)

@@ -234,7 +234,7 @@ def test_cache_decode_over_codes_and_window_is_exact(method):
     layer.update(k[:, :, :6], v[:, :, :6])
     for t in (6, 7, 8):
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
-    assert (int(layer.n_coded), int(layer.n_window)) == (5, 4)
+    assert (int(layer.storage.n_coded), int(layer.storage.n_window)) == (5, 4)
     k_read, v_read = layer.dequantized()
     torch.testing.assert_close(k_read[:, :, 5:9], k[:, :, 5:9], atol=1e-5, rtol=1e-5)  # the window
     assert (k_read[:, :, :5] - k[:, :, :5]).abs().max() > 1e-2  # the codes
@@ -242,9 +242,10 @@ def test_cache_decode_over_codes_and_window_is_exact(method):
     valid = (torch.arange(20) < 9)[None, :]
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k_read.repeat_interleave(2, 1), v_read.repeat_interleave(2, 1), attn_mask=valid)
-    q_t = transform_queries(q, layer.lam, layer.rotation, layer.key_read)
-    out = reference.decode_attention(q_t, layer.k_codes, layer.v_codes, layer.key_centroids, layer.value_centroids,
-                                     layer.n_coded, layer.k_window, layer.v_window, layer.n_window, None, 16 ** -0.5)
+    s, qz = layer.storage, layer.quantizer
+    q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
+    out = reference.decode_attention(q_t, s.k_codes, s.v_codes, qz.key_centroids, qz.value_centroids,
+                                     s.n_coded, s.k_window, s.v_window, s.n_window, None, 16 ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
 
 

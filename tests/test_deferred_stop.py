@@ -18,7 +18,8 @@ import torch
 from transformers import CompileConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import vecinfer_compile
-from vecinfer_compile.cache import VecInferCache, VecInferLayer
+from vecinfer_compile.cache import VecInferCache
+from vecinfer_compile.cache.storage import LayerStorage
 
 from test_cache import generate, left_padded, random_codebooks, tiny_config  # noqa: E402
 
@@ -103,21 +104,22 @@ def test_compiled_step_records_the_window_before_an_opaque_append(monkeypatch):
     from test_cache import make_layer
 
     append = _opaque_append()
-    monkeypatch.setattr(VecInferLayer, "_cache_append", lambda self, k, v: append(
+    monkeypatch.setattr(LayerStorage, "append", lambda self, k, v, q: append(
         k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-        self.append_arrivals, self.key_centroids, self.value_centroids, self.key_mean, self.lam, self._key_matrix()))
+        self.append_arrivals, q.key_centroids, q.value_centroids, q.key_mean, q.lam, q.key_transform_matrix))
     torch._dynamo.reset()
     layer = make_layer(1, 2, 16, 4, 16)
     gen = torch.Generator().manual_seed(0)
     layer.update(torch.randn(1, 2, 6, 16, generator=gen), torch.randn(1, 2, 6, 16, generator=gen))  # window full
     layer.activate_past_recording()
-    before = [t.clone() for t in (layer.k_window, layer.v_window, layer.n_coded, layer.n_window)]
+    s = layer.storage
+    before = [t.clone() for t in (s.k_window, s.v_window, s.n_coded, s.n_window)]
     step = torch.compile(lambda k, v: layer.update(k, v)[0].sum(), fullgraph=True)
     step(torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen))
-    assert int(layer.n_coded) == int(before[2]) + 1  # the step pushed a token into the codes
-    assert torch.equal(layer.undo_kv[0], before[0][:, :, 0]) and torch.equal(layer.undo_kv[1], before[1][:, :, 0])
+    assert int(s.n_coded) == int(before[2]) + 1  # the step pushed a token into the codes
+    assert torch.equal(s.undo_kv[0], before[0][:, :, 0]) and torch.equal(s.undo_kv[1], before[1][:, :, 0])
     layer.crop(-1)
-    for now, then in zip((layer.k_window, layer.v_window, layer.n_coded, layer.n_window), before):
+    for now, then in zip((s.k_window, s.v_window, s.n_coded, s.n_window), before):
         assert torch.equal(now, then)
 
 
@@ -168,6 +170,7 @@ def _deferred_equals_synced(model, cb, ids, mask, compile_config, deferring, mon
     assert synced.shape[1] == prompt + stop and torch.equal(deferred, synced)
     for a, b in zip(deferred_cache.coded_layers(), synced_cache.coded_layers()):
         assert not a.record_past  # generate() switched the recording off again
+        a, b = a.storage, b.storage
         c, w = int(b.n_coded), int(b.n_window)
         assert (int(a.n_coded), int(a.n_window)) == (c, w) and w == residual
         assert torch.equal(a.k_codes[:, :, :c], b.k_codes[:, :, :c]) and torch.equal(a.v_codes[:, :, :c], b.v_codes[:, :, :c])

@@ -16,7 +16,8 @@ from transformers import LlamaForCausalLM
 
 from vecinfer_compile import eager_decode
 from vecinfer_compile.cache import VecInferCache, VecInferLayer
-from vecinfer_compile.testing import random_codebooks
+from vecinfer_compile.cache import reads as cache_reads
+from vecinfer_compile.testing import cache_layer, random_codebooks
 
 from test_cache import generate, left_padded, tiny_config  # noqa: E402
 
@@ -27,12 +28,8 @@ def _layer(b, hkv, d, r, tmax, method, bits, seed, device="cpu", dtype=torch.flo
     cfg = tiny_config(num_hidden_layers=1, num_attention_heads=hkv, num_key_value_heads=hkv,
                       head_dim=d, hidden_size=hkv * d)
     lc = random_codebooks(cfg, bits, method, seed=seed).layer(0)
-    t = lc.transform
-    return VecInferLayer(batch_size=b, num_kv_heads=hkv, head_dim=d, max_cache_len=tmax, residual=r,
-                         dtype=dtype, device=device, key_centroids=lc.key_centroids,
-                         value_centroids=lc.value_centroids, lam=t.lam,
-                         rotation=t.rotation(torch.float32, device), key_matrix=t.key_matrix,
-                         query_matrix=t.query_matrix, key_mean=t.mean)
+    return cache_layer(lc, num_kv_heads=hkv, head_dim=d, max_cache_len=tmax, residual=r, batch_size=b,
+                       dtype=dtype, device=device)
 
 
 def _padding_mask(pad: list[int], length: int, tmax: int, device, additive: bool) -> torch.Tensor:
@@ -186,8 +183,8 @@ def test_attend_checks_what_the_decode_op_can_read_of_a_mask(change):
     elif change == "bias":
         mask[0, :, :, :10] = -0.5 * torch.arange(10.0)
     q = torch.randn(b, hkv * group, 1, d)
-    with mock.patch.object(VecInferLayer, "_sdpa_by_rows", autospec=True,
-                           side_effect=VecInferLayer._sdpa_by_rows) as by_rows:
+    with mock.patch.object(cache_reads, "sdpa_by_rows", autospec=True,
+                           side_effect=cache_reads.sdpa_by_rows) as by_rows:
         got = layer.attend(q, mask, None)
     assert by_rows.called == (change != "none")
     torch.testing.assert_close(got, _sdpa_over_read(layer, q, mask, None), rtol=1e-4, atol=1e-5)
@@ -213,9 +210,9 @@ def test_generate_steps_read_codes(monkeypatch, method):
     cb = random_codebooks(model.config, 2.0, method)
     ids, mask = left_padded(batch=3, length=12, pad=4)
     attends, reads = [], []
-    real_attend, real_read = VecInferLayer.attend, VecInferLayer._read
+    real_attend, real_read = VecInferLayer.attend, cache_reads.read
     monkeypatch.setattr(VecInferLayer, "attend", lambda self, *a: attends.append(1) or real_attend(self, *a))
-    monkeypatch.setattr(VecInferLayer, "_read", lambda self, *a: reads.append(a[1:]) or real_read(self, *a))
+    monkeypatch.setattr(cache_reads, "read", lambda *a, **kw: reads.append(a[2:]) or real_read(*a, **kw))
     outs = {}
     for impl in ("vecinfer_sdpa", "sdpa"):
         attends.clear(), reads.clear()
@@ -313,7 +310,8 @@ def test_attend_chunk_on_cuda_takes_the_fast_path(method):
         got = layer.attend_chunk(q, mask, None, keys)
     from vecinfer_compile.ops.decode_inputs import transform_queries
 
-    want = reference.chunk_attention(transform_queries(q, layer.lam, layer.rotation, layer.key_read).float(), keys,
+    qz = layer.quantizer
+    want = reference.chunk_attention(transform_queries(q, qz.lam, qz.rotation, qz.key_read).float(), keys,
                                      start, d ** -0.5)
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 

@@ -27,7 +27,7 @@ from vecinfer_compile.backend import vecinfer_backend
 from vecinfer_compile.cache import VecInferCache, VecInferHybridLayer, VecInferLayer, cache_kwargs
 from vecinfer_compile.layer_kinds import coded_layers, kv_producers
 from vecinfer_compile.simulate import simulation
-from vecinfer_compile.testing import random_codebooks, random_layer_codebooks
+from vecinfer_compile.testing import cache_layer, random_codebooks, random_layer_codebooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,11 +83,8 @@ def assert_same(got, want):
 def layer_with_tokens(tokens: int = 10, heads: int = 2, dim: int = 16) -> VecInferLayer:
     """A coded layer (4-slot window) holding ``tokens`` random tokens, whose model attends with
     ``vecinfer_sdpa`` (its updates return codes reads)."""
-    lc = random_layer_codebooks(heads, dim, seed=0)
-    layer = VecInferLayer(batch_size=1, num_kv_heads=heads, head_dim=dim, max_cache_len=24, residual=4,
-                          dtype=torch.float32, device="cpu", key_centroids=lc.key_centroids,
-                          value_centroids=lc.value_centroids, lam=lc.transform.lam,
-                          rotation=lc.transform.rotation(torch.float32, "cpu"))
+    layer = cache_layer(random_layer_codebooks(heads, dim, seed=0), num_kv_heads=heads, head_dim=dim,
+                        max_cache_len=24, residual=4)
     layer.model_config = mock.Mock(_attn_implementation=eager_decode.ATTN_NAME)
     layer.update(torch.randn(1, heads, tokens, dim), torch.randn(1, heads, tokens, dim))
     return layer
@@ -116,7 +113,7 @@ def test_a_chunks_codes_read_is_dequantized_by_the_chunk_rule():
     chunk's own K/V in full precision (what the dense path of a model on plain SDPA gets)."""
     torch.manual_seed(0)
     layer = layer_with_tokens(tokens=10)
-    n_coded = int(layer.n_coded)
+    n_coded = int(layer.storage.n_coded)
     before_k, before_v = layer.dequantized()
     k_new, v_new = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
     k, v = layer.update(k_new, v_new)
@@ -242,7 +239,7 @@ def test_hybrid_layers_hold_codes_beside_the_mixer_state():
         model(prompt(), **cache_kwargs(cache), use_cache=True)
     mixer = sum(t.nbytes for layer in cache.layers for states in (layer.conv_states, layer.recurrent_states)
                 for t in states.values())
-    coded = sum(t.nbytes for t in {t.data_ptr(): t for layer in cache.layers for t in layer._static_tensors()}.values())
+    coded = sum(t.nbytes for t in {t.data_ptr(): t for layer in cache.layers for t in layer.static_tensors()}.values())
     assert mixer > 0 and cache.kv_bytes() == coded + mixer
     assert not cache.is_croppable  # so generate() never defers its stop check over it
     with pytest.raises(NotImplementedError, match="mixer state cannot be rolled back"):

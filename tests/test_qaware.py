@@ -351,7 +351,7 @@ def test_cache_window_is_exact_and_codes_are_read():
         out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
     layer = cache.layers[0]
-    assert layer.rotation is None and layer.key_matrix.shape == (2, 16, 16)
+    assert layer.quantizer.rotation is None and layer.quantizer.key_matrix.shape == (2, 16, 16)
     k = torch.randn(2, 2, 5, 16)
     torch.testing.assert_close(layer.transform_keys(k), cb.layer(0).transform.keys(k))
 
@@ -428,7 +428,8 @@ def test_the_file_stores_the_state_in_the_precision_the_cache_uses(tmp_path):
     with safe_open(str(path), "pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
     assert {t.dtype for t in stored.values()} == {torch.float32}
-    assert layer.key_matrix.dtype == layer.key_read.dtype == layer.key_centroids.dtype == torch.float32
+    qz = layer.quantizer
+    assert qz.key_matrix.dtype == qz.key_read.dtype == qz.key_centroids.dtype == torch.float32
     assert cb.nbytes() == sum(t.numel() * t.element_size() for t in stored.values())
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vecinfer_compile.cache import VecInferLayer
+from vecinfer_compile.cache import LayerQuantizer, VecInferLayer
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.ops.append import encode_flush
 from vecinfer_compile.quant import codebook, weighted_codes
@@ -204,10 +204,11 @@ def test_property_the_cache_stores_the_codebooks_codes(r, sizes, weighted, seed)
         k, v = torch.randn(1, 2, t, 32, generator=gen) * 3, torch.randn(1, 2, t, 32, generator=gen)
         kts.append(layer.transform_keys(k)), vs.append(v)
         layer.update(k, v)
-    n = int(layer.n_coded)
+    n = int(layer.storage.n_coded)
     identity = torch.eye(32).expand(2, 32, 32)
-    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], layer.k_codes, layer.key_centroids, lc.key_metric, 8.0),
-                               (torch.cat(vs, 2)[:, :, :n], layer.v_codes, layer.value_centroids, lc.value_metric, 1.0)):
+    s, qz = layer.storage, layer.quantizer
+    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.key_centroids, lc.key_metric, 8.0),
+                               (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.value_centroids, lc.value_metric, 1.0)):
         got = dequant(unpack_codes(stored[:, :, :n], c.shape[0]), c)
         expected = dequant(codebook.encode(x, c, w, m).long(), c)
         loss_metric = identity if m is None else m
@@ -218,9 +219,10 @@ def test_property_the_cache_stores_the_codebooks_codes(r, sizes, weighted, seed)
 def test_the_cache_refuses_a_metric_of_the_wrong_shape():
     lc = random_codebooks(tiny_config(), bits=2.0, method="qaware").layer(0)
     with pytest.raises(ValueError, match="error metric must be a float"):
-        VecInferLayer(batch_size=1, num_kv_heads=2, head_dim=32, max_cache_len=8, residual=2, dtype=torch.float32,
-                      device="cpu", key_centroids=lc.key_centroids, value_centroids=lc.value_centroids, lam=None,
-                      rotation=None, key_metric=torch.eye(32)[None], value_metric=torch.eye(32)[None])
+        quantizer = LayerQuantizer(lc.key_centroids, lc.value_centroids, key_metric=torch.eye(32)[None],
+                                   value_metric=torch.eye(32)[None])
+        VecInferLayer(quantizer, batch_size=1, num_kv_heads=2, head_dim=32, max_cache_len=8, residual=2,
+                      dtype=torch.float32, device="cpu")
 
 
 def test_calibration_stores_the_metrics_the_model_gives(tmp_path):
@@ -377,10 +379,11 @@ def test_cuda_cache_stores_weighted_codes(dtype):
         v = torch.randn(1, 2, t, 32, generator=gen).to("cuda", dtype)
         kts.append(layer.transform_keys(k)), vs.append(v)
         layer.update(k, v)
-    n = int(layer.n_coded)
+    n = int(layer.storage.n_coded)
     assert n == 304 - 8
-    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], layer.k_codes, layer.key_centroids, lc.key_metric, 8.0),
-                               (torch.cat(vs, 2)[:, :, :n], layer.v_codes, layer.value_centroids, lc.value_metric, 1.0)):
+    s, qz = layer.storage, layer.quantizer
+    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.key_centroids, lc.key_metric, 8.0),
+                               (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.value_centroids, lc.value_metric, 1.0)):
         m = m.cuda()
         got = dequant(unpack_codes(stored[:, :, :n], c.shape[0]), c)
         expected = dequant(codebook.encode(x.float(), c, w, m).long(), c)

@@ -34,7 +34,7 @@ def main(model_dir: str, codebooks_path: str, prompt: str, out: str) -> None:
     if dist.get_rank() == 0:
         torch.save({"tokens": tokens[0, ids.shape[1]:], "logits": logits,
                     "sdpa_rewrites": counters["vecinfer"]["sdpa_rewrites"],
-                    "kv_heads": cache.layers[0].num_heads, "lam": cache.layers[0].lam}, out)
+                    "kv_heads": cache.layers[0].num_heads, "lam": cache.layers[0].quantizer.lam}, out)
     dist.destroy_process_group()
 
 

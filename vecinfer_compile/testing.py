@@ -192,15 +192,11 @@ def cache_layer(layer: LayerCodebooks, *, num_kv_heads: int, head_dim: int, max_
                 key_parallel_weight: float = 1.0, batch_size: int = 1, dtype=torch.float32, device="cpu"):
     """A :class:`~vecinfer_compile.cache.VecInferLayer` holding ``layer``'s codebooks, transform
     and error metrics, as :class:`~vecinfer_compile.VecInferCache` builds one (tests of one layer)."""
-    from .cache import VecInferLayer
+    from .cache import LayerQuantizer, VecInferLayer
 
-    t = layer.transform
-    return VecInferLayer(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
-                         residual=residual, dtype=dtype, device=device, key_centroids=layer.key_centroids,
-                         value_centroids=layer.value_centroids, lam=t.lam, rotation=t.rotation(torch.float32, device),
-                         key_matrix=t.key_matrix, query_matrix=t.query_matrix, key_mean=t.mean,
-                         key_parallel_weight=key_parallel_weight, key_metric=layer.key_metric,
-                         value_metric=layer.value_metric)
+    quantizer = LayerQuantizer.from_codebooks(layer, device=device, key_parallel_weight=key_parallel_weight)
+    return VecInferLayer(quantizer, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         max_cache_len=max_cache_len, residual=residual, dtype=dtype, device=device)
 
 
 @dataclass

@@ -192,17 +192,18 @@ def cache_bytes(cache) -> CacheBytes:
     seen: set[tuple[int, int]] = set()
     coded = cache.coded_layers()
 
-    def held(names: tuple[str, ...]) -> int:
+    def held(part: str, names: tuple[str, ...]) -> int:
         total = 0
         for layer in coded:
             for name in names:
-                t = getattr(layer, name)
+                t = getattr(getattr(layer, part), name)
                 if t is not None and (t.data_ptr(), t.numel()) not in seen:
                     seen.add((t.data_ptr(), t.numel()))
                     total += t.numel() * t.element_size()
         return total
 
-    fixed, codes, window = held(_FIXED_STATE), held(_CODE_SLOTS), held(_WINDOW_STATE)
+    fixed = held("quantizer", _FIXED_STATE)
+    codes, window = held("storage", _CODE_SLOTS), held("storage", _WINDOW_STATE)
     first = coded[0]
     per_token = codes / (first.batch_size * first.max_cache_len) if first.is_initialized else None
     other = sum(t.numel() * t.element_size() for layer in cache.layers for t in full_precision_tensors(layer))

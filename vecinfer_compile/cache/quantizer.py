@@ -1,0 +1,121 @@
+"""One coded layer's quantizer as the cache holds it: codebooks and key transform, float32, on the
+cache's device, frozen (built once from a :class:`~vecinfer_compile.codebooks.LayerCodebooks`).
+
+- ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``.
+- ``lam [H, D]`` smoothing factors, or None.
+- ``rotation [D, D]`` the normalized Hadamard matrix, or None; one tensor shared by all layers of
+  a cache (:meth:`LayerQuantizer.from_codebooks`'s ``rotations``).
+- query-aware methods: ``key_matrix [H, D, D] = A @ H`` (keys into the code domain) and
+  ``key_read [H, D, D] = (B @ H)^T`` (code domain back to keys; its transpose is the query side),
+  the Hadamard folded in (``rotation`` is then None).
+- centring methods: ``key_mean [H, D]``, ``mu``, subtracted before the rest of the transform.
+- ``key_parallel_weight`` (score-aware key codes, 1: nearest centroid) and the error metrics
+  ``key_metric``, ``value_metric [H, D, D]`` of error-weighted codes (both or neither).
+
+The key transform: ``K~ = ((K - mu) / lam) @ H``, or ``(K - mu) @ key_matrix``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codebooks import LayerCodebooks
+from ..ops.append import transform_keys
+from ..quant.packing import packed_width
+from ..quant.score_aware import check_parallel_weight
+from ..quant.weighted_codes import check_metric
+
+
+@dataclass(frozen=True, eq=False)
+class LayerQuantizer:
+    """What a coded layer encodes and reads with (the module docstring gives the shapes)."""
+
+    key_centroids: torch.Tensor
+    value_centroids: torch.Tensor
+    lam: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
+    key_matrix: torch.Tensor | None = None
+    key_read: torch.Tensor | None = None
+    key_mean: torch.Tensor | None = None
+    key_parallel_weight: float = 1.0
+    key_metric: torch.Tensor | None = None
+    value_metric: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key_parallel_weight", check_parallel_weight(self.key_parallel_weight))
+        if (self.key_metric is None) != (self.value_metric is None):
+            raise ValueError("key_metric and value_metric go together (error-weighted codes of keys and values)")
+
+    @classmethod
+    def from_codebooks(cls, layer: LayerCodebooks, *, device, key_parallel_weight: float = 1.0,
+                       rotations: dict | None = None) -> "LayerQuantizer":
+        """``layer``'s state in float32 on ``device``, with the Hadamard folded into the query-aware
+        matrices. ``rotations``: a dict the layers of one cache share, so that they hold one
+        rotation tensor."""
+        t = layer.transform
+        rotation = None
+        if t.rotate:
+            rotations = {} if rotations is None else rotations
+            if t.head_dim not in rotations:
+                rotations[t.head_dim] = t.rotation(torch.float32, device)
+            rotation = rotations[t.head_dim]
+        key_matrix = key_read = None
+        if t.key_matrix is not None:  # A @ H and (B @ H)^T: one matmul each way, no separate rotation
+            fold = (lambda m: m) if rotation is None else (lambda m: m @ rotation)
+            key_matrix = fold(_on(t.key_matrix, device)).contiguous()
+            key_read = fold(_on(t.query_matrix, device)).transpose(-1, -2).contiguous()
+            rotation = None
+        return cls(
+            key_centroids=_on(layer.key_centroids, device), value_centroids=_on(layer.value_centroids, device),
+            lam=_on(t.lam, device), rotation=rotation, key_matrix=key_matrix, key_read=key_read,
+            key_mean=_on(t.mean, device), key_parallel_weight=key_parallel_weight,
+            key_metric=_on(layer.key_metric, device), value_metric=_on(layer.value_metric, device),
+        )
+
+    def check_fits(self, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
+        """Raise a ValueError unless this quantizer codes ``[B, num_kv_heads, T, head_dim]`` K/V."""
+        for centroids, what in ((self.key_centroids, "key"), (self.value_centroids, "value")):
+            if head_dim % centroids.shape[1]:
+                raise ValueError(
+                    f"head_dim {head_dim} is not divisible by the {what} sub-vector size {centroids.shape[1]}: "
+                    "these codebooks do not fit this model"
+                )
+        # Calibration records the K/V attention receives: more heads there than the model caches
+        # means its attention reads K/V built from the cache's after the update (JetMoE repeats
+        # them per expert), whose per-head transform the cached heads cannot take.
+        for name, t in (("lam", self.lam), ("key_matrix", self.key_matrix), ("key_mean", self.key_mean)):
+            if t is not None and t.shape[0] != num_kv_heads:
+                raise ValueError(
+                    f"VecInferCache layer {layer_idx}: the codebooks' {name} is for {t.shape[0]} KV heads but the "
+                    f"model caches {num_kv_heads} (its attention repeats K/V after the cache): calibrate "
+                    "method='vq' or 'hadamard'"
+                )
+        for metric in (self.key_metric, self.value_metric):
+            if metric is not None:
+                check_metric(metric, num_kv_heads, head_dim)
+
+    def code_widths(self, head_dim: int) -> tuple[int, int]:
+        """Bytes per token and head of the stored key and value codes (:mod:`..quant.packing`)."""
+        books = (self.key_centroids, self.value_centroids)
+        return tuple(packed_width(head_dim // c.shape[1], c.shape[0]) for c in books)
+
+    @property
+    def key_transform_matrix(self) -> torch.Tensor | None:
+        """The one matrix of the key transform: ``key_matrix`` (Hadamard folded in) or the rotation."""
+        return self.key_matrix if self.key_matrix is not None else self.rotation
+
+    def transform_keys(self, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``K~`` of ``k: [B, H, T, D]``, computed in float32, returned in ``dtype``."""
+        return transform_keys(k, self.key_mean, self.lam, self.key_transform_matrix).to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The codebooks and key transform, as the layer's bytes count them (the error metrics are left out)."""
+        ts = [self.key_centroids, self.value_centroids, self.lam, self.rotation, self.key_matrix, self.key_read,
+              self.key_mean]
+        return [t for t in ts if t is not None]
+
+
+def _on(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device, torch.float32).contiguous()
