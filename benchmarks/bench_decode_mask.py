@@ -1,6 +1,6 @@
 """Host time of the attention mask generate() builds for each decode step over a VecInferCache:
 transformers' ``sdpa_mask`` (what ``"vecinfer_sdpa"`` registered before) against
-:func:`vecinfer_compile.decode_mask.decode_sdpa_mask`, side by side in one process.
+:func:`vecinfer_compile.hf.decode_mask.decode_sdpa_mask`, side by side in one process.
 
 Each case calls transformers' ``create_masks_for_generate`` for a one-token step of a random
 Llama-geometry model (4 layers; the mask does not depend on the weights) over a
@@ -67,8 +67,8 @@ def time_us(call, calls: int, reps: int, sync) -> float:
 def main(argv=None) -> list[dict]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from vecinfer_compile.decode_mask import decode_sdpa_mask
-    from vecinfer_compile.eager_decode import ATTN_NAME
+    from vecinfer_compile.hf.decode_mask import decode_sdpa_mask
+    from vecinfer_compile.hf.eager_decode import ATTN_NAME
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")

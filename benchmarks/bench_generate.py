@@ -140,9 +140,9 @@ import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, o
 from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attention, use_valid_length_attention
 from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 from vecinfer_compile.codebooks import model_geometry  # noqa: E402
+from vecinfer_compile.hf.deferred_stop import defer_stop_check  # noqa: E402
+from vecinfer_compile.hf.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 from vecinfer_compile.quant.score_aware import check_parallel_weight  # noqa: E402
-from vecinfer_compile.deferred_stop import defer_stop_check  # noqa: E402
-from vecinfer_compile.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 
 METHODS = ("ours", "fp16", "static", "dynamic")
 LABELS = {"ours": "ours (VecInferCache, compiled)", "fp16": "full precision, valid-length flash, compiled",

@@ -1,4 +1,4 @@
-"""The decode-step mask of "vecinfer_sdpa" (vecinfer_compile.decode_mask) against transformers' sdpa_mask."""
+"""The decode-step mask of "vecinfer_sdpa" (vecinfer_compile.hf.decode_mask) against transformers' sdpa_mask."""
 
 import pytest
 import torch
@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from transformers.masking_utils import (sdpa_mask,
                                         sliding_window_causal_mask_function)
 
-from vecinfer_compile import decode_mask
-from vecinfer_compile.decode_mask import decode_sdpa_mask
+from vecinfer_compile.hf import decode_mask
+from vecinfer_compile.hf.decode_mask import decode_sdpa_mask
 
 
 @st.composite
@@ -78,7 +78,7 @@ def test_model_decode_step_takes_the_fast_path(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.masking_utils import AttentionMaskInterface
 
-    from vecinfer_compile.eager_decode import ATTN_NAME
+    from vecinfer_compile.hf.eager_decode import ATTN_NAME
     from vecinfer_compile.testing import random_codebooks
 
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 sliding-window layers beside full ones (Gemma 3, Gemma 4 whose full layers have their own head_dim
 and KV heads, Cohere2, Qwen2 with max_window_layers), chunked
 ones (Llama 4), and a model whose every layer slides (Mistral with sliding_window). The rule of
-which layers hold codes is :mod:`vecinfer_compile.layer_kinds`; the oracle is the eager simulate
+which layers hold codes is :mod:`vecinfer_compile.hf.layer_kinds`; the oracle is the eager simulate
 path, which honours every layer's own mask."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from vecinfer_compile.calibrate import calibrate
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.evaluation.kv_bytes import cache_bytes
 from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
-from vecinfer_compile.layer_kinds import coded_layers, layer_kinds
+from vecinfer_compile.hf.layer_kinds import coded_layers, layer_kinds
 from vecinfer_compile.simulate import FULL_PRECISION, simulation
 from vecinfer_compile.testing import FixedIds, random_codebooks
 

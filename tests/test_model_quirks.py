@@ -22,10 +22,10 @@ from transformers import (
 )
 from transformers.cache_utils import DummyLayer
 
-from vecinfer_compile import eager_decode
 from vecinfer_compile.backend import vecinfer_backend
 from vecinfer_compile.cache import VecInferCache, VecInferHybridLayer, VecInferLayer, cache_kwargs
-from vecinfer_compile.layer_kinds import coded_layers, kv_producers
+from vecinfer_compile.hf import eager_decode
+from vecinfer_compile.hf.layer_kinds import coded_layers, kv_producers
 from vecinfer_compile.simulate import simulation
 from vecinfer_compile.testing import random_codebooks, random_layer_codebooks
 

@@ -242,7 +242,7 @@ def test_broken_query_aware_files_name_the_fix(tmp_path):
 # -- calibration -----------------------------------------------------------------------------------
 def test_calibrate_collects_queries_and_stores_the_matrices(tiny, sample_text_path, tmp_path):
     from vecinfer_compile.calibrate import calibrate
-    from vecinfer_compile.recording import collect_kv
+    from vecinfer_compile.hf.recording import collect_kv
 
     model, tokenizer = tiny
     text = sample_text_path.read_text()

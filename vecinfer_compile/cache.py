@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer, StaticCache
 
-from . import eager_decode
+from .hf import eager_decode
 from .codebooks import VecInferCodebooks, model_geometry
-from .layer_kinds import HYBRID_KINDS, SLIDING, attention_kinds, check_codable, kv_producers, layer_kinds
+from .hf.layer_kinds import HYBRID_KINDS, SLIDING, attention_kinds, check_codable, kv_producers, layer_kinds
 from .methods import check_runs_over_codes
 from .ops.append import transform_keys, weigh_codes
 from .ops.split_attention import chunk as chunk_attention
@@ -36,7 +36,7 @@ from .ops.decode_inputs import chunk_mask_layout, kv_start_from_mask, mask_is_a_
 from .quant.packing import packed_width
 from .quant.score_aware import check_parallel_weight
 from .quant.weighted_codes import check_metric
-from .tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
+from .hf.tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 
 __all__ = ["VecInferCache", "VecInferLayer", "cache_kwargs", "cache_window_mask"]
 
@@ -508,7 +508,7 @@ class VecInferLayer(CacheLayerMixin):
 
     def dense_read(self, chunk: ChunkKeys | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager: the ``[B, H, max_cache_len, D]`` K (original domain) and V that an eager step's
-        codes read stands for (:mod:`.eager_decode`), zeros past the valid slots: after one token,
+        codes read stands for (:mod:`.hf.eager_decode`), zeros past the valid slots: after one token,
         every slot (:meth:`dequantized`); after a chunk (``chunk``: what :meth:`_chunk_keys` took
         before its append), the coded slots before it, then the old window and the chunk in full
         precision, the rule of :mod:`.ops.split_attention.chunk`."""
@@ -523,7 +523,7 @@ class VecInferLayer(CacheLayerMixin):
     def keys(self) -> torch.Tensor | None:
         """What transformers code that reads a cache layer's K directly gets (Mllama asks whether a
         layer holds anything; compiled, it reads nothing): eagerly a codes read
-        (:mod:`.eager_decode`: no memory; any op on it reads the layer dequantized), compiled
+        (:mod:`.hf.eager_decode`: no memory; any op on it reads the layer dequantized), compiled
         the dequantized K of every slot; None before the first update."""
         return self._direct_read(0)
 
@@ -688,7 +688,7 @@ class VecInferLayer(CacheLayerMixin):
 
 class VecInferHybridLayer(VecInferLayer, LinearAttentionLayer):
     """A coded layer of a hybrid model, attention beside a state-space mixer in one layer
-    (:mod:`.layer_kinds`; transformers' ``LinearAttentionAndStaticFullAttentionLayer`` otherwise):
+    (:mod:`.hf.layer_kinds`; transformers' ``LinearAttentionAndStaticFullAttentionLayer`` otherwise):
     the attention's K/V as codes (:class:`VecInferLayer`), the mixer's conv and recurrent states
     as transformers' ``LinearAttentionLayer`` keeps them (``update_conv_state`` /
     ``update_recurrent_state``, ``number_of_states`` of each, static addresses). Takes
@@ -854,7 +854,7 @@ class VecInferCache(Cache):
       compiled): as a *codes read* when the model attends with ``"vecinfer_sdpa"`` (which
       ``VecInferCache(model, ...)`` switches an SDPA model to), which holds no memory and makes the
       attention run the same decode op, or for a chunk the chunk attention over the codes
-      (:mod:`vecinfer_compile.eager_decode`); otherwise dequantized (a chunk's with its own tokens
+      (:mod:`vecinfer_compile.hf.eager_decode`); otherwise dequantized (a chunk's with its own tokens
       in place, by the same rule; compiled too).
     - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
       path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
@@ -865,7 +865,7 @@ class VecInferCache(Cache):
     Croppable by the last one-token step only, while it records its past (what transformers'
     deferred stop check needs: :func:`vecinfer_compile.defer_stop_check`); encoded tokens are
     never un-flushed otherwise. Fixed batch size. Models that mix
-    attention kinds have codes in the layers :mod:`vecinfer_compile.layer_kinds` names (their
+    attention kinds have codes in the layers :mod:`vecinfer_compile.hf.layer_kinds` names (their
     full-attention layers; every layer of a model whose every layer slides) and transformers' own
     static layers elsewhere (sliding or chunked windows in full precision, linear-attention state,
     nothing for a layer that reads another layer's K/V); a coded hybrid layer (attention beside a
@@ -874,7 +874,7 @@ class VecInferCache(Cache):
 
     Tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``): pass the
     model, not its config; the cache finds the rank's KV heads from the model's device mesh
-    (:mod:`vecinfer_compile.tensor_parallel`) and allocates ``[B, H_kv / N, ...]`` buffers, with
+    (:mod:`vecinfer_compile.hf.tensor_parallel`) and allocates ``[B, H_kv / N, ...]`` buffers, with
     the smoothing factors / query-aware matrices / key means cut to those heads and the codebooks whole.
     ``tp_shard`` is the shard (None without TP); :meth:`kv_bytes` is per rank,
     :meth:`total_kv_bytes` all ranks.
@@ -1011,7 +1011,7 @@ class VecInferCache(Cache):
 
     def coded_layers(self) -> list[VecInferLayer]:
         """The layers that hold codes (all of them unless the model mixes attention kinds:
-        :mod:`vecinfer_compile.layer_kinds`)."""
+        :mod:`vecinfer_compile.hf.layer_kinds`)."""
         return [layer for layer in self.layers if isinstance(layer, VecInferLayer)]
 
     def total_kv_bytes(self, group=None) -> int:
