@@ -25,6 +25,7 @@ def _setup(batch: int, length: int, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from vecinfer_compile import VecInferCache
+    from vecinfer_compile.hf.compat import forward_cache_kwargs
     from vecinfer_compile.testing import random_codebooks
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -37,7 +38,7 @@ def _setup(batch: int, length: int, device: str):
     mask = torch.ones(batch, prompt, dtype=torch.long, device=device)
     mask[batch - 1, :3] = 0 if batch > 1 else 1
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, **forward_cache_kwargs(model, cache), use_cache=True)
     step_mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], 1)
     embeds = model.get_input_embeddings()(ids[:, -1:])
     position = torch.tensor([prompt], device=device)
