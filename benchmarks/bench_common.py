@@ -163,7 +163,7 @@ def load_tp_model(setup: Setup, folder: str):
     ``setup.device`` (no process group)."""
     place = {} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {"device_map": setup.device}
     t0 = time.perf_counter()
-    from vecinfer_compile.tensor_parallel import tp_load_kwargs
+    from vecinfer_compile.hf.tensor_parallel import tp_load_kwargs
 
     model = AutoModelForCausalLM.from_pretrained(folder, **tp_load_kwargs("auto"), attn_implementation="sdpa",
                                                  dtype=setup.dtype, **place)

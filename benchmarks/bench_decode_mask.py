@@ -1,6 +1,6 @@
 """Host time of the attention mask generate() builds for each decode step over a VecInferCache:
 transformers' ``sdpa_mask`` (what ``"vecinfer_sdpa"`` registered before) against
-:func:`vecinfer_compile.decode_mask.decode_sdpa_mask`, side by side in one process.
+:func:`vecinfer_compile.hf.decode_mask.decode_sdpa_mask`, side by side in one process.
 
 Each case calls transformers' ``create_masks_for_generate`` for a one-token step of a random
 Llama-geometry model (4 layers; the mask does not depend on the weights) over a
@@ -25,6 +25,7 @@ def _setup(batch: int, length: int, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from vecinfer_compile import VecInferCache
+    from vecinfer_compile.hf.compat import forward_cache_kwargs
     from vecinfer_compile.testing import random_codebooks
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -37,7 +38,7 @@ def _setup(batch: int, length: int, device: str):
     mask = torch.ones(batch, prompt, dtype=torch.long, device=device)
     mask[batch - 1, :3] = 0 if batch > 1 else 1
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, **forward_cache_kwargs(model, cache), use_cache=True)
     step_mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], 1)
     embeds = model.get_input_embeddings()(ids[:, -1:])
     position = torch.tensor([prompt], device=device)
@@ -67,8 +68,8 @@ def time_us(call, calls: int, reps: int, sync) -> float:
 def main(argv=None) -> list[dict]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from vecinfer_compile.decode_mask import decode_sdpa_mask
-    from vecinfer_compile.eager_decode import ATTN_NAME
+    from vecinfer_compile.hf.decode_mask import decode_sdpa_mask
+    from vecinfer_compile.hf.eager_decode import ATTN_NAME
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")

@@ -138,11 +138,12 @@ from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCrite
 
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attention, use_valid_length_attention
-from vecinfer_compile.cache import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
+from vecinfer_compile.hf.compat import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 from vecinfer_compile.codebooks import model_geometry  # noqa: E402
+from vecinfer_compile.hf.compat import forward_cache_kwargs  # noqa: E402
+from vecinfer_compile.hf.deferred_stop import defer_stop_check  # noqa: E402
+from vecinfer_compile.hf.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 from vecinfer_compile.quant.score_aware import check_parallel_weight  # noqa: E402
-from vecinfer_compile.deferred_stop import defer_stop_check  # noqa: E402
-from vecinfer_compile.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 
 METHODS = ("ours", "fp16", "static", "dynamic")
 LABELS = {"ours": "ours (VecInferCache, compiled)", "fp16": "full precision, valid-length flash, compiled",
@@ -287,7 +288,8 @@ def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int, last_chunk_pr
         record = last_chunk_profiler is not None and start == starts[-1]
         if record:
             last_chunk_profiler.start()
-        model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]), **cache_kwargs(cache),
+        model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]),
+              **forward_cache_kwargs(model, cache),
               use_cache=True, position_ids=position[None].expand(ids.shape[0], -1), cache_position=position,
               logits_to_keep=1)
         if record:

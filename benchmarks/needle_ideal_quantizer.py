@@ -38,7 +38,7 @@ from vecinfer_compile.codebooks import load_codebooks  # noqa: E402
 from vecinfer_compile.evaluation.needle import format_grid, load_haystack, run_needle  # noqa: E402
 from vecinfer_compile.models import load_model, load_text  # noqa: E402
 from vecinfer_compile.quant.rate_distortion import IdealChannel  # noqa: E402
-from vecinfer_compile.recording import collect_kv  # noqa: E402
+from vecinfer_compile.hf.recording import collect_kv  # noqa: E402
 from vecinfer_compile.simulate import LayerSimulator  # noqa: E402
 
 CODES_QUANTIZE = LayerSimulator.quantize_kv

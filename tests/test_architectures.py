@@ -3,7 +3,7 @@ exact statuses per path and exact SDPA rewrite counts, the tiny configs, how fai
 classified, the table and the command.
 
 EXPECTED is what the current code gives. The rows and entries marked HYBRID are sliding-window,
-chunked and hybrid-linear models, whose support is being built (vecinfer_compile/layer_kinds.py):
+chunked and hybrid-linear models, whose support is being built (vecinfer_compile/hf/layer_kinds.py):
 update them when it changes.
 """
 

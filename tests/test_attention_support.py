@@ -1,4 +1,4 @@
-"""What VecInfer's attention supports (:mod:`vecinfer_compile.attention_support`): models it cannot
+"""What VecInfer's attention supports (:mod:`vecinfer_compile.hf.attention_support`): models it cannot
 code are refused in one line, by calibration's recorder and by the simulate attention alike,
 before anything crashes; configs without a BOS token calibrate; an eager-only model whose
 attention modules do not say they are causal (BigBirdPegasus) simulates under its real mask."""
@@ -16,11 +16,11 @@ from transformers import (
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vecinfer_compile.attention_support import UNSUPPORTED_KWARGS, check_attention_call
+from vecinfer_compile.hf.attention_support import UNSUPPORTED_KWARGS, check_attention_call
 from vecinfer_compile.calibrate import calibrate
 from vecinfer_compile.codebooks import model_geometry
 from vecinfer_compile.evaluation.outcomes import REFUSED, outcome_of
-from vecinfer_compile.recording import bos_token_id, collect_kv
+from vecinfer_compile.hf.recording import bos_token_id, collect_kv
 from vecinfer_compile.simulate import LayerSimulator, simulation, vecinfer_attention_forward
 from vecinfer_compile.testing import FixedIds, random_codebooks
 

@@ -11,12 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vecinfer_compile.cache import VecInferCache, cache_kwargs
+from vecinfer_compile.cache import VecInferCache
+
+from vecinfer_compile.hf.compat import cache_kwargs
 from vecinfer_compile.ops import dequantize as cache_ops
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.evaluation.kv_bytes import kv_bytes
+from vecinfer_compile.hf.compat import forward_cache_kwargs
 from vecinfer_compile.testing import cache_layer, random_codebooks
 
 
@@ -220,8 +223,9 @@ def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads
                 if a:  # the mask length HF will build for this update
                     assert cache.layers[0].get_mask_sizes(b - a) == (40, 0)
                 with torch.no_grad():
-                    out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], **cache_kwargs(cache),
-                                          use_cache=True, cache_position=pos).logits)
+                    out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b],
+                                     **forward_cache_kwargs(model, cache), use_cache=True,
+                                     cache_position=pos).logits)
         layer = cache.layers[0]
         assert (int(layer.storage.n_coded), int(layer.storage.n_window)) == (13, 3)
         return out
@@ -464,7 +468,8 @@ def _prefill(model, ids, cache, chunk):
             end = min(start + chunk, ids.shape[1])
             pos = torch.arange(start, end)
             model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]),
-                  **cache_kwargs(cache), position_ids=pos[None].expand(ids.shape[0], -1), cache_position=pos)
+                  **forward_cache_kwargs(model, cache), position_ids=pos[None].expand(ids.shape[0], -1),
+                  cache_position=pos)
 
 
 def test_filling_rows_equals_filling_the_batch(tiny_model):

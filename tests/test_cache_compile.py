@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaForCausalLM
 
-from vecinfer_compile.cache import VecInferCache, cache_kwargs
+from vecinfer_compile.cache import VecInferCache
+
+from vecinfer_compile.hf.compat import cache_kwargs
 from vecinfer_compile.ops.append import append_reference
 from vecinfer_compile.ops.registry import is_op
 from vecinfer_compile.passes.cache_append import rewrite_cache_append

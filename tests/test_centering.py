@@ -25,7 +25,7 @@ from vecinfer_compile.quant.codebook import quantize_dequantize
 from vecinfer_compile.quant.query_aware import query_aware_matrices, second_moment
 from vecinfer_compile.quant.transform import KeyTransform, centre_keys, smoothing_factors
 from vecinfer_compile.simulate import simulated_attention
-from vecinfer_compile.tensor_parallel import TPShard, local_layer
+from vecinfer_compile.hf.tensor_parallel import TPShard, local_layer
 from vecinfer_compile.testing import random_codebooks, random_layer_codebooks, tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -169,7 +169,7 @@ def test_centre_keys_fits_the_rest_to_centred_keys():
 @pytest.mark.parametrize("method", CENTRED)
 def test_calibrate_stores_the_key_mean(tiny_model_and_tokenizer, sample_text_path, method):
     from vecinfer_compile.calibrate import calibrate
-    from vecinfer_compile.recording import collect_kv
+    from vecinfer_compile.hf.recording import collect_kv
 
     model, tokenizer = tiny_model_and_tokenizer
     text = sample_text_path.read_text()

@@ -209,7 +209,8 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
     longer than R (simulate: query i reads key j in full precision iff i - j < R; the cache's
     chunks see at least that, and their whole chunk)."""
     from vecinfer_compile import calibrate
-    from vecinfer_compile.cache import VecInferCache, cache_kwargs
+    from vecinfer_compile.cache import VecInferCache
+    from vecinfer_compile.hf.compat import forward_cache_kwargs
     from vecinfer_compile.models import load_model, load_text, tokenize
     from vecinfer_compile.simulate import simulation
 
@@ -229,7 +230,7 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
             for s in range(0, ids.shape[1], chunk):
                 e = min(s + chunk, ids.shape[1])
                 logits.append(model(input_ids=ids[:, s:e], attention_mask=torch.ones_like(ids[:, :e]),
-                                    use_cache=True, **cache_kwargs(cache)).logits)
+                                    use_cache=True, **forward_cache_kwargs(model, cache)).logits)
         chunked = _prompt_nll(torch.cat(logits, 1), ids)
         print(f"{method} R={residual} chunk={chunk}: prompt NLL full precision {full:.4f}, simulate {simulate:.4f}, "
               f"chunked cache {chunked:.4f}")  # shown with pytest -s (docs/results.md)

@@ -260,7 +260,7 @@ def test_a_backend_checks_the_weights_among_its_graph_inputs(calibrated, other_t
 
 
 def test_fingerprinted_weights_are_the_first_and_last_layers_under_any_wrapper():
-    from vecinfer_compile.weight_fingerprint import attention_weights
+    from vecinfer_compile.hf.weight_fingerprint import attention_weights
 
     w = torch.zeros(2, 2)
     names = [f"base_model.model.model.layers.{i}.self_attn.{p}.base_layer.weight" for i in range(3)

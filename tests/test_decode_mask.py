@@ -1,4 +1,4 @@
-"""The decode-step mask of "vecinfer_sdpa" (vecinfer_compile.decode_mask) against transformers' sdpa_mask."""
+"""The decode-step mask of "vecinfer_sdpa" (vecinfer_compile.hf.decode_mask) against transformers' sdpa_mask."""
 
 import pytest
 import torch
@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 from transformers.masking_utils import (sdpa_mask,
                                         sliding_window_causal_mask_function)
 
-from vecinfer_compile import decode_mask
-from vecinfer_compile.decode_mask import decode_sdpa_mask
+from vecinfer_compile.hf import decode_mask
+from vecinfer_compile.hf.compat import forward_cache_kwargs
+from vecinfer_compile.hf.decode_mask import decode_sdpa_mask
 
 
 @st.composite
@@ -68,7 +69,7 @@ def _prefilled(model, cb, ids, am):
 
     cache = VecInferCache(model, cb, batch_size=2, max_cache_len=64, residual=4)
     with torch.no_grad():
-        model(ids, attention_mask=am, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=am, **forward_cache_kwargs(model, cache), use_cache=True)
     return cache
 
 
@@ -78,7 +79,7 @@ def test_model_decode_step_takes_the_fast_path(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.masking_utils import AttentionMaskInterface
 
-    from vecinfer_compile.eager_decode import ATTN_NAME
+    from vecinfer_compile.hf.eager_decode import ATTN_NAME
     from vecinfer_compile.testing import random_codebooks
 
     torch.manual_seed(0)
@@ -97,10 +98,10 @@ def test_model_decode_step_takes_the_fast_path(monkeypatch):
     cache = _prefilled(model, cb, ids, am)
     calls.clear()
     with torch.no_grad():
-        fast = model(new, past_key_values=cache, **step).logits
+        fast = model(new, **forward_cache_kwargs(model, cache), **step).logits
     assert calls == [], "the decode step's mask went to sdpa_mask"
     with torch.no_grad():
-        model(torch.randint(0, 96, (2, 3)), past_key_values=cache, use_cache=True,
+        model(torch.randint(0, 96, (2, 3)), **forward_cache_kwargs(model, cache), use_cache=True,
               attention_mask=torch.cat([step["attention_mask"], torch.ones(2, 3, dtype=torch.long)], 1))
     assert len(calls) == 1  # a chunk of 3: sdpa_mask's own
     cache = _prefilled(model, cb, ids, am)
@@ -108,6 +109,6 @@ def test_model_decode_step_takes_the_fast_path(monkeypatch):
     monkeypatch.setitem(AttentionMaskInterface._global_mapping, ATTN_NAME,
                         lambda *a, **k: calls.append(k) or sdpa_mask(*a, **k))
     with torch.no_grad():
-        slow = model(new, past_key_values=cache, **step).logits
+        slow = model(new, **forward_cache_kwargs(model, cache), **step).logits
     assert len(calls) == 1  # this step's mask came from sdpa_mask
     assert torch.equal(fast, slow)

@@ -1,4 +1,4 @@
-"""The eager one-token step over codes (``"vecinfer_sdpa"``, :mod:`vecinfer_compile.eager_decode`):
+"""The eager one-token step over codes (``"vecinfer_sdpa"``, :mod:`vecinfer_compile.hf.eager_decode`):
 the codes read, the layer's ``attend`` against SDPA over the dequantized cache (property test),
 generate() through it, and the models it leaves alone."""
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from vecinfer_compile import eager_decode
+from vecinfer_compile.hf import eager_decode
 from vecinfer_compile.cache import VecInferCache, VecInferLayer
 from vecinfer_compile.cache import reads as cache_reads
 from vecinfer_compile.testing import cache_layer, random_codebooks

@@ -2,7 +2,7 @@
 sliding-window layers beside full ones (Gemma 3, Gemma 4 whose full layers have their own head_dim
 and KV heads, Cohere2, Qwen2 with max_window_layers), chunked
 ones (Llama 4), and a model whose every layer slides (Mistral with sliding_window). The rule of
-which layers hold codes is :mod:`vecinfer_compile.layer_kinds`; the oracle is the eager simulate
+which layers hold codes is :mod:`vecinfer_compile.hf.layer_kinds`; the oracle is the eager simulate
 path, which honours every layer's own mask."""
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from transformers import (
 )
 from transformers.cache_utils import StaticSlidingWindowLayer
 
-from vecinfer_compile.cache import VecInferCache, VecInferLayer, cache_kwargs
+from vecinfer_compile.cache import VecInferCache, VecInferLayer
+
+from vecinfer_compile.hf.compat import cache_kwargs
 from vecinfer_compile.calibrate import calibrate
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.evaluation.kv_bytes import cache_bytes
 from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
-from vecinfer_compile.layer_kinds import coded_layers, layer_kinds
+from vecinfer_compile.hf.compat import forward_cache_kwargs
+from vecinfer_compile.hf.layer_kinds import coded_layers, layer_kinds
 from vecinfer_compile.simulate import FULL_PRECISION, simulation
 from vecinfer_compile.testing import FixedIds, random_codebooks
 
@@ -203,7 +206,7 @@ def test_bytes_count_both_kinds_of_layer():
     model = build("gemma3")
     cache = VecInferCache(model, random_codebooks(model.config), batch_size=1, max_cache_len=52, residual=6)
     with torch.no_grad():  # (transformers' layers allocate at their first update)
-        model(prompt()[None], **cache_kwargs(cache), use_cache=True)
+        model(prompt()[None], **forward_cache_kwargs(model, cache), use_cache=True)
     windows = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
                   if not isinstance(layer, VecInferLayer))
     assert windows == 2 * 2 * (1 * 2 * WINDOW * 16 * 4)  # two sliding layers, K and V, float32

@@ -22,10 +22,12 @@ from transformers import (
 )
 from transformers.cache_utils import DummyLayer
 
-from vecinfer_compile import eager_decode
 from vecinfer_compile.backend import vecinfer_backend
-from vecinfer_compile.cache import VecInferCache, VecInferHybridLayer, VecInferLayer, cache_kwargs
-from vecinfer_compile.layer_kinds import coded_layers, kv_producers
+from vecinfer_compile.cache import VecInferCache, VecInferHybridLayer, VecInferLayer
+from vecinfer_compile.hf.compat import cache_kwargs
+from vecinfer_compile.hf import eager_decode
+from vecinfer_compile.hf.compat import forward_cache_kwargs
+from vecinfer_compile.hf.layer_kinds import coded_layers, kv_producers
 from vecinfer_compile.simulate import simulation
 from vecinfer_compile.testing import cache_layer, random_codebooks, random_layer_codebooks
 
@@ -236,7 +238,7 @@ def test_hybrid_layers_hold_codes_beside_the_mixer_state():
     cache = VecInferCache(model, cb, batch_size=1, max_cache_len=PROMPT + NEW, residual=RESIDUAL)
     assert all(isinstance(layer, VecInferHybridLayer) for layer in cache.layers)
     with torch.no_grad():
-        model(prompt(), **cache_kwargs(cache), use_cache=True)
+        model(prompt(), **forward_cache_kwargs(model, cache), use_cache=True)
     mixer = sum(t.nbytes for layer in cache.layers for states in (layer.conv_states, layer.recurrent_states)
                 for t in states.values())
     coded = sum(t.nbytes for t in {t.data_ptr(): t for layer in cache.layers for t in layer.static_tensors()}.values())

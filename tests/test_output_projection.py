@@ -1,5 +1,5 @@
 """The attention's output projection under its architectures' names
-(:mod:`vecinfer_compile.output_projection`): calibration weighs errors through it, so ``qaware``'s
+(:mod:`vecinfer_compile.hf.output_projection`): calibration weighs errors through it, so ``qaware``'s
 default (error-weighted codes) calibrates GPT-NeoX, OPT, Phi, Falcon and GPT-2 as it does Llama-likes,
 and a model without one is refused with the fix."""
 
@@ -10,7 +10,7 @@ import torch
 import transformers as tf
 
 from vecinfer_compile.calibrate import calibrate
-from vecinfer_compile.output_projection import output_projection_weight
+from vecinfer_compile.hf.output_projection import output_projection_weight
 from vecinfer_compile.quant.weighted_codes import value_metric
 from vecinfer_compile.simulate import attention_modules
 from vecinfer_compile.testing import FixedIds

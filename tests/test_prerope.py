@@ -152,7 +152,7 @@ def test_calibration_stores_the_models_rope_and_a_predictor_that_helps(calibrate
     predictor explains part of the values it was fitted to (keys and values are two projections of
     one hidden state)."""
     from vecinfer_compile.calibrate import calibration_token_ids
-    from vecinfer_compile.recording import collect_kv, recorded_positions
+    from vecinfer_compile.hf.recording import collect_kv, recorded_positions
 
     model, tok = tiny_model
     head_dim = calibrated.head_dim

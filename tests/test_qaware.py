@@ -242,7 +242,7 @@ def test_broken_query_aware_files_name_the_fix(tmp_path):
 # -- calibration -----------------------------------------------------------------------------------
 def test_calibrate_collects_queries_and_stores_the_matrices(tiny, sample_text_path, tmp_path):
     from vecinfer_compile.calibrate import calibrate
-    from vecinfer_compile.recording import collect_kv
+    from vecinfer_compile.hf.recording import collect_kv
 
     model, tokenizer = tiny
     text = sample_text_path.read_text()
@@ -336,7 +336,9 @@ def test_cache_window_is_exact_and_codes_are_read():
     the dequantized codes beyond; a window covering everything generates as full precision."""
     import warnings
 
-    from vecinfer_compile.cache import VecInferCache, cache_kwargs
+    from vecinfer_compile.cache import VecInferCache
+
+    from vecinfer_compile.hf.compat import cache_kwargs
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -97,7 +97,7 @@ def test_layer_attention_reads_the_module():
     from transformers import MistralConfig
     from transformers.models.mistral.modeling_mistral import MistralAttention
 
-    from vecinfer_compile.output_projection import output_projection_weight
+    from vecinfer_compile.hf.output_projection import output_projection_weight
 
     cfg = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=7)
     module = MistralAttention(cfg, layer_idx=0)

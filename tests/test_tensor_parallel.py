@@ -20,7 +20,7 @@ import vecinfer_compile as vc
 from vecinfer_compile.backend import VecInferBackend
 from vecinfer_compile.codebooks import LayerCodebooks
 from vecinfer_compile.quant.transform import KeyTransform
-from vecinfer_compile.tensor_parallel import TPShard, local_layer, model_shard, total_kv_bytes
+from vecinfer_compile.hf.tensor_parallel import TPShard, local_layer, model_shard, total_kv_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "vecinfer_compile" / "data"

@@ -283,7 +283,9 @@ def test_the_cache_follows_simulate_with_qaware_defaults_across_attention_kinds(
     prompt in full precision, as the cache prefills it (window 4: older tokens read codes)."""
     import transformers
 
-    from vecinfer_compile.cache import VecInferCache, cache_kwargs
+    from vecinfer_compile.cache import VecInferCache
+
+    from vecinfer_compile.hf.compat import cache_kwargs
     from vecinfer_compile.calibrate import calibrate
     from vecinfer_compile.simulate import simulation
 

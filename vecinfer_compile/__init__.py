@@ -46,10 +46,10 @@ __all__ = [
 _LAZY = {
     "vecinfer_backend": ("backend", "vecinfer_backend"),
     "VecInferCache": ("cache", "VecInferCache"),
-    "cache_kwargs": ("cache", "cache_kwargs"),
-    "defer_stop_check": ("deferred_stop", "defer_stop_check"),
+    "cache_kwargs": ("hf.compat", "cache_kwargs"),
+    "defer_stop_check": ("hf.deferred_stop", "defer_stop_check"),
     "testing": ("testing", None),
-    "tp_load_kwargs": ("tensor_parallel", "tp_load_kwargs"),
+    "tp_load_kwargs": ("hf.tensor_parallel", "tp_load_kwargs"),
 }
 
 

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from .codebooks import LayerCodebooks
 from .presets import PRESETS
-from .recording import collect_kv
+from .hf.recording import collect_kv
 from .simulate import LayerSimulator, attention_modules, disable_simulation, enable_simulation
 
 FACT = " {name}'s secret word is {word}."

@@ -20,7 +20,7 @@ and keeps them on the backend object, so
 recompiles (new shapes, graph breaks) reuse them.
 
 Tensor parallelism (transformers' ``tp_plan="auto"``): the rank and TP size come from the graph's
-DTensor parameters (:func:`vecinfer_compile.tensor_parallel.graph_shard`); given codebooks are
+DTensor parameters (:func:`vecinfer_compile.hf.tensor_parallel.graph_shard`); given codebooks are
 checked against the whole model's geometry and their per-KV-head state is cut to the rank's
 heads. Zero-config fitting under TP fits each rank from its own heads (so ranks differ from
 one process): pass a calibrated file for results equal to one process.
@@ -50,7 +50,7 @@ from .presets import get_preset
 from .quant.codebook import subvectors
 from .quant.kmeans import kmeans
 from .quant.transform import KeyTransform, centre_keys, smoothing_factors
-from .tensor_parallel import TPShard, graph_shard, local_kv_heads, local_layer
+from .hf.tensor_parallel import TPShard, graph_shard, local_kv_heads, local_layer
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class VecInferBackend:
 
     def _coded(self, sites: list[SdpaSite]) -> list[SdpaSite]:
         """The sites of layers a VecInferCache codes, as the codebooks record them (a model of
-        mixed attention kinds: :mod:`vecinfer_compile.layer_kinds`); the others stay full
+        mixed attention kinds: :mod:`vecinfer_compile.hf.layer_kinds`); the others stay full
         precision, as in the cache and the eager simulate path. Zero-config (no record): every site."""
         codebooks = self.config.codebooks
         coded = None if codebooks is None else codebooks.metadata.get("coded_layers")

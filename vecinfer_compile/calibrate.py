@@ -1,5 +1,5 @@
 """Calibration: collect post-RoPE keys and values from a Hugging Face causal LM
-(:mod:`vecinfer_compile.recording`), fit the key transform and the key/value codebooks of every
+(:mod:`vecinfer_compile.hf.recording`), fit the key transform and the key/value codebooks of every
 layer."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from tqdm.auto import tqdm
 
 from .allocate import allocation_choices, retrieval_allocation
 from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
-from .layer_kinds import NO_KV_KINDS, coded_layers, kv_producers, layer_kinds
+from .hf.layer_kinds import NO_KV_KINDS, coded_layers, kv_producers, layer_kinds
 from .methods import VQ_METHODS, check_method
-from .output_projection import NAMES as OUTPUT_PROJECTION_NAMES, output_projection_weight
+from .hf.output_projection import NAMES as OUTPUT_PROJECTION_NAMES, output_projection_weight
 from .presets import get_preset
 from .quant.codebook import quantize_dequantize, subvectors
 from .quant.score_aware import check_parallel_weight
@@ -25,9 +25,9 @@ from .quant.refine import LayerAttention, RefineConfig, refine_codebooks
 from .quant.rope import model_rope_frequencies, rotate
 from .quant.transform import KeyTransform, centre_keys, smoothing_factors
 from .quant.value_prediction import fit_value_predictor
-from .recording import collect_kv, recorded_positions, window_lengths
+from .hf.recording import collect_kv, recorded_positions, window_lengths
 from .simulate import attention_modules
-from .weight_fingerprint import weight_fingerprint
+from .hf.weight_fingerprint import weight_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def recipe_mismatch(codebooks: VecInferCodebooks, method: str,
 def _check_recorded_layers(config, recorded: list[int], *, per_layer_bits: bool) -> None:
     """Raise a ValueError unless the layers whose attention was recorded are the model's attention
     layers: every decoder layer, or all but a hybrid model's linear-attention, convolution or
-    state-space layers (:func:`~vecinfer_compile.layer_kinds.layer_kinds`), which have no K/V and
+    state-space layers (:func:`~vecinfer_compile.hf.layer_kinds.layer_kinds`), which have no K/V and
     get no codebooks. Per-layer bits (``per_layer_bits``) need every layer recorded."""
     kinds = layer_kinds(config)
     missing = [i for i in range(len(kinds)) if i not in recorded]
@@ -125,7 +125,7 @@ def error_metrics(module, out_weight: torch.Tensor | None, transform: KeyTransfo
     """``(key_metric, value_metric)`` ``[H_kv, D, D]`` of one layer (:mod:`.quant.weighted_codes`):
     the code-domain second moment of the calibration ``queries: [H_q, N, D]`` (post-RoPE) per KV
     head, and the Gram matrix of the attention ``module``'s output projection ``out_weight``
-    (:func:`~vecinfer_compile.output_projection.output_projection_weight`; None is refused)."""
+    (:func:`~vecinfer_compile.hf.output_projection.output_projection_weight`; None is refused)."""
     if out_weight is None:
         raise ValueError(f"weighted codes weigh value errors through the attention's output projection, and "
                          f"{type(module).__name__} has none that maps its {queries.shape[0]} x {head_dim} head outputs "

@@ -17,7 +17,7 @@ when values are predicted from keys, ``value_matrix [A, H_kv, D, D]`` and ``valu
 ``"vecinfer"`` holds a JSON object: method, bits (the average over layers), ``layer_bits`` (one
 preset per layer), the model fingerprint (geometry + a hash of it), the model name and, from
 :func:`vecinfer_compile.calibrate.calibrate`, the ``weight_fingerprint`` of the weights it was
-calibrated on (:mod:`vecinfer_compile.weight_fingerprint`; files written before it have none),
+calibrated on (:mod:`vecinfer_compile.hf.weight_fingerprint`; files written before it have none),
 calibration text hash and token count, and the package version. Older formats still load:
 format 4 (every layer has attention and codebooks), with
 ``mu = 0`` (no centring: the codebooks were fitted to uncentred keys): format 3 (no
@@ -48,7 +48,7 @@ from .quant.byte_centroids import snap_centroids
 from .quant.score_aware import check_parallel_weight
 from .quant.transform import KeyTransform
 from .quant.value_prediction import ValuePredictor
-from .weight_fingerprint import TOLERANCE, check_fingerprint, fingerprint_distance, graph_weights, weight_fingerprint
+from .hf.weight_fingerprint import TOLERANCE, check_fingerprint, fingerprint_distance, graph_weights, weight_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,13 @@ MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of
 
 def model_geometry(config) -> dict:
     """The attention geometry of a Hugging Face config (text config for multimodal models): that of
-    the layers VecInfer codes (:func:`~vecinfer_compile.layer_kinds.coded_layers`; every layer's
+    the layers VecInfer codes (:func:`~vecinfer_compile.hf.layer_kinds.coded_layers`; every layer's
     when none is), so that Gemma 4's sliding layers, which keep transformers' own cache, may have
     another head_dim than its full ones. A ValueError naming why for a model without one geometry
     VecInfer can code (no attention layers, several attention stacks, coded layers of different
-    head dims: :mod:`.attention_support`)."""
-    from .attention_support import attention_config, uniform_attribute
-    from .layer_kinds import coded_layers
+    head dims: :mod:`.hf.attention_support`)."""
+    from .hf.attention_support import attention_config, uniform_attribute
+    from .hf.layer_kinds import coded_layers
 
     cfg = attention_config(config)
     coded = coded_layers(cfg)
@@ -269,7 +269,7 @@ class VecInferCodebooks:
     def check_weights(self, model: torch.nn.Module) -> bool | None:
         """Whether ``model`` (a torch module: a HF model, compiled or PEFT/DDP-wrapped too) has the
         weights these codebooks were calibrated on, by the fingerprint of its attention projections
-        (:mod:`vecinfer_compile.weight_fingerprint`; a bf16 or fp16 load of the same checkpoint
+        (:mod:`vecinfer_compile.hf.weight_fingerprint`; a bf16 or fp16 load of the same checkpoint
         matches). True: the same weights. False: another model's, and a warning naming both models
         and how to recalibrate is logged, once per codebooks object (a warning, not an error:
         codebooks of one model still run on another, e.g. its fine-tune, only less accurately).
@@ -285,7 +285,7 @@ class VecInferCodebooks:
     def check_graph_weights(self, gm: torch.fx.GraphModule, example_inputs) -> bool | None:
         """:meth:`check_weights` for a torch.compile backend, which sees a Dynamo graph and its
         inputs rather than the model: the weights among ``example_inputs`` named by the graph's
-        placeholder sources (:func:`~vecinfer_compile.weight_fingerprint.graph_weights`). A graph
+        placeholder sources (:func:`~vecinfer_compile.hf.weight_fingerprint.graph_weights`). A graph
         that holds none of the fingerprinted weights (a graph break cut them off) gives None."""
         return self._compare_weights(weight_fingerprint(graph_weights(gm, example_inputs)), None)
 

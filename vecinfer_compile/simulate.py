@@ -10,14 +10,14 @@ only a non-causal mask shows, are quantized). This is the reference
 that the compiled backend and the compressed cache are tested against.
 
 A model that mixes attention kinds (Gemma 3's sliding and full layers, Llama 4's chunked ones)
-has only the layers a VecInferCache codes quantized (:mod:`vecinfer_compile.layer_kinds`); the
+has only the layers a VecInferCache codes quantized (:mod:`vecinfer_compile.hf.layer_kinds`); the
 others attend in full precision (SDPA), as they do through the cache. Every attention honours
 the mask the model gives it, sliding windows included, and a T5-style ``position_bias`` (added to the
 scores, as transformers' SDPA does). A call that needs more than SDPA (attention sinks, logit
 softcapping, sparse indices, different query/key/value head dims) is refused
-(:func:`~vecinfer_compile.attention_support.check_attention_call`). An eager-only model (no SDPA
+(:func:`~vecinfer_compile.hf.attention_support.check_attention_call`). An eager-only model (no SDPA
 attention in transformers) attends under the implementation ``"vecinfer_unskipped_masks"``, the same
-attention with every mask materialized (:func:`~vecinfer_compile.attention_support.needs_unskipped_masks`).
+attention with every mask materialized (:func:`~vecinfer_compile.hf.attention_support.needs_unskipped_masks`).
 
 ``full_precision_prefill=True`` reproduces :class:`~vecinfer_compile.VecInferCache`'s
 semantics during ``generate()``: a call with several queries (the prefill) attends in full
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .attention_support import check_attention_call, needs_unskipped_masks, unskipped_sdpa_mask
+from .hf.attention_support import check_attention_call, needs_unskipped_masks, unskipped_sdpa_mask
 from .codebooks import VecInferCodebooks
-from .layer_kinds import kv_producers, some_coded_layers
+from .hf.layer_kinds import kv_producers, some_coded_layers
 from .methods import VQ_METHODS, check_method
 from .quant.codebook import quantize_dequantize
 from .quant.kivi import kivi_keys, kivi_values
@@ -64,7 +64,7 @@ class LayerSimulator:
     def is_prefill(self, tq: int) -> bool:
         """Whether a call with ``tq`` queries is the prefill that ``full_precision_prefill`` keeps
         in full precision: several queries, or, for a layer that reads another's K/V
-        (:func:`~vecinfer_compile.layer_kinds.kv_producers`), the call in a forward whose
+        (:func:`~vecinfer_compile.hf.layer_kinds.kv_producers`), the call in a forward whose
         producer prefilled (under ``generate()`` Gemma 4 gives its KV-shared layers only the
         prompt's last query, over the whole prompt's K/V)."""
         if not self.full_precision_prefill:

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from .backend import vecinfer_backend
 from .codebooks import LayerCodebooks, VecInferCodebooks, average_bits, model_geometry
-from .layer_kinds import NO_KV_KINDS, coded_layers, kv_producers, layer_kinds
+from .hf.layer_kinds import NO_KV_KINDS, coded_layers, kv_producers, layer_kinds
 from .methods import VQ_METHODS
 from .presets import get_preset
 from .quant.query_aware import query_aware_matrices, second_moment
@@ -169,7 +169,7 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
     (default: ``bits`` for every layer; given, ``bits`` is their average). From a config they
     record which layers a VecInferCache codes, have none for layers without attention
     (linear-attention, convolution, state-space) and give a layer that reads another's K/V
-    (:func:`~vecinfer_compile.layer_kinds.kv_producers`) that layer's, as calibrated ones do."""
+    (:func:`~vecinfer_compile.hf.layer_kinds.kv_producers`) that layer's, as calibrated ones do."""
     geo = config_or_geometry if isinstance(config_or_geometry, dict) else model_geometry(config_or_geometry)
     spec = VQ_METHODS[method]
     per_layer = [float(bits)] * geo["num_layers"] if layer_bits is None else list(layer_bits)

@@ -1,7 +1,7 @@
 """The compressed KV cache: :class:`VecInferCache` and its parts.
 
 - :mod:`.model_cache`: :class:`VecInferCache`, the layers of a model (layer kinds, hybrid layers,
-  tensor parallelism, filling a batch by rows), :func:`cache_kwargs`.
+  tensor parallelism, filling a batch by rows).
 - :mod:`.layer`: :class:`VecInferLayer`, transformers' cache-layer protocol for one coded layer;
   :class:`VecInferHybridLayer` beside a state-space mixer.
 - :mod:`.storage`: one layer's buffers and counters (allocate, write, reset, reorder, row views,
@@ -13,8 +13,7 @@ Which keys a forward reads in full precision is the cache rule of :mod:`vecinfer
 """
 
 from .layer import VecInferHybridLayer, VecInferLayer
-from .model_cache import VecInferCache, cache_kwargs, full_precision_tensors
+from .model_cache import VecInferCache, full_precision_tensors
 from .quantizer import LayerQuantizer
 
-__all__ = ["LayerQuantizer", "VecInferCache", "VecInferHybridLayer", "VecInferLayer", "cache_kwargs",
-           "full_precision_tensors"]
+__all__ = ["LayerQuantizer", "VecInferCache", "VecInferHybridLayer", "VecInferLayer", "full_precision_tensors"]

@@ -10,7 +10,7 @@
   K/V for every slot: one token reads the layer after the append, a chunk of several what the
   rule of :mod:`vecinfer_compile.ops.split_attention.chunk` says (:mod:`.reads`). Compiled, that is
   ``vecinfer::cache_kv``; eagerly, when the model attends with ``"vecinfer_sdpa"``, a codes read
-  (:mod:`vecinfer_compile.eager_decode`) that holds no memory and attends through
+  (:mod:`vecinfer_compile.hf.eager_decode`) that holds no memory and attends through
   :meth:`VecInferLayer.attend` / :meth:`VecInferLayer.attend_chunk`; otherwise dequantized.
 """
 
@@ -21,8 +21,8 @@ import copy
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
-from .. import eager_decode
-from ..layer_kinds import SLIDING, attention_kinds
+from ..hf import eager_decode
+from ..hf.layer_kinds import SLIDING, attention_kinds
 from ..ops.split_attention.chunk import ChunkKeys
 from . import reads
 from .quantizer import LayerQuantizer
@@ -169,7 +169,7 @@ class VecInferLayer(CacheLayerMixin):
     def keys(self) -> torch.Tensor | None:
         """What transformers code that reads a cache layer's K directly gets (Mllama asks whether a
         layer holds anything; compiled, it reads nothing): eagerly a codes read
-        (:mod:`vecinfer_compile.eager_decode`: no memory; any op on it reads the layer
+        (:mod:`vecinfer_compile.hf.eager_decode`: no memory; any op on it reads the layer
         dequantized), compiled the dequantized K of every slot; None before the first update."""
         return self._direct_read(0)
 
@@ -282,7 +282,7 @@ class VecInferLayer(CacheLayerMixin):
 
 class VecInferHybridLayer(VecInferLayer, LinearAttentionLayer):
     """A coded layer of a hybrid model, attention beside a state-space mixer in one layer
-    (:mod:`vecinfer_compile.layer_kinds`; transformers' ``LinearAttentionAndStaticFullAttentionLayer``
+    (:mod:`vecinfer_compile.hf.layer_kinds`; transformers' ``LinearAttentionAndStaticFullAttentionLayer``
     otherwise): the attention's K/V as codes (:class:`VecInferLayer`), the mixer's conv and
     recurrent states as transformers' ``LinearAttentionLayer`` keeps them (``update_conv_state`` /
     ``update_recurrent_state``, ``number_of_states`` of each, static addresses). Takes

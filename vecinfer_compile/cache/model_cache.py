@@ -10,7 +10,7 @@ Use it like HF's ``StaticCache``::
 (:func:`cache_kwargs` is ``{"cache": cache}`` on transformers that take ``cache=``, 5.24 on, and
 ``{"past_key_values": cache}`` before.)
 
-This module picks each decoder layer's cache layer (:mod:`vecinfer_compile.layer_kinds`: coded
+This module picks each decoder layer's cache layer (:mod:`vecinfer_compile.hf.layer_kinds`: coded
 :class:`~.layer.VecInferLayer` s, hybrid ones, transformers' own static layers elsewhere), cuts the
 quantizer state to the rank's KV heads under tensor parallelism, fills a batch a few rows at a time
 (:meth:`VecInferCache.filling_rows`) and counts bytes. See :class:`VecInferCache` for the exact
@@ -26,31 +26,17 @@ import functools
 import torch
 from transformers.cache_utils import Cache, StaticCache
 
-from .. import eager_decode
+from ..hf import eager_decode
 from ..codebooks import VecInferCodebooks, model_geometry
-from ..layer_kinds import HYBRID_KINDS, SLIDING, check_codable, kv_producers, layer_kinds
+from ..hf.layer_kinds import HYBRID_KINDS, SLIDING, check_codable, kv_producers, layer_kinds
 from ..methods import check_runs_over_codes
-from ..tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
+from ..hf.tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 from .layer import VecInferHybridLayer, VecInferLayer
 from .quantizer import LayerQuantizer
 from .storage import count_bytes, indexed_device
 
 
 @functools.cache
-def _generate_cache_keyword() -> str:
-    try:
-        from transformers.generation.utils import ALL_CACHE_NAMES
-    except ImportError:
-        return "past_key_values"
-    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
-
-
-def cache_kwargs(cache) -> dict:
-    """The ``generate()`` keyword for a cache on the installed transformers: ``cache=`` where it
-    exists (5.24 deprecates ``past_key_values=``), ``past_key_values=`` before."""
-    return {_generate_cache_keyword(): cache}
-
-
 def _check_generate_masks(config) -> None:
     """Raise a NotImplementedError when transformers' ``generate()`` would mask a sliding layer of
     ``config`` as full attention: with any static cache it builds the masks from
@@ -186,7 +172,7 @@ class VecInferCache(Cache):
       compiled): as a *codes read* when the model attends with ``"vecinfer_sdpa"`` (which
       ``VecInferCache(model, ...)`` switches an SDPA model to), which holds no memory and makes the
       attention run the same decode op, or for a chunk the chunk attention over the codes
-      (:mod:`vecinfer_compile.eager_decode`); otherwise dequantized (a chunk's with its own tokens
+      (:mod:`vecinfer_compile.hf.eager_decode`); otherwise dequantized (a chunk's with its own tokens
       in place, by the same rule; compiled too).
     - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
       path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
@@ -197,7 +183,7 @@ class VecInferCache(Cache):
     Croppable by the last one-token step only, while it records its past (what transformers'
     deferred stop check needs: :func:`vecinfer_compile.defer_stop_check`); encoded tokens are
     never un-flushed otherwise. Fixed batch size. Models that mix
-    attention kinds have codes in the layers :mod:`vecinfer_compile.layer_kinds` names (their
+    attention kinds have codes in the layers :mod:`vecinfer_compile.hf.layer_kinds` names (their
     full-attention layers; every layer of a model whose every layer slides) and transformers' own
     static layers elsewhere (sliding or chunked windows in full precision, linear-attention state,
     nothing for a layer that reads another layer's K/V); a coded hybrid layer (attention beside a
@@ -206,7 +192,7 @@ class VecInferCache(Cache):
 
     Tensor parallelism (a model loaded with ``tp_plan="auto"`` under ``torchrun``): pass the
     model, not its config; the cache finds the rank's KV heads from the model's device mesh
-    (:mod:`vecinfer_compile.tensor_parallel`) and allocates ``[B, H_kv / N, ...]`` buffers, with
+    (:mod:`vecinfer_compile.hf.tensor_parallel`) and allocates ``[B, H_kv / N, ...]`` buffers, with
     the smoothing factors / query-aware matrices / key means cut to those heads and the codebooks whole.
     ``tp_shard`` is the shard (None without TP); :meth:`kv_bytes` is per rank,
     :meth:`total_kv_bytes` all ranks.
@@ -295,7 +281,7 @@ class VecInferCache(Cache):
 
     def coded_layers(self) -> list[VecInferLayer]:
         """The layers that hold codes (all of them unless the model mixes attention kinds:
-        :mod:`vecinfer_compile.layer_kinds`)."""
+        :mod:`vecinfer_compile.hf.layer_kinds`)."""
         return [layer for layer in self.layers if isinstance(layer, VecInferLayer)]
 
     def total_kv_bytes(self, group=None) -> int:

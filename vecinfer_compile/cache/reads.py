@@ -98,7 +98,7 @@ def chunk_keys(storage: LayerStorage, quantizer: LayerQuantizer, kt: torch.Tenso
 
 def dense(storage: LayerStorage, quantizer: LayerQuantizer, chunk: ChunkKeys | None = None):
     """Eager: the ``[B, H, S, D]`` K and V that an eager step's codes read stands for
-    (:mod:`vecinfer_compile.eager_decode`): after one token, every slot (:func:`dequantized`);
+    (:mod:`vecinfer_compile.hf.eager_decode`): after one token, every slot (:func:`dequantized`);
     after a chunk (``chunk``: :func:`chunk_keys` before its append), the coded slots before it,
     then the old window and the chunk in full precision."""
     if chunk is None:

@@ -296,7 +296,8 @@ def _generate_fails(model, ids: torch.Tensor) -> Outcome | None:
 
 def check_cache(model, ids: torch.Tensor, codebooks, notes: list[str], seconds: float | None = None) -> Outcome:
     """VecInferCache + greedy generate() against the simulate path with the cache's semantics."""
-    from ..cache import VecInferCache, cache_kwargs
+    from ..cache import VecInferCache
+    from ..hf.compat import cache_kwargs
     from ..simulate import simulation
 
     def step():

@@ -63,7 +63,7 @@ class GenerationMethod:
         or one CompileConfig with vecinfer_backend reused across calls (no recompiles)."""
         if cache is None:
             return {}
-        from ..cache import cache_kwargs
+        from ..hf.compat import cache_kwargs
 
         if self.backend == "eager":
             return {**cache_kwargs(cache), "disable_compile": True}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..recording import collect_kv
+from ..hf.recording import collect_kv
 
 STAGES = ("raw", "smoothed", "smoothed+hadamard", "hadamard")
 STAGE_LABELS = {"raw": "before smoothing", "smoothed": "after smoothing",

@@ -164,7 +164,7 @@ class CacheBytes:
     - ``bytes_per_token``: ``codes`` per slot and batch row (all layers, K and V); None until the
       cache has allocated (it allocates at its first update without ``batch_size``).
     - ``full_precision_layers``: the layers of a model of mixed attention kinds that the cache keeps
-      in transformers' own layers (:mod:`vecinfer_compile.layer_kinds`), bounded by their window.
+      in transformers' own layers (:mod:`vecinfer_compile.hf.layer_kinds`), bounded by their window.
     """
 
     fixed: int

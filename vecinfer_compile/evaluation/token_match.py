@@ -125,12 +125,13 @@ def _cache_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual
 
     from ..backend import vecinfer_backend
     from ..cache import VecInferCache
+    from ..hf.compat import cache_kwargs
 
     dev = next(model.parameters()).device
     ids = ids[None].to(dev)
     cache = VecInferCache(model, codebooks, batch_size=1, max_cache_len=ids.shape[1] + new_tokens,
                           residual=residual, device=dev)
-    kwargs = {"past_key_values": cache}
+    kwargs = cache_kwargs(cache)
     if compiled:
         config = CompileConfig(backend=vecinfer_backend.configure(codebooks=codebooks, residual=residual),
                                fullgraph=True)

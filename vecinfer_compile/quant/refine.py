@@ -54,7 +54,7 @@ class LayerAttention:
     @classmethod
     def of(cls, module, out_weight: torch.Tensor | None, head_dim: int) -> "LayerAttention":
         """From a transformers attention module: ``out_weight`` (its output projection, found by
-        :func:`~vecinfer_compile.output_projection.output_projection_weight`; None for the
+        :func:`~vecinfer_compile.hf.output_projection.output_projection_weight`; None for the
         identity), its ``scaling`` (default ``D ** -0.5``) and ``sliding_window``."""
         scaling = getattr(module, "scaling", None)
         window = getattr(module, "sliding_window", None)

@@ -9,10 +9,10 @@ does. A model is refused, in one line naming why, when
   the layers it codes (:func:`uniform_attribute`; Gemma 4's sliding layers have a smaller
   ``head_dim`` than its full ones, which is fine: only the full ones are coded);
 - an attention call does more than SDPA (:func:`check_attention_call`, run by the calibration
-  recorder, :mod:`.recording`, and the simulate attention, :mod:`.simulate`, before they compute
-  anything): attention sinks (GPT-OSS's ``s_aux``), logit softcapping (Gemma 2's ``softcap``),
-  sparse attention indices (DeepSeek V3.2's ``indices``), or query/key/value of different head
-  dims (multi-head latent attention).
+  recorder, :mod:`.recording`, and the simulate attention, :mod:`~vecinfer_compile.simulate`,
+  before they compute anything): attention sinks (GPT-OSS's ``s_aux``), logit softcapping
+  (Gemma 2's ``softcap``), sparse attention indices (DeepSeek V3.2's ``indices``), or
+  query/key/value of different head dims (multi-head latent attention).
 
 :func:`needs_unskipped_masks` says which mask they ask transformers for.
 """

@@ -4,8 +4,9 @@ A temporary attention implementation (registered with transformers' ``AttentionI
 records its inputs (after RoPE, before any GQA repetition) and then runs SDPA, so any model whose
 attention goes through that interface can be recorded; a call that needs more than SDPA (attention
 sinks, logit softcapping, sparse indices, different query/key/value head dims) is refused first
-(:func:`~vecinfer_compile.attention_support.check_attention_call`). Calibration (:mod:`.calibrate`), the
-per-layer allocation (:mod:`.allocate`) and ``vecinfer inspect`` all read from here.
+(:func:`~vecinfer_compile.hf.attention_support.check_attention_call`). Calibration
+(:mod:`~vecinfer_compile.calibrate`), the per-layer allocation (:mod:`~vecinfer_compile.allocate`)
+and ``vecinfer inspect`` all read from here.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ K and V of the usual shape that hold no memory (a 0-d NaN expanded) and name the
 attention function receives one it asks the layer instead: for one query token
 :meth:`VecInferLayer.attend <vecinfer_compile.cache.VecInferLayer.attend>` runs
 ``vecinfer::decode_attention`` over the codes and window (the query-side transform and ``kv_start``
-of :mod:`.ops.decode_inputs`), the op the compiled decode step runs (a mask that is more than
-left padding over the valid slots gets SDPA over the dequantized cache instead); for a chunk of several,
-:meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>` attends by the
-rule of :mod:`.ops.split_attention.chunk` (the coded prefix and the full-precision window and chunk, merged
-by log-sum-exp; on CUDA the prefix a few rows at a time into cuDNN or FlashAttention-2). Every other call (the prefill of an empty
+of :mod:`~vecinfer_compile.ops.decode_inputs`), the op the compiled decode step runs (a mask that is
+more than left padding over the valid slots gets SDPA over the dequantized cache instead); for a
+chunk of several, :meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>`
+attends by the rule of :mod:`~vecinfer_compile.ops.split_attention.chunk` (the coded prefix and the
+full-precision window and chunk, merged by log-sum-exp; on CUDA the prefix a few rows at a time into cuDNN or FlashAttention-2). Every other call (the prefill of an empty
 cache, other caches, anything traced by Dynamo) goes to ``sdpa_attention_forward`` unchanged, so a
 model on this implementation compiles to the same graph.
 

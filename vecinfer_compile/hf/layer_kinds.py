@@ -1,5 +1,5 @@
 """Which decoder layers hold codes: the rule for models that mix attention kinds, written once for
-:class:`~vecinfer_compile.cache.VecInferCache` and the simulate path (:mod:`.simulate`).
+:class:`~vecinfer_compile.cache.VecInferCache` and the simulate path (:mod:`~vecinfer_compile.simulate`).
 
 A layer's kind is transformers' ``config.layer_types`` entry (``"full_attention"``,
 ``"sliding_attention"``, ``"chunked_attention"``, ``"conv"``, ``"linear_attention"``, ...), or, for

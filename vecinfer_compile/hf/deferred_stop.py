@@ -41,7 +41,8 @@ def defer_stop_check():
     threads (it patches ``DeferredStopCheck.is_supported`` for the process)::
 
         with vecinfer_compile.defer_stop_check():
-            out = model.generate(ids, past_key_values=cache, max_new_tokens=256, compile_config=...)
+            out = model.generate(ids, **vecinfer_compile.cache_kwargs(cache), max_new_tokens=256,
+                                 compile_config=...)
     """
     cls = _deferred_stop_check_class()
     original = cls.__dict__["is_supported"]

@@ -1,6 +1,7 @@
 """The output projection of a transformers attention module: the linear map from the heads'
 concatenated outputs ``[..., H_q * D]`` to the hidden size, through which calibration weighs
-attention-output errors (:mod:`.quant.refine`, :mod:`.quant.weighted_codes`).
+attention-output errors (:mod:`~vecinfer_compile.quant.refine`,
+:mod:`~vecinfer_compile.quant.weighted_codes`).
 
 Architectures name it differently: ``o_proj`` (Llama, Mistral, Qwen, Gemma, ...), ``dense``
 (GPT-NeoX, Phi, Falcon), ``out_proj`` (OPT, GPT-J), ``c_proj`` (GPT-2, whose ``Conv1D`` stores the

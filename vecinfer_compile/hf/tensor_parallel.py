@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .codebooks import LayerCodebooks
+from ..codebooks import LayerCodebooks
 
 __all__ = ["TPShard", "graph_shard", "local_kv_heads", "local_layer", "model_shard", "total_kv_bytes",
            "tp_load_kwargs"]
