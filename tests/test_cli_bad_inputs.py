@@ -32,7 +32,8 @@ INSPECT = ["inspect", "--model", TINY, "--text", TEXT, "--out", "{ws}/inspect"]
 ABLATION = ["ablation", "--model", TINY, "--text", TEXT, "--calib-text", TEXT]
 
 # (command line, a piece of the one-line error); {ws} is a folder holding dir/, existing.txt,
-# empty.txt, latin1.txt and nothing else.
+# empty.txt, latin1.txt, gsm8k.jsonl (two problems), no-bits.safetensors (a safetensors file whose
+# vecinfer metadata lacks the bits) and nothing else.
 NO_MODEL_NEEDED = [
     (CALIBRATE + ["--device", "gpu0"], "unknown device 'gpu0'"),
     (CALIBRATE + ["--out", "{ws}/dir"], "is a directory: give a file path"),
@@ -59,7 +60,7 @@ NO_MODEL_NEEDED = [
     (CALIBRATE + ["--text", "{ws}/latin1.txt"], "is not UTF-8"),
     (CALIBRATE + ["--model", "{ws}/missing"], "model directory {ws}/missing does not exist"),
     (CALIBRATE + ["--model", "{ws}/dir"], "has no config.json"),
-    (CALIBRATE + ["--model", TEXT], "is a file, not a directory"),
+    (CALIBRATE + ["--model", TEXT], "is not a directory"),
     (EVAL + ["--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
     (EVAL + ["--windows", "0"], "--windows: must be at least 1"),
     (EVAL + ["--window-len", "1"], "--window-len: must be at least 2"),
@@ -73,6 +74,9 @@ NO_MODEL_NEEDED = [
     (EVAL[:-2] + ["--method", "kivi", "--bits", "3"], "KIVI runs at 2 or 4 bits"),
     (EVAL[:-2] + ["--method", "kivi", "--backend", "compile"], "use --backend eager"),
     (EVAL + ["--calib-text", TEXT], "takes no codebooks"),
+    (EVAL[:-2] + ["--codebooks", CODEBOOKS, "--window-len", "256", "--residual", "256"], "nothing would be quantized"),
+    (EVAL[:-2] + ["--codebooks", "{ws}/no-bits.safetensors"], "not a codebook file"),
+    (EVAL + ["--text", "/dev/null"], "is not a regular file"),
     (EVAL[:-2] + ["--method", "vecinfer", "--calib-text", TEXT, "--save-codebooks", "{ws}/existing.txt"],
      "is a file, not a directory"),
     (INSPECT[:-1] + ["{ws}/existing.txt"], "is a file, not a directory: give a folder"),
@@ -84,13 +88,14 @@ NO_MODEL_NEEDED = [
     (MATCH + ["--new-tokens", "1", "--residual", "0"], "nothing would be quantized"),
     (MATCH + ["--prompts", "0"], "--prompts: must be at least 1"),
     (MATCH + ["--prefill-chunk", "-1"], "--prefill-chunk: must be at least 0"),
-    (NEEDLE[:-1] + [TEXT], "is a file, not a directory"),
+    (NEEDLE[:-1] + [TEXT], "is not a directory"),
     (NEEDLE + ["--lengths", "10"], "must be at least 32, got 10"),
     (NEEDLE + ["--lengths", "a,b"], "expected comma-separated token counts"),
     (NEEDLE + ["--depths", "120"], "must be in [0, 100], got 120"),
     (NEEDLE + ["--trials", "0"], "--trials: must be at least 1"),
     (NEEDLE + ["--codebooks", CODEBOOKS, "--method", "fp16"], "disagrees with"),
     (NEEDLE + ["--plot", "{ws}/existing.txt"], "exists: give a new path"),
+    (NEEDLE + ["--codebooks", CODEBOOKS, "--lengths", "64", "--residual", "100"], "nothing would be quantized"),
     (GSM8K + ["--methods", "fp16,bogus"], "unknown method 'bogus'"),
     (GSM8K + ["--methods", ","], "--methods is empty"),
     (GSM8K + ["--limit", "0"], "--limit: must be at least 1"),
@@ -108,6 +113,7 @@ NO_MODEL_NEEDED = [
     (ABLATION + ["--plot", "{ws}/dir"], "is a directory"),
     (ABLATION + ["--out", "{ws}/existing.txt"], "exists: give a new path"),
     (ABLATION + ["--residual", "-1"], "--residual: must be at least 0"),
+    (ABLATION + ["--window-len", "64", "--residual", "64"], "nothing would be quantized"),
 ]
 
 # Runs main(argv) in a fresh interpreter and reports its exit code, stderr and whether torch was
@@ -128,6 +134,10 @@ def workspace(tmp_path) -> Path:
     (tmp_path / "existing.txt").write_text("already here\n")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    problem = json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"})
+    (tmp_path / "gsm8k.jsonl").write_text(f"{problem}\n{problem}\n")
+    header = json.dumps({"__metadata__": {"vecinfer": json.dumps({"method": "vecinfer"})}}).encode()
+    (tmp_path / "no-bits.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     return tmp_path
 
 
@@ -160,11 +170,13 @@ def test_refused_before_torch_loads(workspace, argv, match):
     (EVAL + ["--window-len", "5000"], "--window-len needs 5000 positions, past the model's max_position_embeddings (4096)"),
     (CALIBRATE + ["--seq-len", "5000"], "--seq-len needs 5000 positions"),
     (MATCH + ["--prompt-len", "4090", "--new-tokens", "16"], "--prompt-len plus --new-tokens needs 4106 positions"),
+    (GSM8K[:-1] + ["{ws}/gsm8k.jsonl", "--max-new-tokens", "5000", "--methods", "fp16", "--shots", "1"],
+     "--max-new-tokens needs 5000 positions"),
 ])
 def test_past_the_models_positions(capsys, workspace, argv, match):
     """Known once the model is loaded: refused before any work (it used to warn, then run for minutes)."""
     before = files_in(workspace)
-    assert main([a.format(ws=workspace) for a in argv]) == 2
+    assert main([a.format(ws=workspace) for a in argv] + ["--device", "cpu"]) == 2
     assert match in one_line_error(capsys.readouterr().err)
     assert files_in(workspace) == before
 
@@ -174,6 +186,11 @@ def test_python_m_prints_one_line(workspace):
                           capture_output=True, text=True, cwd=workspace, env=ENV, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "unknown device 'gpu0'" in one_line_error(proc.stderr)
+
+
+def test_benchmark_argument_error_is_one_line(capsys):
+    assert main(["bench", "memory", "--no-such-option"]) == 2
+    assert "bench memory: unrecognized arguments: --no-such-option" in one_line_error(capsys.readouterr().err)
 
 
 def test_method_comes_from_the_codebooks(capsys):

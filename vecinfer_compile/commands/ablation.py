@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..methods import normalize_bits
 from . import add_calib_args, add_model_args, add_progress_arg, add_window_args, print_json
-from .arguments import check_positions, count, new_file, output_dir, text_file
+from .arguments import check_positions, check_quantizes, count, new_file, output_dir, text_file
 
 HELP = "perplexity table of every method and bit-width (and a plot)"
 
@@ -51,6 +51,7 @@ def check_args(args) -> list[tuple[str, float]] | None:
     rows = None if args.rows is None else parse_rows(args.rows)
     for method, bits in rows or ():
         normalize_bits(method, bits)
+    check_quantizes(args.residual, args.window_len - 1, f"a {args.window_len}-token window")
     return rows
 
 

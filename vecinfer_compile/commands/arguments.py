@@ -99,8 +99,8 @@ def _existing(text: str, what: str, *, folder: bool) -> Path:
     """``text`` as a path to an existing folder (or file); ArgumentTypeError naming what it is instead."""
     path = Path(text)
     if not (path.is_dir() if folder else path.is_file()):
-        state = ("does not exist" if not path.exists() else
-                 "is a file, not a directory" if folder else "is a directory, not a file")
+        state = ("does not exist" if not path.exists() else "is not a directory" if folder else
+                 "is a directory, not a file" if path.is_dir() else "is not a regular file")
         raise argparse.ArgumentTypeError(f"{what} {text} {state}")
     return path
 
@@ -204,8 +204,9 @@ def codebook_header(path: str) -> dict:
         size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         raw = f.read(size) if 0 < size <= 100_000_000 else b""
     try:
-        meta = json.loads(raw)["__metadata__"]["vecinfer"]
-        return json.loads(meta)
+        meta = json.loads(json.loads(raw)["__metadata__"]["vecinfer"])
+        float(meta["bits"]), str(meta["method"])
+        return meta
     except (ValueError, KeyError, TypeError):
         raise argparse.ArgumentTypeError(
             f"codebook file {path} is not a codebook file of `vecinfer calibrate` (no vecinfer safetensors "
@@ -245,6 +246,17 @@ def check_vq_sources(methods, codebooks: str | None, calib_text: str | None, cac
                          "calibrate`) or --calib-text FILE to calibrate now")
     if not needs and (codebooks is not None or calib_text is not None):
         raise ValueError(f"method {methods[0]!r} takes no codebooks; drop --codebooks/--calib-text")
+
+
+def check_quantizes(residual: int, reach: int, what: str, fix: str | None = None) -> None:
+    """ValueError when a full-precision window of ``residual`` tokens covers every key ``what``
+    reads (``reach``: the farthest a query reads back, -1 when no query reads codes): nothing would
+    be quantized, so the run would measure full precision under the method's name."""
+    if residual <= reach:
+        return
+    fix = fix or f"use --residual at most {reach}"
+    raise ValueError(f"nothing would be quantized: the full-precision window (--residual {residual}) covers "
+                     f"every key {what} reads; {fix}")
 
 
 def check_positions(model, tokens: int, what: str) -> None:

@@ -6,7 +6,8 @@ import time
 
 from ..methods import METHODS
 from . import add_calib_args, add_model_args, add_progress_arg, add_window_args, print_json
-from .arguments import (bits_with_codebooks, bits_arg, check_positions, check_vq_sources, codebook_file, count,
+from .arguments import (bits_with_codebooks, bits_arg, check_positions, check_quantizes, check_vq_sources,
+                        codebook_file, count,
                         method_with_codebooks, output_dir, text_file)
 
 HELP = "perplexity of one method on a text"
@@ -50,6 +51,8 @@ def check_args(args) -> tuple[str, float]:
     check_vq_sources([method], args.codebooks, args.calib_text)
     if args.save_codebooks is not None and args.calib_text is None:
         raise ValueError("--save-codebooks saves what --calib-text calibrates: pass --calib-text FILE too")
+    if method != "fp16":
+        check_quantizes(args.residual, args.window_len - 1, f"a {args.window_len}-token window")
     return method, bits
 
 

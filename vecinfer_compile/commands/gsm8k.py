@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..methods import METHODS, normalize_bits
 from . import add_calib_args, add_model_args, add_progress_arg, print_json
-from .arguments import (bits_arg, check_vq_sources, codebook_file, count, method_with_codebooks, new_file,
+from .arguments import (bits_arg, check_positions, check_vq_sources, codebook_file, count, method_with_codebooks, new_file,
                         output_dir, text_file)
 
 HELP = "few-shot GSM8K exact match (greedy generate through each method's KV cache)"
@@ -76,6 +76,7 @@ def run(args) -> int:
     prompts, refs, _ = build_prompts(rows, args.shots, args.limit)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.dtype, args.device)
+    check_positions(model, args.max_new_tokens, "--max-new-tokens")
     results = []
     for m in methods:
         gm = prepare_method(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import add_model_args, add_progress_arg, print_json
-from .arguments import check_positions, codebook_file, count, text_file
+from .arguments import check_positions, check_quantizes, codebook_file, count, text_file
 
 HELP = "greedy generation through the real cache vs the eager simulate path, token for token"
 
@@ -44,15 +44,12 @@ def farthest_quantized_read(args) -> int:
 
 
 def check_window(args) -> None:
-    """ValueError when the full-precision window covers every key any query reads: nothing would
-    be quantized, and the two paths would agree whatever the codebooks."""
+    """The full-precision window must leave some key to read over codes: else the two paths agree
+    whatever the codebooks."""
     reach = farthest_quantized_read(args)
-    if args.residual <= reach:
-        return
-    fix = (f"use --residual at most {reach}, or a longer --prompt-len" if reach >= 0
-           else "generate --new-tokens 2 or more (or prefill in chunks, --prefill-chunk, shorter than the prompt)")
-    raise ValueError(f"nothing would be quantized: the full-precision window (--residual {args.residual}) covers "
-                     f"every key a {args.prompt_len}-token prompt and {args.new_tokens} new tokens read; {fix}")
+    check_quantizes(args.residual, reach, f"a {args.prompt_len}-token prompt and {args.new_tokens} new tokens",
+                    None if reach >= 0 else
+                    "generate --new-tokens 2 or more (or prefill in chunks, --prefill-chunk, shorter than the prompt)")
 
 
 def run(args) -> int:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..methods import METHODS
 from . import add_calib_args, add_model_args, add_progress_arg, print_json
-from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_vq_sources, codebook_file, count,
+from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_quantizes, check_vq_sources,
+                        codebook_file, count,
                         input_dir, method_with_codebooks, new_file, number_list, output_dir, text_file)
 
 HELP = "needle-in-a-haystack accuracy (lengths x depths) through a method's KV cache"
@@ -64,6 +65,10 @@ def check_args(args) -> tuple[str, float]:
     method = method_with_codebooks(args.method, args.codebooks, "fp16")
     bits = bits_with_codebooks(method, args.bits, args.codebooks)
     check_vq_sources([method], args.codebooks, args.calib_text, args.save_codebooks)
+    if method != "fp16":  # the prompt attends in full precision; the decode steps read codes
+        longest = max(args.lengths)
+        check_quantizes(args.residual, longest + args.max_new_tokens - 2,
+                        f"a {longest}-token prompt and {args.max_new_tokens} new tokens")
     return method, bits
 
 
