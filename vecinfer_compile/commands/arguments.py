@@ -205,7 +205,9 @@ def codebook_header(path: str) -> dict:
         raw = f.read(size) if 0 < size <= 100_000_000 else b""
     try:
         meta = json.loads(json.loads(raw)["__metadata__"]["vecinfer"])
-        float(meta["bits"]), str(meta["method"])
+        meta["bits"] = float(meta["bits"])
+        if not isinstance(meta["method"], str):
+            raise TypeError("method is not a name")
         return meta
     except (ValueError, KeyError, TypeError):
         raise argparse.ArgumentTypeError(
@@ -231,7 +233,7 @@ def bits_with_codebooks(method: str, bits: float | None, codebooks: str | None) 
     """``--bits``, else the codebook file's bits for a VQ method, else the method's default;
     checked against the method's presets."""
     if bits is None and codebooks is not None and method in VQ_METHODS:
-        bits = float(codebook_header(codebooks)["bits"])
+        bits = codebook_header(codebooks)["bits"]
     return normalize_bits(method, bits)
 
 

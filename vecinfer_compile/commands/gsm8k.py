@@ -106,7 +106,7 @@ def run(args) -> int:
             print(f"  {r.note}")
         print("\n| method | bits | correct | accuracy |\n|---|---:|---:|---:|")
         for r in results:
-            bits = "16" if r.method == "fp16" else f"{r.bits:g}"
-            print(f"| {r.method} | {bits} | {r.correct}/{r.total} | {r.accuracy:.3f} |")
+            method, bits = (f"full precision ({args.dtype})", "-") if r.method == "fp16" else (r.method, f"{r.bits:g}")
+            print(f"| {method} | {bits} | {r.correct}/{r.total} | {r.accuracy:.3f} |")
         print(f"\n({out['seconds']:.0f} s)")
     return 0

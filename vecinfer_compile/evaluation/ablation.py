@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..methods import VQ_METHODS, check_method, normalize_bits
+from ..methods import VQ_METHODS, normalize_bits
 from .kv_bytes import kv_bytes
 from .perplexity import perplexity
 
