@@ -172,9 +172,11 @@ def test_refused_before_torch_loads(workspace, argv, match):
     (MATCH + ["--prompt-len", "4090", "--new-tokens", "16"], "--prompt-len plus --new-tokens needs 4106 positions"),
     (GSM8K[:-1] + ["{ws}/gsm8k.jsonl", "--max-new-tokens", "5000", "--methods", "fp16", "--shots", "1"],
      "--max-new-tokens needs 5000 positions"),
+    (CALIBRATE[:4] + ["{ws}/existing.txt"] + CALIBRATE[5:], "tokens, fewer than one calibration sequence (1024"),
 ])
-def test_past_the_models_positions(capsys, workspace, argv, match):
-    """Known once the model is loaded: refused before any work (it used to warn, then run for minutes)."""
+def test_refused_once_the_model_is_loaded(capsys, workspace, argv, match):
+    """Known once the model is loaded: refused before any work (windows past the model's positions
+    used to warn, then run for minutes; a few-token text was calibrated on)."""
     before = files_in(workspace)
     assert main([a.format(ws=workspace) for a in argv] + ["--device", "cpu"]) == 2
     assert match in one_line_error(capsys.readouterr().err)

@@ -120,18 +120,29 @@ def check_args(args) -> float | None:
     return bits
 
 
+def check_text_length(tokens: int, args) -> None:
+    """ValueError unless the text fills one calibration sequence (or --max-tokens, if fewer): a
+    few tokens would fit codebooks to almost nothing, silently."""
+    needed = min(args.seq_len, args.max_tokens)
+    if tokens < needed:
+        raise ValueError(f"{args.text} holds {tokens} tokens, fewer than one calibration sequence ({needed}: the "
+                         f"smaller of --seq-len and --max-tokens): give a longer text, or lower --seq-len")
+
+
 def run(args) -> int:
     bits = check_args(args)
-    from ..models import load_model, load_text
+    from ..models import load_model, load_text, tokenize
 
     if VQ_METHODS[args.method].refine:
         print(f"vecinfer: calibrate --method {args.method}: {QAWARE_COST}", file=sys.stderr)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.dtype, args.device)
     check_positions(model, args.seq_len, "--seq-len")
+    text = load_text(args.text)
+    check_text_length(len(tokenize(tokenizer, text)), args)
     from ..calibrate import calibrate
 
-    cb = calibrate(model, tokenizer, load_text(args.text), bits=bits, method=args.method,
+    cb = calibrate(model, tokenizer, text, bits=bits, method=args.method,
                    layer_bits=args.layer_bits,
                    allocate=None if args.allocate == "uniform" else args.allocate,
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,
