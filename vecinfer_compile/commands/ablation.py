@@ -28,9 +28,11 @@ def register(subparsers) -> None:
     add_calib_args(p)
     p.add_argument("--out-codebooks", metavar="DIR", default=None, type=output_dir,
                    help="cache codebooks here (reused when present)")
-    p.add_argument("--plot", metavar="PNG", default=None, type=new_file, help="write perplexity vs bits plot (a new file)")
+    p.add_argument("--plot", metavar="PNG", default=None, type=new_file,
+                   help="write perplexity vs bits plot (a new file)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", metavar="FILE", default=None, type=new_file, help="also write the JSON result here (a new file)")
+    p.add_argument("--out", metavar="FILE", default=None, type=new_file,
+                   help="also write the JSON result here (a new file)")
     add_progress_arg(p)
     p.set_defaults(func=run)
 

@@ -24,7 +24,8 @@ def register(subparsers) -> None:
                         "(k-means on the CPU: several minutes)")
     p.add_argument("--calib-tokens", type=count(1), default=8192, metavar="N",
                    help="calibration tokens when calibrating (default 8192)")
-    p.add_argument("--iters", type=count(1), default=10, metavar="N", help="k-means iterations when calibrating (default 10)")
+    p.add_argument("--iters", type=count(1), default=10, metavar="N",
+                   help="k-means iterations when calibrating (default 10)")
     p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
                    help="save the codebooks calibrated here (implies --recalibrate)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

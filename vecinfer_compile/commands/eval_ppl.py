@@ -6,9 +6,8 @@ import time
 
 from ..methods import METHODS
 from . import add_calib_args, add_model_args, add_progress_arg, add_window_args, print_json
-from .arguments import (bits_with_codebooks, bits_arg, check_positions, check_quantizes, check_vq_sources,
-                        codebook_file, count,
-                        method_with_codebooks, output_dir, text_file)
+from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_quantizes, check_vq_sources,
+                        codebook_file, count, method_with_codebooks, output_dir, text_file)
 
 HELP = "perplexity of one method on a text"
 

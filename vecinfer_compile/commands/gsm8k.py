@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..methods import METHODS, normalize_bits
 from . import add_calib_args, add_model_args, add_progress_arg, print_json
-from .arguments import (bits_arg, check_positions, check_vq_sources, codebook_file, count, method_with_codebooks, new_file,
-                        output_dir, text_file)
+from .arguments import (bits_arg, check_positions, check_vq_sources, codebook_file, count, method_with_codebooks,
+                        new_file, output_dir, text_file)
 
 HELP = "few-shot GSM8K exact match (greedy generate through each method's KV cache)"
 
@@ -28,8 +28,10 @@ def register(subparsers) -> None:
                         "the file's method in place of vecinfer)")
     p.add_argument("--bits", type=bits_arg, default=2.0, help="bits of the quantized methods (default 2)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--codebooks", metavar="FILE", type=codebook_file, help="codebooks from `vecinfer calibrate` (one VQ method)")
-    src.add_argument("--calib-text", metavar="FILE", type=text_file("calibration text"), help="calibrate the VQ methods now on this text")
+    src.add_argument("--codebooks", metavar="FILE", type=codebook_file,
+                     help="codebooks from `vecinfer calibrate` (one VQ method)")
+    src.add_argument("--calib-text", metavar="FILE", type=text_file("calibration text"),
+                     help="calibrate the VQ methods now on this text")
     p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
                    help="save (and reuse when present) calibrated codebooks in DIR")
     p.add_argument("--limit", type=count(1), default=20, metavar="N", help="problems scored (default 20)")
@@ -43,7 +45,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=count(1), default=1, metavar="B", help="problems per generate() (default 1)")
     add_calib_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", metavar="FILE", default=None, type=new_file, help="also write the JSON result here (a new file)")
+    p.add_argument("--out", metavar="FILE", default=None, type=new_file,
+                   help="also write the JSON result here (a new file)")
     add_progress_arg(p)
     p.set_defaults(func=run)
 

@@ -22,15 +22,19 @@ def register(subparsers) -> None:
         "summary.json into --out.",
     )
     add_model_args(p)
-    p.add_argument("--text", required=True, metavar="FILE", type=text_file("text file"), help="held-out text the keys are measured on")
-    p.add_argument("--out", required=True, metavar="DIR", type=output_dir, help="output folder for the PNGs and summary.json")
+    p.add_argument("--text", required=True, metavar="FILE", type=text_file("text file"),
+                   help="held-out text the keys are measured on")
+    p.add_argument("--out", required=True, metavar="DIR", type=output_dir,
+                   help="output folder for the PNGs and summary.json")
     p.add_argument("--bits", type=bits_arg, default=2.0, help="VQ preset of the usage study (default 2)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"VQ methods compared (default {DEFAULT_METHODS})")
-    p.add_argument("--calib-text", metavar="FILE", default=None, type=text_file("calibration text"), help="calibrate missing codebooks on this text")
+    p.add_argument("--calib-text", metavar="FILE", default=None, type=text_file("calibration text"),
+                   help="calibrate missing codebooks on this text")
     p.add_argument("--codebooks-dir", metavar="DIR", default=None, type=output_dir,
                    help="read <method>-<bits>bit.safetensors from DIR; codebooks calibrated now are saved "
                         "there (default: OUT/codebooks)")
-    p.add_argument("--tokens", type=count(16), default=2048, metavar="N", help="held-out tokens measured (default 2048)")
+    p.add_argument("--tokens", type=count(16), default=2048, metavar="N",
+                   help="held-out tokens measured (default 2048)")
     p.add_argument("--seq-len", type=count(2), default=1024, metavar="L", help="forward window (default 1024)")
     p.add_argument("--max-tokens", type=count(1), default=8192, metavar="N", help="calibration tokens (default 8192)")
     p.add_argument("--iters", type=count(1), default=10, help="k-means iterations when calibrating (default 10)")

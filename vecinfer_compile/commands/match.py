@@ -15,8 +15,10 @@ def register(subparsers) -> None:
         "codebooks, prefill in full precision and keep the last --residual tokens in full precision.",
     )
     add_model_args(p)
-    p.add_argument("--codebooks", required=True, metavar="FILE", type=codebook_file, help="codebooks from `vecinfer calibrate`")
-    p.add_argument("--text", required=True, metavar="FILE", type=text_file("text file"), help="text the prompts are cut from")
+    p.add_argument("--codebooks", required=True, metavar="FILE", type=codebook_file,
+                   help="codebooks from `vecinfer calibrate`")
+    p.add_argument("--text", required=True, metavar="FILE", type=text_file("text file"),
+                   help="text the prompts are cut from")
     p.add_argument("--prompts", type=count(1), default=5, metavar="N", help="number of prompts (default 5)")
     p.add_argument("--prompt-len", type=count(1), default=512, metavar="T", help="tokens per prompt (default 512)")
     p.add_argument("--new-tokens", type=count(1), default=64, metavar="N", help="tokens generated (default 64)")

@@ -30,14 +30,16 @@ def register(subparsers) -> None:
     p.add_argument("--lengths", default=[512, 1024, 2048], type=number_list(int, "token counts", 32),
                    metavar="N,...", help="prompt lengths in tokens (default 512,1024,2048)")
     p.add_argument("--depths", default=[0.0, 25.0, 50.0, 75.0, 100.0], metavar="P,...",
-                   type=number_list(float, "percentages", 0, 100), help="needle depths in percent (default 0,25,50,75,100)")
+                   type=number_list(float, "percentages", 0, 100),
+                   help="needle depths in percent (default 0,25,50,75,100)")
     p.add_argument("--method", choices=METHODS, default=None, metavar="METHOD",
                    help=f"one of {', '.join(METHODS)} (default: the method --codebooks was calibrated for, else fp16)")
     p.add_argument("--bits", type=bits_arg, default=None,
                    help="bits: VQ presets 4, 3, 2, 1.5, 1.25, 1; KIVI 2 or 4 (default: codebooks' bits, else 2)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--codebooks", metavar="FILE", type=codebook_file, help="codebooks from `vecinfer calibrate`")
-    src.add_argument("--calib-text", metavar="FILE", type=text_file("calibration text"), help="calibrate now on this text")
+    src.add_argument("--calib-text", metavar="FILE", type=text_file("calibration text"),
+                     help="calibrate now on this text")
     p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
                    help="with --calib-text: save (and reuse when present) codebooks in DIR")
     p.add_argument("--backend", choices=["eager", "compile"], default="eager",
