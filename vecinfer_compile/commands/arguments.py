@@ -95,9 +95,16 @@ def device_arg(text: str) -> str:
     return text
 
 
+def _path(text: str) -> Path:
+    """``text`` as a path; an empty one is an error (``Path("")`` would be the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return Path(text)
+
+
 def _existing(text: str, what: str, *, folder: bool) -> Path:
     """``text`` as a path to an existing folder (or file); ArgumentTypeError naming what it is instead."""
-    path = Path(text)
+    path = _path(text)
     if not (path.is_dir() if folder else path.is_file()):
         state = ("does not exist" if not path.exists() else "is not a directory" if folder else
                  "is a directory, not a file" if path.is_dir() else "is not a regular file")
@@ -169,7 +176,7 @@ def _check_writable_parent(path: Path, text: str) -> None:
 
 def new_file(text: str) -> str:
     """An output file that does not exist yet (nothing is overwritten) in a folder that can be created."""
-    path = Path(text)
+    path = _path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory: give a file path, e.g. {path / 'out'}")
     if path.exists():
@@ -180,7 +187,7 @@ def new_file(text: str) -> str:
 
 def output_dir(text: str) -> str:
     """An output folder: an existing directory, or one that can be created."""
-    path = Path(text)
+    path = _path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file, not a directory: give a folder")
     if not path.exists():
