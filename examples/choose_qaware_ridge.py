@@ -2,7 +2,9 @@
 
 The calibration text is split: its first ``--fit-tokens`` tokens fit the transform and codebooks
 (what ``vecinfer calibrate`` uses by default), the next ``--windows x --window-len`` tokens are
-scored (every token quantized, eager simulation). Evaluation text is never read.
+scored (every token quantized, eager simulation). Evaluation text is never read. Each row
+calibrates anew (the refined qaware methods take minutes per row on a CPU): the row being fitted
+and the progress bars go to stderr, each result to stdout as one JSON line.
 
     python examples/choose_qaware_ridge.py --model evalmodel --text calibration.txt --bits 2
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 
 import torch
 
@@ -32,6 +36,7 @@ def main() -> None:
     p.add_argument("--fit-tokens", type=int, default=32768)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window-len", type=int, default=1024)
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     args = p.parse_args()
 
     model, tok = load_model(args.model, "float32", "cpu")
@@ -47,12 +52,16 @@ def main() -> None:
     print(json.dumps({"method": "fp16", "ppl": base}), flush=True)
     rows = [(m, None) for m in args.baselines.split(",") if m]
     rows += [(m, float(r)) for m in args.methods.split(",") if m for r in args.ridges.split(",")]
-    for method, ridge in rows:
+    t0 = time.perf_counter()
+    for i, (method, ridge) in enumerate(rows, 1):
+        print(f"[{time.perf_counter() - t0:.0f} s] row {i} of {len(rows)}: {method}"
+              f"{'' if ridge is None else f', ridge {ridge:g}'}", file=sys.stderr, flush=True)
         extra = {} if ridge is None else {"ridge": ridge}
         cb = vc.calibrate(model, tok, text, bits=args.bits, method=method, max_tokens=args.fit_tokens,
-                          progress=False, **extra)
+                          progress=args.progress, **extra)
         with vc.simulation(model, method, bits=args.bits, codebooks=cb), torch.no_grad():
-            ppl = perplexity(model, held_out, windows=args.windows, window_len=args.window_len, progress=False).ppl
+            ppl = perplexity(model, held_out, windows=args.windows, window_len=args.window_len,
+                             progress=args.progress).ppl
         print(json.dumps({"method": method, "ridge": ridge, "ppl": ppl, "ratio": ppl / base}), flush=True)
 
 

@@ -1,5 +1,5 @@
 """Sliding-window models with trained weights, built from a Llama checkpoint, to check the cache on
-models that mix attention kinds without a hub download (issue 28):
+models that mix attention kinds, without a hub download:
 
 - ``hybrid-qwen2``: Qwen2 (Llama plus q/k/v biases, here zero) with ``use_sliding_window`` and
   ``max_window_layers = L / 2``: the first half of the layers full attention, the rest a sliding
@@ -10,7 +10,7 @@ models that mix attention kinds without a hub download (issue 28):
 The weights are the checkpoint's own, so the text the models produce is plausible, though they
 were not trained with a window. Then, for example::
 
-    python examples/hybrid_models.py ../shared/data/evalmodel out/ --window 256
+    python examples/hybrid_models.py path/to/llama-model out/ --window 256
     vecinfer calibrate --model out/hybrid-qwen2 --text calibration.txt --bits 2 --out cb.safetensors
     vecinfer match --model out/hybrid-qwen2 --codebooks cb.safetensors --text test.txt --backend compile
 """
@@ -69,7 +69,7 @@ def build(source: Path, out: Path, window: int) -> list[Path]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("source", type=Path, help="a Llama checkpoint directory (e.g. ../shared/data/evalmodel)")
+    ap.add_argument("source", type=Path, help="a local Llama checkpoint directory (a Hugging Face model folder)")
     ap.add_argument("out", type=Path, help="directory to write hybrid-qwen2/ and sliding-mistral/ into")
     ap.add_argument("--window", type=int, default=256, help="sliding window in tokens (default 256)")
     args = ap.parse_args(argv)

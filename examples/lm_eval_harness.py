@@ -48,8 +48,11 @@ def rolling_ppl_task(docs_path: Path, name: str = "vecinfer_local_rolling_ppl") 
 
 
 def write_docs(text: str, n: int, chars: int, path: Path) -> Path:
-    """``n`` documents of about ``chars`` characters cut from ``text`` at paragraph breaks."""
-    paragraphs = [p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip()]  # WikiText: "\n \n"
+    """``n`` documents of about ``chars`` characters cut from ``text`` at paragraph breaks: blank
+    lines (WikiText's are "\n \n"), or line ends in a text without blank lines."""
+    paragraphs = [p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
+    if len(paragraphs) < n:
+        paragraphs = [line.strip() for line in text.splitlines() if line.strip()]
     docs, current = [], ""
     for p in paragraphs:
         current = f"{current}\n\n{p}" if current else p

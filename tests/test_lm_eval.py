@@ -43,6 +43,14 @@ def test_wikitext_paragraphs_split(tmp_path):
     assert len(path.read_text().splitlines()) == 3
 
 
+def test_text_without_blank_lines_splits_at_line_ends(tmp_path):
+    """A WikiText file with its blank lines dropped (one paragraph per line) splits too (it was
+    refused as one paragraph)."""
+    text = "".join(f" = Section {i} = \n Paragraph {i} " + "word " * 60 + "\n" for i in range(8))
+    path = _example().write_docs(text, 3, 300, tmp_path / "docs.jsonl")
+    assert len(path.read_text().splitlines()) == 3
+
+
 def test_another_model_without_codebooks_is_one_line(tmp_path, capsys):
     """A model other than the shipped one with no --codebooks: one usage line naming the fix (the
     tiny model's codebooks were used and the run died deep inside)."""

@@ -14,16 +14,14 @@ Public API (everything else is internal):
   transformers (``distributed_config=`` or ``tp_plan=``).
 - :mod:`vecinfer_compile.testing` — fuzz helpers and ``check_model`` for your own models.
 
-The backend, the cache and the testing helpers import Inductor and Triton, so they load on
-first use.
+Every name loads on first use (the backend, the cache and the testing helpers import Inductor
+and Triton), so ``import vecinfer_compile`` and the command line's argument checks do not load torch.
 """
 
-__version__ = "0.1.0"
+import sys
+import types
 
-from .codebooks import VecInferCodebooks, load_codebooks  # noqa: E402
-from .presets import PRESETS, get_preset  # noqa: E402
-from .calibrate import calibrate  # noqa: E402
-from .simulate import disable_simulation, enable_simulation, simulation  # noqa: E402
+__version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
@@ -44,6 +42,14 @@ __all__ = [
 ]
 
 _LAZY = {
+    "VecInferCodebooks": ("codebooks", "VecInferCodebooks"),
+    "load_codebooks": ("codebooks", "load_codebooks"),
+    "PRESETS": ("presets", "PRESETS"),
+    "get_preset": ("presets", "get_preset"),
+    "calibrate": ("calibrate", "calibrate"),
+    "enable_simulation": ("simulate", "enable_simulation"),
+    "disable_simulation": ("simulate", "disable_simulation"),
+    "simulation": ("simulate", "simulation"),
     "vecinfer_backend": ("backend", "vecinfer_backend"),
     "VecInferCache": ("cache", "VecInferCache"),
     "cache_kwargs": ("hf.compat", "cache_kwargs"),
@@ -66,3 +72,16 @@ def __getattr__(name):
     module_name, attr = _LAZY[name]
     module = importlib.import_module(f".{module_name}", __name__)
     return module if attr is None else getattr(module, attr)
+
+
+class _Package(types.ModuleType):
+    """The package module: importing the submodule ``calibrate`` does not replace the public
+    function of the same name (Python sets a submodule as an attribute of its package)."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _LAZY.get(name, (None, None))[1] == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

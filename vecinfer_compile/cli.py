@@ -6,6 +6,9 @@ To add a subcommand, write the module and append its name to :data:`COMMANDS`.
 
 Errors a user can fix (missing files, unknown methods, bad bits, codebooks for another model)
 print one line to stderr and exit with code 2; set ``VECINFER_DEBUG=1`` for the traceback.
+Arguments are checked before torch is imported (:mod:`vecinfer_compile.commands.arguments`), and
+an output path is checked before any work, so a bad one costs a fraction of a second and writes
+nothing.
 """
 
 from __future__ import annotations
@@ -58,15 +61,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def log_friendly_progress() -> None:
+    """Progress bars for a log file rather than a terminal: every bar on one line (nested bars
+    move the cursor with escape codes otherwise) and redrawn at most every 10 s. Set through
+    tqdm's ``TQDM_*`` defaults, before tqdm is imported; a value the user set wins."""
+    os.environ.setdefault("TQDM_POSITION", "0")
+    os.environ.setdefault("TQDM_MININTERVAL", "10")
+
+
+def check_device(args) -> None:
+    """A GPU asked for on a machine without it: refused before anything else is imported."""
+    if getattr(args, "device", "auto") not in ("auto", "cpu"):
+        from .models import resolve_device
+
+        resolve_device(args.device)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 2 user error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = os.environ.get("VECINFER_DEBUG", "") not in ("", "0")
+    if not sys.stderr.isatty():
+        log_friendly_progress()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        check_device(args)
         return int(args.func(args) or 0)
-    except (UsageError, FileNotFoundError, NotADirectoryError, ValueError, ImportError) as exc:
+    except (UsageError, OSError, ValueError, ImportError) as exc:
         if debug:
             raise
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .presets import get_preset
+
 METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nearest", "qaware-scoreaware",
            "qaware-norefine", "qaware-nocenter", "qaware-nohadamard", "qaware-sqrt", "vecinfer-center", "prerope",
            "prerope-keys")
@@ -102,3 +104,17 @@ def check_method(method: str, bits: float | None = None) -> None:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     if method == "kivi" and bits is not None and float(bits) not in KIVI_BITS:
         raise ValueError(f"KIVI runs at 2 or 4 bits, not {bits}")
+
+
+def normalize_bits(method: str, bits: float | None) -> float:
+    """Default and validate ``bits`` for ``method`` (fp16: 16; others: 2). Clear errors."""
+    check_method(method)
+    if method == "fp16":
+        return 16.0
+    bits = 2.0 if bits is None else float(bits)
+    if bits <= 0:
+        raise ValueError(f"bits must be positive, got {bits:g}")
+    check_method(method, bits)
+    if method in VQ_METHODS:
+        get_preset(bits)
+    return bits

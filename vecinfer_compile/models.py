@@ -76,6 +76,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
         raise ValueError(f"device {device!r} asked for, but this torch ({torch.__version__}) is {build}: "
                          "use device 'cpu' (--device cpu), or install a CUDA build of torch on a GPU machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s): "
+                         f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 

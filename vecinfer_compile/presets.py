@@ -56,3 +56,21 @@ def get_preset(bits: float) -> Preset:
     except KeyError:
         known = ", ".join(f"{b:g}" for b in PRESETS)
         raise ValueError(f"no VecInfer preset for {bits} bits; choose one of: {known}") from None
+
+
+def _byte_coded(bits: float) -> bool:
+    """Whether ``bits`` is a preset whose key and value codes fit in 8 bits."""
+    return bits in PRESETS and max(PRESETS[bits].key.entries, PRESETS[bits].value.entries) <= 256
+
+
+def allocation_choices(bits: float) -> tuple[float, float, float]:
+    """The presets a retrieval allocation mixes: ``bits / 2``, ``bits`` and ``2 * bits``, each
+    with 8-bit codes so that physical size follows nominal bits."""
+    choices = (bits / 2, bits, 2 * bits)
+    if not all(map(_byte_coded, choices)):
+        usable = [b for b in PRESETS if all(map(_byte_coded, (b / 2, b, 2 * b)))]
+        raise ValueError(
+            f"a per-layer allocation at {bits:g} bits needs 8-bit-code presets at {bits / 2:g}, "
+            f"{bits:g} and {2 * bits:g} bits; available for bits={', '.join(f'{b:g}' for b in usable)}"
+        )
+    return choices

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 
 import torch
 from transformers.cache_utils import Cache, StaticCache
@@ -36,7 +35,6 @@ from .quantizer import LayerQuantizer
 from .storage import count_bytes, indexed_device
 
 
-@functools.cache
 def _check_generate_masks(config) -> None:
     """Raise a NotImplementedError when transformers' ``generate()`` would mask a sliding layer of
     ``config`` as full attention: with any static cache it builds the masks from

@@ -10,10 +10,12 @@ The scripts are looked up in ``--benchmarks-dir``, else ``$VECINFER_BENCHMARKS_D
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 HELP = ("run a benchmark of the source checkout: decode, prefill, memory, generate, simulate, encode, append, ceiling "
         "(GPU; --smoke on CPU)")
@@ -80,6 +82,18 @@ def load_script(name: str, folder: Path):
     return module
 
 
+@contextlib.contextmanager
+def one_line_argument_errors(name: str):
+    """A benchmark script's argparse errors as one line (no usage dump), like the other commands'."""
+    from ..cli import UsageError
+
+    def error(parser, message):
+        raise UsageError(f"bench {name}: {message} (see vecinfer bench {name} --help)")
+
+    with mock.patch.object(argparse.ArgumentParser, "error", error):
+        yield
+
+
 def run(args) -> int:
     from ..cli import UsageError
 
@@ -91,7 +105,8 @@ def run(args) -> int:
     sys.argv = [f"vecinfer bench {args.benchmark}", *script_args]  # the script's usage/--help name
     try:
         module = load_script(args.benchmark, folder)
-        module.main(script_args)
+        with one_line_argument_errors(args.benchmark):
+            module.main(script_args)
     except SystemExit as exc:  # argparse (--help, bad option) or "needs a CUDA GPU"
         if exc.code in (None, 0):
             return 0

@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-from . import add_calib_args, add_model_args, add_progress_arg, bits_arg, layer_bits_arg
+from ..methods import VQ_METHODS, normalize_bits
+from ..presets import allocation_choices
+from . import add_calib_args, add_model_args, add_progress_arg
+from .arguments import bits_arg, check_positions, layer_bits_arg, new_file, real, text_file
 
 HELP = "fit VecInfer (or ablation) codebooks on a text and save them"
+REFINED = [m for m, spec in VQ_METHODS.items() if spec.refine]
+# Said in --help and when such a run starts: these methods refine their centroids against the
+# attention-output error after k-means, one layer at a time.
+QAWARE_COST = (f"{', '.join(REFINED)} refine their centroids layer by layer after k-means: about 5x the "
+               "default method's time and more memory (a small model on 2 CPU cores: 42 min and 6.4 GB "
+               "against 8 min), the progress bar moving once per layer; eval-ppl over their codebooks runs "
+               "up to ~8x slower")
 
 
 def register(subparsers) -> None:
-    from ..methods import VQ_METHODS
-
-    p = subparsers.add_parser("calibrate", help=HELP, description=HELP + ".")
+    p = subparsers.add_parser("calibrate", help=HELP, description=HELP + ". Cost: " + QAWARE_COST + ".")
     add_model_args(p)
-    p.add_argument("--text", required=True, metavar="FILE", help="calibration text (UTF-8)")
+    p.add_argument("--text", required=True, metavar="FILE", type=text_file("calibration text"),
+                   help="calibration text (UTF-8)")
     p.add_argument("--bits", type=bits_arg, help="preset: 4, 3, 2, 1.5, 1.25 or 1 (with --allocate "
                    "retrieval: the average over layers)")
     p.add_argument("--allocate", choices=["uniform", "retrieval"], default="uniform",
@@ -31,12 +41,13 @@ def register(subparsers) -> None:
                         "error, and its codes chosen for the error the model reads; ablations qaware-nearest, qaware-scoreaware, "
                         "qaware-norefine, qaware-nocenter, qaware-nohadamard, qaware-sqrt) "
                         "VecInfer with centred keys (vecinfer-center), or keys quantized before RoPE with "
-                        "values predicted from them (prerope; ablation prerope-keys; simulate mode only)")
-    p.add_argument("--ridge", type=float, default=None, metavar="R",
+                        "values predicted from them (prerope; ablation prerope-keys; simulate mode only); "
+                        "the refined qaware methods cost about 5x the default's time (see above)")
+    p.add_argument("--ridge", type=real(0), default=None, metavar="R",
                    help="qaware methods: the normalised query/key moments get R times their own diagonal "
                         "added (default 0.1, chosen on held-out calibration text; examples/choose_qaware_ridge.py "
                         "picks one on yours)")
-    p.add_argument("--key-parallel-weight", type=float, default=None, metavar="W",
+    p.add_argument("--key-parallel-weight", type=real(1), default=None, metavar="W",
                    help="how keys are encoded, stored in the file: 1 the nearest centroid; above 1, score-aware "
                         "codes that weigh a key's error along its own direction W times (default: 8 for qaware, "
                         "chosen on held-out calibration text, docs/results.md; 1 for the other methods)")
@@ -46,7 +57,8 @@ def register(subparsers) -> None:
                         "(docs/results.md; default: on for qaware, off for the other methods; with 4096-entry books "
                         "(3, 1.5, 1.25 bits) it makes a decode step's append about 12x the nearest codes' at 1.5 bits)")
     add_calib_args(p)
-    p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
+    p.add_argument("--out", required=True, metavar="FILE", type=new_file,
+                   help="output .safetensors file (a new path: an existing file is not overwritten)")
     add_progress_arg(p)
     p.set_defaults(func=run)
 
@@ -90,11 +102,8 @@ def _uncoded_note(cb) -> str:
             "layer as coded)")
 
 
-def run(args) -> int:
-    from ..evaluation.ablation import normalize_bits
-    from ..methods import VQ_METHODS
-    from ..models import check_file, check_model_dir, load_model, load_text
-
+def check_args(args) -> float | None:
+    """The checks that need no model; returns the preset bits (None with --layer-bits)."""
     if (args.bits is None) == (args.layer_bits is None):
         raise ValueError("give --bits B (one preset for all layers, or the average with --allocate "
                          "retrieval) or --layer-bits B0,B1,... (one preset per layer)")
@@ -102,21 +111,38 @@ def run(args) -> int:
         raise ValueError("--layer-bits sets every layer's preset: drop --allocate")
     bits = None if args.bits is None else normalize_bits(args.method, args.bits)
     if args.allocate == "retrieval":
-        from ..allocate import allocation_choices
-
-        allocation_choices(bits)  # a clear error now rather than after calibration
+        allocation_choices(bits)
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
         raise ValueError(f"--ridge is for the query-aware methods "
                          f"({', '.join(m for m, spec in VQ_METHODS.items() if spec.query_aware)}), not {args.method!r}")
-    check_model_dir(args.model)
-    check_file(args.text)
+    return bits
+
+
+def check_text_length(tokens: int, args) -> None:
+    """ValueError unless the text fills one calibration sequence (or --max-tokens, if fewer): a
+    few tokens would fit codebooks to almost nothing, silently."""
+    needed = min(args.seq_len, args.max_tokens)
+    if tokens < needed:
+        raise ValueError(f"{args.text} holds {tokens} tokens, fewer than one calibration sequence ({needed}: the "
+                         f"smaller of --seq-len and --max-tokens): give a longer text, or lower --seq-len")
+
+
+def run(args) -> int:
+    bits = check_args(args)
+    from ..models import load_model, load_text, tokenize
+
+    if VQ_METHODS[args.method].refine:
+        print(f"vecinfer: calibrate --method {args.method}: {QAWARE_COST}", file=sys.stderr)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.dtype, args.device)
+    check_positions(model, args.seq_len, "--seq-len")
+    text = load_text(args.text)
+    check_text_length(len(tokenize(tokenizer, text)), args)
     from ..calibrate import calibrate
 
-    cb = calibrate(model, tokenizer, load_text(args.text), bits=bits, method=args.method,
+    cb = calibrate(model, tokenizer, text, bits=bits, method=args.method,
                    layer_bits=args.layer_bits,
                    allocate=None if args.allocate == "uniform" else args.allocate,
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,

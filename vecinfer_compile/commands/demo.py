@@ -6,27 +6,30 @@ from __future__ import annotations
 import time
 
 from . import add_progress_arg, add_window_args, print_json
+from .arguments import check_positions, count, device_arg, model_dir, output_dir, text_file
 
 HELP = "full precision vs VecInfer vs KIVI perplexity on the embedded tiny model (offline, ~1 min)"
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help=HELP, description=HELP + ".")
-    p.add_argument("--model", metavar="DIR", default=None, help="model directory (default: embedded tiny model)")
-    p.add_argument("--text", metavar="FILE", default=None,
+    p.add_argument("--model", metavar="DIR", default=None, type=model_dir,
+                   help="model directory (default: embedded tiny model)")
+    p.add_argument("--text", metavar="FILE", default=None, type=text_file("text file"),
                    help="text (default: embedded public-domain sample); its second half calibrates, "
                         "its first half is scored")
     add_window_args(p, 8, 256)
     p.add_argument("--recalibrate", action="store_true",
                    help="calibrate now instead of using the codebooks shipped for the embedded model "
                         "(k-means on the CPU: several minutes)")
-    p.add_argument("--calib-tokens", type=int, default=8192, metavar="N",
+    p.add_argument("--calib-tokens", type=count(1), default=8192, metavar="N",
                    help="calibration tokens when calibrating (default 8192)")
-    p.add_argument("--iters", type=int, default=10, help="k-means iterations when calibrating (default 10)")
-    p.add_argument("--save-codebooks", metavar="DIR", default=None,
+    p.add_argument("--iters", type=count(1), default=10, metavar="N",
+                   help="k-means iterations when calibrating (default 10)")
+    p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
                    help="save the codebooks calibrated here (implies --recalibrate)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", type=device_arg)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_progress_arg(p)
     p.set_defaults(func=run)
@@ -37,10 +40,11 @@ def run(args) -> int:
     from ..models import (check_file, check_model_dir, default_codebooks_dir, default_model_dir,
                           default_text_path, load_model, load_text, split_text, tokenize)
 
-    model_dir = check_model_dir(args.model or default_model_dir())
+    model_path = check_model_dir(args.model or default_model_dir())
     text_path = check_file(args.text or default_text_path())
     t0 = time.perf_counter()
-    model, tokenizer = load_model(model_dir, args.dtype, args.device)
+    model, tokenizer = load_model(model_path, args.dtype, args.device)
+    check_positions(model, args.window_len, "--window-len")
     eval_text, calib_text = split_text(load_text(text_path))
     ids = tokenize(tokenizer, eval_text)
     # The shipped codebooks were made by `vecinfer demo --save-codebooks DIR` with the default
@@ -56,7 +60,7 @@ def run(args) -> int:
     seconds = time.perf_counter() - t0
     embedded_text = args.text is None
     note = (
-        f"Model: {'embedded tiny model' if args.model is None else model_dir}. "
+        f"Model: {'embedded tiny model' if args.model is None else model_path}. "
         f"Text: {'embedded public-domain sample (Project Gutenberg; part of the model training corpus, NOT held out)' if embedded_text else text_path}.\n"
         f"Codebooks were calibrated on the second half of the text ({args.calib_tokens} tokens at most"
         f"{'; shipped with the package, made by `vecinfer demo --save-codebooks DIR`' if shipped else ''}); "
@@ -67,7 +71,7 @@ def run(args) -> int:
     )
     if args.json:
         print_json({
-            "model": str(model_dir), "text": str(text_path), "embedded_text_in_training": embedded_text,
+            "model": str(model_path), "text": str(text_path), "embedded_text_in_training": embedded_text,
             "windows": args.windows, "window_len": args.window_len, "calib_tokens": args.calib_tokens,
             "calibration": "second half of the text; evaluation: first half",
             "shipped_codebooks": shipped,

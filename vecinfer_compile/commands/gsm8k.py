@@ -6,7 +6,10 @@ import json
 import time
 from pathlib import Path
 
-from . import add_calib_args, add_model_args, add_progress_arg, bits_arg, print_json
+from ..methods import METHODS, normalize_bits
+from . import add_calib_args, add_model_args, add_progress_arg, print_json
+from .arguments import (bits_arg, check_positions, check_vq_sources, codebook_file, count, method_with_codebooks,
+                        new_file, output_dir, text_file)
 
 HELP = "few-shot GSM8K exact match (greedy generate through each method's KV cache)"
 
@@ -18,53 +21,65 @@ def register(subparsers) -> None:
         "the final number (after '####', else the last number) is compared with the reference.",
     )
     add_model_args(p)
-    p.add_argument("--data", required=True, metavar="FILE", help="GSM8K JSONL (question, answer)")
-    p.add_argument("--methods", default="fp16,vecinfer,kivi",
-                   help="comma-separated: fp16, vecinfer, kivi, vq, smooth, hadamard, qaware (default fp16,vecinfer,kivi)")
+    p.add_argument("--data", required=True, metavar="FILE", type=text_file("GSM8K file"),
+                   help="GSM8K JSONL (question, answer)")
+    p.add_argument("--methods", default=None, metavar="M,...",
+                   help=f"comma-separated, of: {', '.join(METHODS)} (default fp16,vecinfer,kivi; with --codebooks "
+                        "the file's method in place of vecinfer)")
     p.add_argument("--bits", type=bits_arg, default=2.0, help="bits of the quantized methods (default 2)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--codebooks", metavar="FILE", help="codebooks from `vecinfer calibrate` (one VQ method)")
-    src.add_argument("--calib-text", metavar="FILE", help="calibrate the VQ methods now on this text")
-    p.add_argument("--save-codebooks", metavar="DIR", default=None,
+    src.add_argument("--codebooks", metavar="FILE", type=codebook_file,
+                     help="codebooks from `vecinfer calibrate` (one VQ method)")
+    src.add_argument("--calib-text", metavar="FILE", type=text_file("calibration text"),
+                     help="calibrate the VQ methods now on this text")
+    p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
                    help="save (and reuse when present) calibrated codebooks in DIR")
-    p.add_argument("--limit", type=int, default=20, metavar="N", help="problems scored (default 20)")
-    p.add_argument("--shots", type=int, default=4, metavar="K", help="few-shot examples (default 4)")
+    p.add_argument("--limit", type=count(1), default=20, metavar="N", help="problems scored (default 20)")
+    p.add_argument("--shots", type=count(0), default=4, metavar="K", help="few-shot examples (default 4)")
     p.add_argument("--backend", choices=["eager", "compile"], default="eager",
                    help="the cache's decode step: eager (default), or compiled with vecinfer_backend "
                         "(the fused kernel over codes)")
-    p.add_argument("--residual", type=int, default=128, metavar="R",
+    p.add_argument("--residual", type=count(0), default=128, metavar="R",
                    help="most recent R tokens stay full precision (default 128)")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
-    p.add_argument("--batch-size", type=int, default=1, metavar="B", help="problems per generate() (default 1)")
+    p.add_argument("--max-new-tokens", type=count(1), default=256, metavar="N", help="default 256")
+    p.add_argument("--batch-size", type=count(1), default=1, metavar="B", help="problems per generate() (default 1)")
     add_calib_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON result here")
+    p.add_argument("--out", metavar="FILE", default=None, type=new_file,
+                   help="also write the JSON result here (a new file)")
     add_progress_arg(p)
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from ..evaluation.ablation import normalize_bits
-    from ..evaluation.generation import check_vq_sources, prepare_method
-    from ..evaluation.gsm8k import build_prompts, load_gsm8k, run_gsm8k
-    from ..methods import METHODS
-    from ..models import check_model_dir, load_model
-
+def methods_of(args) -> list[str]:
+    """--methods, checked; by default fp16, the codebooks' method (else vecinfer) and kivi."""
+    if args.methods is None:
+        return ["fp16", method_with_codebooks(None, args.codebooks, "vecinfer"), "kivi"]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise ValueError("--methods is empty")
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; choose from: {', '.join(METHODS)}")
+        if args.codebooks is not None and m not in ("fp16", "kivi"):
+            method_with_codebooks(m, args.codebooks)
+    return methods
+
+
+def run(args) -> int:
+    methods = methods_of(args)
+    for m in methods:
         normalize_bits(m, args.bits)
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {args.limit}")
     check_vq_sources(methods, args.codebooks, args.calib_text, args.save_codebooks)
-    check_model_dir(args.model)
+    from ..evaluation.generation import prepare_method
+    from ..evaluation.gsm8k import build_prompts, load_gsm8k, run_gsm8k
+    from ..models import load_model
+
     rows = load_gsm8k(args.data)
     prompts, refs, _ = build_prompts(rows, args.shots, args.limit)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.dtype, args.device)
+    check_positions(model, args.max_new_tokens, "--max-new-tokens")
     results = []
     for m in methods:
         gm = prepare_method(
@@ -94,7 +109,7 @@ def run(args) -> int:
             print(f"  {r.note}")
         print("\n| method | bits | correct | accuracy |\n|---|---:|---:|---:|")
         for r in results:
-            bits = "16" if r.method == "fp16" else f"{r.bits:g}"
-            print(f"| {r.method} | {bits} | {r.correct}/{r.total} | {r.accuracy:.3f} |")
+            method, bits = (f"full precision ({args.dtype})", "-") if r.method == "fp16" else (r.method, f"{r.bits:g}")
+            print(f"| {method} | {bits} | {r.correct}/{r.total} | {r.accuracy:.3f} |")
         print(f"\n({out['seconds']:.0f} s)")
     return 0

@@ -7,7 +7,9 @@ import json
 import time
 from pathlib import Path
 
-from . import add_model_args, add_progress_arg, bits_arg, print_json
+from ..methods import VQ_METHODS, normalize_bits
+from . import add_model_args, add_progress_arg, print_json
+from .arguments import bits_arg, check_positions, count, input_file, output_dir, text_file
 
 HELP = "key absmax before/after smoothing and Hadamard, codebook usage per method, ppl vs bits (PNGs)"
 DEFAULT_METHODS = "vq,smooth,hadamard,vecinfer"
@@ -20,26 +22,30 @@ def register(subparsers) -> None:
         "summary.json into --out.",
     )
     add_model_args(p)
-    p.add_argument("--text", required=True, metavar="FILE", help="held-out text the keys are measured on")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder for the PNGs and summary.json")
+    p.add_argument("--text", required=True, metavar="FILE", type=text_file("text file"),
+                   help="held-out text the keys are measured on")
+    p.add_argument("--out", required=True, metavar="DIR", type=output_dir,
+                   help="output folder for the PNGs and summary.json")
     p.add_argument("--bits", type=bits_arg, default=2.0, help="VQ preset of the usage study (default 2)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"VQ methods compared (default {DEFAULT_METHODS})")
-    p.add_argument("--calib-text", metavar="FILE", default=None, help="calibrate missing codebooks on this text")
-    p.add_argument("--codebooks-dir", metavar="DIR", default=None,
+    p.add_argument("--calib-text", metavar="FILE", default=None, type=text_file("calibration text"),
+                   help="calibrate missing codebooks on this text")
+    p.add_argument("--codebooks-dir", metavar="DIR", default=None, type=output_dir,
                    help="read <method>-<bits>bit.safetensors from DIR; codebooks calibrated now are saved "
                         "there (default: OUT/codebooks)")
-    p.add_argument("--tokens", type=int, default=2048, metavar="N", help="held-out tokens measured (default 2048)")
-    p.add_argument("--seq-len", type=int, default=1024, metavar="L", help="forward window (default 1024)")
-    p.add_argument("--max-tokens", type=int, default=8192, metavar="N", help="calibration tokens (default 8192)")
-    p.add_argument("--iters", type=int, default=10, help="k-means iterations when calibrating (default 10)")
-    p.add_argument("--fit-vectors", type=int, default=65536, metavar="N",
+    p.add_argument("--tokens", type=count(16), default=2048, metavar="N",
+                   help="held-out tokens measured (default 2048)")
+    p.add_argument("--seq-len", type=count(2), default=1024, metavar="L", help="forward window (default 1024)")
+    p.add_argument("--max-tokens", type=count(1), default=8192, metavar="N", help="calibration tokens (default 8192)")
+    p.add_argument("--iters", type=count(1), default=10, help="k-means iterations when calibrating (default 10)")
+    p.add_argument("--fit-vectors", type=count(1), default=65536, metavar="N",
                    help="k-means sub-vectors per codebook when calibrating (default 65536)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ablation-json", metavar="FILE", default=None,
+    p.add_argument("--seed", type=count(0), default=0, metavar="S")
+    p.add_argument("--ablation-json", metavar="FILE", default=None, type=input_file("ablation JSON"),
                    help="plot perplexity vs bits from this `vecinfer ablation --out` JSON instead of computing it")
     p.add_argument("--no-ppl", action="store_true", help="skip the perplexity-vs-bits figure")
-    p.add_argument("--ppl-windows", type=int, default=4, metavar="N", help="windows per ppl row (default 4)")
-    p.add_argument("--ppl-window-len", type=int, default=512, metavar="L", help="tokens per window (default 512)")
+    p.add_argument("--ppl-windows", type=count(1), default=4, metavar="N", help="windows per ppl row (default 4)")
+    p.add_argument("--ppl-window-len", type=count(2), default=512, metavar="L", help="tokens per window (default 512)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     add_progress_arg(p)
     p.set_defaults(func=run)
@@ -69,41 +75,45 @@ def _codebooks_for(model, tokenizer, method, bits, cb_dir: Path, calib_text, arg
     return cb, f"calibrated now, saved to {path}"
 
 
-def run(args) -> int:
-    from ..evaluation.ablation import normalize_bits
-    from ..evaluation.inspect import (codebook_usage, format_summary, key_absmax_stats, plot_codebook_usage,
-                                      plot_key_absmax, record_qkv, summary_dict)
-    from ..evaluation.plots import _pyplot, plot_ppl_vs_bits
-    from ..methods import VQ_METHODS
-    from ..models import check_file, check_model_dir, load_model, load_text, tokenize
-    from ..quant.transform import smoothing_factors
-
+def check_args(args) -> tuple[list[str], list[dict] | None]:
+    """The checks that need no model; returns the methods and the rows of --ablation-json."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in VQ_METHODS:
             raise ValueError(f"--methods takes VQ methods ({', '.join(VQ_METHODS)}), not {m!r}")
         normalize_bits(m, args.bits)
-    if args.tokens < 16:
-        raise ValueError(f"--tokens must be at least 16, got {args.tokens}")
-    check_model_dir(args.model)
-    check_file(args.text)
-    calib_text = None
-    if args.calib_text is not None:
-        calib_text = load_text(check_file(args.calib_text, "calibration text"))
-    if args.ablation_json is not None:
-        check_file(args.ablation_json, "ablation JSON")
-        rows = json.loads(Path(args.ablation_json).read_text()).get("rows")
-        if not rows:
-            raise ValueError(f"{args.ablation_json} has no 'rows': write it with `vecinfer ablation --out FILE`")
+    if args.ablation_json is None:
+        return methods, None
+    try:
+        rows = json.loads(Path(args.ablation_json).read_text(encoding="utf-8")).get("rows")
+    except (ValueError, AttributeError):
+        rows = None
+    if not rows:
+        raise ValueError(f"{args.ablation_json} has no 'rows': write it with `vecinfer ablation --out FILE`")
+    return methods, rows
+
+
+def run(args) -> int:
+    methods, rows = check_args(args)
+    from ..evaluation.inspect import (codebook_usage, format_summary, key_absmax_stats, plot_codebook_usage,
+                                      plot_key_absmax, record_qkv, summary_dict)
+    from ..evaluation.plots import _pyplot, plot_ppl_vs_bits
+    from ..models import load_model, load_text, tokenize
+    from ..quant.transform import smoothing_factors
+
+    calib_text = None if args.calib_text is None else load_text(args.calib_text)
     _pyplot()
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cb_dir = Path(args.codebooks_dir) if args.codebooks_dir else out_dir / "codebooks"
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, args.dtype, args.device)
+    check_positions(model, args.seq_len, "--seq-len")
+    if not (args.no_ppl or args.ablation_json):
+        check_positions(model, args.ppl_window_len, "--ppl-window-len")
     ids = tokenize(tokenizer, load_text(args.text))
     if ids.numel() < args.tokens:
         raise ValueError(f"{args.text} has {ids.numel()} tokens, fewer than --tokens {args.tokens}")
+    out_dir.mkdir(parents=True, exist_ok=True)
     qkv = record_qkv(model, ids[: args.tokens], seq_len=args.seq_len)
     keys = {l: k for l, (_, k, _) in qkv.items()}
 

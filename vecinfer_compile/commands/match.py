@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from . import add_model_args, add_progress_arg, positive, print_json
+from . import add_model_args, add_progress_arg, print_json
+from .arguments import check_positions, check_quantizes, codebook_file, count, text_file
 
 HELP = "greedy generation through the real cache vs the eager simulate path, token for token"
 
@@ -14,14 +15,16 @@ def register(subparsers) -> None:
         "codebooks, prefill in full precision and keep the last --residual tokens in full precision.",
     )
     add_model_args(p)
-    p.add_argument("--codebooks", required=True, metavar="FILE", help="codebooks from `vecinfer calibrate`")
-    p.add_argument("--text", required=True, metavar="FILE", help="text the prompts are cut from")
-    p.add_argument("--prompts", type=int, default=5, metavar="N", help="number of prompts (default 5)")
-    p.add_argument("--prompt-len", type=int, default=512, metavar="T", help="tokens per prompt (default 512)")
-    p.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens generated (default 64)")
-    p.add_argument("--residual", type=int, default=128, metavar="R",
+    p.add_argument("--codebooks", required=True, metavar="FILE", type=codebook_file,
+                   help="codebooks from `vecinfer calibrate`")
+    p.add_argument("--text", required=True, metavar="FILE", type=text_file("text file"),
+                   help="text the prompts are cut from")
+    p.add_argument("--prompts", type=count(1), default=5, metavar="N", help="number of prompts (default 5)")
+    p.add_argument("--prompt-len", type=count(1), default=512, metavar="T", help="tokens per prompt (default 512)")
+    p.add_argument("--new-tokens", type=count(1), default=64, metavar="N", help="tokens generated (default 64)")
+    p.add_argument("--residual", type=count(0), default=128, metavar="R",
                    help="full-precision window of the cache (default 128)")
-    p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+    p.add_argument("--prefill-chunk", type=count(0), default=0, metavar="N",
                    help="the cache prefills the prompt in chunks of N tokens (generate()'s prefill_chunk_size); "
                         "the simulate path then reads the prompt with the per-query window (default 0: "
                         "one-shot prefill, both paths in full precision)")
@@ -32,20 +35,34 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def farthest_quantized_read(args) -> int:
+    """How far back (in tokens) the farthest key read over codes can lie with no window, or -1
+    when no query reads codes: the prompt attends in full precision unless it is prefilled in
+    chunks, and the decode queries are the new tokens but the last."""
+    reach = args.prompt_len + args.new_tokens - 2 if args.new_tokens > 1 else -1
+    if 0 < args.prefill_chunk < args.prompt_len:
+        reach = max(reach, args.prompt_len - 1)
+    return reach
+
+
+def check_window(args) -> None:
+    """The full-precision window must leave some key to read over codes: else the two paths agree
+    whatever the codebooks."""
+    reach = farthest_quantized_read(args)
+    check_quantizes(args.residual, reach, f"a {args.prompt_len}-token prompt and {args.new_tokens} new tokens",
+                    None if reach >= 0 else
+                    "generate --new-tokens 2 or more (or prefill in chunks, --prefill-chunk, shorter than the prompt)")
+
+
 def run(args) -> int:
+    check_window(args)
     from ..codebooks import load_codebooks
     from ..evaluation.token_match import prompts_from_ids, token_match
-    from ..models import check_file, check_model_dir, load_model, load_text, tokenize
+    from ..models import load_model, load_text, tokenize
 
-    positive("--prompts", args.prompts)
-    positive("--prompt-len", args.prompt_len)
-    positive("--new-tokens", args.new_tokens)
-    if args.prefill_chunk < 0:
-        raise ValueError(f"--prefill-chunk must be >= 0, got {args.prefill_chunk}")
-    check_model_dir(args.model)
-    check_file(args.text)
     codebooks = load_codebooks(args.codebooks)
     model, tokenizer = load_model(args.model, args.dtype, args.device)
+    check_positions(model, args.prompt_len + args.new_tokens, "--prompt-len plus --new-tokens")
     codebooks.check_model(model.config)
     codebooks.check_weights(model)
     prompts = prompts_from_ids(tokenize(tokenizer, load_text(args.text)), args.prompts, args.prompt_len)

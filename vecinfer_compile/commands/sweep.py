@@ -9,6 +9,7 @@ import time
 from datetime import date
 
 from . import add_progress_arg
+from .arguments import new_file, real
 
 HELP = "tiny random model of every transformers causal-LM architecture through compile, simulate and cache"
 
@@ -24,11 +25,12 @@ def register(subparsers) -> None:
     p.add_argument("--only", metavar="NAME,...", default=None,
                    help="these architectures only (model types of transformers' causal-LM mapping, "
                         "e.g. llama,qwen2,mistral); default: all of them")
-    p.add_argument("--timeout", type=float, default=None, metavar="S",
+    p.add_argument("--timeout", type=real(0, above=True), default=None, metavar="S",
                    help="seconds one path of one architecture may take before it counts as crashed "
                         "(default 300)")
-    p.add_argument("--out", metavar="PATH.md", default=None,
-                   help="also write the markdown document (command, versions, date, counts, table) here")
+    p.add_argument("--out", metavar="PATH.md", default=None, type=new_file,
+                   help="also write the markdown document (command, versions, date, counts, table) here "
+                        "(a new file)")
     add_progress_arg(p)
     p.set_defaults(func=run)
 
@@ -65,8 +67,6 @@ def run(args) -> int:
 
     names = _names(args.only)
     timeout = TIMEOUT if args.timeout is None else args.timeout
-    if not timeout > 0:
-        raise ValueError(f"--timeout must be positive, got {args.timeout:g}")
     t0 = time.perf_counter()
     results = sweep(names, timeout=timeout, progress=args.progress)
     seconds = time.perf_counter() - t0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..methods import VQ_METHODS, check_method
+from ..methods import VQ_METHODS, normalize_bits
 from .kv_bytes import kv_bytes
 from .perplexity import perplexity
 
@@ -75,22 +75,6 @@ ABLATION_ROWS: list[tuple[str, float]] = [
     ("qaware-sqrt", 2),
     ("vecinfer-center", 2),
 ]
-
-
-def normalize_bits(method: str, bits: float | None) -> float:
-    """Default and validate ``bits`` for ``method`` (fp16: 16; others: 2). Clear errors."""
-    check_method(method)
-    if method == "fp16":
-        return 16.0
-    bits = 2.0 if bits is None else float(bits)
-    if bits <= 0:
-        raise ValueError(f"bits must be positive, got {bits:g}")
-    check_method(method, bits)
-    if method in VQ_METHODS:
-        from ..presets import get_preset
-
-        get_preset(bits)
-    return bits
 
 
 def codebook_filename(method: str, bits: float, prefix: str = "") -> str:

@@ -147,24 +147,6 @@ def prepare_method(
     return GenerationMethod(method, bits, cb, residual, backend)
 
 
-def check_vq_sources(methods, codebooks: str | None, calib_text: str | None, cache_dir: str | None = None) -> None:
-    """Fail before loading the model when a VQ method has no codebook source."""
-    from ..models import check_file
-
-    needs = [m for m in methods if m in VQ_METHODS]
-    if codebooks is not None:
-        check_file(codebooks, "codebook file")
-        if len(needs) > 1:
-            raise ValueError(f"--codebooks is one file for one method; {needs} need --calib-text instead")
-    if calib_text is not None:
-        check_file(calib_text, "calibration text")
-    if needs and codebooks is None and calib_text is None and cache_dir is None:
-        raise ValueError(
-            f"method {needs[0]!r} needs codebooks: pass --codebooks FILE (from `vecinfer calibrate`) "
-            f"or --calib-text FILE to calibrate now"
-        )
-
-
 def _device_of(model) -> torch.device:
     return next(model.parameters()).device
 

@@ -27,6 +27,7 @@ def _forward_cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+@functools.cache
 def _generate_cache_keyword() -> str:
     try:
         from transformers.generation.utils import ALL_CACHE_NAMES

@@ -1,0 +1,278 @@
+"""Argument types and checks of the command line that need neither torch nor a model.
+
+Each type below is an ``argparse`` ``type=``: it returns the value (paths stay the text given) or
+raises :class:`argparse.ArgumentTypeError`, which argparse prefixes with the option's name. So a
+bad number, a missing input or an output that would overwrite a file is refused while the
+arguments are parsed, in a fraction of a second, before anything is loaded or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import struct
+from pathlib import Path
+
+from ..methods import METHODS, VQ_METHODS, normalize_bits
+
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def count(minimum: int):
+    """An integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def real(minimum: float, *, above: bool = False):
+    """A finite number of at least ``minimum`` (``above``: greater than it)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            bound = "greater than" if above else "at least"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound} {minimum:g}, got {text}")
+        return value
+
+    return parse
+
+
+def bits_arg(text: str) -> float:
+    """A bit-width: a positive number (whether a method has it is checked with the method)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bits must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"bits must be positive, got {text}")
+    return value
+
+
+def layer_bits_arg(text: str) -> list[float]:
+    """``"2,2,1,2,1,4"`` -> ``[2.0, 2.0, 1.0, 2.0, 1.0, 4.0]``."""
+    return [bits_arg(part) for part in text.split(",")]
+
+
+def number_list(kind, what: str, low: float, high: float = math.inf):
+    """Comma-separated numbers of ``kind`` (int or float), each in ``[low, high]``."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
+        bad = [v for v in values if not low <= v <= high]
+        if bad:
+            bound = f"at least {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{what} must be {bound}, got {bad[0]:g}")
+        return values
+
+    return parse
+
+
+def device_arg(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (whether that GPU exists is checked on loading)."""
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda, cuda:N or auto "
+                                         "(cuda when available)")
+    return text
+
+
+def _path(text: str) -> Path:
+    """``text`` as a path; an empty one is an error (``Path("")`` would be the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return Path(text)
+
+
+def _existing(text: str, what: str, *, folder: bool) -> Path:
+    """``text`` as a path to an existing folder (or file); ArgumentTypeError naming what it is instead."""
+    path = _path(text)
+    if not (path.is_dir() if folder else path.is_file()):
+        state = ("does not exist" if not path.exists() else "is not a directory" if folder else
+                 "is a directory, not a file" if path.is_dir() else "is not a regular file")
+        raise argparse.ArgumentTypeError(f"{what} {text} {state}")
+    return path
+
+
+def model_dir(text: str) -> str:
+    """A Hugging Face model directory: a folder holding config.json."""
+    if not (_existing(text, "model directory", folder=True) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"model directory {text} has no config.json: not a Hugging Face "
+                                         "model directory")
+    return text
+
+
+def input_file(what: str):
+    """An existing, readable, non-empty file."""
+
+    def parse(text: str) -> str:
+        path = _existing(text, what, folder=False)
+        if not os.access(path, os.R_OK):
+            raise argparse.ArgumentTypeError(f"{what} {text} is not readable")
+        if path.stat().st_size == 0:
+            raise argparse.ArgumentTypeError(f"{what} {text} is empty")
+        return text
+
+    return parse
+
+
+def text_file(what: str):
+    """An existing UTF-8 text file with more than white space in it."""
+    exists = input_file(what)
+
+    def parse(text: str) -> str:
+        data = Path(exists(text)).read_bytes()
+        try:
+            content = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{what} {text} is not UTF-8 (byte {exc.start}: 0x{data[exc.start]:02x}); convert it, e.g. "
+                f"`iconv -f latin1 -t utf-8 FILE > FILE.utf8.txt`") from None
+        if not content.strip():
+            raise argparse.ArgumentTypeError(f"{what} {text} holds only white space")
+        return text
+
+    return parse
+
+
+def input_dir(what: str):
+    """An existing directory."""
+
+    def parse(text: str) -> str:
+        _existing(text, what, folder=True)
+        return text
+
+    return parse
+
+
+def _check_writable_parent(path: Path, text: str) -> None:
+    """The nearest existing folder above ``path`` must be a writable directory (the rest is created)."""
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} is not writable")
+
+
+def new_file(text: str) -> str:
+    """An output file that does not exist yet (nothing is overwritten) in a folder that can be created."""
+    path = _path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file path, e.g. {path / 'out'}")
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text} exists: give a new path, or delete it first")
+    _check_writable_parent(path, text)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An output folder: an existing directory, or one that can be created."""
+    path = _path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory: give a folder")
+    if not path.exists():
+        _check_writable_parent(path, text)
+    elif not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"directory {text} is not writable")
+    return text
+
+
+def codebook_file(text: str) -> str:
+    """A file written by ``vecinfer calibrate`` (its header read without torch)."""
+    codebook_header(input_file("codebook file")(text))
+    return text
+
+
+def codebook_header(path: str) -> dict:
+    """The ``vecinfer`` metadata of a codebook file (method, bits, ...), read from its safetensors
+    header; ArgumentTypeError when the file is not one."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        raw = f.read(size) if 0 < size <= 100_000_000 else b""
+    try:
+        meta = json.loads(json.loads(raw)["__metadata__"]["vecinfer"])
+        meta["bits"] = float(meta["bits"])
+        if not isinstance(meta["method"], str):
+            raise TypeError("method is not a name")
+        return meta
+    except (ValueError, KeyError, TypeError):
+        raise argparse.ArgumentTypeError(
+            f"codebook file {path} is not a codebook file of `vecinfer calibrate` (no vecinfer safetensors "
+            "header)") from None
+
+
+def method_with_codebooks(method: str | None, codebooks: str | None, default: str | None = None) -> str:
+    """``--method``, else the method the codebook file records, else ``default``. ValueError when
+    neither says, or when both say and disagree."""
+    recorded = None if codebooks is None else codebook_header(codebooks).get("method")
+    if method is not None and recorded is not None and method != recorded:
+        raise ValueError(f"--method {method} disagrees with {codebooks}, calibrated for {recorded}: drop "
+                         f"--method (the file's method is used) or pass the codebooks of {method}")
+    chosen = method or recorded or default
+    if chosen is None:
+        raise ValueError(f"give --method (one of: {', '.join(METHODS)}), or --codebooks FILE whose "
+                         "method is used")
+    return chosen
+
+
+def bits_with_codebooks(method: str, bits: float | None, codebooks: str | None) -> float:
+    """``--bits``, else the codebook file's bits for a VQ method, else the method's default;
+    checked against the method's presets."""
+    if bits is None and codebooks is not None and method in VQ_METHODS:
+        bits = codebook_header(codebooks)["bits"]
+    return normalize_bits(method, bits)
+
+
+def check_vq_sources(methods, codebooks: str | None, calib_text: str | None, cache_dir: str | None = None) -> None:
+    """A VQ method needs codebooks (a file, a calibration text or a folder of saved ones); the
+    other methods take none."""
+    needs = [m for m in methods if m in VQ_METHODS]
+    if codebooks is not None and len(needs) > 1:
+        raise ValueError(f"--codebooks is one file for one method; {needs} need --calib-text instead")
+    if needs and codebooks is None and calib_text is None and cache_dir is None:
+        raise ValueError(f"method {needs[0]!r} needs codebooks: pass --codebooks FILE (from `vecinfer "
+                         "calibrate`) or --calib-text FILE to calibrate now")
+    if not needs and (codebooks is not None or calib_text is not None):
+        raise ValueError(f"method {methods[0]!r} takes no codebooks; drop --codebooks/--calib-text")
+
+
+def check_quantizes(residual: int, reach: int, what: str, fix: str | None = None) -> None:
+    """ValueError when a full-precision window of ``residual`` tokens covers every key ``what``
+    reads (``reach``: the farthest a query reads back, -1 when no query reads codes): nothing would
+    be quantized, so the run would measure full precision under the method's name."""
+    if residual <= reach:
+        return
+    fix = fix or f"use --residual at most {reach}"
+    raise ValueError(f"nothing would be quantized: the full-precision window (--residual {residual}) covers "
+                     f"every key {what} reads; {fix}")
+
+
+def check_positions(model, tokens: int, what: str) -> None:
+    """ValueError when ``tokens`` positions pass the model's ``max_position_embeddings``: such a
+    run would score positions the model was never trained on (and take long to tell)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"{what} needs {tokens} positions, past the model's max_position_embeddings ({limit}): "
+                         f"use at most {limit}")
