@@ -18,7 +18,7 @@ from .metadata import calibration_metadata
 from .plan import plan_calibration
 from .record import calibration_token_ids, record
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # vecinfer_compile.calibrate
 
 
 def calibrate(
@@ -78,7 +78,8 @@ def calibrate(
     device = device or next(model.parameters()).device
     token_ids = calibration_token_ids(tokenizer, texts, max_tokens)
     recording = record(model, token_ids, plan, seq_len, progress)
-    settings = FitSettings(iters, max_fit_vectors, device, ridge, plan.rope_inv_freq, plan.refine, plan.weighted_codes)
+    settings = FitSettings(iters=iters, max_vectors=max_fit_vectors, device=device, ridge=ridge,
+                           rope_inv_freq=plan.rope_inv_freq, refine=plan.refine, weighted_codes=plan.weighted_codes)
     needs_modules = plan.refine is not None or plan.weighted_codes
     modules = {m.layer_idx: m for m in attention_modules(model)} if needs_modules else {}
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
