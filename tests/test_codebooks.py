@@ -146,6 +146,24 @@ def _read(path) -> tuple[dict, dict]:
         return json.loads(f.metadata()["vecinfer"]), {k: f.get_tensor(k) for k in f.keys()}
 
 
+def test_shipped_codebooks_are_the_current_format_and_equal_their_format_1_originals():
+    """The shipped files pass the strict reader as they are; the format 1 file the 2-bit one was
+    re-saved from converts to the same tensors."""
+    from vecinfer_compile.codebooks.file_format import FORMAT, read_codebooks
+    from vecinfer_compile.models import default_codebooks_dir
+
+    for path in sorted(default_codebooks_dir().glob("*.safetensors")):
+        meta, tensors = _read(path)
+        assert meta["format"] == FORMAT and meta["converted_from"] == "vecinfer-codebooks/1"
+        read_codebooks(meta, tensors, path)
+    assert _read(FORMAT_1_FIXTURE)[0]["format"] == "vecinfer-codebooks/1"
+    old, new = load_codebooks(FORMAT_1_FIXTURE), load_codebooks(default_codebooks_dir() / "vecinfer-2bit.safetensors")
+    assert (old.method, old.bits, old.layer_bits, old.geometry) == (new.method, new.bits, new.layer_bits, new.geometry)
+    for a, b in zip(old.layers, new.layers):
+        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.transform.lam, b.transform.lam) and a.transform.rotate == b.transform.rotate
+
+
 def test_the_strict_reader_takes_only_the_current_format_and_old_files_name_their_corruption(tmp_path):
     from vecinfer_compile.codebooks.file_format import read_codebooks
 
