@@ -86,7 +86,7 @@ def calibrate(
     loss_ratio: dict[str, float] = {}  # "layer/bits" -> attention-output loss after / before refinement
     for layer in tqdm(sorted(recording.keys), desc="fitting codebooks", disable=not progress):
         samples = recording.layer(layer)
-        if not plan.fits(layer, samples.keys):
+        if not plan.gets_codebooks(layer, samples.keys):
             continue  # an uncoded layer of another geometry: no codebooks
         layer_seed = seed + 1000 * layer
         fit = fit_layer(samples, plan.spec, plan.candidates[layer], settings, key_seed=layer_seed,

@@ -44,7 +44,7 @@ class CalibrationPlan:
         """Whether the recording keeps the queries (query-aware matrices, refinement, error metrics)."""
         return bool(self.spec.query_aware) or self.refine is not None or self.weighted_codes
 
-    def fits(self, layer: int, keys: torch.Tensor) -> bool:
+    def gets_codebooks(self, layer: int, keys: torch.Tensor) -> bool:
         """Whether layer ``layer`` (recorded ``keys: [H_kv, N, D]``) gets codebooks: not an uncoded
         layer of another geometry than the coded ones (Gemma 4's sliding layers)."""
         geometry = self.geometry
