@@ -136,6 +136,21 @@ def test_format_1_files_still_load(tmp_path):
         assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
 
 
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_older_formats_convert_to_the_same_codebooks(tmp_path, version):
+    """Formats 2-4: per-layer centroids, every layer with attention (no ``attention_layers``)."""
+    cb = make_codebooks(CONFIG, layer_bits=[4.0, 1.0])
+    meta, tensors = _read(cb.save(tmp_path / "cb.safetensors"))
+    del meta["attention_layers"]
+    meta["format"] = f"vecinfer-codebooks/{version}"
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"vecinfer": json.dumps(meta)})
+    back = load_codebooks(tmp_path / "old.safetensors")
+    assert back.metadata["converted_from"] == meta["format"] and back.layer_bits == [4.0, 1.0]
+    for a, b in zip(cb.layers, back.layers):
+        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.transform.lam, b.transform.lam)
+
+
 FORMAT_1_FIXTURE = Path(__file__).parent / "data" / "tiny-vecinfer-2bit-format1.safetensors"
 
 
