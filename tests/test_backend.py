@@ -125,8 +125,10 @@ def test_architectures_compile_and_rewrite_every_layer(family, heads, head_dim, 
         torch.testing.assert_close(out[real], want[real], atol=1e-4, rtol=1e-4)
 
 
-def test_zero_config_log_line_names_a_command_that_parses():
-    """The zero-config advice is a `vecinfer calibrate` command line the CLI accepts."""
+def test_zero_config_log_line_names_a_command_that_parses(tmp_path, monkeypatch):
+    """The zero-config advice is a `vecinfer calibrate` command line the CLI accepts (given the
+    files it names)."""
+    from test_cli import _inputs_for
     from vecinfer_compile.cli import build_parser
 
     model = tiny_model("llama").requires_grad_(False)
@@ -146,6 +148,8 @@ def test_zero_config_log_line_names_a_command_that_parses():
     message = next(r.getMessage() for r in records if "vecinfer calibrate" in r.getMessage())
     command = message.split("`")[1].split()
     assert command[:2] == ["vecinfer", "calibrate"]
+    _inputs_for(command[1:], tmp_path)
+    monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(command[1:])
     assert args.bits == 2.0 and args.out == "cb.safetensors"
 

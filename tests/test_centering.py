@@ -132,8 +132,10 @@ def test_kv_bytes_fixed_cost_is_what_the_cache_holds(method):
 def test_older_files_load_as_mean_zero_and_broken_means_name_the_fix(tmp_path, method):
     path = random_codebooks(CONFIG, 2.0, method).save(tmp_path / "cb.safetensors")
     old = load_codebooks(_rewrite(path, tmp_path, meta={"format": "vecinfer-codebooks/3"}, drop=("key_mean",)))
-    assert old.metadata["format"] == "vecinfer-codebooks/3"
+    assert old.metadata["converted_from"] == "vecinfer-codebooks/3"
     assert all(layer.transform.mean is None for layer in old.layers)
+    again = load_codebooks(old.save(tmp_path / "resaved.safetensors"))  # the current format says uncentred
+    assert again.metadata["format"] == "vecinfer-codebooks/5" and all(l.transform.mean is None for l in again.layers)
     with pytest.raises(ValueError, match=rf"needs tensor 'key_mean'.*--method {method}"):
         load_codebooks(_rewrite(path, tmp_path, drop=("key_mean",)))
     with pytest.raises(ValueError, match=r"key_mean has shape \(2, 2, 8\).*\(2, 2, 16\)"):

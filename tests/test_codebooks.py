@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,9 +131,67 @@ def test_format_1_files_still_load(tmp_path):
                "value_centroids": torch.stack([l.value_centroids for l in cb.layers]), "lam": lam}
     save_file(tensors, str(tmp_path / "v1.safetensors"), metadata={"vecinfer": json.dumps(meta)})
     back = load_codebooks(tmp_path / "v1.safetensors")
-    assert back.metadata["format"] == "vecinfer-codebooks/1" and back.layer_bits is None and back.bits == 2.0
+    assert back.metadata["converted_from"] == "vecinfer-codebooks/1" and back.layer_bits is None and back.bits == 2.0
     for a, b in zip(cb.layers, back.layers):
         assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+
+
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_older_formats_convert_to_the_same_codebooks(tmp_path, version):
+    """Formats 2-4: per-layer centroids, every layer with attention (no ``attention_layers``)."""
+    cb = make_codebooks(CONFIG, layer_bits=[4.0, 1.0])
+    meta, tensors = _read(cb.save(tmp_path / "cb.safetensors"))
+    del meta["attention_layers"]
+    meta["format"] = f"vecinfer-codebooks/{version}"
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"vecinfer": json.dumps(meta)})
+    back = load_codebooks(tmp_path / "old.safetensors")
+    assert back.metadata["converted_from"] == meta["format"] and back.layer_bits == [4.0, 1.0]
+    for a, b in zip(cb.layers, back.layers):
+        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.transform.lam, b.transform.lam)
+
+
+FORMAT_1_FIXTURE = Path(__file__).parent / "data" / "tiny-vecinfer-2bit-format1.safetensors"
+
+
+def _read(path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["vecinfer"]), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_shipped_codebooks_are_the_current_format_and_equal_their_format_1_originals():
+    """The shipped files pass the strict reader as they are; the format 1 file the 2-bit one was
+    re-saved from converts to the same tensors."""
+    from vecinfer_compile.codebooks.file_format import FORMAT, read_codebooks
+    from vecinfer_compile.models import default_codebooks_dir
+
+    for path in sorted(default_codebooks_dir().glob("*.safetensors")):
+        meta, tensors = _read(path)
+        assert meta["format"] == FORMAT and meta["converted_from"] == "vecinfer-codebooks/1"
+        read_codebooks(meta, tensors, path)
+    assert _read(FORMAT_1_FIXTURE)[0]["format"] == "vecinfer-codebooks/1"
+    old, new = load_codebooks(FORMAT_1_FIXTURE), load_codebooks(default_codebooks_dir() / "vecinfer-2bit.safetensors")
+    assert (old.method, old.bits, old.layer_bits, old.geometry) == (new.method, new.bits, new.layer_bits, new.geometry)
+    for a, b in zip(old.layers, new.layers):
+        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.transform.lam, b.transform.lam) and a.transform.rotate == b.transform.rotate
+
+
+def test_the_strict_reader_takes_only_the_current_format_and_old_files_name_their_corruption(tmp_path):
+    from vecinfer_compile.codebooks.file_format import read_codebooks
+
+    meta, tensors = _read(FORMAT_1_FIXTURE)
+    with pytest.raises(ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/5: read it with load_codebooks"):
+        read_codebooks(meta, tensors, FORMAT_1_FIXTURE)
+    tensors["key_centroids"] = tensors["key_centroids"][:3]  # three layers stacked, the geometry says four
+    save_file(tensors, str(tmp_path / "short.safetensors"), metadata={"vecinfer": json.dumps(meta)})
+    with pytest.raises(ValueError, match=r"key_centroids has shape \(3, 256, 4\), its geometry says \[4, .*corrupt"):
+        load_codebooks(tmp_path / "short.safetensors")
+    save_file(tensors, str(tmp_path / "junk.safetensors"), metadata={"vecinfer": "{not json"})
+    with pytest.raises(ValueError, match="not JSON.*corrupt file"):
+        load_codebooks(tmp_path / "junk.safetensors")
 
 
 def test_saved_file_honours_the_umask_and_repr_is_one_line(tmp_path):

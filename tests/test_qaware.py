@@ -219,7 +219,7 @@ def test_format_2_files_still_load(tmp_path):
     cb = random_codebooks(CONFIG, 2.0, "vecinfer")
     old = _rewrite(cb.save(tmp_path / "cb.safetensors"), tmp_path, meta={"format": "vecinfer-codebooks/2"})
     back = load_codebooks(old)
-    assert back.metadata["format"] == "vecinfer-codebooks/2"
+    assert back.metadata["converted_from"] == "vecinfer-codebooks/2"
     assert torch.equal(back.layers[1].transform.lam, cb.layers[1].transform.lam)
 
 

@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
+from .calibrate.fit import FitSettings, LayerSamples, fit_layer
 from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
 from .methods import VQ_METHODS, check_runs_over_codes
 from .ops.kernel_request import check_kernel_name
@@ -47,9 +48,6 @@ from .passes.cache_append import rewrite_cache_append
 from .passes.cache_decode import (CACHE_READ_META, keep_prefill_in_full_precision, rewrite_cache_attention,
                                    updates_a_cache)
 from .presets import get_preset
-from .quant.codebook import subvectors
-from .quant.kmeans import kmeans
-from .quant.transform import KeyTransform, centre_keys, smoothing_factors
 from .hf.tensor_parallel import TPShard, graph_shard, local_kv_heads, local_layer
 
 log = logging.getLogger(__name__)
@@ -130,28 +128,16 @@ def _config_patches(mode: str | None, options: dict | None) -> dict:
     return patches
 
 
-def _fit_codebook(x: torch.Tensor, entries: int, seed: int) -> torch.Tensor:
-    """``[entries, d]`` centroids for sub-vectors ``x: [N, d]`` (a short prompt may give fewer
-    vectors than entries: k-means then reuses points)."""
-    return kmeans(x, entries, iters=FIT_ITERS, seed=seed).centroids
-
-
 def _fit_layer(keys: list[torch.Tensor], values: list[torch.Tensor], config: BackendConfig,
                layer: int) -> LayerCodebooks:
-    """Smoothing factors and codebooks from recorded ``[B, Hkv, T, D]`` keys/values."""
-    spec, preset = VQ_METHODS[config.method], get_preset(config.bits)
+    """Smoothing factors and codebooks from recorded ``[B, Hkv, T, D]`` keys/values
+    (:func:`~vecinfer_compile.calibrate.fit.fit_layer`, seeded by the layer index)."""
     head_dim = keys[0].shape[-1]
     k = torch.cat([x.float().transpose(0, 1).reshape(x.shape[1], -1, head_dim) for x in keys], 1)
     v = torch.cat([x.float().reshape(-1, head_dim) for x in values], 0)
-    mean, centred = centre_keys(k, spec.center)
-    lam = smoothing_factors(centred.abs().amax(1)) if spec.smooth else None
-    transform = KeyTransform(head_dim, lam, spec.rotate, mean=mean)
-    k_t = transform.keys(k[None])
-    key_c = _fit_codebook(subvectors(k_t, preset.key.dims).reshape(-1, preset.key.dims),
-                          preset.key.entries, seed=layer)
-    value_c = _fit_codebook(subvectors(v, preset.value.dims).reshape(-1, preset.value.dims),
-                            preset.value.entries, seed=layer)
-    return LayerCodebooks(transform, key_c, value_c)
+    fit = fit_layer(LayerSamples(k, v), VQ_METHODS[config.method], [config.bits], FitSettings(FIT_ITERS),
+                    key_seed=layer, value_seed=layer)
+    return fit.codebooks[config.bits]
 
 
 def _fits(layer: LayerCodebooks, site: SdpaSite) -> bool:
