@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from ..allocate import retrieval_allocation
 from ..codebooks import LayerCodebooks, VecInferCodebooks, average_bits
+from ..heartbeat import reporting
 from ..hf.layer_kinds import kv_producers
 from ..quant.query_aware import DEFAULT_RIDGE
 from ..quant.refine import RefineConfig
@@ -84,15 +85,17 @@ def calibrate(
     modules = {m.layer_idx: m for m in attention_modules(model)} if needs_modules else {}
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
     loss_ratio: dict[str, float] = {}  # "layer/bits" -> attention-output loss after / before refinement
-    for layer in tqdm(sorted(recording.keys), desc="fitting codebooks", disable=not progress):
-        samples = recording.layer(layer)
-        if not plan.gets_codebooks(layer, samples.keys):
-            continue  # an uncoded layer of another geometry: no codebooks
-        layer_seed = seed + 1000 * layer
-        fit = fit_layer(samples, plan.spec, plan.candidates[layer], settings, key_seed=layer_seed,
-                        value_seed=layer_seed + 1, module=modules.get(layer))
-        fitted[layer] = fit.codebooks
-        loss_ratio.update({f"{layer}/{b:g}": ratio for b, ratio in fit.loss_ratio.items()})
+    bar = tqdm(sorted(recording.keys), desc="fitting codebooks", disable=not progress)
+    with reporting(bar):  # k-means and refinement say where they are within a layer
+        for layer in bar:
+            samples = recording.layer(layer)
+            if not plan.gets_codebooks(layer, samples.keys):
+                continue  # an uncoded layer of another geometry: no codebooks
+            layer_seed = seed + 1000 * layer
+            fit = fit_layer(samples, plan.spec, plan.candidates[layer], settings, key_seed=layer_seed,
+                            value_seed=layer_seed + 1, module=modules.get(layer))
+            fitted[layer] = fit.codebooks
+            loss_ratio.update({f"{layer}/{b:g}": ratio for b, ratio in fit.loss_ratio.items()})
     metadata = calibration_metadata(model, plan, texts, int(token_ids.numel()), seq_len=seq_len, iters=iters,
                                     seed=seed, loss_ratio=loss_ratio)
     if allocate == "retrieval":

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..heartbeat import beat
+
 # Distances are computed for at most this many (point, centroid) pairs at once.
 PAIR_BUDGET = 1 << 22
 
@@ -106,7 +108,8 @@ def kmeans(
         pool = x
     centroids = _kmeans_pp(pool, k, gen)
     result = KMeansResult(centroids)
-    for _ in range(iters):
+    for i in range(iters):
+        beat(f"k-means {k} entries, iteration {i + 1}/{iters}")
         assign, dist = nearest_centroid(x, centroids)
         result.objective.append(dist.mean().item())
         if len(result.objective) > 1:

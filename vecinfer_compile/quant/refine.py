@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..heartbeat import beat
 from .codebook import decode, encode
 from .transform import KeyTransform
 
@@ -145,7 +146,8 @@ def refine_codebooks(
     for r in range(config.rounds):
         if r:
             codes_k, codes_v = codes()
-        for _ in range(config.steps):
+        for step in range(config.steps):
+            beat(f"refining centroids, round {r + 1}/{config.rounds}, step {step + 1}/{config.steps}")
             batch = torch.randperm(len(spans), generator=gen)[:config.windows].tolist()
             opt.zero_grad(set_to_none=True)
             loss(batch, codes_k, codes_v).backward()
