@@ -135,7 +135,7 @@ def test_needle_cli_prerope_runs_in_simulate_mode(haystack, tiny_dir, sample_tex
 
 @pytest.mark.parametrize("argv, msg", [
     (["--haystack", "/nonexistent/hay"], "does not exist"),
-    (["--lengths", "abc"], "integers"),
+    (["--lengths", "abc"], "comma-separated token counts"),
     (["--depths", "150"], "[0, 100]"),
     (["--method", "vecinfer"], "needs codebooks"),
 ])
@@ -150,7 +150,7 @@ def test_needle_cli_errors(haystack, tiny_dir, capsys, argv, msg):
 
 
 def test_needle_too_long_for_haystack(haystack, tiny_dir, capsys):
-    assert main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "100000",
+    assert main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "4000",
                  "--depths", "0", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "haystack" in err
