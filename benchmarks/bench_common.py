@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -33,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout, not installed
+if (REPO_ROOT / "vecinfer_compile").is_dir():  # a checkout times its own package, even beside an installed one
     sys.path.insert(0, str(REPO_ROOT))
 
 from vecinfer_compile.testing import random_codebooks  # noqa: F401  (C.random_codebooks in the scripts)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout, not installed
+if (Path(__file__).resolve().parents[1] / "vecinfer_compile").is_dir():  # a checkout times its own package, even beside an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import copies_for, graph_time_ms  # a sibling: benchmarks/ is on sys.path

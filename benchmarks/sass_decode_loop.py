@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-if importlib.util.find_spec("vecinfer_compile") is None:  # run from a checkout, not installed
+if (Path(__file__).resolve().parents[1] / "vecinfer_compile").is_dir():  # a checkout times its own package, even beside an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
