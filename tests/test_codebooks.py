@@ -208,7 +208,7 @@ def test_saved_file_honours_the_umask_and_repr_is_one_line(tmp_path):
     assert text.startswith("VecInferCodebooks(method='vecinfer', bits=2, layers=3, kv_heads=2, head_dim=16")
 
 
-# -- the weights they were calibrated on (issue 28, item 5) ------------------------------------------
+# -- the weights they were calibrated on ----------------------------------------------------------------
 CODEBOOKS_LOG = "vecinfer_compile.codebooks"
 
 

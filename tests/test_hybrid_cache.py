@@ -1,4 +1,4 @@
-"""VecInferCache and the simulate path on models that mix attention kinds (issue 28, items 1-2):
+"""VecInferCache and the simulate path on models that mix attention kinds:
 sliding-window layers beside full ones (Gemma 3, Gemma 4 whose full layers have their own head_dim
 and KV heads, Cohere2, Qwen2 with max_window_layers), chunked
 ones (Llama 4), and a model whose every layer slides (Mistral with sliding_window). The rule of

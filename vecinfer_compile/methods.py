@@ -15,14 +15,14 @@ the calibration text (:mod:`vecinfer_compile.quant.refine`; no change at inferen
 error the model reads, not the squared error: score-aware keys (weight 8,
 :mod:`vecinfer_compile.quant.score_aware`) lowered under the calibration queries' metric, values
 under ``o_proj``'s (:mod:`vecinfer_compile.quant.weighted_codes`); same bytes, books and decode
-kernels. Ablations ``qaware-nearest`` (nearest-centroid codes, as ``qaware`` was until issue 30's
+kernels. Ablations ``qaware-nearest`` (nearest-centroid codes, as ``qaware`` was before its
 error-weighted codes) and ``qaware-scoreaware`` (score-aware keys alone). The other ``qaware-*``
 ablations keep nearest-centroid codes, as they were measured.
 Ablation rows: ``qaware-nocenter`` (no centring, no refinement), and, uncentred as they were measured,
 ``qaware-nohadamard`` (no Hadamard) and ``qaware-sqrt`` (``A = S^(1/2)``, the queries alone:
 k-means error = expected score error). ``vecinfer-center``: VecInfer with centred keys (smoothing
 factors of ``K - mu``), beyond the paper.
-``prerope`` (beyond the paper, issue 30): keys quantized *before* RoPE (each key un-rotated by its
+``prerope`` (beyond the paper): keys quantized *before* RoPE (each key un-rotated by its
 position, then ``vecinfer-center``'s smoothing and Hadamard, rotated back after dequantization) and
 values coded as the residual of a linear prediction from their own token's dequantized key
 (:mod:`vecinfer_compile.quant.value_prediction`); ablation ``prerope-keys``: the same keys, values

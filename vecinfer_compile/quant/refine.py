@@ -13,7 +13,7 @@ untouched), ``V_hat = Cv[codes_v]``, with the layer's causal (and sliding-window
 scaling. Codes are held fixed within a round and re-encoded between rounds by the nearest-centroid
 rule the cache and the simulate path use, so the last round trains the centroids on the codes
 inference will produce. The result has the same tensors as before: the cache, the kernels and the
-file format do not change, nor does the decode's work (measurements: docs/results.md, issue 30).
+file format do not change, nor does the decode's work (measurements: docs/results/accuracy.md).
 """
 
 from __future__ import annotations

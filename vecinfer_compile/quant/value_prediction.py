@@ -5,7 +5,7 @@ linear function of the key. The ``prerope`` method stores ``Q(v - P(k~_hat))`` i
 ``Q(v)``, with ``P(x) = x @ W + c`` fitted per layer and KV head by least squares on calibration
 tokens, and reads ``v_hat = P(k~_hat) + Q(v - P(k~_hat))``. ``k~_hat`` is the *dequantized* key in
 the code domain (what the codes hold, before the key transform is undone): fitting on exact keys
-and predicting from dequantized ones amplifies the key error (docs/results.md, issue 30), and the
+and predicting from dequantized ones amplifies the key error (docs/results/accuracy.md), and the
 code domain is an affine image of the key, so the prediction is the same as from the key itself.
 Attention then reads ``sum_j p_j v_hat_j = (sum_j p_j k~_hat_j) @ W + c + sum_j p_j Q(r_j)``.
 """

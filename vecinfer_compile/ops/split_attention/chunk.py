@@ -45,19 +45,15 @@ Elsewhere (CPU, float32, other head dims, or a mask that is not causal + left pa
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..reference import chunk_kv_dense, chunk_mask
 from ..dequantize import dequantize_into
+from ..reference import chunk_kv_dense, chunk_mask
 from .flash import cudnn_serves, flash_serves
 from .lse_merge import flash_lse, merge_by_lse
-
-log = logging.getLogger(__name__)
-_logged: set[str] = set()
 
 WORKSPACE_BYTES = 1 << 30  # dequantized prefix K + V of one row group (fast path) / SDPA inputs (dense path)
 
