@@ -26,6 +26,16 @@ def test_bench_registered_and_scripts_present():
         assert (folder / script).is_file(), script
 
 
+def test_bench_chunked_prefill_smoke(capsys):
+    """The compiled chunked prefill attends over the codes (the chunk op, nothing left over a
+    dequantized read) and gives the eager one's first token."""
+    rows = load_script("chunked-prefill", benchmarks_dir()).main(["--smoke"])
+    eager, compiled = rows
+    assert eager["first_token"] == compiled["first_token"]
+    assert compiled["chunk_rewrites"] > 0 and compiled["unfused"] == 0, compiled
+    assert "compiled / eager:" in capsys.readouterr().out
+
+
 def test_bench_memory_smoke(capsys):
     rows = load_script("memory", benchmarks_dir()).main(["--smoke", "--lengths", "64,200"])
     out = capsys.readouterr().out

@@ -18,7 +18,7 @@ from vecinfer_compile.ops.append import append_reference
 from vecinfer_compile.ops.registry import is_op
 from vecinfer_compile.passes.cache_append import rewrite_cache_append
 from vecinfer_compile.ops.decode_inputs import kv_start_from_mask, transform_queries
-from vecinfer_compile.passes.cache_decode import CACHE_READ_META, rewrite_cache_attention
+from vecinfer_compile.passes.cache_decode import rewrite_cache_attention
 
 from test_cache import left_padded, make_layer, random_codebooks, tiny_config  # noqa: E402
 
@@ -199,7 +199,8 @@ def _attention_fn(q, layer, mask):
 
 @pytest.mark.parametrize("tq", [1, 2])
 def test_pass_on_a_plain_graph(tq):
-    """One query token: rewritten; two: left unfused (still exact) and tagged for the generic pass."""
+    """One query token: the decode op; two: the chunk op, which applies this mask (not causal) as
+    it is over the valid slots. Both equal SDPA over the dequantized read, which leaves the graph."""
     torch.manual_seed(2)
     layer = make_layer(2, 2, 16, 4, 12)
     layer.update(torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16))
@@ -218,9 +219,10 @@ def test_pass_on_a_plain_graph(tq):
         assert counters["vecinfer"]["cache_decode_rewrites"] == 1
         _check_rewritten_graph(gm, 1, 12, 16)
     else:
-        assert counters["vecinfer"]["cache_decode_rewrites"] == 0
-        sdpa = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
-        assert len(sdpa) == 1 and sdpa[0].meta[CACHE_READ_META]
+        assert counters["vecinfer"]["cache_chunk_rewrites"] == 1
+        targets = [n.target for n in gm.graph.nodes]
+        assert torch.ops.vecinfer.chunk_attention.default in targets
+        assert F.scaled_dot_product_attention not in targets and torch.ops.vecinfer.cache_kv.default not in targets
 
 
 def test_pass_ignores_sdpa_without_cache():
@@ -303,7 +305,8 @@ def test_compiled_chunked_prefill_equals_eager(method="qaware"):
     eagerly and runs the chunk compiled (as it does on CUDA). Every chunk's logits and the tokens
     equal the eager run's: the first chunk's attention stays in full precision (the backend keeps
     it so, as the eager prefill does), the later chunks follow the chunk rule of vecinfer_compile.window, and the
-    mask is as long as the compiled read (it used to be the valid slots: a shape error)."""
+    mask is as long as the compiled read (it used to be the valid slots: a shape error). The chunks
+    after the first run ``vecinfer::chunk_attention`` over the codes."""
     from vecinfer_compile.backend import vecinfer_backend
 
     # the counter below counts compilations: start from no compiled frames, as if this test ran alone
@@ -324,7 +327,11 @@ def test_compiled_chunked_prefill_equals_eager(method="qaware"):
         counters.clear()
         outs[compiled] = _generate(model, ids, mask, cache, max_new_tokens=3, prefill_chunk_size=8, output_logits=True,
                                    return_dict_in_generate=True, **kw)
-    assert counters["vecinfer"]["cache_prefill_full_precision"] == model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    assert counters["vecinfer"]["cache_prefill_full_precision"] == layers
+    # the later chunks (8 and 4 tokens) attend over the codes, none over a dequantized read
+    assert counters["vecinfer"]["cache_chunk_rewrites"] >= layers, dict(counters["vecinfer"])
+    assert counters["vecinfer"]["cache_decode_unfused"] == 0, dict(counters["vecinfer"])
     assert torch.equal(outs[False].sequences, outs[True].sequences)
     for a, b in zip(outs[False].logits, outs[True].logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

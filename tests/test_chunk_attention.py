@@ -161,6 +161,64 @@ def test_dense_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, windo
     torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3, mask), rtol=1e-5, atol=1e-5)
 
 
+def op_inputs(gen, keys: ca.ChunkKeys, spare_window: int):
+    """``vecinfer::chunk_attention``'s cache arguments for ``keys``: the window buffer ``[B, H, W, D]``
+    holds the ``w + C`` full-precision slots then ``spare_window`` garbage ones (never read)."""
+    b, length_full, h, d = keys.k_full.shape
+
+    def window(full):
+        garbage = torch.randn(b, h, spare_window, d, generator=gen).to(full.dtype).to(full.device) * 1e3
+        return torch.cat([full.transpose(1, 2), garbage], 2)
+
+    counter = lambda n: torch.tensor(n, device=keys.k_full.device)  # noqa: E731
+    return (keys.k_codes, keys.v_codes, keys.key_centroids, keys.value_centroids, counter(keys.n_coded),
+            window(keys.k_full), window(keys.v_full), counter(length_full))
+
+
+def hf_chunk_mask(gen, keys: ca.ChunkKeys, chunk: int, kind: str, heads: int):
+    """``(mask over every slot or None, kv_start or None, mask over the valid slots as the oracle
+    reads it or None)``: ``"none"``; HF's causal + left padding over the ``S`` slots as ``"bool"`` or
+    additive ``"float"``; or ``"holes"``, per-head holes the op must apply as they are."""
+    b, slots, length = keys.k_codes.shape[0], keys.k_codes.shape[2], keys.length
+    if kind == "none":
+        return None, None, None
+    device = keys.k_codes.device
+    kv_start = start_of(gen, b, length - 1, device)
+    valid = reference.chunk_mask(b, chunk, length, kv_start, device)
+    if kind == "holes":
+        valid = valid.expand(b, heads, chunk, length) & (torch.rand(b, heads, chunk, length, generator=gen) > 0.2).to(device)
+    mask = F.pad(valid, (0, slots - length))
+    if kind == "float":
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return mask, (None if kind == "holes" else kv_start), (valid if kind == "holes" else None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4, 16]),
+    chunk=st.integers(2, 9),
+    n_coded=st.integers(0, 30),
+    window=st.sampled_from([0, 1, 5]),
+    spare_window=st.sampled_from([0, 3]),
+    mask_kind=st.sampled_from(["none", "bool", "float", "holes"]),
+)
+def test_op_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, spare_window, mask_kind):
+    """``vecinfer::chunk_attention`` (what a compiled chunk runs) from the cache's buffers and
+    counters and HF's mask over every slot: the oracle's rule over the valid slots (garbage code
+    and window slots past the counters never read), laid out as its fake says."""
+    gen = torch.Generator().manual_seed(seed)
+    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=16, chunk=chunk, n_coded=n_coded, window=window,
+                         kbook=(256, 4), vbook=(256, 2), dtype=torch.float32, spare=window + chunk + 5)
+    mask, kv_start, explicit = hf_chunk_mask(gen, keys, chunk, mask_kind, hkv * group)
+    got = torch.ops.vecinfer.chunk_attention(q, *op_inputs(gen, keys, spare_window), mask, 0.3)
+    torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3, explicit), rtol=1e-5, atol=1e-5)
+    fake = ca._chunk_attention_fake(q, *op_inputs(gen, keys, spare_window), mask, 0.3)
+    assert got.shape == fake.shape and got.stride() == fake.stride()
+
+
 def test_standard_mask_is_hf_chunk_mask():
     """``standard_mask`` is what transformers builds for a chunk after a left-padded prompt."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
@@ -315,5 +373,39 @@ def test_cuda_chunk_attention_equals_the_oracle(seed, b, hkv, group, d, chunk, n
     mask = reference.chunk_mask(b, chunk, keys.length, kv_start, "cuda")
     low = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     low = torch.where(mask.any(-1, keepdim=True), low, 0)  # rows that see nothing: zeros, as ours
+    err, base = (got.float() - want).abs().max().item(), (low.float() - want).abs().max().item()
+    assert err <= 2 * base + 2e-3, (err, base)
+
+
+@pytest.mark.cuda
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    group=st.sampled_from([1, 4]),
+    chunk=st.sampled_from([2, 17, 300]),
+    n_coded=st.sampled_from([0, 63, 1000]),
+    window=st.sampled_from([0, 37]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    mask_kind=st.sampled_from(["none", "bool", "float", "holes"]),
+)
+def test_cuda_op_equals_the_oracle(seed, b, group, chunk, n_coded, window, dtype, mask_kind):
+    """``vecinfer::chunk_attention`` on CUDA (the fast path for HF's causal + padding masks, the
+    dense path for holes) against the float32 oracle: ``err <= 2 * err(SDPA in dtype) + atol``."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(seed)
+    hkv, d = 2, 128
+    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
+                         kbook=(256, 4), vbook=(256, 4), dtype=dtype, device="cuda", spare=window + chunk + 9)
+    mask, kv_start, explicit = hf_chunk_mask(gen, keys, chunk, mask_kind, hkv * group)
+    scale = d ** -0.5
+    got = torch.ops.vecinfer.chunk_attention(q, *op_inputs(gen, keys, 5), mask, scale)
+    assert got.dtype == dtype and got.isfinite().all()
+    want = reference.chunk_attention(q.float(), keys, kv_start, scale, explicit)
+    k, v = reference.chunk_kv_dense(keys, slice(None), dtype)
+    visible = reference.chunk_mask(b, chunk, keys.length, kv_start, "cuda") if explicit is None else explicit
+    low = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    low = torch.where(visible.any(-1, keepdim=True), low, 0)
     err, base = (got.float() - want).abs().max().item(), (low.float() - want).abs().max().item()
     assert err <= 2 * base + 2e-3, (err, base)

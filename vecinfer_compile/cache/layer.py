@@ -121,10 +121,10 @@ class VecInferLayer(CacheLayerMixin):
         s, qz, t = self.storage, self.quantizer, k.shape[2]
         if self.record_past:
             s.record_undo()
-        if _is_compiling():
-            before = reads.read(s, qz) if t > 1 else None
+        if _is_compiling():  # a chunk: the coded slots and the window before it, then itself
+            window = reads.chunk_window(s, self.transform_keys(k), v) if t > 1 else None
             s.append(k, v, qz)
-            return reads.read(s, qz) if before is None else reads.with_chunk(s, before, k, v)
+            return reads.read(s, qz, window=window)
         n_coded, n_window = int(s.n_coded), int(s.n_window)  # host syncs: eager only
         held = n_coded + n_window
         if held + t > self.max_cache_len:

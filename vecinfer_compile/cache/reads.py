@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.decode import CodedKV, decode_attention
-from ..ops.decode_inputs import chunk_mask_layout, kv_start_from_mask, mask_is_a_range, transform_queries
+from ..ops.decode_inputs import kv_start_from_mask, mask_is_a_range, transform_queries
 from ..ops.split_attention import chunk as chunk_attention
 from ..ops.split_attention.chunk import ChunkKeys
 from .quantizer import LayerQuantizer
@@ -43,7 +43,8 @@ def read(storage: LayerStorage, quantizer: LayerQuantizer, length: int | None = 
 
     ``length``: read the first ``length`` slots only (``[B, H, length, D]``; eager); ``rows``:
     these batch rows only (eager); ``window``: ``(n_coded, k_window, v_window, n_window)`` read in
-    place of the layer's own (eager; windows ``[B, H, w, D]``, keys transformed)."""
+    place of the layer's own (windows ``[B, H, w, D]``, keys transformed: a chunk's read,
+    :func:`chunk_window` compiled, :func:`dense` eager)."""
     s, q = storage, quantizer
     k_codes, v_codes = s.k_codes[rows], s.v_codes[rows]
     if length is not None:
@@ -72,9 +73,9 @@ def dequantized(storage: LayerStorage, quantizer: LayerQuantizer) -> tuple[torch
 
 def with_chunk(storage: LayerStorage, before: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dequantized read of a chunk ``k``, ``v: [B, H, C, D]`` after its append: ``before``
-    (the layer's read before the append: its valid slots, or every slot when compiling) padded to
-    every slot, with the chunk's own ``k``, ``v`` at the slots after the tokens held before."""
+    """Eager: the dequantized read of a chunk ``k``, ``v: [B, H, C, D]`` after its append:
+    ``before`` (the layer's read of its valid slots before the append) padded to every slot, with
+    the chunk's own ``k``, ``v`` at the slots after the tokens held before."""
     length = storage.max_cache_len
     held = storage.n_coded + storage.n_window - k.shape[2]  # after the append, less the chunk
     rk, rv = before
@@ -94,6 +95,20 @@ def chunk_keys(storage: LayerStorage, quantizer: LayerQuantizer, kt: torch.Tenso
     k_full = torch.cat([s.k_window[:, :, :n_window].transpose(1, 2), kt.transpose(1, 2)], dim=1)
     v_full = torch.cat([s.v_window[:, :, :n_window].transpose(1, 2), v.transpose(1, 2)], dim=1)
     return ChunkKeys(s.k_codes, s.v_codes, quantizer.key_centroids, quantizer.value_centroids, n_coded, k_full, v_full)
+
+
+def chunk_window(storage: LayerStorage, kt: torch.Tensor, v: torch.Tensor) -> tuple:
+    """A compiled chunk's read, taken before its append, as :func:`read`'s ``window``: ``(n_coded,
+    k_full, v_full, n_window + C)`` with ``k_full``, ``v_full: [B, H, R + C, D]`` the window's
+    buffers with the chunk (``kt`` its keys transformed, ``v``: ``[B, H, C, D]``) written after
+    the filled slots. No host sync and static shapes (capture-safe); the counters are copies, so
+    the append that follows changes nothing this read names (it writes code slots at or after
+    ``n_coded`` only)."""
+    s, c = storage, kt.shape[2]
+    pos = s.n_window + torch.arange(c, device=kt.device)
+    k_full = torch.cat([s.k_window, torch.zeros_like(kt)], 2).index_copy(2, pos, kt)
+    v_full = torch.cat([s.v_window, torch.zeros_like(v)], 2).index_copy(2, pos, v)
+    return s.n_coded.clone(), k_full, v_full, s.n_window + c
 
 
 def dense(storage: LayerStorage, quantizer: LayerQuantizer, chunk: ChunkKeys | None = None):
@@ -145,28 +160,10 @@ def attend_chunk(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tens
     :mod:`vecinfer_compile.ops.split_attention.chunk` (``keys``: :func:`chunk_keys` before the append):
     the coded prefix and the full-precision window and chunk, merged by log-sum-exp, on CUDA
     without any dequantized copy of the whole batch. ``attn_mask``: HF's ``[B|1, 1|Hq, C, S]``
-    over the layer's slots (or the ``L = keys.length`` valid ones; bool True = attend, or additive
-    float), or None for bottom-right causal over the ``L`` valid slots. Left padding is read from
-    the mask; a mask that is more than causal + left padding over the valid slots (checked once
-    per mask, one host sync) is applied as it is by the dense path."""
-    c, length, slots = q.shape[2], keys.length, storage.max_cache_len
-    kv_start = explicit = None
-    if attn_mask is not None:
-        if attn_mask.dim() != 4 or attn_mask.shape[-1] not in (length, slots) or attn_mask.shape[-2] != c:
-            raise ValueError(f"attn_mask must be [B, H, {c}, {slots}] (the chunk over the cache's "
-                             f"slots), got {tuple(attn_mask.shape)}")
-        kv_start = kv_start_from_mask(attn_mask, q)
-        standard, padded = chunk_mask_layout(attn_mask, kv_start, length)
-        attn_mask = attn_mask[..., :length]
-        if not padded:
-            kv_start = None  # the fast path's prefix then runs cuDNN (no per-row key start)
-        if not standard:
-            explicit = attn_mask
-            _log_once("chunk mask", "vecinfer: an eager chunk's mask is more than causal + left padding: that chunk "
-                                    "attends by the dense path (SDPA over its slots dequantized, a few rows at a time)")
+    over the layer's slots, or None (:func:`~vecinfer_compile.ops.split_attention.chunk.attend_masked`)."""
     q_t = transform_queries(q, quantizer.lam, quantizer.rotation, quantizer.key_read)
     scale = storage.head_dim ** -0.5 if scale is None else float(scale)
-    return chunk_attention.attend(q_t, keys, kv_start, scale, explicit)
+    return chunk_attention.attend_masked(q_t, keys, attn_mask, scale, storage.max_cache_len)
 
 
 def sdpa_by_rows(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, attn_mask: torch.Tensor,

@@ -1,4 +1,4 @@
-"""``vecinfer bench {decode,prefill,memory,generate,simulate,encode,append,ceiling} [ARGS...]``: run a benchmark script of the
+"""``vecinfer bench {decode,prefill,chunked-prefill,memory,generate,simulate,encode,append,ceiling,mask} [ARGS...]``: run a benchmark script of the
 repository's ``benchmarks/`` folder (not part of the installed package) in this process.
 
 Everything after the benchmark's name goes to the script: ``vecinfer bench memory --smoke``,
@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-HELP = ("run a benchmark of the source checkout: decode, prefill, memory, generate, simulate, encode, append, ceiling "
+HELP = ("run a benchmark of the source checkout: decode, prefill, chunked-prefill, memory, generate, simulate, encode, "
+        "append, ceiling, mask "
         "(GPU; --smoke on CPU)")
 
 SCRIPTS: dict[str, tuple[str, str]] = {
@@ -25,6 +26,7 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "memory": ("bench_memory.py", "KV bytes and peak memory vs HF dynamic/static caches (--smoke: CPU)"),
     "generate": ("bench_generate.py", "generate() decode tokens/s vs HF static compiled / dynamic eager (--smoke: CPU)"),
     "prefill": ("bench_prefill_attention.py", "a prefill chunk's attention over codes vs FP16 flash (GPU)"),
+    "chunked-prefill": ("bench_chunked_prefill.py", "generate()'s chunked prefill, compiled vs eager (--smoke: CPU)"),
     "simulate": ("bench_simulate_attention.py", "compiled simulate (prefill) attention vs SDPA (GPU)"),
     "encode": ("bench_encode.py", "encode / quantize kernels vs compiled PyTorch nearest centroid (GPU)"),
     "append": ("bench_append.py", "a decode step's cache append: nearest vs score-aware vs error-weighted codes (GPU)"),

@@ -7,17 +7,18 @@ per op family, each with its schema, fake, dispatch and kernel choice:
 - :mod:`.encode`: ``encode``, ``quantize``, ``weigh_codes``;
 - :mod:`.dequantize`: ``cache_kv`` (the cache's eager read), ``prefill_read``, a chunk's prefix;
 - :mod:`.attention`: ``attention`` over codes (prefill, simulate);
-- :mod:`.split_attention`: chunk and windowed attention, merged by log-sum-exp.
+- :mod:`.split_attention`: chunk (``chunk_attention``) and windowed attention, merged by log-sum-exp.
 
 Kernels: :mod:`.cuda` (NVRTC) and :mod:`.triton`; :mod:`.reference` holds every float32 oracle;
 :mod:`.kernel_request` the user's choice of kernels; :mod:`.decode_inputs` the query-side inputs.
 """
 
 from . import append, attention, decode, dequantize, encode, reference
+from .split_attention import chunk
 from .cuda.decode import decode_attention_cuda
 from .triton.attention import attention_triton
 from .triton.decode import decode_attention_triton
 from .triton.encode import encode_triton
 
-__all__ = ["append", "attention", "attention_triton", "decode", "decode_attention_cuda", "decode_attention_triton",
+__all__ = ["append", "attention", "attention_triton", "chunk", "decode", "decode_attention_cuda", "decode_attention_triton",
            "dequantize", "encode", "encode_triton", "reference"]

@@ -28,20 +28,22 @@ def is_registered(name: str) -> bool:
 
 
 def define(name: str, fn: Callable, *, kind: str, schema: str | None = None, mutates: tuple[str, ...] = (),
-           fake: Callable | None = None, device_kernels: dict[str, Callable] | None = None) -> None:
+           fake: Callable | None = None, device_kernels: dict[str, Callable] | None = None,
+           tags: tuple[torch.Tag, ...] = ()) -> None:
     """Register ``vecinfer::<name>`` running ``fn`` (a no-op when this process has it already).
 
     ``schema``: the full schema (``"name(...) -> ..."``), needed for ``"composite"`` and for an
     opaque op whose ``fn`` takes ``*args``; otherwise inferred from ``fn``'s signature (a triton
     op's always is). ``mutates``: the
     arguments an opaque op writes. ``fake``: an opaque op's fake implementation (a triton op's
-    function is its own). ``device_kernels``: per-device replacements of an opaque op's ``fn``."""
+    function is its own). ``device_kernels``: per-device replacements of an opaque op's ``fn``.
+    ``tags``: an opaque op's tags (``torch.Tag.cudagraph_unsafe`` for one that syncs with the host)."""
     if is_registered(name):
         return
     qualname = f"{NAMESPACE}::{name}"
     inferred = None if schema is None else schema.split(name, 1)[1]
     if kind == "opaque":
-        op = torch.library.custom_op(qualname, fn, mutates_args=mutates, schema=inferred)
+        op = torch.library.custom_op(qualname, fn, mutates_args=mutates, schema=inferred, tags=tags or None)
         op.register_fake(fake if fake is not None else fn)
         for device, kernel in (device_kernels or {}).items():
             op.register_kernel(device, kernel)

@@ -1,12 +1,12 @@
-"""Rewrite decode attention over a :class:`~vecinfer_compile.cache.VecInferCache` to the fused op.
+"""Rewrite attention over a :class:`~vecinfer_compile.cache.VecInferCache` to the fused ops.
 
-In a compiled decode step, each layer's cache update ends in ``vecinfer::cache_kv`` (the
-dequantized full-length K/V) and attention reads it::
+In a compiled step, each layer's cache update ends in ``vecinfer::cache_kv`` (the dequantized
+full-length K/V) and attention reads it::
 
     kv   = vecinfer.cache_kv(k_codes, v_codes, kc, vc, n_coded, k_window, v_window, n_window, lam, H)
     out  = F.scaled_dot_product_attention(q, repeat_kv?(kv[0]), repeat_kv?(kv[1]), attn_mask, scale=s)
 
-becomes::
+A decode step (one query token) becomes::
 
     q~       = ((q.float() * lam_q) @ H).to(q.dtype)        (plain torch ops; Inductor fuses them)
     kv_start = first attended slot of each batch row of attn_mask  (left padding)
@@ -16,6 +16,12 @@ becomes::
 On CUDA the op emitted is the kernel-specific one the request resolves to
 (:func:`vecinfer_compile.ops.decode.choose`): ``decode_attention_cuda`` (the NVRTC kernel)
 or ``decode_attention_triton``, so the choice is in the graph; elsewhere ``decode_attention``.
+
+A chunk of several query tokens reads the coded slots and the window as they were before it, with
+its own tokens after the window (:func:`vecinfer_compile.cache.reads.chunk_window`: the
+``cache_kv`` node's window arguments), and becomes
+``vecinfer.chunk_attention(q~, <the same eight>, attn_mask, s)``
+(:mod:`vecinfer_compile.ops.split_attention.chunk`), which reads the mask itself.
 
 For the query-aware methods the cache returns ``K = (cache_kv(...)[0].float() @ key_read).to(dtype)``
 (``key_read: [Hkv, D, D]``, the code domain back to keys, see :class:`~vecinfer_compile.cache.VecInferLayer`);
@@ -27,20 +33,21 @@ every score of a query, which softmax ignores.
 
 after which ``cache_kv`` and the repetition are dead and erased, so the compiled graph holds no
 dequantized full-length K/V. The cache state nodes are the ``cache_kv`` arguments themselves, so
-no layer lookup is needed. Each rewrite bumps ``counters["vecinfer"]["cache_decode_rewrites"]``.
+no layer lookup is needed. Each rewrite bumps ``counters["vecinfer"]["cache_decode_rewrites"]``
+(a chunk's also ``cache_chunk_rewrites``).
 
 Run it BEFORE the generic SDPA rewrite (:mod:`.sdpa`). SDPA nodes over ``cache_kv`` that are not
-rewritten (several query tokens, whose read is ``cache_kv`` before the append with the chunk's own
-tokens put in by ``index_copy``; ``is_causal=True``; a mask that is not ``[B|1, *, 1, L]``) are
-left as they are (correct, full-length dequantized K/V) and tagged
-``node.meta["vecinfer_cache_read"] = True``: the generic rewrite must skip those (quantizing them
-again would quantize twice).
+rewritten (``is_causal=True``; a mask that is not 4-d; K and V of different reads) are left as
+they are (correct, full-length dequantized K/V) and tagged ``node.meta["vecinfer_cache_read"] =
+True``: the generic rewrite must skip those (quantizing them again would quantize twice).
 
 Masks: ``kv_start`` is the index of the first attended slot of the mask's last query row (bool:
 True = attend; float: 0 = attend). This is exact for HF's masks at decode (left padding + slots
 beyond the valid length, which ``n_coded + n_window`` bounds anyway). A mask with holes after the
-first attended slot (padding inside the sequence) is NOT representable by the fused op; it cannot
-be detected without a device sync in a compiled graph, so it is documented, not checked.
+first attended slot (padding inside the sequence) is NOT representable by the fused decode op; it
+cannot be detected without a device sync in a compiled graph, so it is documented, not checked.
+The chunk op checks its mask on the host and applies one that is more than causal + left padding
+as it is.
 """
 
 from __future__ import annotations
@@ -160,17 +167,6 @@ def keep_prefill_in_full_precision(gm: fx.GraphModule) -> int:
     return tagged
 
 
-def _is_chunk_read(node) -> bool:
-    """Whether ``node`` is a chunk's read of the cache, ``index_copy(<cache read>, 2, pos, new)``
-    (:meth:`VecInferLayer._with_chunk <vecinfer_compile.cache.VecInferLayer._with_chunk>`: the read
-    before the append with the chunk's own tokens in place), for K (through the query-aware chain)
-    or V."""
-    if not (_is_method(node, "index_copy") or _is_call(node, torch.index_copy)):
-        return False
-    inner = node.args[0]
-    return _cache_output(_key_read(inner)[0], 0) is not None or _cache_output(inner, 1) is not None
-
-
 def _static_int(x) -> int | None:
     if isinstance(x, int):
         return x
@@ -222,17 +218,16 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
         key, key_read, read_chain = _key_read(key_outer)
         cache = _cache_output(key, 0)
         if cache is None:
-            if _is_chunk_read(key_outer) or _is_chunk_read(value):
-                _unfusable(node, "a chunk of several tokens reads the cache dequantized")
             continue
         if _cache_output(value, 1) is not cache:
             _unfusable(node, "key and value come from different cache reads")
             continue
         query, mask = kw["query"], kw.get("attn_mask")
         q = _example(query)
-        if q is None or q.dim() != 4 or _static_int(q.shape[2]) != 1:
-            _unfusable(node, "the fused decode op takes one query token")
+        if q is None or q.dim() != 4:
+            _unfusable(node, "the query is not a [B, H, T, D] tensor")
             continue
+        one_token = _static_int(q.shape[2]) == 1
         if kw.get("is_causal", False) is not False:
             _unfusable(node, "is_causal=True")
             continue
@@ -244,7 +239,7 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
         if mask is not None:
             m = _example(mask)
             if not isinstance(mask, fx.Node) or m is None or m.dim() != 4:
-                _unfusable(node, "attn_mask is not a [B, H, 1, L] tensor")
+                _unfusable(node, "attn_mask is not a [B, H, T, L] tensor")
                 continue
         scale = kw.get("scale")
         if scale is None:
@@ -255,19 +250,20 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
             _unfusable(node, "unsupported scale")
             continue
         a = cache.args
+        coded = (a[K_CODES], a[V_CODES], a[K_CENT], a[V_CENT], a[N_CODED], a[K_WIN], a[V_WIN], a[N_WIN])
         with graph.inserting_before(node):
             q_t = graph.call_function(transform_queries, (query, a[LAM], a[ROT], key_read))
             q_t.meta["example_value"] = q
-            kv_start = None
-            if mask is not None:  # one per mask: every layer usually shares HF's
-                kv_start = starts.get(mask)
-                if kv_start is None:
-                    kv_start = starts[mask] = graph.call_function(kv_start_from_mask, (mask, query))
-            out = graph.call_function(
-                _decode_op(q, a, decode_kernel),
-                (q_t, a[K_CODES], a[V_CODES], a[K_CENT], a[V_CENT], a[N_CODED],
-                 a[K_WIN], a[V_WIN], a[N_WIN], kv_start, scale),
-            )
+            if one_token:
+                kv_start = None
+                if mask is not None:  # one per mask: every layer usually shares HF's
+                    kv_start = starts.get(mask)
+                    if kv_start is None:
+                        kv_start = starts[mask] = graph.call_function(kv_start_from_mask, (mask, query))
+                out = graph.call_function(_decode_op(q, a, decode_kernel), (q_t, *coded, kv_start, scale))
+            else:  # a chunk: its read's window ends with its own tokens (cache.reads.chunk_window)
+                out = graph.call_function(torch.ops.vecinfer.chunk_attention.default, (q_t, *coded, mask, scale))
+                counters["vecinfer"]["cache_chunk_rewrites"] += 1
         out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "example_value")})
         node.replace_all_uses_with(out)
         graph.erase_node(node)

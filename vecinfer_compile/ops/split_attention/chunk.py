@@ -41,19 +41,37 @@ flash, and the alternatives with ``--prefix-kernel`` / ``--dequantize``).
 Elsewhere (CPU, float32, other head dims, or a mask that is not causal + left padding)
 :func:`reference_by_rows` computes the same rule densely, a few rows at a time;
 :func:`..reference.chunk_attention` is the oracle the tests compare both with.
+
+**The op.** ``vecinfer::chunk_attention`` is the same attention as one graph node, what a compiled
+chunked prefill runs (:mod:`vecinfer_compile.passes.cache_decode` emits it)::
+
+    vecinfer::chunk_attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_centroids,
+        Tensor v_centroids, Tensor n_coded, Tensor k_window, Tensor v_window, Tensor n_window,
+        Tensor? attn_mask, float scale) -> Tensor
+
+the decode op's arguments with ``q: [B, Hq, C, D]`` and a window ``[B, H, W, D]`` whose
+``n_window`` filled slots end with the chunk's own ``C`` keys (``K~``) and values. It reads the
+two counters on the host (one sync), so it is opaque and tagged ``cudagraph_unsafe``: Inductor runs
+a chunk's graph without CUDA graphs (a chunk of thousands of tokens gains nothing from them),
+while the decode step's graph keeps them.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..decode_inputs import chunk_mask_layout, kv_start_from_mask
 from ..dequantize import dequantize_into
 from ..reference import chunk_kv_dense, chunk_mask
+from ..registry import define
 from .flash import cudnn_serves, flash_serves
 from .lse_merge import flash_lse, merge_by_lse
+
+log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 1 << 30  # dequantized prefix K + V of one row group (fast path) / SDPA inputs (dense path)
 
@@ -65,7 +83,7 @@ class ChunkKeys:
     - ``k_codes``, ``v_codes``: the layer's code buffers ``[B, H, Tmax, W]`` uint8; slots below
       ``n_coded`` are the prefix (the append writes only slots at or after it, so they stay valid).
     - ``key_centroids``, ``value_centroids``: ``[E, d]`` float32.
-    - ``n_coded``: coded slots before the append (an int: the chunk step is eager).
+    - ``n_coded``: coded slots before the append (an int, read on the host).
     - ``k_full``, ``v_full``: ``[B, w + C, H, D]`` position-major, the cache dtype: the window's
       ``w`` slots then the chunk's ``C`` tokens, keys transformed (``K~``), values as they are.
     """
@@ -89,7 +107,8 @@ def reference_by_rows(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor |
     """The rule by torch SDPA over the ``L`` slots, a few batch rows at a time (K/V of a row group
     near :data:`WORKSPACE_BYTES`, whatever the batch): the path off the fast kernels, and the one
     for a mask that is more than causal + left padding (``attn_mask`` then replaces
-    :func:`..reference.chunk_mask`). Arguments and result as :func:`..reference.chunk_attention`."""
+    :func:`..reference.chunk_mask`). Arguments and result as :func:`..reference.chunk_attention`
+    (a query that sees no key gets zeros)."""
     b, hq, c, d = q.shape
     h, length = keys.k_full.shape[2], keys.length
     per_row = 2 * h * length * d * q.element_size()
@@ -102,7 +121,9 @@ def reference_by_rows(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor |
             mask = chunk_mask(j - i, c, length, None if kv_start is None else kv_start[i:j], q.device)
         else:
             mask = attn_mask if attn_mask.shape[0] == 1 else attn_mask[i:j]
-        out[i:j] = F.scaled_dot_product_attention(q[i:j], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        rows_out = F.scaled_dot_product_attention(q[i:j], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        sees = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        out[i:j] = torch.where(sees.any(-1, keepdim=True), rows_out, 0)  # CUDA's SDPA leaves such rows unspecified
         del k, v
     return out
 
@@ -215,3 +236,68 @@ def attend(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scal
     if attn_mask is None and fast_path_serves(q):
         return split_flash(q, keys, kv_start, scale)
     return reference_by_rows(q, keys, kv_start, scale, attn_mask)
+
+
+def attend_masked(q: torch.Tensor, keys: ChunkKeys, attn_mask: torch.Tensor | None, scale: float,
+                  slots: int) -> torch.Tensor:
+    """:func:`attend` with HF's mask: ``attn_mask`` ``[B|1, 1|Hq, C, S]`` over the layer's ``S =
+    slots`` (or the ``L = keys.length`` valid ones; bool True = attend, or additive float), or
+    None for bottom-right causal over the ``L`` valid slots. Left padding is read from the mask;
+    a mask that is more than causal + left padding over the valid slots (checked once per mask,
+    one host sync) is applied as it is by the dense path. ``q: [B, Hq, C, D]`` (``q~``)."""
+    c, length = q.shape[2], keys.length
+    kv_start = explicit = None
+    if attn_mask is not None:
+        if attn_mask.dim() != 4 or attn_mask.shape[-1] not in (length, slots) or attn_mask.shape[-2] != c:
+            raise ValueError(f"attn_mask must be [B, H, {c}, {slots}] (the chunk over the cache's "
+                             f"slots), got {tuple(attn_mask.shape)}")
+        kv_start = kv_start_from_mask(attn_mask, q)
+        standard, padded = chunk_mask_layout(attn_mask, kv_start, length)
+        attn_mask = attn_mask[..., :length]
+        if not padded:
+            kv_start = None  # the fast path's prefix then runs cuDNN (no per-row key start)
+        if not standard:
+            explicit = attn_mask
+            _log_once("vecinfer: a chunk's mask is more than causal + left padding: that chunk attends by the "
+                      "dense path (SDPA over its slots dequantized, a few rows at a time)")
+    return attend(q, keys, kv_start, scale, explicit)
+
+
+def chunk_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_centroids: torch.Tensor,
+                    v_centroids: torch.Tensor, n_coded: torch.Tensor, k_window: torch.Tensor,
+                    v_window: torch.Tensor, n_window: torch.Tensor, attn_mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """``vecinfer::chunk_attention`` (the module docstring): ``q: [B, Hq, C, D]`` (``q~``) over the
+    ``n_coded`` coded slots and the ``n_window`` filled window slots ``[B, H, W, D]``, the chunk's
+    own keys last. Returns ``[B, Hq, C, D]`` in q.dtype, laid out as a ``[B, C, Hq, D]`` tensor."""
+    n, w = torch.stack([n_coded.long(), n_window.long()]).tolist()  # the one host sync
+    keys = ChunkKeys(k_codes, v_codes, k_centroids, v_centroids, n, k_window[:, :, :w].transpose(1, 2),
+                     v_window[:, :, :w].transpose(1, 2))
+    out = attend_masked(q, keys, attn_mask, scale, k_codes.shape[2])
+    if out.stride() == _output_like(q).stride():  # the fast path's layout
+        return out
+    return _output_like(q).copy_(out)
+
+
+def _output_like(q: torch.Tensor) -> torch.Tensor:
+    """An empty ``[B, Hq, C, D]`` output for ``q``, a transposed ``[B, C, Hq, D]`` buffer."""
+    b, hq, c, d = q.shape
+    return q.new_empty((b, c, hq, d)).transpose(1, 2)
+
+
+def _chunk_attention_fake(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window,
+                          attn_mask, scale):
+    return _output_like(q)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+define("chunk_attention", chunk_attention, kind="opaque", fake=_chunk_attention_fake,
+       tags=(torch.Tag.cudagraph_unsafe,))
