@@ -65,7 +65,7 @@ from ...quant.byte_centroids import BYTE_BOOK_ENTRIES, packed_byte_book
 from ...quant.packing import is_packed
 from ..checks import check_decode_args
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
-                    sm_count)
+                    sm_count, unfit_device_reason)
 
 SOURCE = Path(__file__).with_name("decode.cu")
 
@@ -200,13 +200,11 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
                        v_centroids: torch.Tensor) -> str | None:
     """Why the CUDA kernel cannot run these inputs (None if it can). Shapes and dtypes only;
     building (NVRTC, the driver) is checked by :func:`build_error`."""
-    if q.device.type != "cuda":
-        return f"the inputs are on {q.device.type}, not CUDA"
-    if q.dtype not in DTYPES:
-        return f"queries are {q.dtype}; the CUDA kernel multiplies bfloat16/float16 on tensor cores"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major * 10 + minor < MIN_ARCH:
-        return f"the GPU is sm_{major}{minor}; the CUDA kernel needs sm_80 or newer"
+    reason = unfit_device_reason(
+        q, DTYPES, "queries are {dtype}; the CUDA kernel multiplies bfloat16/float16 on tensor cores",
+        "the CUDA kernel", MIN_ARCH)
+    if reason is not None:
+        return reason
     d = int(q.shape[-1])  # int(): a symbolic size (dynamic=True) is specialised here
     if d not in HEAD_DIMS:
         return f"head_dim {d} (the CUDA kernel is built for {HEAD_DIMS})"
