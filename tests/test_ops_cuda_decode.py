@@ -37,7 +37,8 @@ PRESET_SPECS = sorted({((p.key.entries, p.key.dims), (p.value.entries, p.value.d
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _nvrtc_or_skip():
+def nvrtc_or_skip():
+    """Loads NVRTC, or skips the test (compiling a kernel needs no GPU, only the library)."""
     try:
         ops.cuda.nvrtc.nvrtc()
     except CudaBuildError as exc:
@@ -49,7 +50,7 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec):
     """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, plain and in
     its cluster build (the lean build at 12 warps where the books have one; GQA 3 with the paired
     value product, GQA 16 without)."""
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     lean = cuda_decode.Variant(128, 4, *kspec, *vspec, False).can_be_lean
     for head_dim, group, fp16, nwarps, cluster in ((128, 4, False, 4, False), (128, 4, False, 4, True),
                                                    (64, 16, True, 12, True), (64, 2, False, 4, True),
