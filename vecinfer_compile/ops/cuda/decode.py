@@ -64,6 +64,7 @@ from torch._dynamo.utils import counters
 from ...quant.byte_centroids import BYTE_BOOK_ENTRIES, packed_byte_book
 from ...quant.packing import is_packed
 from ..checks import check_decode_args
+from ..coded_kv import CodedKV
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count, unfit_device_reason)
 
@@ -405,26 +406,15 @@ def _index_is64(t: torch.Tensor) -> int:
     return int(t.dtype == torch.int64)
 
 
-def decode_attention_cuda(
-    q: torch.Tensor,
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    n_coded: torch.Tensor,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    n_window: torch.Tensor,
-    kv_start: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def decode_attention_cuda(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Same contract as :func:`vecinfer_compile.ops.reference.decode_attention`: q ``[B, Hq, 1, D]``
-    bf16/fp16 (q~), stored codes ``[B, Hkv, Tmax, W]`` uint8 (``W = D // d``, packed when 12-bit),
-    centroids float32 ``[E, d]``,
+    bf16/fp16 (q~), ``kv`` (:class:`~..coded_kv.CodedKV`) with stored codes ``[B, Hkv, Tmax, W]``
+    uint8 (``W = D // d``, packed when 12-bit), centroids float32 ``[E, d]``,
     windows ``[B, Hkv, R, D]``, ``n_coded``/``n_window`` 0-d int tensors, ``kv_start`` ``[B]`` or
     None -> ``[B, Hq, 1, D]`` in q.dtype. Raises :class:`CudaBuildError` if the inputs or the
     machine do not fit the kernel (see :func:`unsupported_reason`)."""
-    group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)
+    group = check_decode_args(q, kv, kv_start)
+    k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window = kv
     reason = unsupported_reason(q, k_codes, k_centroids, v_centroids)
     if reason is not None:
         raise CudaBuildError(f"the CUDA decode kernel cannot run this call: {reason}; use the Triton kernel")
