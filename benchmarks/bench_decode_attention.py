@@ -36,6 +36,7 @@ if (Path(__file__).resolve().parents[1] / "vecinfer_compile").is_dir():  # a che
 
 from bench_common import copies_for, graph_time_ms  # a sibling: benchmarks/ is on sys.path
 from vecinfer_compile.ops import reference
+from vecinfer_compile.ops.coded_kv import CodedKV
 from vecinfer_compile.ops.cuda import decode as cuda_decode
 from vecinfer_compile.ops.triton.decode import decode_attention_triton
 from vecinfer_compile.presets import get_preset
@@ -47,8 +48,8 @@ CHECK_MAX_T = 32768  # the fp32 reference materialises K and V: checked on the s
 
 
 def code_inputs(b: int, t: int, bits: float, g: torch.Generator, dtype: torch.dtype = torch.bfloat16):
-    """Random inputs of one decode call at ``bits``: codes stored as the cache stores them (12-bit
-    codes packed, :mod:`vecinfer_compile.quant.packing`)."""
+    """Random inputs ``(q, CodedKV, kv_start, scale)`` of one decode call at ``bits``: codes stored
+    as the cache stores them (12-bit codes packed, :mod:`vecinfer_compile.quant.packing`)."""
     preset = get_preset(bits)
     dev = "cuda"
     q = torch.randn(b, HQ, 1, D, device=dev, dtype=dtype, generator=g)
@@ -63,7 +64,7 @@ def code_inputs(b: int, t: int, bits: float, g: torch.Generator, dtype: torch.dt
     vw = torch.randn(b, HKV, R, D, device=dev, dtype=dtype, generator=g)
     nc = torch.tensor(t - R, device=dev, dtype=torch.int32)
     nw = torch.tensor(R, device=dev, dtype=torch.int32)
-    return (q, k_codes, v_codes, kc, vc, nc, kw, vw, nw, None, D**-0.5)
+    return q, CodedKV(k_codes, v_codes, kc, vc, nc, kw, vw, nw), None, D**-0.5
 
 
 def sdpa_variants(q, k, v):
@@ -87,7 +88,8 @@ def run_case(b: int, t: int, bits: float, triton: bool = True, passes: int = 2,
     g = torch.Generator(device="cuda").manual_seed(0)
     row = {"B": b, "T": t, "bits": bits, "dtype": str(dtype).removeprefix("torch.")}
     first = code_inputs(b, t, bits, g, dtype)
-    code_bytes = first[1].nbytes + first[2].nbytes + first[6].nbytes + first[7].nbytes
+    kv = first[1]
+    code_bytes = kv.k_codes.nbytes + kv.v_codes.nbytes + kv.k_window.nbytes + kv.v_window.nbytes
     sets = [first] + [code_inputs(b, t, bits, g, dtype) for _ in range(copies_for(code_bytes) - 1)]
     row["code_copies"] = len(sets)
     kernels = {"cuda": cuda_decode.decode_attention_cuda}

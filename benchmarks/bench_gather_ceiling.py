@@ -25,6 +25,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
+from vecinfer_compile.ops.coded_kv import CodedKV
 from vecinfer_compile.ops.triton.decode import SplitConfig, decode_attention_triton, num_splits
 
 HQ, HKV, D, NSUB, DSUB, R = 32, 8, 128, 32, 4, 128
@@ -101,7 +102,8 @@ def main(argv=None) -> None:
         kw = torch.randn(b, HKV, R, D, device="cuda", dtype=torch.bfloat16, generator=g)
         n_coded = torch.tensor(t - R, device="cuda", dtype=torch.int32)
         n_window = torch.tensor(R, device="cuda", dtype=torch.int32)
-        ours = bench(lambda: decode_attention_triton(q, codes, codes, cent, cent, n_coded, kw, kw, n_window, None, D**-0.5))
+        kv = CodedKV(codes, codes, cent, cent, n_coded, kw, kw, n_window)
+        ours = bench(lambda: decode_attention_triton(q, kv, None, D**-0.5))
         k = torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn_like(k)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -202,6 +202,23 @@ def test_gather_ceiling_probes_under_interpreter(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+def _generate_counting_forwards(model, make_runner, ids):
+    """``(tokens, forwards)``: the tokens that an eager ``generate(ids, 4)`` of the runner
+    ``make_runner()`` builds returns (the runner closed after), and the forward passes of ``model``
+    from the runner's making on."""
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        runner = make_runner()
+        runner.compile_config = None
+        try:
+            return runner.generate(ids, 4)[2], len(calls)
+        finally:
+            runner.close()
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("method", ["fp16", "static", "dynamic"])
 def test_bench_generate_chunked_prefill_gives_the_same_tokens(method):
     """--prefill-chunk: a baseline's prompt through the model in eager chunks of 7 tokens (the
@@ -212,21 +229,11 @@ def test_bench_generate_chunked_prefill_gives_the_same_tokens(method):
     setup = mod.C.bench_setup(True)
     model = mod.C.build_model(setup)
     ids = torch.randint(3, setup.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
-    calls = []
-    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     outs = {}
-    try:
-        for chunk in (0, 7):
-            calls.clear()
-            runner = mod.Runner(method, model, setup, None, 2, 40, 8, prefill_chunk=chunk)
-            runner.compile_config = None
-            try:
-                outs[chunk] = runner.generate(ids, 4)[2]
-            finally:
-                runner.close()
-            assert len(calls) == 4 + (5 if chunk else 0), (chunk, len(calls))
-    finally:
-        hook.remove()
+    for chunk in (0, 7):
+        outs[chunk], forwards = _generate_counting_forwards(
+            model, lambda: mod.Runner(method, model, setup, None, 2, 40, 8, prefill_chunk=chunk), ids)
+        assert forwards == 4 + (5 if chunk else 0), (chunk, forwards)
     assert torch.equal(outs[0], outs[7])
 
 
@@ -240,21 +247,12 @@ def test_bench_generate_prefill_by_rows_gives_the_same_tokens(method):
     model = mod.C.build_model(setup)
     codebooks = mod.C.random_codebooks(setup.config, 2.0) if method == "ours" else None
     ids = torch.randint(3, setup.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
-    calls = []
-    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     outs = {}
-    try:
-        for rows in (0, 1):
-            calls.clear()
-            runner = mod.Runner(method, model, setup, codebooks, 2, 40, 8, prefill_chunk=7, prefill_rows=rows)
-            runner.compile_config = None
-            try:
-                outs[rows] = runner.generate(ids, 4)[2]
-            finally:
-                runner.close()
-            assert len(calls) == 4 + (10 if rows else 5), (rows, len(calls))
-    finally:
-        hook.remove()
+    for rows in (0, 1):
+        outs[rows], forwards = _generate_counting_forwards(
+            model, lambda: mod.Runner(method, model, setup, codebooks, 2, 40, 8, prefill_chunk=7, prefill_rows=rows),
+            ids)
+        assert forwards == 4 + (10 if rows else 5), (rows, forwards)
     assert torch.equal(outs[0], outs[1])
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferCache
+from vecinfer_compile.cache.reads import coded_kv
 
 from vecinfer_compile.hf.compat import cache_kwargs
 from vecinfer_compile.ops import dequantize as cache_ops
@@ -386,8 +387,7 @@ def _cache_kv_args(lam=True, rot=True, bits=2.0):
     layer.update(torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16))
     layer.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))
     s, qz = layer.storage, layer.quantizer
-    return (s.k_codes, s.v_codes, qz.key_centroids, qz.value_centroids, s.n_coded, s.k_window, s.v_window,
-            s.n_window, qz.lam if lam else None, qz.rotation if rot else None)
+    return (*coded_kv(s, qz), qz.lam if lam else None, qz.rotation if rot else None)
 
 
 @pytest.mark.parametrize("lam,rot,bits", [(True, True, 2.0), (False, False, 1.25), (True, False, 3.0)])

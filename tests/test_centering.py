@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
+from vecinfer_compile.cache.reads import coded_kv
 from vecinfer_compile.codebooks import LayerCodebooks, load_codebooks
 from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.methods import SIMULATE_ONLY, VQ_METHODS
@@ -246,8 +247,7 @@ def test_cache_decode_over_codes_and_window_is_exact(method):
         q, k_read.repeat_interleave(2, 1), v_read.repeat_interleave(2, 1), attn_mask=valid)
     s, qz = layer.storage, layer.quantizer
     q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
-    out = reference.decode_attention(q_t, s.k_codes, s.v_codes, qz.key_centroids, qz.value_centroids,
-                                     s.n_coded, s.k_window, s.v_window, s.n_window, None, 16 ** -0.5)
+    out = reference.decode_attention(q_t, coded_kv(s, qz), None, 16 ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
 
 

@@ -15,26 +15,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import vecinfer_compile.ops as ops  # noqa: F401  registers the ops
 from test_cache import assert_nearest
+from test_ops_cuda_decode import PRESET_SPECS, needs_cuda, nvrtc_or_skip
 from vecinfer_compile.ops.cuda import append as cuda_append
 from vecinfer_compile.ops import append, kernel_request
 from vecinfer_compile.ops.append import append_reference, transform_keys
 from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
-from vecinfer_compile.presets import PRESETS
 from vecinfer_compile.quant.packing import pack_codes, unpack_codes
 
-PRESET_SPECS = sorted({((p.key.entries, p.key.dims), (p.value.entries, p.value.dims)) for p in PRESETS.values()})
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 BUFFERS = ("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", "arrivals")
 
 
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_append_source_compiles_for_sm90(kspec, vspec):
-    try:
-        ops.cuda.nvrtc.nvrtc()
-    except CudaBuildError as exc:
-        pytest.skip(str(exc))
+    nvrtc_or_skip()
     for head_dim, fp16, matrix, mean, lam in ((128, False, 1, False, True), (64, True, 2, True, False),
                                               (128, False, 0, False, False)):
         variant = cuda_append.AppendVariant(head_dim, *kspec, *vspec, fp16, matrix, mean, lam)

@@ -26,7 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vecinfer_compile.ops as ops
-from test_ops_reference import decode_case
+from vecinfer_compile.ops.coded_kv import bundle_coded_kv
+from test_ops_reference import decode_case, reference_decode
 from test_ops_triton import _check_rule, _cuda, _decode_baseline_err
 from vecinfer_compile.ops.cuda import decode as cuda_decode
 from vecinfer_compile.ops import decode, kernel_request
@@ -37,7 +38,8 @@ PRESET_SPECS = sorted({((p.key.entries, p.key.dims), (p.value.entries, p.value.d
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _nvrtc_or_skip():
+def nvrtc_or_skip():
+    """Loads NVRTC, or skips the test (compiling a kernel needs no GPU, only the library)."""
     try:
         ops.cuda.nvrtc.nvrtc()
     except CudaBuildError as exc:
@@ -49,7 +51,7 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec):
     """Each preset's kernel compiles to an sm_90 cubin, with 4 and 12 warps per CTA, plain and in
     its cluster build (the lean build at 12 warps where the books have one; GQA 3 with the paired
     value product, GQA 16 without)."""
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     lean = cuda_decode.Variant(128, 4, *kspec, *vspec, False).can_be_lean
     for head_dim, group, fp16, nwarps, cluster in ((128, 4, False, 4, False), (128, 4, False, 4, True),
                                                    (64, 16, True, 12, True), (64, 2, False, 4, True),
@@ -256,8 +258,13 @@ def _decode(dtype, seed, **kw):
     return _cuda(decode_case(gen, dtype=dtype, **kw))
 
 
+def _kernel(args):
+    """The CUDA kernel over :func:`decode_case`'s arguments."""
+    return ops.decode_attention_cuda(*bundle_coded_kv(args, 1))
+
+
 def _check(args, got):
-    want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
+    want = reference_decode(args)
     assert got.dtype == args[0].dtype and got.shape == args[0].shape
     assert torch.isfinite(got).all()
     _check_rule(got, want, _decode_baseline_err(args, want))
@@ -276,11 +283,11 @@ def _against_layout(args, monkeypatch, layout: str, *, exact: bool) -> None:
     """The kernel on ``args`` (its shape-chosen build, which takes ``layout``) against the reference,
     then against the build without ``layout`` (:func:`_without`): bit for bit when ``exact`` (a
     change of where data sits only), else to rounding (the same products summed in another order)."""
-    got = ops.decode_attention_cuda(*args)
+    got = _kernel(args)
     _check(args, got)
     with monkeypatch.context() as m:
         _without(m, layout)
-        want = ops.decode_attention_cuda(*args)
+        want = _kernel(args)
     cuda_decode._build.cache_clear()
     if exact:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -312,7 +319,7 @@ def test_cuda_kernel_matches_reference(seed, specs, group, d, b, hkv, tmax, fill
     n_window = {"empty": 0, "partial": r // 2, "full": r}[window]
     args = _decode(dtype, seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=r, n_window=n_window,
                    d=d, kspec=specs[0], vspec=specs[1], with_start=with_start)
-    got = ops.decode_attention_cuda(*args)
+    got = _kernel(args)
     if n_coded + n_window == 0:
         assert (got == 0).all()
         return
@@ -326,7 +333,7 @@ def test_cuda_kernel_long_context(specs):
     """Llama-3.1-8B geometry, 20k positions: many splits, every preset."""
     args = _decode(torch.bfloat16, 7, b=2, hkv=8, group=4, tmax=20000, n_coded=19_873, r=128, n_window=77,
                    d=128, kspec=specs[0], vspec=specs[1], with_start=True)
-    _check(args, ops.decode_attention_cuda(*args))
+    _check(args, _kernel(args))
 
 
 @pytest.mark.cuda
@@ -336,9 +343,10 @@ def test_op_dispatches_to_cuda_and_env_forces_triton(monkeypatch):
                    kspec=(256, 4), vspec=(256, 4), with_start=False)
     monkeypatch.delenv(kernel_request.ENV, raising=False)
     assert decode.choose(args[0], args[1], args[3], args[4]) == "cuda"
-    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_cuda(*args), rtol=0, atol=0)
+    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), _kernel(args), rtol=0, atol=0)
     monkeypatch.setenv(kernel_request.ENV, "triton")
-    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_triton(*args), rtol=0, atol=0)
+    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_triton(*bundle_coded_kv(args, 1)),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.cuda
@@ -363,21 +371,21 @@ def test_cuda_kernel_in_a_cuda_graph_follows_the_length():
     """Captured once, replayed after the cache grew: the launch reads n_coded on the device."""
     args = list(_decode(torch.bfloat16, 5, b=2, hkv=8, group=4, tmax=4096, n_coded=1000, r=128, n_window=128,
                         d=128, kspec=(256, 4), vspec=(256, 4), with_start=False))
-    ops.decode_attention_cuda(*args)  # compile and load outside the capture
+    _kernel(args)  # compile and load outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ops.decode_attention_cuda(*args)
+        _kernel(args)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.decode_attention_cuda(*args)
+        out = _kernel(args)
     for n in (1000, 3001, 4096, 0):
         args[5].fill_(n)
         graph.replay()
         torch.cuda.synchronize()
         if n == 0:
-            want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
+            want = reference_decode(args)
             torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
         else:
             _check(args, out.clone())
@@ -394,14 +402,14 @@ def test_persistent_arrival_counters_are_left_zero_across_shapes_graphs_and_stre
                           kspec=(256, 4), vspec=(256, 4), with_start=True))
              for i, (b, hkv, t, n, w) in enumerate([(2, 8, 5000, 4900, 100), (1, 2, 300, 0, 7), (3, 4, 9000, 8999, 128)])]
     for args in cases * 2:
-        _check(args, ops.decode_attention_cuda(*args))
+        _check(args, _kernel(args))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        outs = [ops.decode_attention_cuda(*args) for args in cases]  # warm-up on the capture stream
+        outs = [_kernel(args) for args in cases]  # warm-up on the capture stream
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
-            graph_outs = [ops.decode_attention_cuda(*args) for args in cases]
+            graph_outs = [_kernel(args) for args in cases]
         for _ in range(3):
             graph.replay()
     torch.cuda.synchronize()
@@ -430,19 +438,19 @@ def test_cluster_merge_at_every_cluster_size(specs, monkeypatch):
         built = cuda_decode.kernels_for(variant, args[0].device)
         splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, ops.cuda.nvrtc.sm_count(0), built.nwarps)
         sizes.add(cuda_decode.cluster_size(built, b * hkv, splits))
-        got = ops.decode_attention_cuda(*args)
+        got = _kernel(args)
         _check(args, got)
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-            graph_out = ops.decode_attention_cuda(*args)
+            graph_out = _kernel(args)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(graph_out, got, rtol=0, atol=0)
         with monkeypatch.context() as m:
             m.setattr(cuda_decode, "cluster_size", lambda *a: None)
-            torch.testing.assert_close(ops.decode_attention_cuda(*args).float(), got.float(), rtol=1e-2, atol=1e-3)
+            torch.testing.assert_close(_kernel(args).float(), got.float(), rtol=1e-2, atol=1e-3)
     assert None not in sizes and len(sizes) >= 5, sizes  # every case clustered; sizes 1-8 (8 warps), 1-6 (12)
 
 
@@ -493,7 +501,7 @@ def test_lazy_softmax_follows_scores_that_climb_and_fall(dtype, direction, n_win
     reference. A kernel that never moved its max would overflow float16's P (2^16) here (checked by
     a mutation run on the H200, docs/results)."""
     args = _sawtooth(direction, n_window, dtype)
-    _check(args, ops.decode_attention_cuda(*args))
+    _check(args, _kernel(args))
     variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
     built = cuda_decode.kernels_for(variant, args[0].device)
     assert cuda_decode.num_splits(args[1].shape[1], args[1].shape[2], built.ctas_per_sm,
@@ -553,10 +561,10 @@ def test_byte_books_give_16_bit_books_output_exactly(specs, monkeypatch):
     args = list(_decode(torch.float16, 95, b=1, hkv=2, group=4, tmax=700, n_coded=650, r=128, n_window=40,
                         d=128, kspec=specs[0], vspec=specs[1], with_start=False))
     args[0], args[3], args[4] = args[0] / 4096, args[3] * 4096, args[4] * 4096
-    byte = ops.decode_attention_cuda(*args)
+    byte = _kernel(args)
     with monkeypatch.context() as m:
         _without(m, "byte_book")
-        wide = ops.decode_attention_cuda(*args)
+        wide = _kernel(args)
     cuda_decode._build.cache_clear()
     assert torch.isfinite(byte).all()
     torch.testing.assert_close(byte, wide, rtol=0, atol=0)

@@ -23,19 +23,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import vecinfer_compile.ops as ops  # noqa: F401  registers the ops
 from test_ops_cuda_append import _args, _clone
+from test_ops_cuda_decode import PRESET_SPECS, needs_cuda, nvrtc_or_skip
 from vecinfer_compile.ops.cuda import append as cuda_append
 from vecinfer_compile.ops.cuda import weigh as cuda_weigh
 from vecinfer_compile.ops import append, encode, kernel_request
 from vecinfer_compile.ops.append import append_reference, encode_flush
-from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
+from vecinfer_compile.ops.cuda.nvrtc import compile_source
 from vecinfer_compile.presets import PRESETS
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.weighted_codes import weigh_stored, weighted_loss
 
-PRESET_SPECS = sorted({((p.key.entries, p.key.dims), (p.value.entries, p.value.dims)) for p in PRESETS.values()})
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def spd(heads: int, dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -66,10 +64,7 @@ def assert_same_descent(x, start, got, want, centroids, metric, weight, what):
 
 @pytest.mark.parametrize("kspec,vspec", PRESET_SPECS)
 def test_cuda_weigh_source_compiles_for_sm90(kspec, vspec):
-    try:
-        ops.cuda.nvrtc.nvrtc()
-    except CudaBuildError as exc:
-        pytest.skip(str(exc))
+    nvrtc_or_skip()
     for head_dim, fmt in ((128, 2), (64, 1), (256, 0)):
         variant = cuda_weigh.WeighVariant(head_dim, *kspec, *vspec, fmt)
         for name in ("vq_weigh_rows", "vq_weigh_flush"):

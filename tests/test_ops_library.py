@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vecinfer_compile.ops as ops
+from vecinfer_compile.ops.coded_kv import bundle_coded_kv
 from vecinfer_compile.quant import unpack_codes
 from test_ops_reference import attention_case, decode_case
 
@@ -57,10 +58,10 @@ def test_cpu_decode_reads_the_filled_codes_only(n_coded, with_start, monkeypatch
     gen = torch.Generator().manual_seed(5)
     args = decode_case(gen, b=2, hkv=2, group=4, tmax=500, n_coded=n_coded, r=16, n_window=9, d=32,
                        kspec=(4096, 4), vspec=(256, 4), with_start=with_start, dtype=torch.float32)
-    want = ops.reference.decode_attention(*args)
+    want = ops.reference.decode_attention(*bundle_coded_kv(args, 1))
     seen = []
     real = ops.reference.decode_attention
-    monkeypatch.setattr(ops.reference, "decode_attention", lambda *a: seen.append(a[1].shape[2]) or real(*a))
+    monkeypatch.setattr(ops.reference, "decode_attention", lambda *a: seen.append(a[1].k_codes.shape[2]) or real(*a))
     torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), want, rtol=1e-6, atol=1e-6)
     assert seen == [n_coded]
 
@@ -138,4 +139,4 @@ def test_decode_rejects_python_ints_for_lengths():
 
 def test_unknown_score_variant():
     with pytest.raises(ValueError, match="score must be one of"):
-        ops.decode_attention_triton(*([None] * 11), score="fast")
+        ops.decode_attention_triton(*([None] * 4), score="fast")

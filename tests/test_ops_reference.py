@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
+from vecinfer_compile.ops import reference
+from vecinfer_compile.ops.coded_kv import bundle_coded_kv
 from vecinfer_compile.presets import PRESETS
 from vecinfer_compile.quant import codebook, hadamard_matrix, pack_codes, packed_width, unpack_codes
 from vecinfer_compile.quant.byte_centroids import snap_centroids
@@ -102,6 +103,13 @@ def expected_decode(args):
     if start is not None:
         mask = (torch.arange(nc + nw)[None, :] >= start[:, None].long())[:, None, None, :]
     return naive_attention(q, k, v, None, None, mask, False, scale, 0)
+
+
+def reference_decode(args):
+    """float64 ``[B, Hq, 1, D]``: the reference over :func:`decode_case`'s arguments (on their
+    device), with q in float32."""
+    q, kv, kv_start, scale = bundle_coded_kv(args, 1)
+    return reference.decode_attention(q.float(), kv, kv_start, scale).double()
 
 
 def assert_close(got, want, dtype):

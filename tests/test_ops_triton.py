@@ -22,7 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vecinfer_compile.ops as ops
-from test_ops_reference import SPECS, attention_case, decode_case, expected_attention, expected_decode, make_codes
+from vecinfer_compile.ops.coded_kv import bundle_coded_kv
+from test_ops_reference import (SPECS, attention_case, decode_case, expected_attention, expected_decode, make_codes,
+                                reference_decode)
 from vecinfer_compile.quant import codebook, hadamard_matrix, unpack_codes
 from vecinfer_compile.quant.score_aware import parallel_loss
 
@@ -77,7 +79,7 @@ def test_interp_decode_wide_heads(d):
     gen = torch.Generator().manual_seed(d)
     args = decode_case(gen, b=1, hkv=1, group=2, tmax=300, n_coded=290, r=40, n_window=37, d=d, kspec=(256, 4),
                        vspec=(4096, 8), with_start=True, dtype=torch.float32)
-    _fp32_tol(ops.decode_attention_triton(*args), expected_decode(args))
+    _fp32_tol(ops.decode_attention_triton(*bundle_coded_kv(args, 1)), expected_decode(args))
 
 
 @interp_only
@@ -102,7 +104,7 @@ def test_interp_decode(score, seed, b, hkv, group, tmax, frac, r, wfrac, d, kspe
     args = decode_case(gen, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=round(frac * tmax), r=r,
                        n_window=round(wfrac * r), d=d, kspec=kspec, vspec=vspec, with_start=with_start,
                        dtype=torch.float32)
-    _fp32_tol(ops.decode_attention_triton(*args, score=score), expected_decode(args))
+    _fp32_tol(ops.decode_attention_triton(*bundle_coded_kv(args, 1), score=score), expected_decode(args))
 
 
 @interp_only
@@ -290,12 +292,12 @@ def test_cuda_decode_realistic(score, dtype, kspec, vspec):
         pytest.skip("needs CUDA")
     args = _decode_args(dtype, 0, b=2, hkv=8, group=4, tmax=5000, n_coded=4871, r=128, n_window=77,
                         kspec=kspec, vspec=vspec, with_start=True)
-    want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
-    got = ops.decode_attention_triton(*args, score=score, wrap=False)
+    want = reference_decode(args)
+    got = ops.decode_attention_triton(*bundle_coded_kv(args, 1), score=score, wrap=False)
     assert got.dtype == dtype
     _check_rule(got, want, _decode_baseline_err(args, want))
-    torch.testing.assert_close(torch.ops.vecinfer.decode_attention_triton(*args), ops.decode_attention_triton(*args),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(torch.ops.vecinfer.decode_attention_triton(*args),
+                               ops.decode_attention_triton(*bundle_coded_kv(args, 1)), atol=0, rtol=0)
     _check_rule(torch.ops.vecinfer.decode_attention(*args), want, _decode_baseline_err(args, want))  # CUDA kernel if it runs
 
 
@@ -312,8 +314,8 @@ def test_cuda_decode_wide_heads(d, dtype):
         pytest.skip("needs CUDA")
     args = _decode_args(dtype, d, b=2, hkv=2, group=4, tmax=3000, n_coded=2900, r=128, n_window=77,
                         kspec=(256, 4), vspec=(256, 4), with_start=True, d=d)
-    want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
-    _check_rule(ops.decode_attention_triton(*args), want, _decode_baseline_err(args, want))
+    want = reference_decode(args)
+    _check_rule(ops.decode_attention_triton(*bundle_coded_kv(args, 1)), want, _decode_baseline_err(args, want))
     _check_rule(torch.ops.vecinfer.decode_attention(*args), want, _decode_baseline_err(args, want))
 
 
@@ -327,8 +329,8 @@ def test_cuda_decode_edges(tmax, n_coded, n_window, score):
         pytest.skip("needs CUDA")
     args = _decode_args(torch.bfloat16, tmax, b=3, hkv=2, group=8, tmax=tmax, n_coded=n_coded, r=128,
                         n_window=n_window, kspec=(256, 4), vspec=(4096, 8), with_start=False)
-    want = ops.reference.decode_attention(args[0].float(), *args[1:]).double()
-    got = ops.decode_attention_triton(*args, score=score)
+    want = reference_decode(args)
+    got = ops.decode_attention_triton(*bundle_coded_kv(args, 1), score=score)
     if n_coded + n_window == 0:
         assert (got == 0).all()
         return

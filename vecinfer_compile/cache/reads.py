@@ -20,7 +20,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..ops.decode import CodedKV, decode_attention
+from ..ops.coded_kv import CodedKV
+from ..ops.decode import decode_attention
 from ..ops.decode_inputs import kv_start_from_mask, mask_is_a_range, transform_queries
 from ..ops.split_attention import chunk as chunk_attention
 from ..ops.split_attention.chunk import ChunkKeys

@@ -3,12 +3,11 @@ smoothing only, Hadamard only at 2 and 1.5 bits) and an optional plot."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from ..methods import normalize_bits
-from . import add_calib_args, add_model_args, add_progress_arg, add_window_args, print_json
+from . import add_calib_args, add_model_args, add_progress_arg, add_window_args, save_and_print_json
 from .arguments import check_positions, check_quantizes, count, new_file, output_dir, text_file
 
 HELP = "perplexity table of every method and bit-width (and a plot)"
@@ -91,12 +90,7 @@ def run(args) -> int:
 
         plot_ppl_vs_bits(results, args.plot, title=f"{Path(args.model).name}: perplexity vs physical KV bits")
         result["plot"] = str(args.plot)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print_json(result)
-    else:
+    if not save_and_print_json(args, result):
         print(f"{args.model} on {args.text}: {args.windows} windows x {args.window_len} tokens, "
               f"calibrated on {args.calib_text} (<= {args.max_tokens} tokens), residual {args.residual}, "
               f"backend {args.backend}\n")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from ..methods import METHODS
-from . import add_calib_args, add_model_args, add_progress_arg, add_window_args, print_json
-from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_quantizes, check_vq_sources,
-                        codebook_file, count, method_with_codebooks, output_dir, text_file)
+from . import add_calib_args, add_codebook_source_args, add_model_args, add_progress_arg, add_window_args, print_json
+from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_quantizes, check_vq_sources, count,
+                        method_with_codebooks, text_file)
 
 HELP = "perplexity of one method on a text"
 
@@ -23,12 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--bits", type=bits_arg, default=None,
                    help="bits per element: VQ presets 4, 3, 2, 1.5, 1.25, 1; KIVI 2 or 4 "
                         "(default: the codebooks' bits, else 2; ignored for fp16)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--codebooks", metavar="FILE", type=codebook_file, help="codebooks from `vecinfer calibrate`")
-    src.add_argument("--calib-text", metavar="FILE", type=text_file("calibration text"),
-                     help="calibrate now on this text")
-    p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
-                   help="with --calib-text: save the codebooks in DIR (and reuse them when present)")
+    add_codebook_source_args(p, "codebooks from `vecinfer calibrate`", "calibrate now on this text",
+                             "with --calib-text: save the codebooks in DIR (and reuse them when present)")
     p.add_argument("--residual", type=count(0), default=0, metavar="R",
                    help="most recent R tokens stay full precision (default 0)")
     add_window_args(p, 16, 1024)

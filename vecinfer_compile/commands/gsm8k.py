@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 from ..methods import METHODS, normalize_bits
-from . import add_calib_args, add_model_args, add_progress_arg, print_json
-from .arguments import (bits_arg, check_positions, check_vq_sources, codebook_file, count, method_with_codebooks,
-                        new_file, output_dir, text_file)
+from . import (add_cache_backend_arg, add_calib_args, add_codebook_source_args, add_model_args, add_progress_arg,
+               save_and_print_json)
+from .arguments import bits_arg, check_positions, check_vq_sources, count, method_with_codebooks, new_file, text_file
 
 HELP = "few-shot GSM8K exact match (greedy generate through each method's KV cache)"
 
@@ -27,18 +25,12 @@ def register(subparsers) -> None:
                    help=f"comma-separated, of: {', '.join(METHODS)} (default fp16,vecinfer,kivi; with --codebooks "
                         "the file's method in place of vecinfer)")
     p.add_argument("--bits", type=bits_arg, default=2.0, help="bits of the quantized methods (default 2)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--codebooks", metavar="FILE", type=codebook_file,
-                     help="codebooks from `vecinfer calibrate` (one VQ method)")
-    src.add_argument("--calib-text", metavar="FILE", type=text_file("calibration text"),
-                     help="calibrate the VQ methods now on this text")
-    p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
-                   help="save (and reuse when present) calibrated codebooks in DIR")
+    add_codebook_source_args(p, "codebooks from `vecinfer calibrate` (one VQ method)",
+                             "calibrate the VQ methods now on this text",
+                             "save (and reuse when present) calibrated codebooks in DIR")
     p.add_argument("--limit", type=count(1), default=20, metavar="N", help="problems scored (default 20)")
     p.add_argument("--shots", type=count(0), default=4, metavar="K", help="few-shot examples (default 4)")
-    p.add_argument("--backend", choices=["eager", "compile"], default="eager",
-                   help="the cache's decode step: eager (default), or compiled with vecinfer_backend "
-                        "(the fused kernel over codes)")
+    add_cache_backend_arg(p)
     p.add_argument("--residual", type=count(0), default=128, metavar="R",
                    help="most recent R tokens stay full precision (default 128)")
     p.add_argument("--max-new-tokens", type=count(1), default=256, metavar="N", help="default 256")
@@ -97,12 +89,7 @@ def run(args) -> int:
         "methods": [r.as_dict() for r in results],
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    if args.json:
-        print_json(out)
-    else:
+    if not save_and_print_json(args, out):
         print(f"{args.model} on {args.data}: {args.shots}-shot, {len(prompts)} problems scored, greedy, "
               f"up to {args.max_new_tokens} new tokens")
         for r in results:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 from ..methods import METHODS
-from . import add_calib_args, add_model_args, add_progress_arg, print_json
-from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_quantizes, check_vq_sources,
-                        codebook_file, count,
-                        input_dir, method_with_codebooks, new_file, number_list, output_dir, text_file)
+from . import (add_cache_backend_arg, add_calib_args, add_codebook_source_args, add_model_args, add_progress_arg,
+               save_and_print_json)
+from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_quantizes, check_vq_sources, count,
+                        input_dir, method_with_codebooks, new_file, number_list)
 
 HELP = "needle-in-a-haystack accuracy (lengths x depths) through a method's KV cache"
 # The templates of evaluation.needle, named here so that parsing the arguments loads no torch.
@@ -36,15 +34,9 @@ def register(subparsers) -> None:
                    help=f"one of {', '.join(METHODS)} (default: the method --codebooks was calibrated for, else fp16)")
     p.add_argument("--bits", type=bits_arg, default=None,
                    help="bits: VQ presets 4, 3, 2, 1.5, 1.25, 1; KIVI 2 or 4 (default: codebooks' bits, else 2)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--codebooks", metavar="FILE", type=codebook_file, help="codebooks from `vecinfer calibrate`")
-    src.add_argument("--calib-text", metavar="FILE", type=text_file("calibration text"),
-                     help="calibrate now on this text")
-    p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
-                   help="with --calib-text: save (and reuse when present) codebooks in DIR")
-    p.add_argument("--backend", choices=["eager", "compile"], default="eager",
-                   help="the cache's decode step: eager (default), or compiled with vecinfer_backend "
-                        "(the fused kernel over codes)")
+    add_codebook_source_args(p, "codebooks from `vecinfer calibrate`", "calibrate now on this text",
+                             "with --calib-text: save (and reuse when present) codebooks in DIR")
+    add_cache_backend_arg(p)
     p.add_argument("--residual", type=count(0), default=128, metavar="R",
                    help="most recent R tokens stay full precision (default 128, as VecInferCache)")
     p.add_argument("--trials", type=count(1), default=2, metavar="N", help="prompts per cell (default 2)")
@@ -111,12 +103,7 @@ def run(args) -> int:
                      f"({gm.layer_bits_text} per layer)\nmean accuracy {result.accuracy:.2f}, {result.trials} trials/cell")
         plot_grid(result, args.plot, title)
         out["plot"] = str(args.plot)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    if args.json:
-        print_json(out)
-    else:
+    if not save_and_print_json(args, out):
         print(f"{args.model}: needle ({args.template}), {args.trials} trials/cell, "
               f"{args.max_new_tokens} new tokens, greedy")
         print(result.note)

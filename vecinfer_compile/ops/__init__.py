@@ -2,7 +2,7 @@
 per op family, each with its schema, fake, dispatch and kernel choice:
 
 - :mod:`.decode`: ``decode_attention`` (and its kernels ``decode_attention_cuda`` /
-  ``decode_attention_triton``), one query token over the codes; :class:`.decode.CodedKV`;
+  ``decode_attention_triton``), one query token over the codes;
 - :mod:`.append`: ``cache_append`` (and ``cache_append_cuda``), ``record_undo``;
 - :mod:`.encode`: ``encode``, ``quantize``, ``weigh_codes``;
 - :mod:`.dequantize`: ``cache_kv`` (the cache's eager read), ``prefill_read``, a chunk's prefix;
@@ -10,7 +10,9 @@ per op family, each with its schema, fake, dispatch and kernel choice:
 - :mod:`.split_attention`: chunk (``chunk_attention``) and windowed attention, merged by log-sum-exp.
 
 Kernels: :mod:`.cuda` (NVRTC) and :mod:`.triton`; :mod:`.reference` holds every float32 oracle;
-:mod:`.kernel_request` the user's choice of kernels; :mod:`.decode_inputs` the query-side inputs.
+:mod:`.kernel_request` the user's choice of kernels; :mod:`.decode_inputs` the query-side inputs;
+:mod:`.coded_kv` the bundle of a layer's coded K/V (:class:`.coded_kv.CodedKV`) that the decode and
+``cache_kv`` implementations take, and their flat op functions.
 """
 
 from . import append, attention, decode, dequantize, encode, reference

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..quant.packing import code_bits, packed_width
+from .coded_kv import CodedKV
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -112,8 +113,9 @@ def check_attention_args(q, k_codes, v_codes, k_centroids, v_centroids, k_full, 
     return check_gqa(q.shape[1], k_codes.shape[1])
 
 
-def check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start) -> int:
+def check_decode_args(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor | None) -> int:
     """Checks the decode op's arguments; returns the GQA group size."""
+    k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window = kv
     check_rank(q, 4, "q", "[B, Hq, 1, D]")
     check_float(q, "q")
     if q.shape[2] != 1:

@@ -7,7 +7,7 @@ Schema (the three ops share it)::
         Tensor? kv_start, float scale) -> Tensor
 
 q ``[B, Hq, 1, D]`` (the transformed query ``q~``); the coded K/V travel as one
-:class:`CodedKV` in Python and flat in the schema; ``kv_start`` ``[B]`` int (left padding) or
+:class:`.coded_kv.CodedKV` in Python and flat in the schema; ``kv_start`` ``[B]`` int (left padding) or
 None. Contract and oracle: :func:`.reference.decode_attention`.
 
 - ``decode_attention`` is the public op: on CUDA it runs the CUDA kernel (:mod:`.cuda.decode`)
@@ -23,36 +23,17 @@ The compile pass emits the kernel-specific op it resolved, so the choice is part
 
 from __future__ import annotations
 
-import inspect
 import logging
-from typing import NamedTuple
 
 import torch
 
 from . import reference
+from .coded_kv import CodedKV, flat_op
 from .cuda import decode as cuda_decode
 from .cuda.decode import decode_attention_cuda
 from .kernel_request import fall_back, requested
 from .registry import define
 from .triton.decode import decode_attention_triton
-
-
-class CodedKV(NamedTuple):
-    """One layer's coded K/V as the decode kernels read them (the flat order of the schema).
-
-    ``k_codes``/``v_codes`` ``[B, Hkv, Tmax, W]`` uint8 stored codes; ``k_centroids``/
-    ``v_centroids`` ``[E, d]`` float32; ``n_coded`` 0-d int (filled code slots); ``k_window``/
-    ``v_window`` ``[B, Hkv, R, D]`` the full-precision window (``K~`` and ``V``); ``n_window`` 0-d
-    int (filled window slots)."""
-
-    k_codes: torch.Tensor
-    v_codes: torch.Tensor
-    k_centroids: torch.Tensor
-    v_centroids: torch.Tensor
-    n_coded: torch.Tensor
-    k_window: torch.Tensor
-    v_window: torch.Tensor
-    n_window: torch.Tensor
 
 
 def decode_attention(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -74,33 +55,27 @@ def choose(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor, v_
     return "triton"
 
 
-def _with_signature(fn):
-    """``fn`` with the oracle's signature (:func:`.reference.decode_attention`), from which the
-    op's schema is inferred: the dispatchers pass the arguments through."""
-    fn.__signature__ = inspect.signature(reference.decode_attention)
-    return fn
+def _decode_op(impl):
+    """The op function of ``impl(q, kv, kv_start, scale)``: its flat signature (the schema's)."""
+    return flat_op(impl, {"q": torch.Tensor}, {"kv_start": torch.Tensor | None, "scale": float}, torch.Tensor)
 
 
-@_with_signature
-def _triton_or_reference(q, k_codes, v_codes, *rest) -> torch.Tensor:
+def _triton_or_reference(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor | None, scale: float) -> torch.Tensor:
     if q.device.type == "cuda":
-        return decode_attention_triton(q, k_codes, v_codes, *rest, wrap=True)
-    n_coded = rest[2]
-    if q.device.type == "cpu" and type(q) is torch.Tensor and type(n_coded) is torch.Tensor:
+        return decode_attention_triton(q, kv, kv_start, scale, wrap=True)
+    if q.device.type == "cpu" and type(q) is torch.Tensor and type(kv.n_coded) is torch.Tensor:
         # Plain CPU tensors (not a tracer's fake or functional ones): reading n_coded costs no
         # synchronisation, so only the filled positions are dequantized and a step costs what the
         # cache holds, not its capacity (the reference masks every one of the Tmax positions).
-        n = max(int(n_coded), 0)
-        k_codes, v_codes = k_codes[:, :, :n], v_codes[:, :, :n]
-    return reference.decode_attention(q, k_codes, v_codes, *rest)
+        n = max(int(kv.n_coded), 0)
+        kv = kv._replace(k_codes=kv.k_codes[:, :, :n], v_codes=kv.v_codes[:, :, :n])
+    return reference.decode_attention(q, kv, kv_start, scale)
 
 
-@_with_signature
-def _decode_attention(*args) -> torch.Tensor:
-    q, k_codes, _, k_centroids, v_centroids = args[:5]
-    if q.device.type == "cuda" and choose(q, k_codes, k_centroids, v_centroids) == "cuda":
-        return torch.ops.vecinfer.decode_attention_cuda(*args)
-    return _triton_or_reference(*args)
+def _decode_attention(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor | None, scale: float) -> torch.Tensor:
+    if q.device.type == "cuda" and choose(q, kv.k_codes, kv.k_centroids, kv.v_centroids) == "cuda":
+        return torch.ops.vecinfer.decode_attention_cuda(q, *kv, kv_start, scale)
+    return _triton_or_reference(q, kv, kv_start, scale)
 
 
 def _fake(q, *rest) -> torch.Tensor:
@@ -108,9 +83,9 @@ def _fake(q, *rest) -> torch.Tensor:
 
 
 def register() -> None:
-    define("decode_attention_cuda", decode_attention_cuda, kind="opaque", fake=_fake)
-    define("decode_attention_triton", _triton_or_reference, kind="triton")
-    define("decode_attention", _decode_attention, kind="triton")
+    define("decode_attention_cuda", _decode_op(decode_attention_cuda), kind="opaque", fake=_fake)
+    define("decode_attention_triton", _decode_op(_triton_or_reference), kind="triton")
+    define("decode_attention", _decode_op(_decode_attention), kind="triton")
 
 
 register()

@@ -26,6 +26,7 @@ import logging
 import torch
 
 from ..quant.packing import packed_width, unpack_codes
+from .coded_kv import CodedKV, flat_op
 from .cuda import dequant as cuda_dequant
 from .registry import define
 from .triton.dequant import dequantize_triton
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
 
-
-def _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation):
+def _check(kv: CodedKV, lam: torch.Tensor | None, rotation: torch.Tensor | None) -> None:
+    k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window = kv
     for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes"), (k_window, "k_window"), (v_window, "v_window")):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-d [B, Hkv, T, *], got {tuple(t.shape)}")
@@ -80,29 +81,26 @@ def _assemble(codes, centroids, n_coded, window, n_window) -> torch.Tensor:
     return torch.where((t < n_coded)[:, None], dec, out)
 
 
+def _empty_outputs(kv: CodedKV, lam: torch.Tensor | None,
+                   rotation: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks the arguments; uninitialised outputs ``[B, Hkv, Tmax, D]`` in the window's dtype (the
+    op's fake, and what :func:`cache_kv` fills)."""
+    _check(kv, lam, rotation)
+    b, h, tmax, _ = kv.k_codes.shape
+    d = kv.k_window.shape[-1]
+    return kv.k_window.new_empty((b, h, tmax, d)), kv.v_window.new_empty((b, h, tmax, d))
+
+
 ROW_CHUNK_ELEMENTS = 1 << 26  # float32 elements of K (or V) dequantized at once: 256 MiB of temporaries
 
 
-def cache_kv(
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    n_coded: torch.Tensor,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    n_window: torch.Tensor,
-    lam: torch.Tensor | None,
-    rotation: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_kv(kv: CodedKV, lam: torch.Tensor | None, rotation: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Computed a few batch rows at a time into outputs of the window dtype, so the float32
     temporaries stay near :data:`ROW_CHUNK_ELEMENTS` whatever the batch (at 160 rows of 32k the
     whole-batch form needed 20 GiB more than the outputs)."""
-    _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation)
-    b, h, tmax, _ = k_codes.shape
-    d = k_window.shape[-1]
-    k_out = k_window.new_empty((b, h, tmax, d))
-    v_out = v_window.new_empty((b, h, tmax, d))
+    k_out, v_out = _empty_outputs(kv, lam, rotation)
+    k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window = kv
+    b, h, tmax, d = k_out.shape
     rows = max(1, ROW_CHUNK_ELEMENTS // max(h * tmax * d, 1))
     for i in range(0, b, rows):
         j = min(i + rows, b)
@@ -115,15 +113,6 @@ def cache_kv(
         del kt
         v_out[i:j] = _assemble(v_codes[i:j], v_centroids, n_coded, v_window[i:j], n_window)
     return k_out, v_out
-
-
-def _cache_kv_fake(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation):
-    _check(k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, lam, rotation)
-    b, h, tmax, _ = k_codes.shape
-    d = k_window.shape[-1]
-    k = k_window.new_empty((b, h, tmax, d))
-    v = v_window.new_empty((b, h, tmax, d))
-    return k, v
 
 
 def prefill_read(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,5 +138,8 @@ def dequantize_into(codes: torch.Tensor, centroids: torch.Tensor, length: int, o
     return dequantize_triton(codes, centroids, length, out)
 
 
-define("cache_kv", cache_kv, kind="opaque", fake=_cache_kv_fake)
+_OPTIONAL_TRANSFORMS = {"lam": torch.Tensor | None, "rotation": torch.Tensor | None}
+_KV_PAIR = tuple[torch.Tensor, torch.Tensor]
+define("cache_kv", flat_op(cache_kv, {}, _OPTIONAL_TRANSFORMS, _KV_PAIR), kind="opaque",
+       fake=flat_op(_empty_outputs, {}, _OPTIONAL_TRANSFORMS, _KV_PAIR))
 define("prefill_read", prefill_read, kind="opaque", fake=lambda key, value: (torch.empty_like(key), torch.empty_like(value)))

@@ -18,6 +18,7 @@ from ..quant.packing import pack_codes, unpack_codes
 from ..quant.score_aware import score_aware_indices
 from ..window import simulate_mask
 from .checks import check_attention_args, check_decode_args, check_encode_args
+from .coded_kv import CodedKV
 
 if TYPE_CHECKING:
     from .split_attention.chunk import ChunkKeys
@@ -146,28 +147,17 @@ def attention(
     return out.reshape(b, hq, tq, d).to(q.dtype)
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    n_coded: torch.Tensor,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    n_window: torch.Tensor,
-    kv_start: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One decode step over a compressed cache.
 
-    q ``[B, Hq, 1, D]`` (q~); k_codes/v_codes ``[B, Hkv, Tmax, W]`` uint8 stored codes
-    (``W = packed_width(D // d, E)``) of which the first
+    q ``[B, Hq, 1, D]`` (q~); ``kv`` (:class:`~.coded_kv.CodedKV`): k_codes/v_codes
+    ``[B, Hkv, Tmax, W]`` uint8 stored codes (``W = packed_width(D // d, E)``) of which the first
     ``n_coded`` (0-d int tensor) positions are valid; k_window (K~) / v_window ``[B, Hkv, R, D]``
     full precision, first ``n_window`` valid, slot s is position ``n_coded + s``; kv_start ``[B]``
     int or None masks positions ``< kv_start[b]``. Returns ``[B, Hq, 1, D]`` in q.dtype.
     """
-    group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)
+    group = check_decode_args(q, kv, kv_start)
+    k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window = kv
     b, hq, _, d = q.shape
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
     r = k_window.shape[2]

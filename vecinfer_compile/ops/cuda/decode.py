@@ -64,8 +64,9 @@ from torch._dynamo.utils import counters
 from ...quant.byte_centroids import BYTE_BOOK_ENTRIES, packed_byte_book
 from ...quant.packing import is_packed
 from ..checks import check_decode_args
+from ..coded_kv import CodedKV
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
-                    sm_count)
+                    sm_count, unfit_device_reason)
 
 SOURCE = Path(__file__).with_name("decode.cu")
 
@@ -200,13 +201,11 @@ def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torc
                        v_centroids: torch.Tensor) -> str | None:
     """Why the CUDA kernel cannot run these inputs (None if it can). Shapes and dtypes only;
     building (NVRTC, the driver) is checked by :func:`build_error`."""
-    if q.device.type != "cuda":
-        return f"the inputs are on {q.device.type}, not CUDA"
-    if q.dtype not in DTYPES:
-        return f"queries are {q.dtype}; the CUDA kernel multiplies bfloat16/float16 on tensor cores"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major * 10 + minor < MIN_ARCH:
-        return f"the GPU is sm_{major}{minor}; the CUDA kernel needs sm_80 or newer"
+    reason = unfit_device_reason(
+        q, DTYPES, "queries are {dtype}; the CUDA kernel multiplies bfloat16/float16 on tensor cores",
+        "the CUDA kernel", MIN_ARCH)
+    if reason is not None:
+        return reason
     d = int(q.shape[-1])  # int(): a symbolic size (dynamic=True) is specialised here
     if d not in HEAD_DIMS:
         return f"head_dim {d} (the CUDA kernel is built for {HEAD_DIMS})"
@@ -407,26 +406,15 @@ def _index_is64(t: torch.Tensor) -> int:
     return int(t.dtype == torch.int64)
 
 
-def decode_attention_cuda(
-    q: torch.Tensor,
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    n_coded: torch.Tensor,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    n_window: torch.Tensor,
-    kv_start: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def decode_attention_cuda(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Same contract as :func:`vecinfer_compile.ops.reference.decode_attention`: q ``[B, Hq, 1, D]``
-    bf16/fp16 (q~), stored codes ``[B, Hkv, Tmax, W]`` uint8 (``W = D // d``, packed when 12-bit),
-    centroids float32 ``[E, d]``,
+    bf16/fp16 (q~), ``kv`` (:class:`~..coded_kv.CodedKV`) with stored codes ``[B, Hkv, Tmax, W]``
+    uint8 (``W = D // d``, packed when 12-bit), centroids float32 ``[E, d]``,
     windows ``[B, Hkv, R, D]``, ``n_coded``/``n_window`` 0-d int tensors, ``kv_start`` ``[B]`` or
     None -> ``[B, Hq, 1, D]`` in q.dtype. Raises :class:`CudaBuildError` if the inputs or the
     machine do not fit the kernel (see :func:`unsupported_reason`)."""
-    group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)
+    group = check_decode_args(q, kv, kv_start)
+    k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window = kv
     reason = unsupported_reason(q, k_codes, k_centroids, v_centroids)
     if reason is not None:
         raise CudaBuildError(f"the CUDA decode kernel cannot run this call: {reason}; use the Triton kernel")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ...quant.packing import is_packed
-from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count
+from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
 
 SOURCE = Path(__file__).with_name("dequant.cu")
 THREADS = 256
@@ -46,13 +46,11 @@ class DequantVariant:
 
 def unsupported_reason(codes: torch.Tensor, centroids: torch.Tensor, out: torch.Tensor) -> str | None:
     """Why the CUDA kernel cannot run this call (None if it can); building is :func:`build_error`'s."""
-    if out.device.type != "cuda":
-        return f"the workspace is on {out.device.type}, not CUDA"
-    if out.dtype not in DTYPES:
-        return f"the workspace is {out.dtype}; the CUDA dequantization writes bfloat16/float16"
-    major, minor = torch.cuda.get_device_capability(out.device)
-    if major * 10 + minor < MIN_ARCH:
-        return f"the GPU is sm_{major}{minor}; the CUDA dequantization needs sm_80 or newer"
+    reason = unfit_device_reason(
+        out, DTYPES, "the workspace is {dtype}; the CUDA dequantization writes bfloat16/float16",
+        "the CUDA dequantization", MIN_ARCH, subject="the workspace is")
+    if reason is not None:
+        return reason
     entries, dims = (int(x) for x in centroids.shape)
     d = int(out.shape[-1])
     if dims not in CENTROID_DIMS or entries > MAX_ENTRIES or (entries * dims) % 8:

@@ -35,6 +35,22 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def unfit_device_reason(t: torch.Tensor, dtypes, dtype_reason: str, kernel: str, min_arch: int,
+                        subject: str = "the inputs are") -> str | None:
+    """Why ``kernel`` (its name in the message, e.g. ``"the CUDA kernel"``) cannot run on ``t``
+    (None if it can), checked in this order: ``t`` (``subject`` in the message) is not on a CUDA
+    device; its dtype is not in ``dtypes`` (``dtype_reason``, formatted with ``dtype``); the GPU is
+    older than ``sm_<min_arch>``. Reads no data, so it works on fake tensors."""
+    if t.device.type != "cuda":
+        return f"{subject} on {t.device.type}, not CUDA"
+    if t.dtype not in dtypes:
+        return dtype_reason.format(dtype=t.dtype)
+    major, minor = torch.cuda.get_device_capability(t.device)
+    if major * 10 + minor < min_arch:
+        return f"the GPU is sm_{major}{minor}; {kernel} needs sm_{min_arch} or newer"
+    return None
+
+
 @functools.cache
 def sm_count(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (launch shapes are sized from it)."""

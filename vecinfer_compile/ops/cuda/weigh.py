@@ -25,7 +25,7 @@ import torch
 
 from ...quant.packing import is_packed, packed_width
 from ...quant.weighted_codes import SWEEPS
-from .nvrtc import CudaBuildError, build_kernel, device_index
+from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason
 
 SOURCE = Path(__file__).with_name("weigh.cu")
 CENTROID_DIMS = (2, 4, 8)
@@ -66,13 +66,11 @@ class WeighVariant:
 def unsupported_reason(x: torch.Tensor, *books: torch.Tensor) -> str | None:
     """Why the kernels cannot encode ``x: [..., D]`` with these ``[E, d]`` books (None if they can).
     Shapes and dtypes only, so it works on fake tensors."""
-    if x.device.type != "cuda":
-        return f"the inputs are on {x.device.type}, not CUDA"
-    if x.dtype not in INPUT_FORMATS:
-        return f"the vectors are {x.dtype}; the CUDA encoder reads float32, float16 or bfloat16"
-    major, minor = torch.cuda.get_device_capability(x.device)
-    if major * 10 + minor < MIN_ARCH:
-        return f"the GPU is sm_{major}{minor}; the CUDA encoder needs sm_80 or newer"
+    reason = unfit_device_reason(
+        x, INPUT_FORMATS, "the vectors are {dtype}; the CUDA encoder reads float32, float16 or bfloat16",
+        "the CUDA encoder", MIN_ARCH)
+    if reason is not None:
+        return reason
     d = int(x.shape[-1])
     for book in books:
         entries, dims = (int(v) for v in book.shape)

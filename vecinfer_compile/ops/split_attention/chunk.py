@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..coded_kv import CodedKV, flat_op
 from ..decode_inputs import chunk_mask_layout, kv_start_from_mask
 from ..dequantize import dequantize_into
 from ..reference import chunk_kv_dense, chunk_mask
@@ -263,31 +264,25 @@ def attend_masked(q: torch.Tensor, keys: ChunkKeys, attn_mask: torch.Tensor | No
     return attend(q, keys, kv_start, scale, explicit)
 
 
-def chunk_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, k_centroids: torch.Tensor,
-                    v_centroids: torch.Tensor, n_coded: torch.Tensor, k_window: torch.Tensor,
-                    v_window: torch.Tensor, n_window: torch.Tensor, attn_mask: torch.Tensor | None,
-                    scale: float) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, kv: CodedKV, attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """``vecinfer::chunk_attention`` (the module docstring): ``q: [B, Hq, C, D]`` (``q~``) over the
-    ``n_coded`` coded slots and the ``n_window`` filled window slots ``[B, H, W, D]``, the chunk's
-    own keys last. Returns ``[B, Hq, C, D]`` in q.dtype, laid out as a ``[B, C, Hq, D]`` tensor."""
-    n, w = torch.stack([n_coded.long(), n_window.long()]).tolist()  # the one host sync
-    keys = ChunkKeys(k_codes, v_codes, k_centroids, v_centroids, n, k_window[:, :, :w].transpose(1, 2),
-                     v_window[:, :, :w].transpose(1, 2))
-    out = attend_masked(q, keys, attn_mask, scale, k_codes.shape[2])
+    ``n_coded`` coded slots and the ``n_window`` filled window slots ``[B, H, W, D]`` of ``kv``,
+    the chunk's own keys last. Returns ``[B, Hq, C, D]`` in q.dtype, laid out as a
+    ``[B, C, Hq, D]`` tensor."""
+    n, w = torch.stack([kv.n_coded.long(), kv.n_window.long()]).tolist()  # the one host sync
+    keys = ChunkKeys(kv.k_codes, kv.v_codes, kv.k_centroids, kv.v_centroids, n,
+                     kv.k_window[:, :, :w].transpose(1, 2), kv.v_window[:, :, :w].transpose(1, 2))
+    out = attend_masked(q, keys, attn_mask, scale, kv.k_codes.shape[2])
     if out.stride() == _output_like(q).stride():  # the fast path's layout
         return out
     return _output_like(q).copy_(out)
 
 
-def _output_like(q: torch.Tensor) -> torch.Tensor:
-    """An empty ``[B, Hq, C, D]`` output for ``q``, a transposed ``[B, C, Hq, D]`` buffer."""
+def _output_like(q: torch.Tensor, *unused) -> torch.Tensor:
+    """An empty ``[B, Hq, C, D]`` output for ``q``, a transposed ``[B, C, Hq, D]`` buffer (also
+    the op's fake, which ignores the other arguments)."""
     b, hq, c, d = q.shape
     return q.new_empty((b, c, hq, d)).transpose(1, 2)
-
-
-def _chunk_attention_fake(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window,
-                          attn_mask, scale):
-    return _output_like(q)
 
 
 _logged: set[str] = set()
@@ -299,5 +294,6 @@ def _log_once(message: str) -> None:
         log.info(message)
 
 
-define("chunk_attention", chunk_attention, kind="opaque", fake=_chunk_attention_fake,
+_ARGS = ({"q": torch.Tensor}, {"attn_mask": torch.Tensor | None, "scale": float}, torch.Tensor)
+define("chunk_attention", flat_op(chunk_attention, *_ARGS), kind="opaque", fake=flat_op(_output_like, *_ARGS),
        tags=(torch.Tag.cudagraph_unsafe,))

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ...quant.packing import is_packed
 from ..checks import check_decode_args
+from ..coded_kv import CodedKV
 from .common import (
     LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, rows_for_head_dim, softmax_step,
     unit_last_stride,
@@ -211,14 +212,7 @@ def num_splits(batch_heads: int, tmax: int, device: torch.device, config: SplitC
 
 def decode_attention_triton(
     q: torch.Tensor,
-    k_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    k_centroids: torch.Tensor,
-    v_centroids: torch.Tensor,
-    n_coded: torch.Tensor,
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    n_window: torch.Tensor,
+    kv: CodedKV,
     kv_start: torch.Tensor | None,
     scale: float,
     *,
@@ -233,7 +227,8 @@ def decode_attention_triton(
     fewer positions per step in both kernels (:func:`~.common.rows_for_head_dim`)."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-    group = check_decode_args(q, k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window, kv_start)
+    group = check_decode_args(q, kv, kv_start)
+    k_codes, v_codes, k_centroids, v_centroids, n_coded, k_window, v_window, n_window = kv
     b, hq, _, d = q.shape
     hkv, tmax = k_codes.shape[1], k_codes.shape[2]
     check_head_dim_pow2(d)
