@@ -27,6 +27,10 @@ Rows (the section "A long-block key codec: the study" of docs/results/accuracy.m
 - ``klt_kmeans{g}``: KLT, components in blocks of ``g`` by decreasing variance, greedy integer
   bits per block (under a k-means curve measured on Gaussian samples), a k-means book of
   ``2^b x g`` per head and block.
+- ``klt_trellis{L}``: KLT, the same integer bits per component as ``klt_lloyd``, each coded
+  component divided by its standard deviation and the 128-long sequence coded by a bitshift trellis
+  of ``2^L`` states (:mod:`vecinfer_compile.quant.trellis`: Viterbi, tables of ``2^L`` entries per
+  bit width and head trained on 4,096 calibration vectors), no side information.
 - ``..._gain8``: the same with each token's norm (per head) stored apart in 8 bits (Lloyd-Max on
   its log) and the components quantized after dividing by it, with 248 bits left for them.
 
@@ -54,6 +58,7 @@ from vecinfer_compile.quant.kmeans import kmeans, nearest_centroid  # noqa: E402
 from vecinfer_compile.quant.klt import (KLT, gaussian_lloyd_max_distortion, greedy_allocation,  # noqa: E402
                                         lloyd_max, scalar_quantize)
 from vecinfer_compile.quant.rate_distortion import IdealChannel, water_fill  # noqa: E402
+from vecinfer_compile.quant.trellis import reconstruct, train_luts, viterbi  # noqa: E402
 
 WINDOW = 1024
 BITS = 2  # a key element
@@ -180,7 +185,7 @@ def refined_books(model_dir: str, layer: int, keys: torch.Tensor, values: torch.
 
 
 def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, windows: tuple[int, int, int],
-                curves: dict, rows: set[str], seed: int, model_dir: str = "") -> dict:
+                curves: dict, rows: set[str], seed: int, model_dir: str = "", trellis_bits: int = 10) -> dict:
     """One layer's rows; ``keys, values: [H, N, D]``, ``queries: [H_q, N, D]`` over the recorded windows;
     ``windows``: (fit, ideal-fit, held-out start) in windows of 1,025 recorded tokens."""
     per = WINDOW + 1
@@ -243,6 +248,20 @@ def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: t
         if "gain" in rows:
             gs = GainShape(y_fit, g, budget, curves[g], seed)
             out[name + f"_gain{GAIN_BITS}"] = relative_error(test, klt.inverse(gs(y_test)))
+    if "trellis" in rows:
+        t1 = time.time()
+        y_hat = torch.zeros_like(y_test)
+        for i in range(h):
+            cols = bits[i].nonzero()[:, 0]
+            steps = bits[i, cols].tolist()
+            sd = klt.variance[i, cols].sqrt()
+            gen = torch.Generator().manual_seed(seed + i)
+            sample = y_fit[i][torch.randperm(y_fit.shape[1], generator=gen)[:4096]][:, cols] / sd
+            luts = train_luts(sample, steps, trellis_bits, rounds=3, seed=seed + i)
+            walk = viterbi(y_test[i][:, cols] / sd, steps, luts)
+            y_hat[i][:, cols] = reconstruct(walk, steps, luts).double() * sd
+        out[f"klt_trellis{trellis_bits}"] = relative_error(test, klt.inverse(y_hat))
+        out["trellis_seconds"] = time.time() - t1
     out["seconds"] = time.time() - t0
     return out
 
@@ -253,7 +272,8 @@ def main(argv=None) -> None:
     ap.add_argument("--calib-text", default="../shared/data/text/calibration.txt")
     ap.add_argument("--layers", default="all")
     ap.add_argument("--rows", default="kmeans,g1,g2,g4,gain",
-                    help="kmeans, refined (slow), g1 (Lloyd-Max), g2, g4, gain")
+                    help="kmeans, refined (slow), g1 (Lloyd-Max), g2, g4, gain, trellis")
+    ap.add_argument("--trellis-bits", type=int, default=10, help="L: the trellis has 2^L states")
     ap.add_argument("--record-cache", help="a .pt file holding (or to hold) the recorded keys and queries")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows here")
@@ -263,13 +283,14 @@ def main(argv=None) -> None:
     keys, values, queries = record(args.model, args.calib_text, 40 * WINDOW, args.record_cache)
     layers = sorted(keys) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     t0 = time.time()
-    curves = {1: gaussian_lloyd_max_distortion(12), 2: kmeans_curve(2, 12), 4: kmeans_curve(4, 12)}
+    curves = {1: gaussian_lloyd_max_distortion(12)}
+    curves.update({g: kmeans_curve(g, 12) for g in (2, 4) if f"g{g}" in rows})
     print("unit-Gaussian curves (error an element at b bits a block):",
           {g: [round(v, 4) for v in c.tolist()] for g, c in curves.items()}, f"({time.time() - t0:.0f} s)", flush=True)
     results = {}
     for layer in layers:
         results[layer] = study_layer(layer, keys[layer], values[layer], queries[layer], (32, 16, 32), curves, rows, args.seed,
-                                     args.model)
+                                     args.model, args.trellis_bits)
         print(f"layer {layer}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                              for k, v in results[layer].items()), flush=True)
     names = [k for k in results[layers[0]] if not k.endswith(("_kib", "_entries", "seconds"))
