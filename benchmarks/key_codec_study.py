@@ -30,7 +30,8 @@ Rows (the section "A long-block key codec: the study" of docs/results/accuracy.m
 - ``klt_trellis{L}``: KLT, the same integer bits per component as ``klt_lloyd``, each coded
   component divided by its standard deviation and the 128-long sequence coded by a bitshift trellis
   of ``2^L`` states (:mod:`vecinfer_compile.quant.trellis`: Viterbi, tables of ``2^L`` entries per
-  bit width and head trained on 4,096 calibration vectors), no side information.
+  bit width and head trained on 4,096 calibration vectors), no side information
+  (``--trellis-vectors N``: scored on a seeded subset of N held-out tokens, trained on N).
 - ``..._gain8``: the same with each token's norm (per head) stored apart in 8 bits (Lloyd-Max on
   its log) and the components quantized after dividing by it, with 248 bits left for them.
 
@@ -185,7 +186,8 @@ def refined_books(model_dir: str, layer: int, keys: torch.Tensor, values: torch.
 
 
 def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, windows: tuple[int, int, int],
-                curves: dict, rows: set[str], seed: int, model_dir: str = "", trellis_bits: int = 10) -> dict:
+                curves: dict, rows: set[str], seed: int, model_dir: str = "", trellis_bits: int = 10,
+                trellis_vectors: int = 0) -> dict:
     """One layer's rows; ``keys, values: [H, N, D]``, ``queries: [H_q, N, D]`` over the recorded windows;
     ``windows``: (fit, ideal-fit, held-out start) in windows of 1,025 recorded tokens."""
     per = WINDOW + 1
@@ -250,17 +252,21 @@ def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: t
             out[name + f"_gain{GAIN_BITS}"] = relative_error(test, klt.inverse(gs(y_test)))
     if "trellis" in rows:
         t1 = time.time()
-        y_hat = torch.zeros_like(y_test)
+        rows_t = torch.arange(y_test.shape[1])
+        if trellis_vectors:  # a seeded subset of the held-out tokens (Viterbi is slow on a CPU)
+            rows_t = torch.randperm(y_test.shape[1], generator=torch.Generator().manual_seed(seed))[:trellis_vectors]
+        y_sub = y_test[:, rows_t]
+        y_hat = torch.zeros_like(y_sub)
         for i in range(h):
             cols = bits[i].nonzero()[:, 0]
             steps = bits[i, cols].tolist()
             sd = klt.variance[i, cols].sqrt()
             gen = torch.Generator().manual_seed(seed + i)
-            sample = y_fit[i][torch.randperm(y_fit.shape[1], generator=gen)[:4096]][:, cols] / sd
+            sample = y_fit[i][torch.randperm(y_fit.shape[1], generator=gen)[:trellis_vectors or 4096]][:, cols] / sd
             luts = train_luts(sample, steps, trellis_bits, rounds=3, seed=seed + i)
-            walk = viterbi(y_test[i][:, cols] / sd, steps, luts)
+            walk = viterbi(y_sub[i][:, cols] / sd, steps, luts)
             y_hat[i][:, cols] = reconstruct(walk, steps, luts).double() * sd
-        out[f"klt_trellis{trellis_bits}"] = relative_error(test, klt.inverse(y_hat))
+        out[f"klt_trellis{trellis_bits}"] = relative_error(test[:, rows_t], klt.inverse(y_hat))
         out["trellis_seconds"] = time.time() - t1
     out["seconds"] = time.time() - t0
     return out
@@ -274,6 +280,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", default="kmeans,g1,g2,g4,gain",
                     help="kmeans, refined (slow), g1 (Lloyd-Max), g2, g4, gain, trellis")
     ap.add_argument("--trellis-bits", type=int, default=10, help="L: the trellis has 2^L states")
+    ap.add_argument("--trellis-vectors", type=int, default=0,
+                    help="the trellis row on this many held-out tokens (and trains on as many; 0: all, 4,096)")
     ap.add_argument("--record-cache", help="a .pt file holding (or to hold) the recorded keys and queries")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows here")
@@ -290,7 +298,8 @@ def main(argv=None) -> None:
     results = {}
     for layer in layers:
         results[layer] = study_layer(layer, keys[layer], values[layer], queries[layer], (32, 16, 32), curves, rows, args.seed,
-                                     args.model, args.trellis_bits)
+                                     args.model, args.trellis_bits,
+                                     args.trellis_vectors)
         print(f"layer {layer}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                              for k, v in results[layer].items()), flush=True)
     names = [k for k in results[layers[0]] if not k.endswith(("_kib", "_entries", "seconds"))
