@@ -82,6 +82,9 @@ def record(model_dir: str, text: str, tokens: int, cache: str | None):
         return rec["keys"], rec["values"], rec["queries"]
     model, tok = load_model(model_dir, device="cpu")
     ids = tok(load_text(text), add_special_tokens=False)["input_ids"][:tokens]
+    if len(ids) < tokens:
+        raise ValueError(f"{text} gives {len(ids)} tokens: the study needs {tokens} (fit on the first 32 windows "
+                         "of 1,024, held out the last 8)")
     keys, values, queries = collect_kv(model, torch.tensor(ids), WINDOW, False, with_queries=True)
     if cache:
         torch.save({"keys": keys, "values": values, "queries": queries, "tokens": len(ids)}, cache)

@@ -98,3 +98,18 @@ def test_study_codecs_on_gaussian_keys_sit_between_the_bound_and_one():
     gs = study.GainShape(klt.forward(fit), 1, 32, curves[1], seed=0)
     # 8 of 32 bits on the norm is a heavy price at 16 dims (128-dim heads pay 8 of 256)
     assert 0.9 * bound < study.relative_error(test, klt.inverse(gs(klt.forward(test)))) < 0.1
+
+
+def test_study_end_to_end_on_the_tiny_model(tiny_dir, calibration_text_path, sample_text_path, tmp_path, capsys):
+    import json
+
+    with pytest.raises(ValueError, match="the study needs 40960"):
+        _study().main(["--model", str(tiny_dir), "--calib-text", str(sample_text_path)])
+    out = tmp_path / "study.json"
+    _study().main(["--model", str(tiny_dir), "--calib-text", str(calibration_text_path), "--layers", "1",
+                   "--rows", "kmeans,g1,trellis", "--trellis-bits", "6", "--trellis-vectors", "64", "--json", str(out)])
+    row = json.loads(out.read_text())["layers"]["1"]
+    assert "| kmeans_256x4 |" in capsys.readouterr().out
+    assert row["bound_flat"] == 1 / 16 and 0 < row["bound_wf_klt"] <= row["bound_sub4"] <= 1 / 16 + 1e-9
+    assert row["bound_wf_klt"] < row["klt_gauss_int"] < row["klt_lloyd"] < 0.2
+    assert row["bound_wf_klt"] < row["kmeans_256x4"] < 0.2 and 0 < row["klt_trellis6"] < 0.3
