@@ -1,0 +1,67 @@
+"""Bitshift-trellis quantization (quant/trellis.py): Viterbi against brute force, exact walks,
+table training."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vecinfer_compile.quant.trellis import initial_luts, reconstruct, train_luts, viterbi
+
+
+def _walk_of(codes: list[int], bits: list[int], lbits: int) -> list[int]:
+    s, walk = 0, []
+    for c, k in zip(codes, bits):
+        s = ((s << k) | c) & ((1 << lbits) - 1)
+        walk.append(s)
+    return walk
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.lists(st.integers(1, 2), min_size=1, max_size=4), st.integers(0, 2**16))
+def test_property_viterbi_finds_the_best_walk(lbits, bits, seed):
+    gen = torch.Generator().manual_seed(seed)
+    luts = {k: torch.randn(1 << lbits, generator=gen) for k in set(bits)}
+    x = torch.randn(3, len(bits), generator=gen)
+    walk = viterbi(x, bits, luts)
+    err = ((reconstruct(walk, bits, luts) - x) ** 2).sum(1)
+    for n in range(x.shape[0]):  # every code sequence, by brute force
+        best = min(sum((x[n, t].item() - luts[k][s].item()) ** 2 for t, (k, s) in
+                       enumerate(zip(bits, _walk_of(list(codes), bits, lbits))))
+                   for codes in itertools.product(*[range(2 ** k) for k in bits]))
+        assert err[n].item() == pytest.approx(best, rel=1e-5, abs=1e-6)
+        walk_n = walk[n].tolist()  # and the walk is one the shift register can take
+        prev = 0
+        for s, k in zip(walk_n, bits):
+            assert s >> k == prev & ((1 << (lbits - k)) - 1)
+            prev = s
+
+
+def test_a_sequence_on_the_trellis_is_reconstructed_exactly():
+    bits, lbits = [2, 1, 3, 2, 2, 1], 4
+    luts = initial_luts(lbits, bits)
+    walk = torch.tensor([_walk_of([3, 0, 5, 1, 2, 1], bits, lbits)])
+    x = reconstruct(walk, bits, luts)
+    assert torch.equal(viterbi(x, bits, luts), walk)
+
+
+def test_trained_tables_beat_scalar_lloyd_max_at_two_bits():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=gen)
+    bits = [2] * 64
+    before = ((reconstruct(viterbi(x, bits, initial_luts(6, bits)), bits, initial_luts(6, bits)) - x) ** 2).mean()
+    luts = train_luts(x, bits, 6, rounds=3)
+    after = ((reconstruct(viterbi(x, bits, luts), bits, luts) - x) ** 2).mean()
+    assert after <= before and after < 0.1175  # Lloyd-Max's 2-bit error of a unit Gaussian
+
+
+def test_bad_shapes_are_refused():
+    luts = initial_luts(3, [1])
+    with pytest.raises(ValueError, match=r"\[N, T\]"):
+        viterbi(torch.zeros(2, 3), [1, 1], luts)
+    with pytest.raises(ValueError, match="1 <= bits <= L"):
+        viterbi(torch.zeros(2, 1), [4], {4: torch.zeros(8)})
