@@ -35,8 +35,8 @@ Rows (the section "A long-block key codec: the study" of docs/results/accuracy.m
 - ``..._gain8``: the same with each token's norm (per head) stored apart in 8 bits (Lloyd-Max on
   its log) and the components quantized after dividing by it, with 248 bits left for them.
 
-    python benchmarks/key_codec_study.py --model ../shared/data/evalmodel \\
-        --calib-text ../shared/data/text/calibration.txt --json key_codec_study.json
+    python benchmarks/key_codec_study.py --model evalmodel --calib-text calibration.txt \\
+        --json key_codec_study.json
 """
 
 from __future__ import annotations
@@ -277,8 +277,8 @@ def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: t
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="../shared/data/evalmodel")
-    ap.add_argument("--calib-text", default="../shared/data/text/calibration.txt")
+    ap.add_argument("--model", required=True, help="Hugging Face model directory (the study used evalmodel)")
+    ap.add_argument("--calib-text", required=True, help="calibration text (the study used calibration.txt)")
     ap.add_argument("--layers", default="all")
     ap.add_argument("--rows", default="kmeans,g1,g2,g4,gain",
                     help="kmeans, refined (slow), g1 (Lloyd-Max), g2, g4, gain, trellis")
