@@ -77,7 +77,7 @@ def test_calibrate_retrieval_allocation_end_to_end(tiny, sample_text_path, tmp_p
 
     model, tokenizer = tiny
     cb = calibrate(model, tokenizer, sample_text_path.read_text(), bits=2, allocate="retrieval",
-                   max_tokens=1024, seq_len=256, iters=2, residual=16, progress=False)
+                   max_tokens=512, seq_len=256, iters=2, residual=16, progress=False)
     alloc = cb.metadata["allocation"]
     assert cb.bits == 2.0 and sum(cb.bits_per_layer()) == 2.0 * model.config.num_hidden_layers
     assert alloc["pinned_layers"] == [] and len(alloc["retrieval_scores"]) == model.config.num_hidden_layers
