@@ -273,7 +273,8 @@ def chunk_attention(q: torch.Tensor, kv: CodedKV, attn_mask: torch.Tensor | None
     keys = ChunkKeys(kv.k_codes, kv.v_codes, kv.k_centroids, kv.v_centroids, n,
                      kv.k_window[:, :, :w].transpose(1, 2), kv.v_window[:, :, :w].transpose(1, 2))
     out = attend_masked(q, keys, attn_mask, scale, kv.k_codes.shape[2])
-    if out.stride() == _output_like(q).stride():  # the fast path's layout
+    b, hq, c, d = q.shape
+    if out.stride() == (c * hq * d, d, hq * d, 1):  # the fast path's layout
         return out
     return _output_like(q).copy_(out)
 
