@@ -41,7 +41,9 @@ from bench_common import bench_setup, build_model, sync, write_json  # noqa: E40
 from torch._dynamo.utils import counters  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
 from vecinfer_compile import VecInferCache, vecinfer_backend  # noqa: E402
+from vecinfer_compile.commands.arguments import count  # noqa: E402
 from vecinfer_compile.hf.compat import cache_kwargs  # noqa: E402
+from vecinfer_compile.presets import PRESETS  # noqa: E402
 from vecinfer_compile.testing import random_codebooks  # noqa: E402
 
 RESIDUAL = 128
@@ -72,13 +74,13 @@ def prefill_once(model, ids: torch.Tensor, cache: VecInferCache, chunk: int, com
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--length", type=int, default=32768, help="prompt tokens")
-    ap.add_argument("--chunk", type=int, default=4096, help="generate()'s prefill_chunk_size")
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the 8B geometry")
-    ap.add_argument("--bits", type=float, default=2.0)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=count(1), default=1)
+    ap.add_argument("--length", type=count(2), default=32768, help="prompt tokens")
+    ap.add_argument("--chunk", type=count(1), default=4096, help="generate()'s prefill_chunk_size")
+    ap.add_argument("--layers", type=count(1), default=8, help="decoder layers of the 8B geometry")
+    ap.add_argument("--bits", type=float, default=2.0, choices=sorted(PRESETS), help="a preset's bits")
+    ap.add_argument("--warmup", type=count(0), default=2)
+    ap.add_argument("--repeats", type=count(1), default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script, not speed")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)

@@ -204,13 +204,14 @@ def hf_chunk_mask(gen, keys: ca.ChunkKeys, chunk: int, kind: str, heads: int):
     window=st.sampled_from([0, 1, 5]),
     spare_window=st.sampled_from([0, 3]),
     mask_kind=st.sampled_from(["none", "bool", "float", "holes"]),
+    d=st.sampled_from([16, 64]),
 )
-def test_op_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, spare_window, mask_kind):
+def test_op_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, spare_window, mask_kind, d):
     """``vecinfer::chunk_attention`` (what a compiled chunk runs) from the cache's buffers and
     counters and HF's mask over every slot: the oracle's rule over the valid slots (garbage code
     and window slots past the counters never read), laid out as its fake says."""
     gen = torch.Generator().manual_seed(seed)
-    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=16, chunk=chunk, n_coded=n_coded, window=window,
+    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
                          kbook=(256, 4), vbook=(256, 2), dtype=torch.float32, spare=window + chunk + 5)
     mask, kv_start, explicit = hf_chunk_mask(gen, keys, chunk, mask_kind, hkv * group)
     got = torch.ops.vecinfer.chunk_attention(q, *op_inputs(gen, keys, spare_window), mask, 0.3)
@@ -382,20 +383,21 @@ def test_cuda_chunk_attention_equals_the_oracle(seed, b, hkv, group, d, chunk, n
 @given(
     seed=st.integers(0, 2**31 - 1),
     b=st.integers(1, 3),
+    hkv=st.sampled_from([1, 2, 8]),
     group=st.sampled_from([1, 4]),
+    d=st.sampled_from([64, 128]),
     chunk=st.sampled_from([2, 17, 300]),
     n_coded=st.sampled_from([0, 63, 1000]),
     window=st.sampled_from([0, 37]),
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     mask_kind=st.sampled_from(["none", "bool", "float", "holes"]),
 )
-def test_cuda_op_equals_the_oracle(seed, b, group, chunk, n_coded, window, dtype, mask_kind):
+def test_cuda_op_equals_the_oracle(seed, b, hkv, group, d, chunk, n_coded, window, dtype, mask_kind):
     """``vecinfer::chunk_attention`` on CUDA (the fast path for HF's causal + padding masks, the
     dense path for holes) against the float32 oracle: ``err <= 2 * err(SDPA in dtype) + atol``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(seed)
-    hkv, d = 2, 128
     q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
                          kbook=(256, 4), vbook=(256, 4), dtype=dtype, device="cuda", spare=window + chunk + 9)
     mask, kv_start, explicit = hf_chunk_mask(gen, keys, chunk, mask_kind, hkv * group)
