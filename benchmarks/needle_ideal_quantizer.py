@@ -44,18 +44,19 @@ from vecinfer_compile.simulate import LayerSimulator  # noqa: E402
 CODES_QUANTIZE = LayerSimulator.quantize_kv
 
 
-def encoded_once(sim: LayerSimulator, k: torch.Tensor, v: torch.Tensor, position_ids=None):
-    """The codebooks' quantize-dequantize with each cache slot encoded once: a decode step's call
-    extends the previous call's keys by new slots, and only those are encoded (codes are per
-    token, so this is exact and spares re-encoding the prompt at every step)."""
+def encoded_once(sim: LayerSimulator, k: torch.Tensor, v: torch.Tensor, position_ids=None, quantize=CODES_QUANTIZE):
+    """``quantize(sim, k, v, position_ids)`` (default: the codebooks' quantize-dequantize) with each
+    cache slot encoded once: a decode step's call extends the previous call's keys by new slots,
+    and only those are encoded (codes are per token, so this is exact and spares re-encoding the
+    prompt at every step)."""
     memo = getattr(sim, "_encoded", None)
     if memo is not None and memo[0].shape[2] < k.shape[2] and memo[0].shape[:2] == k.shape[:2] \
             and torch.equal(memo[0], k[:, :, :memo[0].shape[2]]) and torch.equal(memo[1], v[:, :, :memo[1].shape[2]]):
         n = memo[0].shape[2]
-        k_new, v_new = CODES_QUANTIZE(sim, k[:, :, n:], v[:, :, n:], None)
+        k_new, v_new = quantize(sim, k[:, :, n:], v[:, :, n:], None)
         k_hat, v_hat = torch.cat([memo[2], k_new], 2), torch.cat([memo[3], v_new], 2)
     else:
-        k_hat, v_hat = CODES_QUANTIZE(sim, k, v, position_ids)
+        k_hat, v_hat = quantize(sim, k, v, position_ids)
     sim._encoded = (k, v, k_hat, v_hat)
     return k_hat, v_hat
 

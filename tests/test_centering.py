@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
 from vecinfer_compile.cache.reads import coded_kv
-from vecinfer_compile.codebooks import LayerCodebooks, load_codebooks
+from vecinfer_compile.codebooks import FORMAT, LayerCodebooks, load_codebooks
 from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.methods import SIMULATE_ONLY, VQ_METHODS
 from vecinfer_compile.ops import reference
@@ -104,7 +104,7 @@ CONFIG = tiny_config()
 def test_round_trip_keeps_the_mean(tmp_path, method):
     cb = random_codebooks(CONFIG, 2.0, method)
     back = load_codebooks(cb.save(tmp_path / "cb.safetensors"))
-    assert back.method == method and back.metadata["format"] == "vecinfer-codebooks/5"
+    assert back.method == method and back.metadata["format"] == FORMAT
     for a, b in zip(cb.layers, back.layers):
         assert b.transform.mean.shape == (2, 16) and torch.equal(a.transform.mean, b.transform.mean)
     uncentred = random_codebooks(CONFIG, 2.0, UNCENTRED[method])
@@ -136,7 +136,7 @@ def test_older_files_load_as_mean_zero_and_broken_means_name_the_fix(tmp_path, m
     assert old.metadata["converted_from"] == "vecinfer-codebooks/3"
     assert all(layer.transform.mean is None for layer in old.layers)
     again = load_codebooks(old.save(tmp_path / "resaved.safetensors"))  # the current format says uncentred
-    assert again.metadata["format"] == "vecinfer-codebooks/5" and all(l.transform.mean is None for l in again.layers)
+    assert again.metadata["format"] == FORMAT and all(l.transform.mean is None for l in again.layers)
     with pytest.raises(ValueError, match=rf"needs tensor 'key_mean'.*--method {method}"):
         load_codebooks(_rewrite(path, tmp_path, drop=("key_mean",)))
     with pytest.raises(ValueError, match=r"key_mean has shape \(2, 2, 8\).*\(2, 2, 16\)"):

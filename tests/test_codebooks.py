@@ -136,12 +136,13 @@ def test_format_1_files_still_load(tmp_path):
         assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
 
 
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("version", [2, 3, 4, 5])
 def test_older_formats_convert_to_the_same_codebooks(tmp_path, version):
-    """Formats 2-4: per-layer centroids, every layer with attention (no ``attention_layers``)."""
+    """Formats 2-5: per-layer centroids; 2-4 with every layer with attention (no ``attention_layers``)."""
     cb = make_codebooks(CONFIG, layer_bits=[4.0, 1.0])
     meta, tensors = _read(cb.save(tmp_path / "cb.safetensors"))
-    del meta["attention_layers"]
+    if version < 5:
+        del meta["attention_layers"]
     meta["format"] = f"vecinfer-codebooks/{version}"
     save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"vecinfer": json.dumps(meta)})
     back = load_codebooks(tmp_path / "old.safetensors")
@@ -183,7 +184,7 @@ def test_the_strict_reader_takes_only_the_current_format_and_old_files_name_thei
     from vecinfer_compile.codebooks.file_format import read_codebooks
 
     meta, tensors = _read(FORMAT_1_FIXTURE)
-    with pytest.raises(ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/5: read it with load_codebooks"):
+    with pytest.raises(ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/6: read it with load_codebooks"):
         read_codebooks(meta, tensors, FORMAT_1_FIXTURE)
     tensors["key_centroids"] = tensors["key_centroids"][:3]  # three layers stacked, the geometry says four
     save_file(tensors, str(tmp_path / "short.safetensors"), metadata={"vecinfer": json.dumps(meta)})

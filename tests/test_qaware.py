@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vecinfer_compile.codebooks import VecInferCodebooks, load_codebooks, model_geometry
+from vecinfer_compile.codebooks import FORMAT, VecInferCodebooks, load_codebooks, model_geometry
 from vecinfer_compile.quant.query_aware import RIDGE_FLOOR, query_aware_matrices, second_moment
 from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.testing import random_codebooks, random_layer_codebooks, tiny_model
@@ -196,7 +196,7 @@ def test_query_aware_inputs_are_checked():
 def test_round_trip(tmp_path, method):
     cb = random_codebooks(CONFIG, 2.0, method)
     back = load_codebooks(cb.save(tmp_path / "cb.safetensors"))
-    assert back.method == method and back.metadata["format"] == "vecinfer-codebooks/5"
+    assert back.method == method and back.metadata["format"] == FORMAT
     for a, b in zip(cb.layers, back.layers):
         assert torch.equal(a.transform.key_matrix, b.transform.key_matrix)
         assert torch.equal(a.transform.query_matrix, b.transform.query_matrix)
@@ -235,7 +235,7 @@ def test_broken_query_aware_files_name_the_fix(tmp_path):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "qaware2"}))
     with pytest.raises(ValueError, match="takes no query-aware matrices"):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "hadamard"}))
-    with pytest.raises(ValueError, match="reads vecinfer-codebooks/5, vecinfer-codebooks/4, vecinfer-codebooks/3"):
+    with pytest.raises(ValueError, match="reads vecinfer-codebooks/6, vecinfer-codebooks/5, vecinfer-codebooks/4"):
         load_codebooks(_rewrite(path, tmp_path, meta={"format": "vecinfer-codebooks/9"}))
 
 

@@ -102,6 +102,7 @@ def _resolve(codebooks, bits: float | None, method: str | None, residual: int, q
         bits = DEFAULT_BITS if bits is None else float(bits)
         get_preset(bits)  # a clear error for an unknown bit-width, now rather than at compile
         return BackendConfig(None, bits, method, residual, quantize, decode_kernel)
+    codebooks.check_cache_codec()
     if bits is not None and float(bits) != float(codebooks.bits):
         raise ValueError(
             f"the codebooks are for {codebooks.bits:g} bits, not {bits:g}: calibrate at {bits:g} "

@@ -78,7 +78,8 @@ class LayerSimulator:
         dtype. Pre-RoPE keys (:mod:`.quant.rope`) take their positions from the call's queries'
         ``position_ids: [B|1, Tq]`` (:func:`key_positions`); predicted values are
         ``P(k~_hat) + Q(v - P(k~_hat))`` (:mod:`.quant.value_prediction`). Codes are the
-        codebooks' kind: nearest-centroid, score-aware and/or error-weighted."""
+        codebooks' kind: nearest-centroid, score-aware and/or error-weighted; keys through the layer's key
+        codec instead when it has one (:mod:`.quant.trellis_keys`)."""
         if self.method == "kivi":
             return kivi_keys(k, int(self.bits)), kivi_values(v, int(self.bits))
         layer = self.codebooks.layer(self.layer_idx)
@@ -87,8 +88,11 @@ class LayerSimulator:
         positions = None
         if layer.transform.rope_inv_freq is not None:
             positions = key_positions(position_ids, k.shape[2], k.device)
-        kt_hat = quantize_dequantize(layer.transform.keys(k, positions), kc, self.codebooks.key_parallel_weight,
-                                     layer.key_metric)
+        kt = layer.transform.keys(k, positions)
+        if layer.key_codec is not None:
+            kt_hat = layer.key_codec.quantize_dequantize(kt)
+        else:
+            kt_hat = quantize_dequantize(kt, kc, self.codebooks.key_parallel_weight, layer.key_metric)
         k_hat = layer.transform.keys_inverse(kt_hat, positions).to(k.dtype)
         if layer.value_predictor is None:
             return k_hat, quantize_dequantize(v, vc, metric=layer.value_metric)

@@ -21,6 +21,7 @@ from ..quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_mome
 from ..quant.refine import LayerAttention, RefineConfig, refine_codebooks
 from ..quant.rope import rotate
 from ..quant.transform import KeyTransform, centre_keys, smoothing_factors
+from ..quant.trellis_keys import TrellisKeyCodec
 from ..quant.value_prediction import fit_value_predictor
 from ..quant.weighted_codes import key_metric, value_metric
 
@@ -50,7 +51,10 @@ class FitSettings:
     (:mod:`vecinfer_compile.quant.query_aware`); ``rope_inv_freq [r/2]``: the model's RoPE
     frequencies, for the pre-RoPE methods; ``refine``: how refining methods move their centroids
     (:mod:`vecinfer_compile.quant.refine`; None: they keep k-means'); ``weighted_codes``: store the
-    layer's error metrics (:mod:`vecinfer_compile.quant.weighted_codes`)."""
+    layer's error metrics (:mod:`vecinfer_compile.quant.weighted_codes`); ``key_codec_states``: ``L``
+    to code keys by the trellis key codec of ``2^L`` states
+    (:mod:`vecinfer_compile.quant.trellis_keys`), fitted on the layer's keys in the transform's domain
+    under the key error metric when ``weighted_codes`` (None: the key codebooks' codes)."""
 
     iters: int
     max_vectors: int | None = None
@@ -59,6 +63,7 @@ class FitSettings:
     rope_inv_freq: torch.Tensor | None = None
     refine: RefineConfig | None = None
     weighted_codes: bool = False
+    key_codec_states: int | None = None
 
 
 @dataclass
@@ -127,7 +132,9 @@ def fit_layer(samples: LayerSamples, spec: KeyTransformSpec, bits: Sequence[floa
     both codebooks to lower the attention-output error of ``module`` (the layer's transformers
     attention module: its output projection, scaling and sliding window); with
     ``settings.weighted_codes`` the layer stores its error metrics. ``key_seed`` seeds the key
-    codebook and refinement, ``value_seed`` the value codebook."""
+    codebook, refinement and the key codec's tables, ``value_seed`` the value codebook. With
+    ``settings.key_codec_states`` the keys get the trellis key codec (the key codebook is fitted
+    and refined as without and stays in the file; keys are coded by the codec)."""
     keys, values, queries = samples.keys, samples.values, samples.queries
     num_kv_heads, head_dim = keys.shape[0], keys.shape[-1]
     transform = fit_key_transform(samples, spec, settings)
@@ -155,5 +162,9 @@ def fit_layer(samples: LayerSamples, spec: KeyTransformSpec, bits: Sequence[floa
                                                                key_cb, value_cb, attn, refine, seed=key_seed,
                                                                device=settings.device)
             fit.loss_ratio[b] = round(after / before, 4) if before > 0 else 1.0
-        fit.codebooks[b] = LayerCodebooks(transform, key_cb, value_cb, predictor, *metrics)
+        codec = None
+        if settings.key_codec_states is not None:
+            codec = TrellisKeyCodec.fit(k_t[0].to(settings.device or k_t.device), b, settings.key_codec_states,
+                                        metric=metrics[0] if metrics else None, seed=key_seed)
+        fit.codebooks[b] = LayerCodebooks(transform, key_cb, value_cb, predictor, *(metrics or (None, None)), codec)
     return fit

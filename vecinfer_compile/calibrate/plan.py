@@ -11,7 +11,7 @@ from ..allocate import allocation_choices
 from ..codebooks import model_geometry
 from ..hf.layer_kinds import coded_layers
 from ..methods import VQ_METHODS, KeyTransformSpec, check_method
-from ..presets import get_preset
+from ..presets import DEFAULT_TRELLIS_STATES, get_preset
 from ..quant.refine import RefineConfig
 from ..quant.rope import model_rope_frequencies
 from ..quant.score_aware import check_parallel_weight
@@ -25,7 +25,9 @@ class CalibrationPlan:
     presets (every layer must then be recorded); ``coded``: per decoder layer, whether a
     VecInferCache codes it (:func:`~vecinfer_compile.hf.layer_kinds.coded_layers`); ``refine``: how
     centroids are refined (None: the method does not refine); ``rope_inv_freq [r/2]``: the
-    model's RoPE frequencies for the pre-RoPE methods (else None)."""
+    model's RoPE frequencies for the pre-RoPE methods (else None); ``key_codec_states``: ``L`` when
+    keys are coded by the trellis key codec of ``2^L`` states
+    (:mod:`vecinfer_compile.quant.trellis_keys`), None for the key codebooks' own codes."""
 
     method: str
     spec: KeyTransformSpec
@@ -38,6 +40,7 @@ class CalibrationPlan:
     ridge: float
     refine: RefineConfig | None
     rope_inv_freq: torch.Tensor | None
+    key_codec_states: int | None = None
 
     @property
     def with_queries(self) -> bool:
@@ -53,7 +56,8 @@ class CalibrationPlan:
 
 def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list[float] | None,
                      allocate: str | None, ridge: float, refine: RefineConfig | None,
-                     key_parallel_weight: float | None, weighted_codes: bool | None) -> CalibrationPlan:
+                     key_parallel_weight: float | None, weighted_codes: bool | None,
+                     key_codec: str | None = None, trellis_states: int = DEFAULT_TRELLIS_STATES) -> CalibrationPlan:
     """The plan of :func:`~vecinfer_compile.calibrate.calibrate` for ``model`` (its arguments of
     the same names), or a ValueError naming the fix for arguments it cannot run."""
     if layer_bits is not None and allocate is not None:
@@ -90,6 +94,7 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
     if weighted_codes and (spec.pre_rope or spec.predict_values):
         raise ValueError(f"weighted codes need keys whose scores the query transform keeps exact and plain value "
                          f"codes; method {method!r} has neither: use --method qaware (or vecinfer)")
+    key_codec_states = _check_key_codec(key_codec, trellis_states, spec, method, candidates, head_dim)
     return CalibrationPlan(
         method=method,
         spec=spec,
@@ -102,4 +107,25 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
         ridge=ridge,
         refine=refine if spec.refine else None,
         rope_inv_freq=model_rope_frequencies(model, head_dim) if spec.pre_rope else None,
+        key_codec_states=key_codec_states,
     )
+
+
+def _check_key_codec(key_codec: str | None, states: int, spec: KeyTransformSpec, method: str,
+                     candidates: list[tuple[float, ...]], head_dim: int) -> int | None:
+    """``L`` for ``key_codec="trellis"`` with ``2^L = states`` trellis states, None for no key codec;
+    a ValueError naming the fix for a codec, state count, method or bits it cannot run."""
+    if key_codec is None:
+        return None
+    if key_codec != "trellis":
+        raise ValueError(f"key_codec must be 'trellis' or None, got {key_codec!r}")
+    if states < 2 or states & (states - 1) or states > 1 << 16:
+        raise ValueError(f"trellis_states must be a power of two in 2..65536, got {states}")
+    if spec.predict_values:
+        raise ValueError(f"method {method!r} predicts values from the key codebooks' codes; the trellis key codec "
+                         "needs plain value codes: use --method qaware (or vecinfer)")
+    for b in {b for c in candidates for b in c}:
+        if abs(b * head_dim - round(b * head_dim)) > 1e-9:
+            raise ValueError(f"the trellis key codec spends a whole number of bits a key: {b:g} bits x head_dim "
+                             f"{head_dim} is not one; choose other bits")
+    return states.bit_length() - 1

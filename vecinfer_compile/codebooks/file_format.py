@@ -16,7 +16,11 @@ for the query-aware methods ``key_matrix [A, H_kv, D, D]`` and ``query_matrix [A
 :mod:`vecinfer_compile.quant.rope`) and, when values are predicted from keys, ``value_matrix
 [A, H_kv, D, D]`` and ``value_bias [A, H_kv, D]`` (:mod:`vecinfer_compile.quant.value_prediction`);
 with error-weighted codes ``key_metric`` and ``value_metric [A, H_kv, D, D]``
-(:mod:`vecinfer_compile.quant.weighted_codes`). The safetensors metadata key ``"vecinfer"`` holds a
+(:mod:`vecinfer_compile.quant.weighted_codes`); with the trellis key codec (metadata ``key_codec:
+"trellis"``, :mod:`vecinfer_compile.quant.trellis_keys`), ``key_codec.analysis`` and
+``key_codec.synthesis [A, H_kv, D, D]`` (inverses), ``key_codec.scale [A, H_kv]``,
+``key_codec.mean``, ``key_codec.variance`` and ``key_codec.bits [A, H_kv, D]`` (whole numbers, each head's summing to its layer's bits times ``D``)
+and ``key_codec.tables [A, H_kv, W, 2^L]``. The safetensors metadata key ``"vecinfer"`` holds a
 JSON object: format, method, bits (the average over layers), ``layer_bits`` (one preset per
 layer), ``attention_layers``, the model geometry and a hash of it (``fingerprint``), the package
 version and the calibration's metadata (:mod:`vecinfer_compile.calibrate.metadata`: the model's
@@ -35,14 +39,18 @@ from safetensors.torch import save_file
 from ..methods import VQ_METHODS
 from ..presets import get_preset
 from ..quant.transform import KeyTransform
+from ..quant.trellis_keys import PARTS as TRELLIS_PARTS, TrellisKeyCodec
 from ..quant.value_prediction import ValuePredictor
 from ..hf.weight_fingerprint import check_fingerprint
 from .model import LayerCodebooks, VecInferCodebooks, geometry_fingerprint
 
-FORMAT = "vecinfer-codebooks/5"
+FORMAT = "vecinfer-codebooks/6"
 MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of a ridge-conditioned S)
 FILE_FIELDS = ("format", "method", "bits", "layer_bits", "attention_layers", "geometry", "fingerprint")
-READ_FIELDS = ("method", "bits", "geometry", "layer_bits", "attention_layers", "uncentred_keys")  # not kept as metadata
+READ_FIELDS = ("method", "bits", "geometry", "layer_bits", "attention_layers", "uncentred_keys",
+               "key_codec")  # not kept as metadata
+KEY_CODEC = "trellis"  # the one key codec besides the codebooks' own codes
+KEY_CODEC_PARTS = TRELLIS_PARTS
 
 
 def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
@@ -69,6 +77,8 @@ def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
     if layers[0].key_metric is not None:
         tensors["key_metric"] = torch.stack([l.key_metric.float().cpu() for l in layers])
         tensors["value_metric"] = torch.stack([l.value_metric.float().cpu() for l in layers])
+    if layers[0].key_codec is not None:
+        tensors.update(_key_codec_tensors([l.key_codec for l in layers]))
     if layers[0].value_predictor is not None:
         tensors["value_matrix"] = torch.stack([l.value_predictor.matrix.float().cpu() for l in layers])
         tensors["value_bias"] = torch.stack([l.value_predictor.bias.float().cpu() for l in layers])
@@ -81,6 +91,7 @@ def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
         "layer_bits": codebooks.bits_per_layer(),
         "attention_layers": present,
         **({"uncentred_keys": True} if uncentred else {}),
+        **({"key_codec": KEY_CODEC} if layers[0].key_codec is not None else {}),
         "rotate": layers[0].transform.rotate,
         "geometry": codebooks.geometry,
         "fingerprint": geometry_fingerprint(codebooks.geometry),
@@ -157,6 +168,7 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
     mean = _key_mean(path, tensors, method, spec.center and not uncentred, geometry, len(present))
     inv_freq, value_m, value_b = _pre_rope_state(path, tensors, method, spec, geometry, len(present))
     key_w, value_w = _error_metrics(path, tensors, geometry, len(present))
+    codecs = _key_codecs(path, meta, tensors, geometry, [layer_bits[i] for i in present])
     layers: list[LayerCodebooks | None] = [None] * num_layers
     for n, i in enumerate(present):  # n: the layer's row in the stacked tensors
         layers[i] = LayerCodebooks(
@@ -168,9 +180,70 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
             None if value_m is None else ValuePredictor(value_m[n], value_b[n]),
             None if key_w is None else key_w[n],
             None if value_w is None else value_w[n],
+            None if codecs is None else codecs[n],
         )
     keep = {k: v for k, v in meta.items() if k not in READ_FIELDS}
     return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
+
+def _key_codec_tensors(codecs: list) -> dict[str, torch.Tensor]:
+    """``key_codec.*`` tensors stacked over the attention layers' ``codecs``
+    (:class:`~vecinfer_compile.quant.trellis_keys.TrellisKeyCodec`); tables padded to the widest."""
+    parts = [c.to_tensors() for c in codecs]
+    width = max(p["tables"].shape[1] for p in parts)
+    out = {f"key_codec.{name}": torch.stack([p[name] for p in parts]) for name in KEY_CODEC_PARTS if name != "tables"}
+    out["key_codec.tables"] = torch.stack([torch.nn.functional.pad(p["tables"], (0, 0, 0, width - p["tables"].shape[1]))
+                                           for p in parts])
+    return out
+
+
+def _key_codecs(path: Path, meta: dict, tensors: dict, geometry: dict, layer_bits: list[float]):
+    """One :class:`~vecinfer_compile.quant.trellis_keys.TrellisKeyCodec` per attention layer of a
+    file whose metadata names the key codec (None for the others), checked: every part present,
+    shaped for the geometry, finite, analysis and synthesis inverses, each head's bits summing to its
+    layer's."""
+    names = [f"key_codec.{p}" for p in KEY_CODEC_PARTS]
+    codec = meta.get("key_codec")
+    if codec is None:
+        stray = [n for n in names if n in tensors]
+        if stray:
+            raise ValueError(f"{path}: it has {stray} but its metadata names no key codec (corrupt file): "
+                             "recalibrate with `vecinfer calibrate`")
+        return None
+    if codec != KEY_CODEC:
+        raise ValueError(f"{path}: key codec {codec!r} is unknown to this version (it knows {KEY_CODEC!r}): "
+                         "install the version that wrote it")
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"{path}: the trellis key codec needs {missing} (corrupt file): recalibrate with "
+                         "`vecinfer calibrate --key-codec trellis`")
+    a, h, d = len(layer_bits), geometry["num_kv_heads"], geometry["head_dim"]
+    t = {p: tensors[f"key_codec.{p}"].float() for p in KEY_CODEC_PARTS}
+    tables = t["tables"]
+    expect = {"analysis": (a, h, d, d), "synthesis": (a, h, d, d), "mean": (a, h, d), "variance": (a, h, d),
+              "scale": (a, h), "bits": (a, h, d)}
+    bad = [f"{p} {tuple(t[p].shape)} (needs {e})" for p, e in expect.items() if tuple(t[p].shape) != e]
+    states = tables.shape[-1] if tables.dim() == 4 else 0
+    if tables.dim() != 4 or tables.shape[:2] != (a, h) or states < 2 or states & (states - 1):
+        bad.append(f"tables {tuple(tables.shape)} (needs [{a}, {h}, widths, 2^L])")
+    if bad:
+        raise ValueError(f"{path}: key codec tensors misshapen: {'; '.join(bad)} (corrupt file)")
+    if not all(torch.isfinite(x).all() for x in t.values()):
+        raise ValueError(f"{path}: the key codec holds NaN or inf (corrupt file): recalibrate with "
+                         "`vecinfer calibrate --key-codec trellis`")
+    bits = t["bits"]
+    budgets = [round(b * d) for b in layer_bits]
+    ok = (bits == bits.round()).all() and bits.min() >= 0 and bits.max() <= tables.shape[2] \
+        and all((bits[n].sum(-1) == budgets[n]).all() for n in range(a))
+    if not ok:
+        raise ValueError(f"{path}: the key codec's bits are not whole numbers in [0, {tables.shape[2]}] that sum to "
+                         f"each layer's bits times {d} (corrupt file)")
+    eye = torch.eye(d, dtype=torch.float64)
+    err = (t["analysis"].double() @ t["synthesis"].double() - eye).abs().amax().item()
+    if not err <= MATRIX_TOLERANCE:
+        raise ValueError(f"{path}: the key codec's synthesis is not the inverse of its analysis (max error "
+                         f"{err:.3g}; corrupt file)")
+    return [TrellisKeyCodec.from_tensors({p: x[n] for p, x in t.items()}) for n in range(a)]
+
 
 def _error_metrics(path: Path, tensors: dict, geometry: dict, layers: int):
     """``(key_metric, value_metric)`` ``[A, H_kv, D, D]`` of a file with error-weighted codes, or

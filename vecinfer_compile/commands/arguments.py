@@ -36,6 +36,14 @@ def count(minimum: int):
     return parse
 
 
+def power_of_two(text: str) -> int:
+    """A power of two from 2 to 65536 (trellis states)."""
+    value = count(2)(text)
+    if value & (value - 1) or value > 1 << 16:
+        raise argparse.ArgumentTypeError(f"must be a power of two from 2 to 65536, got {value}")
+    return value
+
+
 def real(minimum: float, *, above: bool = False):
     """A finite number of at least ``minimum`` (``above``: greater than it)."""
 

@@ -7,9 +7,9 @@ import sys
 import time
 
 from ..methods import VQ_METHODS, normalize_bits
-from ..presets import allocation_choices
+from ..presets import DEFAULT_TRELLIS_STATES, allocation_choices
 from . import add_calib_args, add_model_args, add_progress_arg
-from .arguments import bits_arg, check_positions, layer_bits_arg, new_file, real, text_file
+from .arguments import bits_arg, check_positions, layer_bits_arg, new_file, power_of_two, real, text_file
 
 HELP = "fit VecInfer (or ablation) codebooks on a text and save them"
 REFINED = [m for m, spec in VQ_METHODS.items() if spec.refine]
@@ -56,6 +56,13 @@ def register(subparsers) -> None:
                         "and choose codes under them in every path, same bytes and decode kernels "
                         "(docs/results.md; default: on for qaware, off for the other methods; with 4096-entry books "
                         "(3, 1.5, 1.25 bits) it makes a decode step's append about 12x the nearest codes' at 1.5 bits)")
+    p.add_argument("--key-codec", choices=["trellis"], default=None,
+                   help="code keys with a long-block code instead of the key codebooks: per-head KLT, integer bits "
+                        "per component, a bitshift trellis (docs/results/accuracy.md); same bits a key. Such files "
+                        "run in simulate mode only so far (eval-ppl, ablation, needle), not in VecInferCache")
+    p.add_argument("--trellis-states", type=power_of_two, default=None, metavar="S",
+                   help=f"with --key-codec trellis: trellis states, a power of two (default {DEFAULT_TRELLIS_STATES}; "
+                        "more: closer to the bound, slower to encode)")
     add_calib_args(p)
     p.add_argument("--out", required=True, metavar="FILE", type=new_file,
                    help="output .safetensors file (a new path: an existing file is not overwritten)")
@@ -85,6 +92,10 @@ def _simulate_only_note(cb) -> str:
     """For a method without a cache yet: where its codebooks run today."""
     from ..methods import SIMULATE_ONLY
 
+    if cb.key_codec is not None:
+        return (f"\n(keys coded by the {cb.key_codec} key codec, which has no VecInferCache kernels yet: the figures "
+                "above are what one would hold; these codebooks run in simulate mode: vecinfer eval-ppl, ablation, "
+                "needle, gsm8k)")
     if cb.method not in SIMULATE_ONLY:
         return ""
     return (f"\n({cb.method} has no VecInferCache yet: the figures above are what one would hold; its codebooks "
@@ -114,6 +125,8 @@ def check_args(args) -> float | None:
         allocation_choices(bits)
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
+    if args.trellis_states is not None and args.key_codec is None:
+        raise ValueError("--trellis-states is for --key-codec trellis: add it, or drop --trellis-states")
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
         raise ValueError(f"--ridge is for the query-aware methods "
                          f"({', '.join(m for m, spec in VQ_METHODS.items() if spec.query_aware)}), not {args.method!r}")
@@ -147,7 +160,8 @@ def run(args) -> int:
                    allocate=None if args.allocate == "uniform" else args.allocate,
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,
                    seed=args.seed, progress=args.progress, key_parallel_weight=args.key_parallel_weight,
-                   weighted_codes=args.weighted_codes,
+                   weighted_codes=args.weighted_codes, key_codec=args.key_codec,
+                   trellis_states=args.trellis_states or DEFAULT_TRELLIS_STATES,
                    **({} if args.ridge is None else {"ridge": args.ridge}))
     path = cb.save(args.out)
     per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"

@@ -83,8 +83,15 @@ class GenerationMethod:
     def label(self) -> str:
         return "fp16" if self.method == "fp16" else f"{self.method}-{self.bits:g}bit"
 
+    @property
+    def simulated(self) -> bool:
+        """Whether ``generate()`` runs this method in simulate mode: the :data:`SIMULATED` methods,
+        and codebooks whose keys a codec codes that has no cache kernels yet
+        (:meth:`~vecinfer_compile.codebooks.VecInferCodebooks.check_cache_codec`)."""
+        return self.method in SIMULATED or getattr(self.codebooks, "key_codec", None) is not None
+
     def note(self) -> str:
-        note = method_note(self.method, self.bits, self.residual)
+        note = method_note(self.method, self.bits, self.residual, self.simulated)
         return note if self.layer_bits_text is None else f"{note}; bits per layer {self.layer_bits_text}"
 
     @property
@@ -94,11 +101,14 @@ class GenerationMethod:
         return None if not layer_bits else "/".join(f"{b:g}" for b in layer_bits)
 
 
-def method_note(method: str, bits: float | None, residual: int) -> str:
-    """One line saying how ``method`` runs during generation."""
+def method_note(method: str, bits: float | None, residual: int, simulated: bool | None = None) -> str:
+    """One line saying how ``method`` runs during generation (``simulated``: in simulate mode; None:
+    as the method does, :data:`SIMULATED`)."""
     if method == "fp16":
         return "fp16: full-precision DynamicCache (plain SDPA)"
-    if method in SIMULATED:
+    if simulated is None:
+        simulated = method in SIMULATED
+    if simulated:
         return (f"{method} {bits:g}-bit: runs in SIMULATE mode (quantize->dequantize attention, "
                 f"full_precision_prefill=True) with the cache's window semantics: prefill in full "
                 f"precision, decode reads K/V outside the last {residual} tokens quantized")
@@ -166,11 +176,11 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 @contextlib.contextmanager
 def _attention_for(model, gm: GenerationMethod):
-    """Switch the model's attention for ``gm`` (the :data:`SIMULATED` methods: simulation) and
+    """Switch the model's attention for ``gm`` (simulation when ``gm.simulated``) and
     restore it afterwards."""
     from ..simulate import disable_simulation, enable_simulation, is_simulating
 
-    if gm.method in SIMULATED:
+    if gm.simulated:
         enable_simulation(model, gm.method, bits=gm.bits, codebooks=gm.codebooks, residual=gm.residual,
                           full_precision_prefill=True)
         try:
@@ -186,7 +196,7 @@ def _attention_for(model, gm: GenerationMethod):
 def make_cache(model, gm: GenerationMethod, batch_size: int, max_cache_len: int):
     """The ``past_key_values`` for ``gm``: None (HF's default DynamicCache) for fp16/KIVI, a
     :class:`VecInferCache` of ``max_cache_len`` slots for the VQ methods that have one."""
-    if gm.method not in VQ_METHODS or gm.method in SIMULATED:
+    if gm.method not in VQ_METHODS or gm.simulated:
         return None
     from ..cache import VecInferCache
 

@@ -18,24 +18,26 @@ import math
 import torch
 
 
-def _predecessors(states: int, k: int, device) -> torch.Tensor:
-    """``[2^L, 2^k]``: the states that step to each state with ``k`` new bits."""
-    lbits = states.bit_length() - 1
-    s = torch.arange(states, device=device)
-    return (s >> k)[:, None] | (torch.arange(2 ** k, device=device) << (lbits - k))[None, :]
-
-
-def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chunk: int = 2048) -> torch.Tensor:
+def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chunk: int | None = None) -> torch.Tensor:
     """The least-squared-error walk for each row of ``x: [N, T]``: states ``[N, T]`` int64, with
     ``bits[t]`` new bits at step ``t`` and ``luts[k]: [2^L]`` the reconstruction table of a
-    ``k``-bit step (every table the same length ``2^L``, ``1 <= k <= L``)."""
+    ``k``-bit step (every table the same length ``2^L``, ``1 <= k <= L``). Runs on ``x``'s device.
+
+    The predecessors of state ``s`` under a ``k``-bit step are the ``2^k`` states whose low
+    ``L - k`` bits are ``s >> k``: viewing the cost vector as ``[2^k, 2^(L-k)]`` (high bits, low
+    bits), one min over the first axis gives every state's best predecessor, and only its high
+    bits (``< 2^k``, one byte) are kept for the trace back. Rows go ``chunk`` at a time (default:
+    about 1 GiB of trace-back bytes)."""
     if x.dim() != 2 or x.shape[1] != len(bits):
         raise ValueError(f"x must be [N, T] with T = len(bits) = {len(bits)}, got {tuple(x.shape)}")
     states = next(iter(luts.values())).numel()
     lbits = states.bit_length() - 1
     if states != 1 << lbits or any(not 1 <= k <= lbits for k in bits):
         raise ValueError(f"tables of 2^L entries and 1 <= bits <= L, got {states} entries and bits {sorted(set(bits))}")
-    preds = {k: _predecessors(states, k, x.device) for k in set(bits)}
+    if chunk is None:
+        trace_bytes = sum(states >> k for k in bits)
+        chunk = max(1, min(8192, (1 << 30) // max(1, trace_bytes)))
+    tables = {k: luts[k].to(device=x.device, dtype=torch.float32) for k in set(bits)}
     out = []
     for part in x.float().split(chunk):
         n = part.shape[0]
@@ -43,14 +45,15 @@ def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chu
         cost[:, 0] = 0
         back = []
         for t, k in enumerate(bits):
-            best, arg = cost[:, preds[k]].min(-1)  # [n, S]
-            cost = best + (part[:, t, None] - luts[k].to(part)[None, :]) ** 2
-            back.append(arg.to(torch.int16))
+            best, high = cost.view(n, 1 << k, states >> k).min(1)  # [n, 2^(L-k)] over the high bits
+            err = (part[:, t, None] - tables[k][None, :]) ** 2
+            cost = (best[:, :, None] + err.view(n, states >> k, 1 << k)).view(n, states)
+            back.append(high.to(torch.uint8))
         s = cost.argmin(1)
         walk = torch.empty(n, len(bits), dtype=torch.long, device=x.device)
         for t in range(len(bits) - 1, -1, -1):
             walk[:, t] = s
-            h = back[t].gather(1, s[:, None])[:, 0].long()
+            h = back[t].gather(1, (s >> bits[t])[:, None])[:, 0].long()
             s = (s >> bits[t]) | (h << (lbits - bits[t]))
         out.append(walk)
     return torch.cat(out)
@@ -58,7 +61,7 @@ def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chu
 
 def reconstruct(walk: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor]) -> torch.Tensor:
     """``walk: [N, T]`` states -> ``[N, T]`` float32: ``luts[bits[t]][walk[:, t]]``."""
-    return torch.stack([luts[k].float()[walk[:, t]] for t, k in enumerate(bits)], 1)
+    return torch.stack([luts[k].to(walk.device, torch.float32)[walk[:, t]] for t, k in enumerate(bits)], 1)
 
 
 def initial_luts(lbits: int, ks, seed: int = 0) -> dict[int, torch.Tensor]:
@@ -75,14 +78,14 @@ def train_luts(x: torch.Tensor, bits: list[int], lbits: int, rounds: int = 4, se
     """Tables for ``x: [N, T]`` (each column at ``bits[t]`` bits): :func:`initial_luts`, then
     ``rounds`` of Viterbi walks and each entry moved to the mean of the elements it reconstructs
     (an entry nothing reached keeps its value)."""
-    luts = initial_luts(lbits, bits, seed)
+    luts = {k: t.to(x.device) for k, t in initial_luts(lbits, bits, seed).items()}
     states = 1 << lbits
     for _ in range(rounds):
         walk = viterbi(x, bits, luts)
         for k in luts:
             cols = [t for t, b in enumerate(bits) if b == k]
             idx = walk[:, cols].flatten()
-            sums = torch.zeros(states).index_add_(0, idx, x[:, cols].float().flatten())
+            sums = torch.zeros(states, device=x.device).index_add_(0, idx, x[:, cols].float().flatten())
             counts = torch.bincount(idx, minlength=states).float()
             luts[k] = torch.where(counts > 0, sums / counts.clamp_min(1), luts[k])
     return luts

@@ -1,0 +1,198 @@
+"""The trellis key codec (quant/trellis_keys.py): exact bit budget, the KLT round trip, and an
+error near the study's on keys with a skewed spectrum."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vecinfer_compile.quant.trellis import reconstruct
+from vecinfer_compile.quant.trellis_keys import TrellisKeyCodec
+
+
+def skewed_keys(h: int, n: int, d: int, seed: int = 0) -> torch.Tensor:
+    """``[h, n, d]`` Gaussian keys with a decaying spectrum in a random basis and a nonzero mean."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(0, -1.5, d)
+    basis = torch.linalg.qr(torch.randn(h, d, d, generator=gen))[0]
+    return (torch.randn(h, n, d, generator=gen) * scale) @ basis.transpose(1, 2) + torch.randn(h, 1, d, generator=gen)
+
+
+def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    centred = x - x.mean(-2, keepdim=True)
+    return float(((x - x_hat) ** 2).sum() / (centred ** 2).sum())
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from([8, 16]), st.sampled_from([1.0, 2.0, 1.5]), st.integers(0, 99))
+def test_property_every_head_spends_exactly_the_budget_and_decodes_its_walk(h, d, bits, seed):
+    keys = skewed_keys(h, 200, d, seed)
+    codec = TrellisKeyCodec.fit(keys, bits, 4, train_vectors=64, rounds=1, seed=seed)
+    assert codec.bits.sum(1).tolist() == [round(bits * d)] * h
+    assert codec.bits_per_element() == bits and int(codec.bits.max()) <= 4
+    x = keys[:, :7][None]  # [1, H, 7, D]
+    walks = codec.encode(x)
+    out = codec.decode(walks, x.shape, x.dtype)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    for i, walk in enumerate(walks):  # decode = the tables at the walk's states, through the inverse KLT
+        cols, steps, sd = codec._head(i, "cpu")
+        y = torch.zeros(7, d, dtype=torch.float64)
+        y[:, cols] = reconstruct(walk, steps, codec.luts[i]).double() * sd
+        expected = codec.scale[i] * (y @ codec.synthesis[i]) + codec.mean[i]
+        torch.testing.assert_close(out[0, i], expected.float())
+
+
+def test_two_bits_on_a_skewed_spectrum_beat_flat_two_bits():
+    keys = skewed_keys(2, 3000, 32, seed=1)
+    codec = TrellisKeyCodec.fit(keys[:, :2000], 2.0, 8, train_vectors=1024, rounds=3)
+    test = keys[:, 2000:]
+    err = relative_error(test, codec.quantize_dequantize(test))
+    # flat 2 bits a Gaussian element cannot beat 1/16 (its rate-distortion bound); the allocation
+    # plus the trellis must, and by a margin on this spectrum
+    assert err < 0.8 / 16, err
+    assert int(codec.bits[:, 0].min()) >= 3 and int(codec.bits[:, -1].max()) <= 1
+
+
+def test_bad_budgets_and_shapes_are_refused():
+    keys = skewed_keys(1, 50, 8)
+    with pytest.raises(ValueError, match="whole number of bits"):
+        TrellisKeyCodec.fit(keys, 1.3, 4)
+    with pytest.raises(ValueError, match="state_bits"):
+        TrellisKeyCodec.fit(keys, 1.0, 0)
+    codec = TrellisKeyCodec.fit(keys, 1.0, 3, train_vectors=16, rounds=1)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 1, T, 8\]"):
+        codec.encode(torch.zeros(1, 2, 3, 8))
+
+
+@pytest.fixture(scope="module")
+def trellis_file(tiny_model, tmp_path_factory):
+    """2-bit ``vecinfer`` codebooks of the embedded tiny model with the trellis key codec (16 states)."""
+    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.models import default_text_path
+
+    model, tokenizer = tiny_model
+    cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=512, seq_len=128, iters=1,
+                   key_codec="trellis", trellis_states=16, progress=False)
+    return cb, cb.save(tmp_path_factory.mktemp("trellis") / "tiny-trellis.safetensors")
+
+
+def test_a_trellis_file_round_trips_and_names_its_codec(trellis_file):
+    from vecinfer_compile.codebooks import load_codebooks
+
+    cb, path = trellis_file
+    back = load_codebooks(path)
+    assert back.key_codec == cb.key_codec == "trellis" and "key codec" in back.state_bytes()
+    for a, b in zip(cb.layers, back.layers):
+        assert b.key_codec.state_bits == 4 and torch.equal(a.key_codec.bits, b.key_codec.bits)
+        assert b.key_codec.bits.sum(1).tolist() == [2 * 64] * 2
+        for la, lb in zip(a.key_codec.luts, b.key_codec.luts):
+            assert la.keys() == lb.keys() and all(torch.equal(la[k].float(), lb[k]) for k in la)
+
+
+def test_simulate_codes_keys_by_the_codec_and_the_cache_refuses_it(trellis_file, tiny_model):
+    from vecinfer_compile.cache import VecInferCache
+    from vecinfer_compile.evaluation.generation import GenerationMethod
+    from vecinfer_compile.simulate import LayerSimulator
+
+    cb, _ = trellis_file
+    model, _ = tiny_model
+    k = torch.randn(1, 2, 9, 64)
+    v = torch.randn(1, 2, 9, 64)
+    sim = LayerSimulator("vecinfer", 2.0, codebooks=cb, layer_idx=1)
+    k_hat, _ = sim.quantize_kv(k, v)
+    layer = cb.layer(1)
+    expected = layer.transform.keys_inverse(layer.key_codec.quantize_dequantize(layer.transform.keys(k)))
+    torch.testing.assert_close(k_hat, expected)
+    assert GenerationMethod("vecinfer", 2.0, cb).simulated
+    with pytest.raises(ValueError, match="trellis key codec, which runs in the simulate path only.*without --key-codec"):
+        VecInferCache(model, cb, batch_size=1, max_cache_len=16)
+
+
+def test_a_corrupt_codec_is_refused_on_loading(trellis_file, tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from vecinfer_compile.codebooks import load_codebooks
+
+    _, path = trellis_file
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    bad = dict(tensors)
+    bad["key_codec.bits"] = bad["key_codec.bits"].clone()
+    bad["key_codec.bits"][0, 0, 0] += 1  # one bit more than the layer's budget
+    save_file(bad, str(tmp_path / "bits.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match="bits are not whole numbers .* that sum to each layer's bits"):
+        load_codebooks(tmp_path / "bits.safetensors")
+    stripped = {k: t for k, t in tensors.items() if k != "key_codec.tables"}
+    save_file(stripped, str(tmp_path / "tables.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match=r"needs \['key_codec.tables'\]"):
+        load_codebooks(tmp_path / "tables.safetensors")
+    unnamed = json.loads(meta["vecinfer"])
+    del unnamed["key_codec"]
+    save_file(tensors, str(tmp_path / "unnamed.safetensors"), metadata={"vecinfer": json.dumps(unnamed)})
+    with pytest.raises(ValueError, match="names no key codec"):
+        load_codebooks(tmp_path / "unnamed.safetensors")
+
+
+def test_a_metric_codec_lowers_the_metric_error_below_the_squared_error_codec():
+    """Under an error metric that weighs a few directions heavily (as query moments do), the codec
+    fitted to the metric spends its bits there: its metric error is lower than the squared-error
+    codec's, and analysis / synthesis stay inverses."""
+    keys = skewed_keys(1, 3000, 16, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.linalg.qr(torch.randn(16, 16, generator=gen))[0]
+    metric = (q * torch.logspace(2, 0, 16)) @ q.T  # eigenvalues 100 .. 1 along random directions
+    fit, test = keys[:, :2000], keys[:, 2000:]
+    weighted = TrellisKeyCodec.fit(fit, 2.0, 6, metric=metric[None], train_vectors=1024, rounds=2)
+    plain = TrellisKeyCodec.fit(fit, 2.0, 6, train_vectors=1024, rounds=2)
+    torch.testing.assert_close(weighted.analysis[0] @ weighted.synthesis[0], torch.eye(16, dtype=torch.float64))
+
+    def metric_error(codec):
+        r = (test - codec.quantize_dequantize(test))[0].double()
+        return float(torch.einsum("nd,de,ne->", r, metric.double(), r))
+
+    assert metric_error(weighted) < 0.8 * metric_error(plain), (metric_error(weighted), metric_error(plain))
+
+
+def test_decoded_keys_keep_the_calibration_keys_spread():
+    """The Lloyd tables decode to conditional means, which shrink keys toward the mean; the codec's
+    per-head scale gives the decoded deviations the keys' mean squared norm again."""
+    keys = skewed_keys(2, 1500, 32, seed=4)
+    codec = TrellisKeyCodec.fit(keys, 2.0, 6, train_vectors=1024, rounds=2)
+    assert bool((codec.scale > 1.01).all()), codec.scale
+    mean = codec.mean[:, None].float()
+    spread = ((keys - mean) ** 2).sum((1, 2))
+    decoded = ((codec.quantize_dequantize(keys) - mean) ** 2).sum((1, 2))
+    torch.testing.assert_close(decoded, spread, rtol=0.03, atol=0)
+
+
+def test_the_trial_script_runs_its_rows_on_the_tiny_model(tmp_path, tiny_dir, sample_text_path, capsys):
+    """``benchmarks/key_codec_trial.py`` end to end on the embedded model and text: every row's key
+    error and perplexity, the scale on in ``trellis@L`` and off in ``trellis-unscaled@L``."""
+    import json
+
+    from vecinfer_compile.commands.bench import benchmarks_dir
+    from vecinfer_compile.models import default_codebooks_dir
+
+    sys.path.insert(0, str(benchmarks_dir()))
+    import key_codec_trial
+
+    out = tmp_path / "trial.json"
+    key_codec_trial.main(["--model", str(tiny_dir), "--calib-text", str(sample_text_path), "--codebooks",
+                          str(default_codebooks_dir() / "vecinfer-2bit.safetensors"), "--ppl-text",
+                          str(sample_text_path), "--rows", "codes,trellis@4,trellis-unscaled@4", "--calib-tokens",
+                          "1025", "--heldout-tokens", "512", "--train-vectors", "256", "--rounds", "1",
+                          "--ppl-windows", "1", "--ppl-window-len", "128", "--json", str(out)])
+    rows = {r["row"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"codes", "trellis@4", "trellis-unscaled@4"}
+    for r in rows.values():
+        assert len(r["key_error"]) == 4 and all(0 < e < 1 for e in r["key_error"]) and r["ppl"] > 1
+    assert all(s != 1.0 for layer in rows["trellis@4"]["scale"] for s in layer)
+    assert all(s == 1.0 for layer in rows["trellis-unscaled@4"]["scale"] for s in layer)
+    assert "trellis@4 |" in capsys.readouterr().out
