@@ -14,7 +14,10 @@ calibration keys; values through the file's own codes. Rows, side by side in one
   toward the mean, as the Lloyd tables decode them);
 - ``trellis-mse@L``: ``trellis-unscaled@L`` under squared error in the coded domain;
 - ``exact-keys`` / ``exact-values``: the file's codes for the values / keys alone, the other in full
-  precision (where the perplexity goes).
+  precision (where the perplexity goes);
+- ``trellis-values@L``: the file's codes for the keys, the same codec for the values (fitted on
+  the recorded values under the file's value metric, ``o_proj``'s Gram matrix, when it has one);
+  ``trellis-kv@L``: ``trellis@L`` keys and those values.
 
 For each row: the held-out key error per layer (squared error over the squared deviation from the
 mean, per KV head, in the coded domain: the measure of docs/results/accuracy.md; fitted on
@@ -81,18 +84,25 @@ class HalfCoded:
 
 
 class TrellisKeys:
-    """The simulate path's quantizer for a ``trellis@L`` row: keys through one codec a layer (in
-    ``codebooks``' coded domain), values through the file's own codes."""
+    """The simulate path's quantizer for the trellis rows: keys through one codec a layer (in
+    ``codebooks``' coded domain; None: the file's codes), values through one codec a layer
+    (``value_codecs``; None: the file's codes)."""
 
-    def __init__(self, codebooks, codecs: dict[int, TrellisKeyCodec]):
+    def __init__(self, codebooks, codecs: dict[int, TrellisKeyCodec] | None,
+                 value_codecs: dict[int, TrellisKeyCodec] | None = None):
         self.codebooks = codebooks
         self.codecs = codecs
+        self.value_codecs = value_codecs
 
     def __call__(self, sim, k: torch.Tensor, v: torch.Tensor, position_ids=None):
-        _, v_hat = CODES_QUANTIZE(sim, k, v, position_ids)
-        transform = self.codebooks.layer(sim.layer_idx).transform
-        kt_hat = self.codecs[sim.layer_idx].quantize_dequantize(transform.keys(k.float()))
-        return transform.keys_inverse(kt_hat).to(k.dtype), v_hat
+        k_hat, v_hat = CODES_QUANTIZE(sim, k, v, position_ids)
+        if self.codecs is not None:
+            transform = self.codebooks.layer(sim.layer_idx).transform
+            kt_hat = self.codecs[sim.layer_idx].quantize_dequantize(transform.keys(k.float()))
+            k_hat = transform.keys_inverse(kt_hat).to(k.dtype)
+        if self.value_codecs is not None:
+            v_hat = self.value_codecs[sim.layer_idx].quantize_dequantize(v.float()).to(v.dtype)
+        return k_hat, v_hat
 
 
 def codes_keys(codebooks, layer: int, coded: torch.Tensor, nearest: bool = False) -> torch.Tensor:
@@ -124,7 +134,8 @@ def main(argv=None) -> None:
     ap.add_argument("--calib-text", required=True, help="fits the codecs and scores the key error (never the haystack)")
     ap.add_argument("--codebooks", required=True, help="a qaware or vecinfer file: its transform and value codes")
     ap.add_argument("--ppl-text", help="perplexity with every token quantized on this text (none without it)")
-    ap.add_argument("--rows", default="fp,codes,trellis@12", help="fp, codes, exact-keys, exact-values, trellis@L, trellis-unscaled@L, trellis-mse@L (2^L states)")
+    ap.add_argument("--rows", default="fp,codes,trellis@12", help="fp, codes, exact-keys, exact-values, trellis@L, trellis-unscaled@L, trellis-mse@L, "
+                         "trellis-values@L, trellis-kv@L (2^L states)")
     ap.add_argument("--calib-tokens", type=int, default=32 * (WINDOW + 1))
     ap.add_argument("--heldout-tokens", type=int, default=8 * (WINDOW + 1))
     ap.add_argument("--train-vectors", type=int, default=4096, help="tokens a head the trellis tables train on")
@@ -150,7 +161,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     t0 = time.time()
     ids = tokenize(tok, load_text(args.calib_text))[:args.calib_tokens + args.heldout_tokens]
-    keys, _ = collect_kv(model, ids, WINDOW)
+    keys, values = collect_kv(model, ids, WINDOW)
     layers = cb.attention_layers()
     coded = {i: cb.layer(i).transform.keys(keys[i][None].to(device))[0] for i in layers}  # [H, N, D]
     n_fit = args.calib_tokens
@@ -172,6 +183,21 @@ def main(argv=None) -> None:
                                              for i in layers]
         elif row in ("exact-keys", "exact-values"):
             gm, quantize = generation.GenerationMethod(cb.method, cb.bits, cb, args.residual), HalfCoded(row == "exact-keys")
+        elif row.startswith(("trellis-values@", "trellis-kv@")):
+            lbits = int(row.split("@")[1])
+            fit_args = dict(train_vectors=args.train_vectors, rounds=args.rounds)
+            value_codecs = {i: TrellisKeyCodec.fit(values[i][:, :n_fit].to(device), cb.bits, lbits,
+                                                   metric=cb.layer(i).value_metric, seed=1000 * i + 1, **fit_args)
+                            for i in layers}
+            key_codecs = None
+            if row.startswith("trellis-kv"):
+                key_codecs = {i: TrellisKeyCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=cb.layer(i).key_metric,
+                                                     seed=1000 * i, **fit_args) for i in layers}
+            entry["value_error"] = [relative_error(values[i][:, n_fit:].to(device), value_codecs[i].quantize_dequantize(
+                values[i][:, n_fit:].to(device))) for i in layers]
+            print(f"{row}: held-out value error per layer {[round(e, 4) for e in entry['value_error']]}", flush=True)
+            gm = generation.GenerationMethod(cb.method, cb.bits, cb, args.residual)
+            quantize = TrellisKeys(cb, key_codecs, value_codecs)
         elif row.startswith(("trellis@", "trellis-unscaled@", "trellis-mse@")):
             lbits = int(row.split("@")[1])
             t1 = time.time()
@@ -192,7 +218,7 @@ def main(argv=None) -> None:
             gm, quantize = generation.GenerationMethod(cb.method, cb.bits, cb, args.residual), TrellisKeys(cb, codecs)
         else:
             raise ValueError(f"unknown row {row!r}: fp, codes, exact-keys, exact-values, trellis@L, "
-                             "trellis-unscaled@L or trellis-mse@L")
+                             "trellis-unscaled@L, trellis-mse@L, trellis-values@L or trellis-kv@L")
         if "key_error" in entry:
             print(f"{row}: held-out key error per layer {[round(e, 4) for e in entry['key_error']]}", flush=True)
         if "key_metric_error" in entry:
