@@ -4,7 +4,10 @@ chosen, side by side on one GPU.
 Rows: the CUDA append with nearest-centroid codes (one launch; the baseline), with score-aware key
 codes (``vq_weigh_flush`` then the append), with error-weighted codes (the same, the descent under
 random symmetric metrics) and the torch form of the last (what ran before the CUDA encoder: the
-ops Inductor would compile, here eager). Each CUDA row is ``STEPS`` appends captured in one CUDA
+ops Inductor would compile, here eager); then the trellis key codec's encoder
+(:class:`~vecinfer_compile.quant.trellis_keys.TrellisKeyCodec`: the KLT in torch, the Viterbi walk in
+one Triton launch) for one token's keys, eager, at ``--trellis-states`` (the encode alone: its codes
+have no cache store yet). Each CUDA row is ``STEPS`` appends captured in one CUDA
 graph and replayed, timed by CUDA events (device time per append, launch gaps included); the
 window is full, so every append encodes a token. Shapes: a Llama-3.1-8B layer (8 KV heads,
 head_dim 128, bf16 windows of 128 slots).
@@ -87,10 +90,29 @@ def time_torch(args: dict, n: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / n
 
 
+def time_trellis_encode(b: int, bits: float, states: int, gen: torch.Generator, n: int = 20) -> float:
+    """Microseconds per encode of one token's keys ``[b, HKV, 1, D]`` by a trellis codec of ``states``
+    states fitted on random keys with a decaying spectrum, eager, synchronised."""
+    from vecinfer_compile.quant.trellis_keys import TrellisKeyCodec
+
+    keys = torch.randn(HKV, 4096, D, generator=gen) * torch.logspace(0, -1, D)
+    codec = TrellisKeyCodec.fit(keys.cuda(), bits, states.bit_length() - 1, train_vectors=1024, rounds=1)
+    key = torch.randn(b, HKV, 1, D, generator=gen).cuda().bfloat16()
+    codec.encode(key)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        codec.encode(key)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--bits", default="2", help="presets, comma-separated")
+    ap.add_argument("--trellis-states", default="1024,4096", help="trellis key codec sizes, comma-separated ('' for none)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -108,6 +130,10 @@ def main(argv=None) -> None:
                 print(f"| {bits:g} | {b} | {label} | {us:.1f} | {us / base:.2f}x |")
             us = time_torch(layer_state(b, bits, 8.0, True, gen))
             print(f"| {bits:g} | {b} | error-weighted, w=8, torch ops (eager) | {us:.1f} | {us / base:.2f}x |")
+            for states in (int(x) for x in args.trellis_states.split(",") if x):
+                us = time_trellis_encode(b, bits, states, gen)
+                print(f"| {bits:g} | {b} | trellis keys, {states} states: encode only (eager) | {us:.1f} | "
+                      f"{us / base:.2f}x |")
 
 
 if __name__ == "__main__":

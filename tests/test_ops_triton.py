@@ -201,6 +201,46 @@ def test_interp_encode_score_aware(spec):
     _assert_score_aware_match(x, cent, stored, values, 8.0)
 
 
+def _trellis_case(gen: torch.Generator, n: int, h: int, d: int, lbits: int):
+    """Unit-scale components ``[n, h, d]``, per-head bits ``[h, d]`` (0..min(4, L), decreasing like an
+    allocation's, at least one coded) and tables ``[h, W, 2^L]`` of one codec."""
+    from vecinfer_compile.quant.trellis import initial_luts
+
+    bits = torch.randint(0, min(4, lbits) + 1, (h, d), generator=gen).sort(1, descending=True).values
+    bits[:, 0] = bits[:, 0].clamp_min(1)
+    tables = torch.zeros(h, int(bits.max()), 1 << lbits)
+    for i in range(h):
+        for k, table in initial_luts(lbits, bits[i][bits[i] > 0].tolist(), seed=i).items():
+            tables[i, k - 1] = table
+    return torch.randn(n, h, d, generator=gen), bits, tables
+
+
+def _assert_optimal_walks(x, bits, tables, walks):
+    """Each head's walk costs what the torch Viterbi's costs (ties may pick other states)."""
+    from vecinfer_compile.quant.trellis import reconstruct, viterbi
+
+    for i in range(bits.shape[0]):
+        cols = bits[i].nonzero()[:, 0].to(x.device)
+        steps = bits[i][bits[i] > 0].tolist()
+        luts = {k: tables[i, k - 1].to(x.device) for k in steps}
+        want = viterbi(x[:, i, cols], steps, luts)
+        cost = [((reconstruct(w, steps, luts) - x[:, i, cols]) ** 2).sum(1) for w in (walks[:, i, cols].long(), want)]
+        torch.testing.assert_close(cost[0], cost[1], atol=1e-5, rtol=1e-5)
+        assert bool((walks[:, i][:, bits[i].to(x.device) == 0] == 0).all())
+
+
+@interp_only
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 5), h=st.sampled_from([1, 2, 8]),
+       d=st.sampled_from([16, 64]), lbits=st.sampled_from([1, 3, 6]))
+def test_interp_trellis_viterbi(seed, n, h, d, lbits):
+    """The Viterbi kernel finds walks as cheap as the reference's: KV heads 1/2/8, widths 1..4."""
+    from vecinfer_compile.ops.triton.trellis import viterbi_walks
+
+    x, bits, tables = _trellis_case(torch.Generator().manual_seed(seed), n, h, d, lbits)
+    _assert_optimal_walks(x, bits, tables, viterbi_walks(x, bits, tables))
+
+
 # ----------------------------------------------------------------------------------- CUDA
 
 
@@ -405,3 +445,16 @@ def test_cuda_compiled_ops_fullgraph_dynamic():
 
 
 test_cuda_compiled_ops_fullgraph_dynamic = pytest.mark.cuda(test_cuda_compiled_ops_fullgraph_dynamic)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lbits", [8, 10, 12])
+def test_cuda_trellis_viterbi(lbits):
+    """The Viterbi kernel on the GPU at the codec's sizes (head_dim 128, 8 KV heads, up to 2^12 states)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vecinfer_compile.ops.triton.trellis import viterbi_walks
+
+    x, bits, tables = _trellis_case(torch.Generator().manual_seed(lbits), 33, 8, 128, lbits)
+    x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
+    _assert_optimal_walks(x, bits, tables, viterbi_walks(x, bits, tables))

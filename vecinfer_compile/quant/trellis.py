@@ -1,7 +1,7 @@
 """Bitshift-trellis quantization: a long-block code of a sequence, found by the Viterbi algorithm.
 
-A study tool (``benchmarks/key_codec_study.py``) for how far a trellis code carries keys beyond
-4-dimensional codebooks, in the family QTIP uses for weights. A sequence ``x: [T]`` is coded as
+The code under the trellis codec (:mod:`.trellis_keys`; studied in ``benchmarks/key_codec_study.py``),
+in the family QTIP uses for weights. A sequence ``x: [T]`` is coded as
 the walk of an ``L``-bit state: step ``t`` shifts the state left by ``bits[t]`` (1..L) and takes
 that many new bits, ``s_t = ((s_{t-1} << k_t) | c_t) mod 2^L``, and reconstructs
 ``x_t ~ luts[k_t][s_t]``. The stored code is the ``sum_t k_t`` new bits (the walk starts at state 0,
@@ -59,6 +59,20 @@ def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chu
     return torch.cat(out)
 
 
+def best_walks(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor]) -> torch.Tensor:
+    """:func:`viterbi`'s walks ``[N, T]`` int64, by the Triton kernel on CUDA
+    (:func:`vecinfer_compile.ops.triton.trellis.viterbi_walks`, one launch) where the trellis fits it."""
+    states = next(iter(luts.values())).numel()
+    if x.is_cuda:
+        from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
+        if states <= 1 << MAX_STATE_BITS:
+            tables = torch.zeros(1, max(bits), states, device=x.device)
+            for k in set(bits):
+                tables[0, k - 1] = luts[k]
+            return viterbi_walks(x[:, None].float(), torch.tensor([bits]), tables)[:, 0].long()
+    return viterbi(x, bits, luts)
+
+
 def reconstruct(walk: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor]) -> torch.Tensor:
     """``walk: [N, T]`` states -> ``[N, T]`` float32: ``luts[bits[t]][walk[:, t]]``."""
     return torch.stack([luts[k].to(walk.device, torch.float32)[walk[:, t]] for t, k in enumerate(bits)], 1)
@@ -81,7 +95,7 @@ def train_luts(x: torch.Tensor, bits: list[int], lbits: int, rounds: int = 4, se
     luts = {k: t.to(x.device) for k, t in initial_luts(lbits, bits, seed).items()}
     states = 1 << lbits
     for _ in range(rounds):
-        walk = viterbi(x, bits, luts)
+        walk = best_walks(x, bits, luts)
         for k in luts:
             cols = [t for t, b in enumerate(bits) if b == k]
             idx = walk[:, cols].flatten()

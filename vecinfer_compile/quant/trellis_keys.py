@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .klt import KLT, gaussian_lloyd_max_distortion, greedy_allocation
-from .trellis import reconstruct, train_luts, viterbi
+from .trellis import train_luts, viterbi
 
 MAX_COMPONENT_BITS = 12  # the allocation's curve reaches this far; it never gives a component more than L
 PARTS = ("mean", "analysis", "synthesis", "variance", "scale", "bits", "tables")  # to_tensors' names
@@ -51,9 +51,10 @@ def metric_sqrt(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class TrellisKeyCodec:
     """One layer's key codec, per KV head. ``mean: [H, D]``; ``analysis, synthesis: [H, D, D]``
     (inverses: keys to components and back); ``variance: [H, D]`` of the components, decreasing;
-    ``scale: [H]``, the decoded deviations' norm-matching factor (float64); ``bits: [H, D]`` int64, bits of each component; ``luts[h][k]: [2^L]`` float32, head
-    ``h``'s table for a ``k``-bit step (unit scale: a component decodes to
-    ``luts[h][k][state] * sqrt(variance)``); ``state_bits``: ``L``."""
+    ``scale: [H]``, the decoded deviations' norm-matching factor (float64); ``bits: [H, D]`` int64,
+    bits of each component; ``tables: [H, W, 2^L]`` float32, row ``k - 1`` head ``h``'s table for a
+    ``k``-bit step (unit scale: a component decodes to ``tables[h, k - 1, state] * sqrt(variance)``;
+    zeros for a width the head does not use; ``W``: the widest, ``L``: :attr:`state_bits`)."""
 
     mean: torch.Tensor
     analysis: torch.Tensor
@@ -61,8 +62,7 @@ class TrellisKeyCodec:
     variance: torch.Tensor
     scale: torch.Tensor
     bits: torch.Tensor
-    luts: list[dict[int, torch.Tensor]]
-    state_bits: int
+    tables: torch.Tensor
 
     @classmethod
     def fit(cls, coded_keys: torch.Tensor, bits_per_element: float, state_bits: int, *,
@@ -91,16 +91,17 @@ class TrellisKeyCodec:
         curve = gaussian_lloyd_max_distortion(min(MAX_COMPONENT_BITS, state_bits))
         bits = torch.stack([greedy_allocation(klt.variance[i], budget, curve) for i in range(h)])
         y = (x - mean) @ analysis
-        luts = []
+        tables = torch.zeros(h, int(bits.max()), 1 << state_bits)
         for i in range(h):
             cols = bits[i].nonzero()[:, 0]
             gen = torch.Generator().manual_seed(seed + i)
             pick = torch.randperm(n, generator=gen)[:train_vectors]
             sample = (y[i][pick][:, cols] / klt.variance[i, cols].sqrt().clamp_min(1e-30)).float()
-            luts.append(train_luts(sample.to(coded_keys.device), bits[i, cols].tolist(), state_bits,
-                                   rounds=rounds, seed=seed + i))
-        codec = cls(mean[:, 0], analysis, synthesis, klt.variance, torch.ones(h, dtype=torch.float64), bits, luts,
-                    state_bits)
+            luts = train_luts(sample.to(coded_keys.device), bits[i, cols].tolist(), state_bits, rounds=rounds,
+                              seed=seed + i)
+            for k, table in luts.items():
+                tables[i, k - 1] = table.cpu()
+        codec = cls(mean[:, 0], analysis, synthesis, klt.variance, torch.ones(h, dtype=torch.float64), bits, tables)
         gen = torch.Generator().manual_seed(seed)
         sample = coded_keys.detach()[:, torch.randperm(n, generator=gen)[:SCALE_SAMPLE]].double()
         deviation = sample - codec.mean.to(sample.device)[:, None]
@@ -110,53 +111,62 @@ class TrellisKeyCodec:
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The codec as float32 tensors (the codebook file's, named :data:`PARTS`): ``mean [H, D]``,
-        ``analysis``, ``synthesis [H, D, D]``, ``variance [H, D]``, ``scale [H]``, ``bits [H, D]`` (whole numbers)
-        and ``tables [H, W, 2^L]`` (row ``k - 1``: the ``k``-bit table, zeros for a width the head
-        does not use; ``W``: the widest)."""
-        tables = torch.zeros(self.num_heads, int(self.bits.max()), 1 << self.state_bits)
-        for i, luts in enumerate(self.luts):
-            for k, t in luts.items():
-                tables[i, k - 1] = t.float().cpu()
+        ``analysis``, ``synthesis [H, D, D]``, ``variance [H, D]``, ``scale [H]``, ``bits [H, D]``
+        (whole numbers) and ``tables [H, W, 2^L]``."""
         return {"mean": self.mean.float(), "analysis": self.analysis.float(), "synthesis": self.synthesis.float(),
                 "variance": self.variance.float(), "scale": self.scale.float(), "bits": self.bits.float(),
-                "tables": tables}
+                "tables": self.tables.float()}
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> TrellisKeyCodec:
         """:meth:`to_tensors`' inverse (shapes checked by the file's reader)."""
-        bits = t["bits"].round().long()
-        state_bits = t["tables"].shape[-1].bit_length() - 1
-        luts = [{k: t["tables"][i, k - 1].float() for k in sorted(set(bits[i].tolist())) if k > 0}
-                for i in range(bits.shape[0])]
         return cls(t["mean"].double(), t["analysis"].double(), t["synthesis"].double(), t["variance"].double(),
-                   t["scale"].double(), bits, luts, state_bits)
+                   t["scale"].double(), t["bits"].round().long(), t["tables"].float())
 
     @property
     def num_heads(self) -> int:
         return self.bits.shape[0]
 
+    @property
+    def state_bits(self) -> int:
+        """``L``: the trellis has ``2^L`` states."""
+        return self.tables.shape[-1].bit_length() - 1
+
     def bits_per_element(self) -> float:
         return float(self.bits.sum(1).double().mean()) / self.bits.shape[1]
 
-    def encode(self, coded_keys: torch.Tensor) -> list[torch.Tensor]:
-        """``coded_keys: [..., H, T, D]`` -> per head the trellis walk ``[N, C_h]`` int64 (``N``:
-        the product of the leading dims and ``T``; ``C_h``: head ``h``'s coded components), on
-        the keys' device."""
+    def encode(self, coded_keys: torch.Tensor) -> torch.Tensor:
+        """``coded_keys: [..., H, T, D]`` -> trellis states ``[N, H, D]`` int32 (``N``: the product of
+        the leading dims and ``T``; component ``c`` of head ``h`` decodes from state ``[n, h, c]``,
+        0 where it has 0 bits), on the keys' device. On CUDA (up to 2^13 states) one Triton launch
+        (:mod:`vecinfer_compile.ops.triton.trellis`), elsewhere the torch reference per head."""
         y = self._components(coded_keys)
-        walks = []
+        coded = self.bits > 0
+        sd = torch.where(coded, self.variance.sqrt(), 1.0).clamp_min(1e-30).to(y.device)
+        unit = (y / sd).float()
+        if unit.is_cuda:
+            from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
+            if self.state_bits <= MAX_STATE_BITS:
+                return viterbi_walks(unit, self.bits, self.tables)
+        walks = torch.zeros(unit.shape, dtype=torch.int32, device=unit.device)
         for i in range(self.num_heads):
-            cols, steps, sd = self._head(i, y.device)
-            walks.append(viterbi(y[:, i][:, cols] / sd, steps, self.luts[i]))
+            cols = coded[i].nonzero()[:, 0].to(unit.device)
+            steps = self.bits[i][coded[i]].tolist()
+            luts = {k: self.tables[i, k - 1] for k in set(steps)}
+            walks[:, i, cols] = viterbi(unit[:, i, cols], steps, luts).int()
         return walks
 
-    def decode(self, walks: list[torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`encode`'s walks back to coded keys of ``shape`` ``[..., H, T, D]`` and ``dtype``."""
+    def decode(self, walks: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`encode`'s states ``[N, H, D]`` back to coded keys of ``shape`` ``[..., H, T, D]`` and
+        ``dtype``: each component its table entry times its standard deviation (0 bits: 0), then
+        ``mean + scale * (y @ synthesis)``."""
         h, t, d = shape[-3:]
-        device = walks[0].device
-        y = torch.zeros(walks[0].shape[0], h, d, dtype=torch.float64, device=device)
-        for i, walk in enumerate(walks):
-            cols, steps, sd = self._head(i, device)
-            y[:, i, cols] = reconstruct(walk, steps, self.luts[i]).double() * sd
+        device = walks.device
+        bits = self.bits.to(device)
+        width, states = self.tables.shape[1:]
+        row = (torch.arange(h, device=device)[:, None] * width + (bits - 1).clamp_min(0)) * states
+        y = self.tables.to(device).flatten()[row + walks.long()].double()
+        y = torch.where(bits > 0, y * self.variance.to(device).sqrt(), 0.0)
         synthesis = self.synthesis.to(device) * self.scale.to(device)[:, None, None]
         x = torch.einsum("nhc,hcd->nhd", y, synthesis) + self.mean.to(device)
         return x.reshape(*shape[:-3], t, h, d).movedim(-2, -3).to(dtype)
@@ -172,9 +182,3 @@ class TrellisKeyCodec:
                              f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)")
         x = coded_keys.movedim(-3, -2).reshape(-1, self.num_heads, coded_keys.shape[-1]).double()
         return torch.einsum("nhd,hdc->nhc", x - self.mean.to(x.device), self.analysis.to(x.device))
-
-    def _head(self, i: int, device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """Head ``i``'s coded components (indices), their bits, their standard deviations."""
-        cols = self.bits[i].nonzero()[:, 0]
-        sd = self.variance[i, cols].sqrt().clamp_min(1e-30)
-        return cols.to(device), self.bits[i, cols].tolist(), sd.to(device)
