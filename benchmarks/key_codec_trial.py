@@ -140,6 +140,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heldout-tokens", type=int, default=8 * (WINDOW + 1))
     ap.add_argument("--train-vectors", type=int, default=4096, help="tokens a head the trellis tables train on")
     ap.add_argument("--rounds", type=int, default=3, help="table-training rounds (Viterbi, then means)")
+    ap.add_argument("--codec-seed", type=int, default=0, help="seeds the codecs' table training and samples")
     ap.add_argument("--lengths", default="512,1024,2048")
     ap.add_argument("--depths", default="0,25,50,75,100")
     ap.add_argument("--trials", type=int, default=16)
@@ -187,12 +188,13 @@ def main(argv=None) -> None:
             lbits = int(row.split("@")[1])
             fit_args = dict(train_vectors=args.train_vectors, rounds=args.rounds)
             value_codecs = {i: TrellisKeyCodec.fit(values[i][:, :n_fit].to(device), cb.bits, lbits,
-                                                   metric=cb.layer(i).value_metric, seed=1000 * i + 1, **fit_args)
+                                                   metric=cb.layer(i).value_metric, seed=1000 * i + 10 * args.codec_seed + 1,
+                                                   **fit_args)
                             for i in layers}
             key_codecs = None
             if row.startswith("trellis-kv"):
                 key_codecs = {i: TrellisKeyCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=cb.layer(i).key_metric,
-                                                     seed=1000 * i, **fit_args) for i in layers}
+                                                     seed=1000 * i + 10 * args.codec_seed, **fit_args) for i in layers}
             entry["value_error"] = [relative_error(values[i][:, n_fit:].to(device), value_codecs[i].quantize_dequantize(
                 values[i][:, n_fit:].to(device))) for i in layers]
             print(f"{row}: held-out value error per layer {[round(e, 4) for e in entry['value_error']]}", flush=True)
@@ -203,7 +205,8 @@ def main(argv=None) -> None:
             t1 = time.time()
             metric = {i: None if row.startswith("trellis-mse") else cb.layer(i).key_metric for i in layers}
             codecs = {i: TrellisKeyCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=metric[i],
-                                             train_vectors=args.train_vectors, rounds=args.rounds, seed=1000 * i)
+                                             train_vectors=args.train_vectors, rounds=args.rounds,
+                                             seed=1000 * i + 10 * args.codec_seed)
                       for i in layers}
             if not row.startswith("trellis@"):
                 for c in codecs.values():
