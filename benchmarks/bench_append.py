@@ -5,7 +5,7 @@ Rows: the CUDA append with nearest-centroid codes (one launch; the baseline), wi
 codes (``vq_weigh_flush`` then the append), with error-weighted codes (the same, the descent under
 random symmetric metrics) and the torch form of the last (what ran before the CUDA encoder: the
 ops Inductor would compile, here eager); then the trellis key codec's encoder
-(:class:`~vecinfer_compile.quant.trellis_keys.TrellisKeyCodec`: the KLT in torch, the Viterbi walk in
+(:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec`: the KLT in torch, the Viterbi walk in
 one Triton launch) for one token's keys, eager, at ``--trellis-states`` (the encode alone: its codes
 have no cache store yet). Each CUDA row is ``STEPS`` appends captured in one CUDA
 graph and replayed, timed by CUDA events (device time per append, launch gaps included); the
@@ -93,10 +93,10 @@ def time_torch(args: dict, n: int = 5) -> float:
 def time_trellis_encode(b: int, bits: float, states: int, gen: torch.Generator, n: int = 20) -> float:
     """Microseconds per encode of one token's keys ``[b, HKV, 1, D]`` by a trellis codec of ``states``
     states fitted on random keys with a decaying spectrum, eager, synchronised."""
-    from vecinfer_compile.quant.trellis_keys import TrellisKeyCodec
+    from vecinfer_compile.quant.trellis_codec import TrellisCodec
 
     keys = torch.randn(HKV, 4096, D, generator=gen) * torch.logspace(0, -1, D)
-    codec = TrellisKeyCodec.fit(keys.cuda(), bits, states.bit_length() - 1, train_vectors=1024, rounds=1)
+    codec = TrellisCodec.fit(keys.cuda(), bits, states.bit_length() - 1, train_vectors=1024, rounds=1)
     key = torch.randn(b, HKV, 1, D, generator=gen).cuda().bfloat16()
     codec.encode(key)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,6 +1,6 @@
 """The trellis key codec through the model, before any kernel: key error, the needle, perplexity.
 
-Keys through :class:`~vecinfer_compile.quant.trellis_keys.TrellisKeyCodec` (per-head KLT, integer
+Keys through :class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec` (per-head KLT, integer
 bits per component, a bitshift trellis of ``2^L`` states), fitted per layer in the coded domain of
 a codebook file (its transform: for ``qaware``, centring, the query-aware matrix, Hadamard) on
 calibration keys; values through the file's own codes. Rows, side by side in one run:
@@ -58,7 +58,7 @@ from vecinfer_compile.evaluation.perplexity import perplexity  # noqa: E402
 from vecinfer_compile.hf.recording import collect_kv  # noqa: E402
 from vecinfer_compile.models import load_model, load_text, tokenize  # noqa: E402
 from vecinfer_compile.quant.codebook import quantize_dequantize  # noqa: E402
-from vecinfer_compile.quant.trellis_keys import TrellisKeyCodec  # noqa: E402
+from vecinfer_compile.quant.trellis_codec import TrellisCodec  # noqa: E402
 from vecinfer_compile.simulate import simulation  # noqa: E402
 
 WINDOW = 1024  # calibration windows of 1,024 tokens after BOS, as `vecinfer calibrate` records them
@@ -88,8 +88,8 @@ class TrellisKeys:
     ``codebooks``' coded domain; None: the file's codes), values through one codec a layer
     (``value_codecs``; None: the file's codes)."""
 
-    def __init__(self, codebooks, codecs: dict[int, TrellisKeyCodec] | None,
-                 value_codecs: dict[int, TrellisKeyCodec] | None = None):
+    def __init__(self, codebooks, codecs: dict[int, TrellisCodec] | None,
+                 value_codecs: dict[int, TrellisCodec] | None = None):
         self.codebooks = codebooks
         self.codecs = codecs
         self.value_codecs = value_codecs
@@ -187,13 +187,13 @@ def main(argv=None) -> None:
         elif row.startswith(("trellis-values@", "trellis-kv@")):
             lbits = int(row.split("@")[1])
             fit_args = dict(train_vectors=args.train_vectors, rounds=args.rounds)
-            value_codecs = {i: TrellisKeyCodec.fit(values[i][:, :n_fit].to(device), cb.bits, lbits,
+            value_codecs = {i: TrellisCodec.fit(values[i][:, :n_fit].to(device), cb.bits, lbits,
                                                    metric=cb.layer(i).value_metric, seed=1000 * i + 10 * args.codec_seed + 1,
                                                    **fit_args)
                             for i in layers}
             key_codecs = None
             if row.startswith("trellis-kv"):
-                key_codecs = {i: TrellisKeyCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=cb.layer(i).key_metric,
+                key_codecs = {i: TrellisCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=cb.layer(i).key_metric,
                                                      seed=1000 * i + 10 * args.codec_seed, **fit_args) for i in layers}
             entry["value_error"] = [relative_error(values[i][:, n_fit:].to(device), value_codecs[i].quantize_dequantize(
                 values[i][:, n_fit:].to(device))) for i in layers]
@@ -204,7 +204,7 @@ def main(argv=None) -> None:
             lbits = int(row.split("@")[1])
             t1 = time.time()
             metric = {i: None if row.startswith("trellis-mse") else cb.layer(i).key_metric for i in layers}
-            codecs = {i: TrellisKeyCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=metric[i],
+            codecs = {i: TrellisCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=metric[i],
                                              train_vectors=args.train_vectors, rounds=args.rounds,
                                              seed=1000 * i + 10 * args.codec_seed)
                       for i in layers}

@@ -184,7 +184,7 @@ def test_the_strict_reader_takes_only_the_current_format_and_old_files_name_thei
     from vecinfer_compile.codebooks.file_format import read_codebooks
 
     meta, tensors = _read(FORMAT_1_FIXTURE)
-    with pytest.raises(ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/6: read it with load_codebooks"):
+    with pytest.raises(ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/7: read it with load_codebooks"):
         read_codebooks(meta, tensors, FORMAT_1_FIXTURE)
     tensors["key_centroids"] = tensors["key_centroids"][:3]  # three layers stacked, the geometry says four
     save_file(tensors, str(tmp_path / "short.safetensors"), metadata={"vecinfer": json.dumps(meta)})

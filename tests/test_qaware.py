@@ -235,7 +235,7 @@ def test_broken_query_aware_files_name_the_fix(tmp_path):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "qaware2"}))
     with pytest.raises(ValueError, match="takes no query-aware matrices"):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "hadamard"}))
-    with pytest.raises(ValueError, match="reads vecinfer-codebooks/6, vecinfer-codebooks/5, vecinfer-codebooks/4"):
+    with pytest.raises(ValueError, match="reads vecinfer-codebooks/7, vecinfer-codebooks/6, vecinfer-codebooks/5, vecinfer-codebooks/4"):
         load_codebooks(_rewrite(path, tmp_path, meta={"format": "vecinfer-codebooks/9"}))
 
 

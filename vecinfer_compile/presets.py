@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_TRELLIS_STATES = 4096  # the trellis key codec's (quant/trellis_keys.py): 2^12, the study's best measured
+DEFAULT_TRELLIS_STATES = 4096  # the trellis key codec's (quant/trellis_codec.py): 2^12, the study's best measured
 
 
 @dataclass(frozen=True)

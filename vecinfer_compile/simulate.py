@@ -78,8 +78,8 @@ class LayerSimulator:
         dtype. Pre-RoPE keys (:mod:`.quant.rope`) take their positions from the call's queries'
         ``position_ids: [B|1, Tq]`` (:func:`key_positions`); predicted values are
         ``P(k~_hat) + Q(v - P(k~_hat))`` (:mod:`.quant.value_prediction`). Codes are the
-        codebooks' kind: nearest-centroid, score-aware and/or error-weighted; keys through the layer's key
-        codec instead when it has one (:mod:`.quant.trellis_keys`)."""
+        codebooks' kind: nearest-centroid, score-aware and/or error-weighted; keys and values through
+        the layer's codecs instead where it has them (:mod:`.quant.trellis_codec`)."""
         if self.method == "kivi":
             return kivi_keys(k, int(self.bits)), kivi_values(v, int(self.bits))
         layer = self.codebooks.layer(self.layer_idx)
@@ -94,6 +94,8 @@ class LayerSimulator:
         else:
             kt_hat = quantize_dequantize(kt, kc, self.codebooks.key_parallel_weight, layer.key_metric)
         k_hat = layer.transform.keys_inverse(kt_hat, positions).to(k.dtype)
+        if layer.value_codec is not None:
+            return k_hat, layer.value_codec.quantize_dequantize(v)
         if layer.value_predictor is None:
             return k_hat, quantize_dequantize(v, vc, metric=layer.value_metric)
         predicted = layer.value_predictor(kt_hat)

@@ -21,7 +21,7 @@ from ..quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_mome
 from ..quant.refine import LayerAttention, RefineConfig, refine_codebooks
 from ..quant.rope import rotate
 from ..quant.transform import KeyTransform, centre_keys, smoothing_factors
-from ..quant.trellis_keys import TrellisKeyCodec
+from ..quant.trellis_codec import TrellisCodec
 from ..quant.value_prediction import fit_value_predictor
 from ..quant.weighted_codes import key_metric, value_metric
 
@@ -52,9 +52,10 @@ class FitSettings:
     frequencies, for the pre-RoPE methods; ``refine``: how refining methods move their centroids
     (:mod:`vecinfer_compile.quant.refine`; None: they keep k-means'); ``weighted_codes``: store the
     layer's error metrics (:mod:`vecinfer_compile.quant.weighted_codes`); ``key_codec_states``: ``L``
-    to code keys by the trellis key codec of ``2^L`` states
-    (:mod:`vecinfer_compile.quant.trellis_keys`), fitted on the layer's keys in the transform's domain
-    under the key error metric when ``weighted_codes`` (None: the key codebooks' codes)."""
+    to code keys by the trellis codec of ``2^L`` states (:mod:`vecinfer_compile.quant.trellis_codec`),
+    fitted on the layer's keys in the transform's domain under the key error metric when
+    ``weighted_codes`` (None: the key codebooks' codes); ``value_codec_states``: the same for the
+    values, under the value error metric."""
 
     iters: int
     max_vectors: int | None = None
@@ -64,6 +65,7 @@ class FitSettings:
     refine: RefineConfig | None = None
     weighted_codes: bool = False
     key_codec_states: int | None = None
+    value_codec_states: int | None = None
 
 
 @dataclass
@@ -133,8 +135,9 @@ def fit_layer(samples: LayerSamples, spec: KeyTransformSpec, bits: Sequence[floa
     attention module: its output projection, scaling and sliding window); with
     ``settings.weighted_codes`` the layer stores its error metrics. ``key_seed`` seeds the key
     codebook, refinement and the key codec's tables, ``value_seed`` the value codebook. With
-    ``settings.key_codec_states`` the keys get the trellis key codec (the key codebook is fitted
-    and refined as without and stays in the file; keys are coded by the codec)."""
+    ``settings.key_codec_states`` / ``value_codec_states`` the keys / values get the trellis codec
+    (the codebooks are fitted and refined as without and stay in the file; the codec codes in their
+    place; the value codec's tables are seeded by ``value_seed``)."""
     keys, values, queries = samples.keys, samples.values, samples.queries
     num_kv_heads, head_dim = keys.shape[0], keys.shape[-1]
     transform = fit_key_transform(samples, spec, settings)
@@ -162,9 +165,14 @@ def fit_layer(samples: LayerSamples, spec: KeyTransformSpec, bits: Sequence[floa
                                                                key_cb, value_cb, attn, refine, seed=key_seed,
                                                                device=settings.device)
             fit.loss_ratio[b] = round(after / before, 4) if before > 0 else 1.0
-        codec = None
+        device = settings.device or k_t.device
+        key_codec = value_codec = None
         if settings.key_codec_states is not None:
-            codec = TrellisKeyCodec.fit(k_t[0].to(settings.device or k_t.device), b, settings.key_codec_states,
-                                        metric=metrics[0] if metrics else None, seed=key_seed)
-        fit.codebooks[b] = LayerCodebooks(transform, key_cb, value_cb, predictor, *(metrics or (None, None)), codec)
+            key_codec = TrellisCodec.fit(k_t[0].to(device), b, settings.key_codec_states,
+                                         metric=metrics[0] if metrics else None, seed=key_seed)
+        if settings.value_codec_states is not None:
+            value_codec = TrellisCodec.fit(values.to(device), b, settings.value_codec_states,
+                                           metric=metrics[1] if metrics else None, seed=value_seed)
+        fit.codebooks[b] = LayerCodebooks(transform, key_cb, value_cb, predictor, *(metrics or (None, None)),
+                                          key_codec, value_codec)
     return fit

@@ -43,6 +43,7 @@ def calibrate(
     key_parallel_weight: float | None = None,
     weighted_codes: bool | None = None,
     key_codec: str | None = None,
+    value_codec: str | None = None,
     trellis_states: int = DEFAULT_TRELLIS_STATES,
     device=None,
     progress: bool = True,
@@ -69,8 +70,9 @@ def calibrate(
     default to the method's (:data:`~vecinfer_compile.methods.VQ_METHODS`: ``qaware`` 8 and
     True, the others 1 and False). ``key_codec="trellis"`` codes keys with a long-block code instead
     of the key codebooks (per-head KLT, integer bits per component, a bitshift trellis of
-    ``trellis_states`` states: :mod:`vecinfer_compile.quant.trellis_keys`); such files run in the
-    simulate path only so far (the cache and the compiled backend refuse them).
+    ``trellis_states`` states: :mod:`vecinfer_compile.quant.trellis_codec`), ``value_codec="trellis"``
+    the values; such files run in the simulate path only so far (the cache and the compiled backend
+    refuse them).
     By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
@@ -82,13 +84,13 @@ def calibrate(
     """
     plan = plan_calibration(model, bits, method, layer_bits=layer_bits, allocate=allocate, ridge=ridge,
                             refine=refine, key_parallel_weight=key_parallel_weight, weighted_codes=weighted_codes,
-                            key_codec=key_codec, trellis_states=trellis_states)
+                            key_codec=key_codec, value_codec=value_codec, trellis_states=trellis_states)
     device = device or next(model.parameters()).device
     token_ids = calibration_token_ids(tokenizer, texts, max_tokens)
     recording = record(model, token_ids, plan, seq_len, progress)
     settings = FitSettings(iters=iters, max_vectors=max_fit_vectors, device=device, ridge=ridge,
                            rope_inv_freq=plan.rope_inv_freq, refine=plan.refine, weighted_codes=plan.weighted_codes,
-                           key_codec_states=plan.key_codec_states)
+                           key_codec_states=plan.key_codec_states, value_codec_states=plan.value_codec_states)
     needs_modules = plan.refine is not None or plan.weighted_codes
     modules = {m.layer_idx: m for m in attention_modules(model)} if needs_modules else {}
     fitted: dict[int, dict[float, LayerCodebooks]] = {}

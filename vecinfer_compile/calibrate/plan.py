@@ -25,9 +25,9 @@ class CalibrationPlan:
     presets (every layer must then be recorded); ``coded``: per decoder layer, whether a
     VecInferCache codes it (:func:`~vecinfer_compile.hf.layer_kinds.coded_layers`); ``refine``: how
     centroids are refined (None: the method does not refine); ``rope_inv_freq [r/2]``: the
-    model's RoPE frequencies for the pre-RoPE methods (else None); ``key_codec_states``: ``L`` when
-    keys are coded by the trellis key codec of ``2^L`` states
-    (:mod:`vecinfer_compile.quant.trellis_keys`), None for the key codebooks' own codes."""
+    model's RoPE frequencies for the pre-RoPE methods (else None); ``key_codec_states`` /
+    ``value_codec_states``: ``L`` when keys / values are coded by the trellis codec of ``2^L``
+    states (:mod:`vecinfer_compile.quant.trellis_codec`), None for the codebooks' own codes."""
 
     method: str
     spec: KeyTransformSpec
@@ -41,6 +41,7 @@ class CalibrationPlan:
     refine: RefineConfig | None
     rope_inv_freq: torch.Tensor | None
     key_codec_states: int | None = None
+    value_codec_states: int | None = None
 
     @property
     def with_queries(self) -> bool:
@@ -57,7 +58,8 @@ class CalibrationPlan:
 def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list[float] | None,
                      allocate: str | None, ridge: float, refine: RefineConfig | None,
                      key_parallel_weight: float | None, weighted_codes: bool | None,
-                     key_codec: str | None = None, trellis_states: int = DEFAULT_TRELLIS_STATES) -> CalibrationPlan:
+                     key_codec: str | None = None, value_codec: str | None = None,
+                     trellis_states: int = DEFAULT_TRELLIS_STATES) -> CalibrationPlan:
     """The plan of :func:`~vecinfer_compile.calibrate.calibrate` for ``model`` (its arguments of
     the same names), or a ValueError naming the fix for arguments it cannot run."""
     if layer_bits is not None and allocate is not None:
@@ -94,7 +96,9 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
     if weighted_codes and (spec.pre_rope or spec.predict_values):
         raise ValueError(f"weighted codes need keys whose scores the query transform keeps exact and plain value "
                          f"codes; method {method!r} has neither: use --method qaware (or vecinfer)")
-    key_codec_states = _check_key_codec(key_codec, trellis_states, spec, method, candidates, head_dim)
+    key_codec_states, value_codec_states = (_check_codec(kind, codec, trellis_states, spec, method, candidates,
+                                                         head_dim)
+                                            for kind, codec in (("key", key_codec), ("value", value_codec)))
     return CalibrationPlan(
         method=method,
         spec=spec,
@@ -108,24 +112,26 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
         refine=refine if spec.refine else None,
         rope_inv_freq=model_rope_frequencies(model, head_dim) if spec.pre_rope else None,
         key_codec_states=key_codec_states,
+        value_codec_states=value_codec_states,
     )
 
 
-def _check_key_codec(key_codec: str | None, states: int, spec: KeyTransformSpec, method: str,
-                     candidates: list[tuple[float, ...]], head_dim: int) -> int | None:
-    """``L`` for ``key_codec="trellis"`` with ``2^L = states`` trellis states, None for no key codec;
-    a ValueError naming the fix for a codec, state count, method or bits it cannot run."""
-    if key_codec is None:
+def _check_codec(kind: str, codec: str | None, states: int, spec: KeyTransformSpec, method: str,
+                 candidates: list[tuple[float, ...]], head_dim: int) -> int | None:
+    """``L`` for a ``"trellis"`` codec of ``kind`` (``"key"`` or ``"value"``) with ``2^L = states``
+    trellis states, None for no codec; a ValueError naming the fix for a codec, state count, method
+    or bits it cannot run."""
+    if codec is None:
         return None
-    if key_codec != "trellis":
-        raise ValueError(f"key_codec must be 'trellis' or None, got {key_codec!r}")
+    if codec != "trellis":
+        raise ValueError(f"{kind}_codec must be 'trellis' or None, got {codec!r}")
     if states < 2 or states & (states - 1) or states > 1 << 16:
         raise ValueError(f"trellis_states must be a power of two in 2..65536, got {states}")
     if spec.predict_values:
-        raise ValueError(f"method {method!r} predicts values from the key codebooks' codes; the trellis key codec "
-                         "needs plain value codes: use --method qaware (or vecinfer)")
+        raise ValueError(f"method {method!r} predicts values from the key codebooks' codes; the trellis {kind} codec "
+                         "needs plain key and value codes: use --method qaware (or vecinfer)")
     for b in {b for c in candidates for b in c}:
         if abs(b * head_dim - round(b * head_dim)) > 1e-9:
-            raise ValueError(f"the trellis key codec spends a whole number of bits a key: {b:g} bits x head_dim "
-                             f"{head_dim} is not one; choose other bits")
+            raise ValueError(f"the trellis {kind} codec spends a whole number of bits a vector: {b:g} bits x "
+                             f"head_dim {head_dim} is not one; choose other bits")
     return states.bit_length() - 1

@@ -9,7 +9,8 @@ returns them as the current format lays them out, each older format one step fro
 - format 3: query-aware matrices; no key means (centring did not exist: a centring method's
   codebooks were fitted to uncentred keys, ``mu = 0``);
 - format 4: key means; every layer has attention (no ``attention_layers``);
-- format 5: no key codec (keys coded by the key codebooks).
+- format 5: no key codec (keys coded by the key codebooks);
+- format 6: no value codec (values coded by the value codebooks).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch
 from ..methods import VQ_METHODS
 from .file_format import FORMAT
 
-FORMAT_V1, FORMAT_V2, FORMAT_V3, FORMAT_V4, FORMAT_V5 = (f"vecinfer-codebooks/{n}" for n in (1, 2, 3, 4, 5))
-OLDER_FORMATS = (FORMAT_V5, FORMAT_V4, FORMAT_V3, FORMAT_V2, FORMAT_V1)
+FORMAT_V1, FORMAT_V2, FORMAT_V3, FORMAT_V4, FORMAT_V5, FORMAT_V6 = (f"vecinfer-codebooks/{n}" for n in range(1, 7))
+OLDER_FORMATS = (FORMAT_V6, FORMAT_V5, FORMAT_V4, FORMAT_V3, FORMAT_V2, FORMAT_V1)
 
 
 def upgrade(meta: dict, tensors: dict[str, torch.Tensor], source: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -38,7 +39,7 @@ def upgrade(meta: dict, tensors: dict[str, torch.Tensor], source: str | Path) ->
         )
     meta, tensors = dict(meta), dict(tensors)
     steps = {FORMAT_V1: _v1_to_v2, FORMAT_V2: _v2_to_v3, FORMAT_V3: _v3_to_v4, FORMAT_V4: _v4_to_v5,
-             FORMAT_V5: _v5_to_v6}
+             FORMAT_V5: _v5_to_v6, FORMAT_V6: _v6_to_v7}
     for fmt in reversed(OLDER_FORMATS[:OLDER_FORMATS.index(old) + 1]):
         steps[fmt](meta, tensors, source)
     meta.update(format=FORMAT, converted_from=old)
@@ -89,3 +90,7 @@ def _v4_to_v5(meta: dict, tensors: dict, source) -> None:
 
 def _v5_to_v6(meta: dict, tensors: dict, source) -> None:
     """Nothing to change: format 6 added the key codec, which a format 5 file cannot have."""
+
+
+def _v6_to_v7(meta: dict, tensors: dict, source) -> None:
+    """Nothing to change: format 7 added the value codec, which a format 6 file cannot have."""

@@ -1,4 +1,4 @@
-"""The codebook file, format ``vecinfer-codebooks/5``: writing it, and the one strict reader of it
+"""The codebook file, format ``vecinfer-codebooks/7``: writing it, and the one strict reader of it
 (:mod:`.load` opens a file and converts an older format first, :mod:`.convert`).
 
 One safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
@@ -16,11 +16,12 @@ for the query-aware methods ``key_matrix [A, H_kv, D, D]`` and ``query_matrix [A
 :mod:`vecinfer_compile.quant.rope`) and, when values are predicted from keys, ``value_matrix
 [A, H_kv, D, D]`` and ``value_bias [A, H_kv, D]`` (:mod:`vecinfer_compile.quant.value_prediction`);
 with error-weighted codes ``key_metric`` and ``value_metric [A, H_kv, D, D]``
-(:mod:`vecinfer_compile.quant.weighted_codes`); with the trellis key codec (metadata ``key_codec:
-"trellis"``, :mod:`vecinfer_compile.quant.trellis_keys`), ``key_codec.analysis`` and
+(:mod:`vecinfer_compile.quant.weighted_codes`); with the trellis codec of the keys (metadata
+``key_codec: "trellis"``, :mod:`vecinfer_compile.quant.trellis_codec`), ``key_codec.analysis`` and
 ``key_codec.synthesis [A, H_kv, D, D]`` (inverses), ``key_codec.scale [A, H_kv]``,
-``key_codec.mean``, ``key_codec.variance`` and ``key_codec.bits [A, H_kv, D]`` (whole numbers, each head's summing to its layer's bits times ``D``)
-and ``key_codec.tables [A, H_kv, W, 2^L]``. The safetensors metadata key ``"vecinfer"`` holds a
+``key_codec.mean``, ``key_codec.variance`` and ``key_codec.bits [A, H_kv, D]`` (whole numbers,
+each head's summing to its layer's bits times ``D``) and ``key_codec.tables [A, H_kv, W, 2^L]``;
+with the trellis codec of the values (``value_codec: "trellis"``) the same as ``value_codec.*``. The safetensors metadata key ``"vecinfer"`` holds a
 JSON object: format, method, bits (the average over layers), ``layer_bits`` (one preset per
 layer), ``attention_layers``, the model geometry and a hash of it (``fingerprint``), the package
 version and the calibration's metadata (:mod:`vecinfer_compile.calibrate.metadata`: the model's
@@ -39,18 +40,18 @@ from safetensors.torch import save_file
 from ..methods import VQ_METHODS
 from ..presets import get_preset
 from ..quant.transform import KeyTransform
-from ..quant.trellis_keys import PARTS as TRELLIS_PARTS, TrellisKeyCodec
+from ..quant.trellis_codec import PARTS as TRELLIS_PARTS, TrellisCodec
 from ..quant.value_prediction import ValuePredictor
 from ..hf.weight_fingerprint import check_fingerprint
 from .model import LayerCodebooks, VecInferCodebooks, geometry_fingerprint
 
-FORMAT = "vecinfer-codebooks/6"
+FORMAT = "vecinfer-codebooks/7"
 MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of a ridge-conditioned S)
 FILE_FIELDS = ("format", "method", "bits", "layer_bits", "attention_layers", "geometry", "fingerprint")
 READ_FIELDS = ("method", "bits", "geometry", "layer_bits", "attention_layers", "uncentred_keys",
-               "key_codec")  # not kept as metadata
-KEY_CODEC = "trellis"  # the one key codec besides the codebooks' own codes
-KEY_CODEC_PARTS = TRELLIS_PARTS
+               "key_codec", "value_codec")  # not kept as metadata
+CODEC = "trellis"  # the one codec of keys or values besides the codebooks' own codes
+CODED = ("key", "value")  # what a codec may code: tensors "{kind}_codec.*", metadata "{kind}_codec"
 
 
 def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
@@ -77,8 +78,9 @@ def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
     if layers[0].key_metric is not None:
         tensors["key_metric"] = torch.stack([l.key_metric.float().cpu() for l in layers])
         tensors["value_metric"] = torch.stack([l.value_metric.float().cpu() for l in layers])
-    if layers[0].key_codec is not None:
-        tensors.update(_key_codec_tensors([l.key_codec for l in layers]))
+    for kind in CODED:
+        if getattr(layers[0], f"{kind}_codec") is not None:
+            tensors.update(_codec_tensors(kind, [getattr(l, f"{kind}_codec") for l in layers]))
     if layers[0].value_predictor is not None:
         tensors["value_matrix"] = torch.stack([l.value_predictor.matrix.float().cpu() for l in layers])
         tensors["value_bias"] = torch.stack([l.value_predictor.bias.float().cpu() for l in layers])
@@ -91,7 +93,7 @@ def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
         "layer_bits": codebooks.bits_per_layer(),
         "attention_layers": present,
         **({"uncentred_keys": True} if uncentred else {}),
-        **({"key_codec": KEY_CODEC} if layers[0].key_codec is not None else {}),
+        **{f"{kind}_codec": CODEC for kind in CODED if getattr(layers[0], f"{kind}_codec") is not None},
         "rotate": layers[0].transform.rotate,
         "geometry": codebooks.geometry,
         "fingerprint": geometry_fingerprint(codebooks.geometry),
@@ -168,7 +170,8 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
     mean = _key_mean(path, tensors, method, spec.center and not uncentred, geometry, len(present))
     inv_freq, value_m, value_b = _pre_rope_state(path, tensors, method, spec, geometry, len(present))
     key_w, value_w = _error_metrics(path, tensors, geometry, len(present))
-    codecs = _key_codecs(path, meta, tensors, geometry, [layer_bits[i] for i in present])
+    key_codecs, value_codecs = (_codecs(path, kind, meta, tensors, geometry, [layer_bits[i] for i in present])
+                                for kind in CODED)
     layers: list[LayerCodebooks | None] = [None] * num_layers
     for n, i in enumerate(present):  # n: the layer's row in the stacked tensors
         layers[i] = LayerCodebooks(
@@ -180,44 +183,45 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
             None if value_m is None else ValuePredictor(value_m[n], value_b[n]),
             None if key_w is None else key_w[n],
             None if value_w is None else value_w[n],
-            None if codecs is None else codecs[n],
+            None if key_codecs is None else key_codecs[n],
+            None if value_codecs is None else value_codecs[n],
         )
     keep = {k: v for k, v in meta.items() if k not in READ_FIELDS}
     return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
 
-def _key_codec_tensors(codecs: list) -> dict[str, torch.Tensor]:
-    """``key_codec.*`` tensors stacked over the attention layers' ``codecs``
-    (:class:`~vecinfer_compile.quant.trellis_keys.TrellisKeyCodec`); tables padded to the widest."""
+def _codec_tensors(kind: str, codecs: list) -> dict[str, torch.Tensor]:
+    """``{kind}_codec.*`` tensors stacked over the attention layers' ``codecs``
+    (:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec`); tables padded to the widest."""
     parts = [c.to_tensors() for c in codecs]
     width = max(p["tables"].shape[1] for p in parts)
-    out = {f"key_codec.{name}": torch.stack([p[name] for p in parts]) for name in KEY_CODEC_PARTS if name != "tables"}
-    out["key_codec.tables"] = torch.stack([torch.nn.functional.pad(p["tables"], (0, 0, 0, width - p["tables"].shape[1]))
+    out = {f"{kind}_codec.{name}": torch.stack([p[name] for p in parts]) for name in TRELLIS_PARTS if name != "tables"}
+    out[f"{kind}_codec.tables"] = torch.stack([torch.nn.functional.pad(p["tables"], (0, 0, 0, width - p["tables"].shape[1]))
                                            for p in parts])
     return out
 
 
-def _key_codecs(path: Path, meta: dict, tensors: dict, geometry: dict, layer_bits: list[float]):
-    """One :class:`~vecinfer_compile.quant.trellis_keys.TrellisKeyCodec` per attention layer of a
-    file whose metadata names the key codec (None for the others), checked: every part present,
+def _codecs(path: Path, kind: str, meta: dict, tensors: dict, geometry: dict, layer_bits: list[float]):
+    """One :class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec` per attention layer of a
+    file whose metadata names a codec of ``kind`` (``"key"`` or ``"value"``; None for the others), checked: every part present,
     shaped for the geometry, finite, analysis and synthesis inverses, each head's bits summing to its
     layer's."""
-    names = [f"key_codec.{p}" for p in KEY_CODEC_PARTS]
-    codec = meta.get("key_codec")
+    names = [f"{kind}_codec.{p}" for p in TRELLIS_PARTS]
+    codec = meta.get(f"{kind}_codec")
+    label, fix = f"the {kind} codec", f"`vecinfer calibrate --{kind}-codec trellis`"
     if codec is None:
         stray = [n for n in names if n in tensors]
         if stray:
-            raise ValueError(f"{path}: it has {stray} but its metadata names no key codec (corrupt file): "
+            raise ValueError(f"{path}: it has {stray} but its metadata names no {kind} codec (corrupt file): "
                              "recalibrate with `vecinfer calibrate`")
         return None
-    if codec != KEY_CODEC:
-        raise ValueError(f"{path}: key codec {codec!r} is unknown to this version (it knows {KEY_CODEC!r}): "
+    if codec != CODEC:
+        raise ValueError(f"{path}: {kind} codec {codec!r} is unknown to this version (it knows {CODEC!r}): "
                          "install the version that wrote it")
     missing = [n for n in names if n not in tensors]
     if missing:
-        raise ValueError(f"{path}: the trellis key codec needs {missing} (corrupt file): recalibrate with "
-                         "`vecinfer calibrate --key-codec trellis`")
+        raise ValueError(f"{path}: {label} needs {missing} (corrupt file): recalibrate with {fix}")
     a, h, d = len(layer_bits), geometry["num_kv_heads"], geometry["head_dim"]
-    t = {p: tensors[f"key_codec.{p}"].float() for p in KEY_CODEC_PARTS}
+    t = {p: tensors[f"{kind}_codec.{p}"].float() for p in TRELLIS_PARTS}
     tables = t["tables"]
     expect = {"analysis": (a, h, d, d), "synthesis": (a, h, d, d), "mean": (a, h, d), "variance": (a, h, d),
               "scale": (a, h), "bits": (a, h, d)}
@@ -226,23 +230,22 @@ def _key_codecs(path: Path, meta: dict, tensors: dict, geometry: dict, layer_bit
     if tables.dim() != 4 or tables.shape[:2] != (a, h) or states < 2 or states & (states - 1):
         bad.append(f"tables {tuple(tables.shape)} (needs [{a}, {h}, widths, 2^L])")
     if bad:
-        raise ValueError(f"{path}: key codec tensors misshapen: {'; '.join(bad)} (corrupt file)")
+        raise ValueError(f"{path}: {kind} codec tensors misshapen: {'; '.join(bad)} (corrupt file)")
     if not all(torch.isfinite(x).all() for x in t.values()):
-        raise ValueError(f"{path}: the key codec holds NaN or inf (corrupt file): recalibrate with "
-                         "`vecinfer calibrate --key-codec trellis`")
+        raise ValueError(f"{path}: {label} holds NaN or inf (corrupt file): recalibrate with {fix}")
     bits = t["bits"]
     budgets = [round(b * d) for b in layer_bits]
     ok = (bits == bits.round()).all() and bits.min() >= 0 and bits.max() <= tables.shape[2] \
         and all((bits[n].sum(-1) == budgets[n]).all() for n in range(a))
     if not ok:
-        raise ValueError(f"{path}: the key codec's bits are not whole numbers in [0, {tables.shape[2]}] that sum to "
+        raise ValueError(f"{path}: {label}'s bits are not whole numbers in [0, {tables.shape[2]}] that sum to "
                          f"each layer's bits times {d} (corrupt file)")
     eye = torch.eye(d, dtype=torch.float64)
     err = (t["analysis"].double() @ t["synthesis"].double() - eye).abs().amax().item()
     if not err <= MATRIX_TOLERANCE:
-        raise ValueError(f"{path}: the key codec's synthesis is not the inverse of its analysis (max error "
+        raise ValueError(f"{path}: {label}'s synthesis is not the inverse of its analysis (max error "
                          f"{err:.3g}; corrupt file)")
-    return [TrellisKeyCodec.from_tensors({p: x[n] for p, x in t.items()}) for n in range(a)]
+    return [TrellisCodec.from_tensors({p: x[n] for p, x in t.items()}) for n in range(a)]
 
 
 def _error_metrics(path: Path, tensors: dict, geometry: dict, layers: int):

@@ -21,7 +21,7 @@ from ..presets import Preset, get_preset
 from ..quant.byte_centroids import snap_centroids
 from ..quant.score_aware import check_parallel_weight
 from ..quant.transform import KeyTransform
-from ..quant.trellis_keys import TrellisKeyCodec
+from ..quant.trellis_codec import TrellisCodec
 from ..quant.value_prediction import ValuePredictor
 from ..hf.weight_fingerprint import TOLERANCE, fingerprint_distance, graph_weights, weight_fingerprint
 
@@ -75,8 +75,9 @@ class LayerCodebooks:
     the same values. key_metric / value_metric: ``[H_kv, D, D]`` float32, the error metrics that
     error-weighted codes are chosen under (:mod:`vecinfer_compile.quant.weighted_codes`), or both
     None (nearest-centroid or score-aware codes). key_codec: a long-block code of the keys in the
-    transform's domain (:class:`~vecinfer_compile.quant.trellis_keys.TrellisKeyCodec`) that codes
-    them in place of key_centroids, or None; only the simulate path runs it so far
+    transform's domain (:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec`) that codes
+    them in place of key_centroids, or None; value_codec: the same for the values (in place of
+    value_centroids), or None; only the simulate path runs them so far
     (:meth:`VecInferCodebooks.check_cache_codec`)."""
 
     transform: KeyTransform
@@ -85,7 +86,8 @@ class LayerCodebooks:
     value_predictor: ValuePredictor | None = None
     key_metric: torch.Tensor | None = None
     value_metric: torch.Tensor | None = None
-    key_codec: TrellisKeyCodec | None = None
+    key_codec: TrellisCodec | None = None
+    value_codec: TrellisCodec | None = None
 
     def __post_init__(self) -> None:
         self.key_centroids = snap_centroids(self.key_centroids)
@@ -158,19 +160,26 @@ class VecInferCodebooks:
 
     @property
     def key_codec(self) -> str | None:
-        """The long-block key codec that codes keys in place of the key codebooks
-        (:mod:`vecinfer_compile.quant.trellis_keys`: ``"trellis"``), or None."""
+        """The long-block codec that codes keys in place of the key codebooks
+        (:mod:`vecinfer_compile.quant.trellis_codec`: ``"trellis"``), or None."""
         return "trellis" if self.layer(self.attention_layers()[0]).key_codec is not None else None
 
+    @property
+    def value_codec(self) -> str | None:
+        """The long-block codec that codes values in place of the value codebooks (``"trellis"``), or None."""
+        return "trellis" if self.layer(self.attention_layers()[0]).value_codec is not None else None
+
     def check_cache_codec(self) -> None:
-        """Raise a ValueError naming the fix if these codebooks code keys with a codec that the
-        cache and the compiled backend cannot run yet (the trellis key codec runs in the simulate
+        """Raise a ValueError naming the fix if these codebooks code keys or values with a codec that
+        the cache and the compiled backend cannot run yet (the trellis codec runs in the simulate
         path only)."""
-        if self.key_codec is not None:
+        coded = [f"{kind} with the {codec} codec" for kind, codec in (("keys", self.key_codec),
+                                                                      ("values", self.value_codec)) if codec]
+        if coded:
             raise ValueError(
-                f"these codebooks code keys with the {self.key_codec} key codec, which runs in the simulate path "
-                "only (enable_simulation, `vecinfer eval-ppl`); VecInferCache and vecinfer_backend have no "
-                "kernels for it yet: calibrate without --key-codec for them")
+                f"these codebooks code {' and '.join(coded)}, which runs in the simulate path only "
+                "(enable_simulation, `vecinfer eval-ppl`); VecInferCache and vecinfer_backend have no kernels "
+                "for it yet: calibrate without --key-codec / --value-codec for them")
 
     @property
     def key_parallel_weight(self) -> float:
@@ -203,8 +212,8 @@ class VecInferCodebooks:
         """Bytes of each kind of state, float32 as the file stores it and a
         :class:`~vecinfer_compile.cache.VecInferCache` holds it, whatever the cache's length:
         ``{"codebooks", "smoothing factors", "query-aware matrices", "key means", "value predictors",
-        "error metrics", "key codec", "RoPE frequencies"}`` (kinds the method has not are absent; the frequencies are one vector
-        for the model). The cache adds its Hadamard matrix (``D * D``) for the methods that rotate
+        "error metrics", "key codec", "value codec", "RoPE frequencies"}`` (kinds the method has not
+        are absent; the frequencies are one vector for the model). The cache adds its Hadamard matrix (``D * D``) for the methods that rotate
         and are not query-aware (:func:`~vecinfer_compile.evaluation.kv_bytes.kv_bytes`)."""
         counts: dict[str, int] = {}
         for layer in filter(None, self.layers):
@@ -213,8 +222,9 @@ class VecInferCodebooks:
                      ("smoothing factors", t.lam), ("query-aware matrices", t.key_matrix),
                      ("query-aware matrices", t.query_matrix), ("key means", t.mean),
                      ("error metrics", layer.key_metric), ("error metrics", layer.value_metric))
-            if layer.key_codec is not None:
-                parts += tuple(("key codec", t) for t in layer.key_codec.to_tensors().values())
+            for kind, codec in (("key codec", layer.key_codec), ("value codec", layer.value_codec)):
+                if codec is not None:
+                    parts += tuple((kind, t) for t in codec.to_tensors().values())
             if layer.value_predictor is not None:
                 parts += (("value predictors", layer.value_predictor.matrix),
                           ("value predictors", layer.value_predictor.bias))

@@ -60,9 +60,12 @@ def register(subparsers) -> None:
                    help="code keys with a long-block code instead of the key codebooks: per-head KLT, integer bits "
                         "per component, a bitshift trellis (docs/results/accuracy.md); same bits a key. Such files "
                         "run in simulate mode only so far (eval-ppl, ablation, needle), not in VecInferCache")
+    p.add_argument("--value-codec", choices=["trellis"], default=None,
+                   help="code values with the same long-block code, under o_proj's error metric with "
+                        "--weighted-codes; same bits a value, simulate mode only so far")
     p.add_argument("--trellis-states", type=power_of_two, default=None, metavar="S",
-                   help=f"with --key-codec trellis: trellis states, a power of two (default {DEFAULT_TRELLIS_STATES}; "
-                        "more: closer to the bound, slower to encode)")
+                   help=f"with --key-codec or --value-codec trellis: trellis states, a power of two (default "
+                        f"{DEFAULT_TRELLIS_STATES}; more: closer to the bound, slower to encode)")
     add_calib_args(p)
     p.add_argument("--out", required=True, metavar="FILE", type=new_file,
                    help="output .safetensors file (a new path: an existing file is not overwritten)")
@@ -92,10 +95,11 @@ def _simulate_only_note(cb) -> str:
     """For a method without a cache yet: where its codebooks run today."""
     from ..methods import SIMULATE_ONLY
 
-    if cb.key_codec is not None:
-        return (f"\n(keys coded by the {cb.key_codec} key codec, which has no VecInferCache kernels yet: the figures "
-                "above are what one would hold; these codebooks run in simulate mode: vecinfer eval-ppl, ablation, "
-                "needle, gsm8k)")
+    coded = [kind for kind, codec in (("keys", cb.key_codec), ("values", cb.value_codec)) if codec]
+    if coded:
+        return (f"\n({' and '.join(coded)} coded by the trellis codec, which has no VecInferCache kernels yet: the "
+                "figures above are what one would hold; these codebooks run in simulate mode: vecinfer eval-ppl, "
+                "ablation, needle, gsm8k)")
     if cb.method not in SIMULATE_ONLY:
         return ""
     return (f"\n({cb.method} has no VecInferCache yet: the figures above are what one would hold; its codebooks "
@@ -125,8 +129,9 @@ def check_args(args) -> float | None:
         allocation_choices(bits)
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
-    if args.trellis_states is not None and args.key_codec is None:
-        raise ValueError("--trellis-states is for --key-codec trellis: add it, or drop --trellis-states")
+    if args.trellis_states is not None and args.key_codec is None and args.value_codec is None:
+        raise ValueError("--trellis-states is for --key-codec / --value-codec trellis: add one, or drop "
+                         "--trellis-states")
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
         raise ValueError(f"--ridge is for the query-aware methods "
                          f"({', '.join(m for m, spec in VQ_METHODS.items() if spec.query_aware)}), not {args.method!r}")
@@ -160,7 +165,7 @@ def run(args) -> int:
                    allocate=None if args.allocate == "uniform" else args.allocate,
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,
                    seed=args.seed, progress=args.progress, key_parallel_weight=args.key_parallel_weight,
-                   weighted_codes=args.weighted_codes, key_codec=args.key_codec,
+                   weighted_codes=args.weighted_codes, key_codec=args.key_codec, value_codec=args.value_codec,
                    trellis_states=args.trellis_states or DEFAULT_TRELLIS_STATES,
                    **({} if args.ridge is None else {"ridge": args.ridge}))
     path = cb.save(args.out)

@@ -86,9 +86,10 @@ class GenerationMethod:
     @property
     def simulated(self) -> bool:
         """Whether ``generate()`` runs this method in simulate mode: the :data:`SIMULATED` methods,
-        and codebooks whose keys a codec codes that has no cache kernels yet
+        and codebooks whose keys or values a codec codes that has no cache kernels yet
         (:meth:`~vecinfer_compile.codebooks.VecInferCodebooks.check_cache_codec`)."""
-        return self.method in SIMULATED or getattr(self.codebooks, "key_codec", None) is not None
+        return self.method in SIMULATED or any(getattr(self.codebooks, f"{kind}_codec", None) is not None
+                                               for kind in ("key", "value"))
 
     def note(self) -> str:
         note = method_note(self.method, self.bits, self.residual, self.simulated)

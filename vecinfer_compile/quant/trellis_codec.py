@@ -1,26 +1,28 @@
-"""A long-block key code: per-head KLT, integer bits per component, a bitshift trellis over them.
+"""A long-block code of a layer's keys or values: per-head KLT, integer bits per component, a
+bitshift trellis over them.
 
-One layer's keys, in a method's coded domain (after :class:`~.transform.KeyTransform`), are coded
-per KV head as
+One layer's vectors ``x`` (keys in a method's coded domain, after
+:class:`~.transform.KeyTransform`; or values as the model makes them) are coded per KV head as
 
-1. ``y = (k~ - mean) @ analysis``: the KLT (:class:`~.klt.KLT`) of the keys measured in the error
+1. ``y = (x - mean) @ analysis``: the KLT (:class:`~.klt.KLT`) of the vectors measured in the error
    metric ``M`` the codes should lower (``analysis = M^(1/2) U``; without a metric ``M = I`` and
    ``analysis = U``, orthonormal), components by decreasing variance, so that squared error on
-   ``y`` is the error ``r^T M r`` of the key (with ``qaware``'s key metric, :mod:`.weighted_codes`,
-   the expected score error plus the squared error);
+   ``y`` is the error ``r^T M r`` of the vector (:mod:`.weighted_codes`: ``qaware``'s key metric
+   is the expected score error plus the squared error, its value metric ``o_proj``'s Gram matrix);
 2. ``bits[h, t]`` integer bits for component ``t`` (:func:`~.klt.greedy_allocation` under the unit
    Gaussian's Lloyd-Max curve: the top components get several bits, the tail none), summing to
-   ``bits_per_element * D``, so a token and head costs exactly what today's codes cost, with no
-   side information per token;
+   ``bits_per_element * D``, so a token and head costs exactly what the codebooks' codes cost, with
+   no side information per token;
 3. the coded components, each divided by its standard deviation, as one sequence through a
    bitshift trellis of ``2^L`` states (:mod:`.trellis`: Viterbi encode, one table lookup per
-   component to decode), with tables trained per head and bit width on calibration keys;
-4. back: ``k~_hat = mean + scale * (y_hat @ synthesis)`` (``synthesis = analysis^-1``; components
-   at 0 bits decode to the mean), where ``scale`` (one number a head, fitted on calibration keys)
-   gives the decoded keys the calibration keys' mean squared deviation: the Lloyd tables decode to
-   conditional means, which shrink every key toward the mean by a few percent and every score with
-   it, and that costs more perplexity than the squared error the scale adds
-   (docs/results/accuracy.md). The scale is free at run time (it folds into the query side).
+   component to decode), with tables trained per head and bit width on calibration vectors;
+4. back: ``x_hat = mean + scale * (y_hat @ synthesis)`` (``synthesis = analysis^-1``; components
+   at 0 bits decode to the mean), where ``scale`` (one number a head, fitted on calibration
+   vectors) gives the decoded vectors the calibration vectors' mean squared deviation: the Lloyd
+   tables decode to conditional means, which shrink every vector toward the mean by a few percent
+   (every score with it, for keys), and that costs more perplexity than the squared error the scale
+   adds (docs/results/accuracy.md). The scale is free at run time (it folds into the query side or
+   the output).
 
 Only the simulate path runs it so far (docs/results/accuracy.md, "A long-block key codec").
 """
@@ -36,21 +38,21 @@ from .trellis import train_luts, viterbi
 
 MAX_COMPONENT_BITS = 12  # the allocation's curve reaches this far; it never gives a component more than L
 PARTS = ("mean", "analysis", "synthesis", "variance", "scale", "bits", "tables")  # to_tensors' names
-SCALE_SAMPLE = 4096  # calibration keys a head that the norm-matching scale is fitted on
+SCALE_SAMPLE = 4096  # calibration vectors a head that the norm-matching scale is fitted on
 
 
 def metric_sqrt(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M^(1/2), M^(-1/2))`` float64 of symmetric positive definite ``metric: [H, D, D]``."""
     lam, vec = torch.linalg.eigh(metric.double())
     if not bool((lam > 0).all()):
-        raise ValueError("the key codec's error metric must be positive definite")
+        raise ValueError("the trellis codec's error metric must be positive definite")
     return (vec * lam.sqrt()[:, None]) @ vec.transpose(1, 2), (vec / lam.sqrt()[:, None]) @ vec.transpose(1, 2)
 
 
 @dataclass
-class TrellisKeyCodec:
-    """One layer's key codec, per KV head. ``mean: [H, D]``; ``analysis, synthesis: [H, D, D]``
-    (inverses: keys to components and back); ``variance: [H, D]`` of the components, decreasing;
+class TrellisCodec:
+    """One layer's codec of keys or values, per KV head. ``mean: [H, D]``; ``analysis, synthesis:
+    [H, D, D]`` (inverses: vectors to components and back); ``variance: [H, D]`` of the components, decreasing;
     ``scale: [H]``, the decoded deviations' norm-matching factor (float64); ``bits: [H, D]`` int64,
     bits of each component; ``tables: [H, W, 2^L]`` float32, row ``k - 1`` head ``h``'s table for a
     ``k``-bit step (unit scale: a component decodes to ``tables[h, k - 1, state] * sqrt(variance)``;
@@ -65,21 +67,21 @@ class TrellisKeyCodec:
     tables: torch.Tensor
 
     @classmethod
-    def fit(cls, coded_keys: torch.Tensor, bits_per_element: float, state_bits: int, *,
+    def fit(cls, vectors: torch.Tensor, bits_per_element: float, state_bits: int, *,
             metric: torch.Tensor | None = None, train_vectors: int = 4096, rounds: int = 3,
-            seed: int = 0) -> TrellisKeyCodec:
-        """From calibration keys in the coded domain ``coded_keys: [H, N, D]`` (any float dtype and
-        device; the tables are trained there) and the error ``metric: [H, D, D]`` to lower (None:
-        squared error): the KLT on all ``N``, the allocation of ``round(bits_per_element * D)``
+            seed: int = 0) -> TrellisCodec:
+        """From calibration vectors (keys in the coded domain, or values) ``vectors: [H, N, D]`` (any
+        float dtype and device; the tables are trained there) and the error ``metric: [H, D, D]`` to
+        lower (None: squared error): the KLT on all ``N``, the allocation of ``round(bits_per_element * D)``
         bits a head, tables on a seeded sample of ``train_vectors``."""
-        h, n, d = coded_keys.shape
+        h, n, d = vectors.shape
         budget = round(bits_per_element * d)
         if budget <= 0 or abs(budget - bits_per_element * d) > 1e-9:
             raise ValueError(f"bits_per_element * head_dim must be a positive whole number of bits, "
                              f"got {bits_per_element:g} * {d}")
         if not 1 <= state_bits <= 24:
             raise ValueError(f"state_bits (L: 2^L trellis states) must be in 1..24, got {state_bits}")
-        x = coded_keys.detach().double().cpu()
+        x = vectors.detach().double().cpu()
         if metric is None:
             root = inverse_root = torch.eye(d, dtype=torch.float64).expand(h, d, d)
         else:
@@ -87,7 +89,7 @@ class TrellisKeyCodec:
         klt = KLT.fit(x @ root)
         analysis = root @ klt.basis
         synthesis = klt.basis.transpose(1, 2) @ inverse_root
-        mean = klt.mean[:, None] @ inverse_root  # the keys' mean, back in the coded domain
+        mean = klt.mean[:, None] @ inverse_root  # the vectors' mean, back in their domain
         curve = gaussian_lloyd_max_distortion(min(MAX_COMPONENT_BITS, state_bits))
         bits = torch.stack([greedy_allocation(klt.variance[i], budget, curve) for i in range(h)])
         y = (x - mean) @ analysis
@@ -97,13 +99,13 @@ class TrellisKeyCodec:
             gen = torch.Generator().manual_seed(seed + i)
             pick = torch.randperm(n, generator=gen)[:train_vectors]
             sample = (y[i][pick][:, cols] / klt.variance[i, cols].sqrt().clamp_min(1e-30)).float()
-            luts = train_luts(sample.to(coded_keys.device), bits[i, cols].tolist(), state_bits, rounds=rounds,
+            luts = train_luts(sample.to(vectors.device), bits[i, cols].tolist(), state_bits, rounds=rounds,
                               seed=seed + i)
             for k, table in luts.items():
                 tables[i, k - 1] = table.cpu()
         codec = cls(mean[:, 0], analysis, synthesis, klt.variance, torch.ones(h, dtype=torch.float64), bits, tables)
         gen = torch.Generator().manual_seed(seed)
-        sample = coded_keys.detach()[:, torch.randperm(n, generator=gen)[:SCALE_SAMPLE]].double()
+        sample = vectors.detach()[:, torch.randperm(n, generator=gen)[:SCALE_SAMPLE]].double()
         deviation = sample - codec.mean.to(sample.device)[:, None]
         decoded = codec.quantize_dequantize(sample) - codec.mean.to(sample.device)[:, None]
         codec.scale = ((deviation ** 2).sum((1, 2)) / (decoded ** 2).sum((1, 2)).clamp_min(1e-30)).sqrt().cpu()
@@ -118,7 +120,7 @@ class TrellisKeyCodec:
                 "tables": self.tables.float()}
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor]) -> TrellisKeyCodec:
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> TrellisCodec:
         """:meth:`to_tensors`' inverse (shapes checked by the file's reader)."""
         return cls(t["mean"].double(), t["analysis"].double(), t["synthesis"].double(), t["variance"].double(),
                    t["scale"].double(), t["bits"].round().long(), t["tables"].float())
@@ -135,50 +137,62 @@ class TrellisKeyCodec:
     def bits_per_element(self) -> float:
         return float(self.bits.sum(1).double().mean()) / self.bits.shape[1]
 
-    def encode(self, coded_keys: torch.Tensor) -> torch.Tensor:
-        """``coded_keys: [..., H, T, D]`` -> trellis states ``[N, H, D]`` int32 (``N``: the product of
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        self.__dict__.pop("_operands", None)  # a changed part (the trial's unscaled rows set scale) drops the copies
+
+    def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """What encode and decode read, on ``device``, made once a device: ``mean, analysis`` float64;
+        ``synthesis`` float64 times the scale; ``sd`` float64 ``[H, D]`` (0 where a component has 0
+        bits), ``inverse_sd`` (1 there); ``bits`` int32; ``rows [H, D]`` int64, each component's
+        table's offset in ``tables`` flattened."""
+        cache = self.__dict__.setdefault("_operands", {})
+        if device not in cache:
+            coded = self.bits > 0
+            sd = torch.where(coded, self.variance.sqrt(), 0.0)
+            width, states = self.tables.shape[1:]
+            rows = (torch.arange(self.num_heads)[:, None] * width + (self.bits - 1).clamp_min(0)) * states
+            parts = {"mean": self.mean, "analysis": self.analysis, "sd": sd,
+                     "synthesis": self.synthesis * self.scale[:, None, None],
+                     "inverse_sd": torch.where(coded, 1 / sd.clamp_min(1e-30), 1.0), "bits": self.bits.int(),
+                     "rows": rows, "tables": self.tables.float().contiguous()}
+            cache[device] = {name: t.to(device) for name, t in parts.items()}
+        return cache[device]
+
+    def encode(self, vectors: torch.Tensor) -> torch.Tensor:
+        """``vectors: [..., H, T, D]`` -> trellis states ``[N, H, D]`` int32 (``N``: the product of
         the leading dims and ``T``; component ``c`` of head ``h`` decodes from state ``[n, h, c]``,
-        0 where it has 0 bits), on the keys' device. On CUDA (up to 2^13 states) one Triton launch
+        0 where it has 0 bits), on the vectors' device. On CUDA (up to 2^13 states) one Triton launch
         (:mod:`vecinfer_compile.ops.triton.trellis`), elsewhere the torch reference per head."""
-        y = self._components(coded_keys)
-        coded = self.bits > 0
-        sd = torch.where(coded, self.variance.sqrt(), 1.0).clamp_min(1e-30).to(y.device)
-        unit = (y / sd).float()
+        if vectors.shape[-3] != self.num_heads or vectors.shape[-1] != self.bits.shape[1]:
+            raise ValueError(f"vectors of shape {tuple(vectors.shape)}: this codec codes [..., {self.num_heads}, T, "
+                             f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)")
+        on = self._on(vectors.device)
+        x = vectors.movedim(-3, -2).reshape(-1, self.num_heads, vectors.shape[-1]).double()
+        unit = (torch.einsum("nhd,hdc->nhc", x - on["mean"], on["analysis"]) * on["inverse_sd"]).float()
         if unit.is_cuda:
             from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
             if self.state_bits <= MAX_STATE_BITS:
-                return viterbi_walks(unit, self.bits, self.tables)
+                return viterbi_walks(unit, on["bits"], on["tables"])
         walks = torch.zeros(unit.shape, dtype=torch.int32, device=unit.device)
         for i in range(self.num_heads):
-            cols = coded[i].nonzero()[:, 0].to(unit.device)
-            steps = self.bits[i][coded[i]].tolist()
-            luts = {k: self.tables[i, k - 1] for k in set(steps)}
+            coded = self.bits[i] > 0
+            steps = self.bits[i][coded].tolist()
+            luts = {k: on["tables"][i, k - 1] for k in set(steps)}
+            cols = coded.nonzero()[:, 0].to(unit.device)
             walks[:, i, cols] = viterbi(unit[:, i, cols], steps, luts).int()
         return walks
 
     def decode(self, walks: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`encode`'s states ``[N, H, D]`` back to coded keys of ``shape`` ``[..., H, T, D]`` and
+        """:meth:`encode`'s states ``[N, H, D]`` back to vectors of ``shape`` ``[..., H, T, D]`` and
         ``dtype``: each component its table entry times its standard deviation (0 bits: 0), then
         ``mean + scale * (y @ synthesis)``."""
         h, t, d = shape[-3:]
-        device = walks.device
-        bits = self.bits.to(device)
-        width, states = self.tables.shape[1:]
-        row = (torch.arange(h, device=device)[:, None] * width + (bits - 1).clamp_min(0)) * states
-        y = self.tables.to(device).flatten()[row + walks.long()].double()
-        y = torch.where(bits > 0, y * self.variance.to(device).sqrt(), 0.0)
-        synthesis = self.synthesis.to(device) * self.scale.to(device)[:, None, None]
-        x = torch.einsum("nhc,hcd->nhd", y, synthesis) + self.mean.to(device)
+        on = self._on(walks.device)
+        y = on["tables"].flatten()[on["rows"] + walks.long()].double() * on["sd"]
+        x = torch.einsum("nhc,hcd->nhd", y, on["synthesis"]) + on["mean"]
         return x.reshape(*shape[:-3], t, h, d).movedim(-2, -3).to(dtype)
 
-    def quantize_dequantize(self, coded_keys: torch.Tensor) -> torch.Tensor:
-        """``coded_keys: [..., H, T, D]`` through the code and back, same shape, dtype and device."""
-        return self.decode(self.encode(coded_keys), coded_keys.shape, coded_keys.dtype)
-
-    def _components(self, coded_keys: torch.Tensor) -> torch.Tensor:
-        """``[..., H, T, D]`` -> components ``[N, H, D]`` float64 (``N`` = leading dims x T)."""
-        if coded_keys.shape[-3] != self.num_heads or coded_keys.shape[-1] != self.bits.shape[1]:
-            raise ValueError(f"keys of shape {tuple(coded_keys.shape)}: this codec codes [..., {self.num_heads}, T, "
-                             f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)")
-        x = coded_keys.movedim(-3, -2).reshape(-1, self.num_heads, coded_keys.shape[-1]).double()
-        return torch.einsum("nhd,hdc->nhc", x - self.mean.to(x.device), self.analysis.to(x.device))
+    def quantize_dequantize(self, vectors: torch.Tensor) -> torch.Tensor:
+        """``vectors: [..., H, T, D]`` through the code and back, same shape, dtype and device."""
+        return self.decode(self.encode(vectors), vectors.shape, vectors.dtype)

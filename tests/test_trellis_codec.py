@@ -1,5 +1,6 @@
-"""The trellis key codec (quant/trellis_keys.py): exact bit budget, the KLT round trip, and an
-error near the study's on keys with a skewed spectrum."""
+"""The trellis codec of keys and values (quant/trellis_codec.py): exact bit budget, the KLT round
+trip, an error near the study's on vectors with a skewed spectrum; calibration, the file, the
+simulate path and the cache's refusal."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vecinfer_compile.quant.trellis import reconstruct
-from vecinfer_compile.quant.trellis_keys import TrellisKeyCodec
+from vecinfer_compile.quant.trellis_codec import TrellisCodec
 
 
 def skewed_keys(h: int, n: int, d: int, seed: int = 0) -> torch.Tensor:
@@ -33,7 +34,7 @@ def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 def test_property_every_head_spends_exactly_the_budget_and_decodes_its_walk(h, d, bits, batch, t, seed):
     """KV heads 1/2/8 (MQA to MHA-sized groups), head_dim 16/64/128, batch 1-3, odd lengths."""
     keys = skewed_keys(h, 200, d, seed)
-    codec = TrellisKeyCodec.fit(keys, bits, 4, train_vectors=64, rounds=1, seed=seed)
+    codec = TrellisCodec.fit(keys, bits, 4, train_vectors=64, rounds=1, seed=seed)
     assert codec.bits.sum(1).tolist() == [round(bits * d)] * h
     assert codec.bits_per_element() == bits and int(codec.bits.max()) <= 4
     x = keys[:, :batch * t].reshape(h, batch, t, d).transpose(0, 1)  # [B, H, T, D]
@@ -53,7 +54,7 @@ def test_property_every_head_spends_exactly_the_budget_and_decodes_its_walk(h, d
 
 def test_two_bits_on_a_skewed_spectrum_beat_flat_two_bits():
     keys = skewed_keys(2, 3000, 32, seed=1)
-    codec = TrellisKeyCodec.fit(keys[:, :2000], 2.0, 8, train_vectors=1024, rounds=3)
+    codec = TrellisCodec.fit(keys[:, :2000], 2.0, 8, train_vectors=1024, rounds=3)
     test = keys[:, 2000:]
     err = relative_error(test, codec.quantize_dequantize(test))
     # flat 2 bits a Gaussian element cannot beat 1/16 (its rate-distortion bound); the allocation
@@ -65,39 +66,43 @@ def test_two_bits_on_a_skewed_spectrum_beat_flat_two_bits():
 def test_bad_budgets_and_shapes_are_refused():
     keys = skewed_keys(1, 50, 8)
     with pytest.raises(ValueError, match="whole number of bits"):
-        TrellisKeyCodec.fit(keys, 1.3, 4)
+        TrellisCodec.fit(keys, 1.3, 4)
     with pytest.raises(ValueError, match="state_bits"):
-        TrellisKeyCodec.fit(keys, 1.0, 0)
-    codec = TrellisKeyCodec.fit(keys, 1.0, 3, train_vectors=16, rounds=1)
+        TrellisCodec.fit(keys, 1.0, 0)
+    codec = TrellisCodec.fit(keys, 1.0, 3, train_vectors=16, rounds=1)
     with pytest.raises(ValueError, match=r"\[\.\.\., 1, T, 8\]"):
         codec.encode(torch.zeros(1, 2, 3, 8))
 
 
 @pytest.fixture(scope="module")
 def trellis_file(tiny_model, tmp_path_factory):
-    """2-bit ``vecinfer`` codebooks of the embedded tiny model with the trellis key codec (16 states)."""
+    """2-bit ``vecinfer`` codebooks of the embedded tiny model with the trellis codec (16 states) for
+    keys and values."""
     from vecinfer_compile.calibrate import calibrate
     from vecinfer_compile.models import default_text_path
 
     model, tokenizer = tiny_model
     cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=512, seq_len=128, iters=1,
-                   key_codec="trellis", trellis_states=16, progress=False)
+                   key_codec="trellis", value_codec="trellis", trellis_states=16, progress=False)
     return cb, cb.save(tmp_path_factory.mktemp("trellis") / "tiny-trellis.safetensors")
 
 
-def test_a_trellis_file_round_trips_and_names_its_codec(trellis_file):
+def test_a_trellis_file_round_trips_and_names_its_codecs(trellis_file):
     from vecinfer_compile.codebooks import load_codebooks
 
     cb, path = trellis_file
     back = load_codebooks(path)
-    assert back.key_codec == cb.key_codec == "trellis" and "key codec" in back.state_bytes()
+    assert back.key_codec == cb.key_codec == back.value_codec == cb.value_codec == "trellis"
+    assert {"key codec", "value codec"} <= set(back.state_bytes())
     for a, b in zip(cb.layers, back.layers):
-        assert b.key_codec.state_bits == 4 and torch.equal(a.key_codec.bits, b.key_codec.bits)
-        assert b.key_codec.bits.sum(1).tolist() == [2 * 64] * 2
-        assert torch.equal(a.key_codec.tables, b.key_codec.tables)
+        for kind in ("key_codec", "value_codec"):
+            ca, cb_ = getattr(a, kind), getattr(b, kind)
+            assert cb_.state_bits == 4 and torch.equal(ca.bits, cb_.bits) and torch.equal(ca.tables, cb_.tables)
+            assert cb_.bits.sum(1).tolist() == [2 * 64] * 2
+        assert not torch.equal(b.key_codec.analysis, b.value_codec.analysis)
 
 
-def test_simulate_codes_keys_by_the_codec_and_the_cache_refuses_it(trellis_file, tiny_model):
+def test_simulate_codes_keys_and_values_by_the_codecs_and_the_cache_refuses_them(trellis_file, tiny_model):
     from vecinfer_compile.cache import VecInferCache
     from vecinfer_compile.evaluation.generation import GenerationMethod
     from vecinfer_compile.simulate import LayerSimulator
@@ -107,16 +112,19 @@ def test_simulate_codes_keys_by_the_codec_and_the_cache_refuses_it(trellis_file,
     k = torch.randn(1, 2, 9, 64)
     v = torch.randn(1, 2, 9, 64)
     sim = LayerSimulator("vecinfer", 2.0, codebooks=cb, layer_idx=1)
-    k_hat, _ = sim.quantize_kv(k, v)
+    k_hat, v_hat = sim.quantize_kv(k, v)
     layer = cb.layer(1)
     expected = layer.transform.keys_inverse(layer.key_codec.quantize_dequantize(layer.transform.keys(k)))
     torch.testing.assert_close(k_hat, expected)
+    torch.testing.assert_close(v_hat, layer.value_codec.quantize_dequantize(v))
     assert GenerationMethod("vecinfer", 2.0, cb).simulated
-    with pytest.raises(ValueError, match="trellis key codec, which runs in the simulate path only.*without --key-codec"):
+    with pytest.raises(ValueError, match="code keys with the trellis codec and values with the trellis codec, which "
+                                         "runs in the simulate path only.*without --key-codec / --value-codec"):
         VecInferCache(model, cb, batch_size=1, max_cache_len=16)
 
 
-def test_a_corrupt_codec_is_refused_on_loading(trellis_file, tmp_path):
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_a_corrupt_codec_is_refused_on_loading(trellis_file, tmp_path, kind):
     import json
 
     from safetensors import safe_open
@@ -128,19 +136,19 @@ def test_a_corrupt_codec_is_refused_on_loading(trellis_file, tmp_path):
     with safe_open(str(path), "pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     bad = dict(tensors)
-    bad["key_codec.bits"] = bad["key_codec.bits"].clone()
-    bad["key_codec.bits"][0, 0, 0] += 1  # one bit more than the layer's budget
+    bad[f"{kind}_codec.bits"] = bad[f"{kind}_codec.bits"].clone()
+    bad[f"{kind}_codec.bits"][0, 0, 0] += 1  # one bit more than the layer's budget
     save_file(bad, str(tmp_path / "bits.safetensors"), metadata=meta)
-    with pytest.raises(ValueError, match="bits are not whole numbers .* that sum to each layer's bits"):
+    with pytest.raises(ValueError, match=f"the {kind} codec's bits are not whole numbers .* that sum to each layer's"):
         load_codebooks(tmp_path / "bits.safetensors")
-    stripped = {k: t for k, t in tensors.items() if k != "key_codec.tables"}
+    stripped = {k: t for k, t in tensors.items() if k != f"{kind}_codec.tables"}
     save_file(stripped, str(tmp_path / "tables.safetensors"), metadata=meta)
-    with pytest.raises(ValueError, match=r"needs \['key_codec.tables'\]"):
+    with pytest.raises(ValueError, match=rf"needs \['{kind}_codec.tables'\].*--{kind}-codec trellis"):
         load_codebooks(tmp_path / "tables.safetensors")
     unnamed = json.loads(meta["vecinfer"])
-    del unnamed["key_codec"]
+    del unnamed[f"{kind}_codec"]
     save_file(tensors, str(tmp_path / "unnamed.safetensors"), metadata={"vecinfer": json.dumps(unnamed)})
-    with pytest.raises(ValueError, match="names no key codec"):
+    with pytest.raises(ValueError, match=f"names no {kind} codec"):
         load_codebooks(tmp_path / "unnamed.safetensors")
 
 
@@ -153,8 +161,8 @@ def test_a_metric_codec_lowers_the_metric_error_below_the_squared_error_codec():
     q = torch.linalg.qr(torch.randn(16, 16, generator=gen))[0]
     metric = (q * torch.logspace(2, 0, 16)) @ q.T  # eigenvalues 100 .. 1 along random directions
     fit, test = keys[:, :2000], keys[:, 2000:]
-    weighted = TrellisKeyCodec.fit(fit, 2.0, 6, metric=metric[None], train_vectors=1024, rounds=2)
-    plain = TrellisKeyCodec.fit(fit, 2.0, 6, train_vectors=1024, rounds=2)
+    weighted = TrellisCodec.fit(fit, 2.0, 6, metric=metric[None], train_vectors=1024, rounds=2)
+    plain = TrellisCodec.fit(fit, 2.0, 6, train_vectors=1024, rounds=2)
     torch.testing.assert_close(weighted.analysis[0] @ weighted.synthesis[0], torch.eye(16, dtype=torch.float64))
 
     def metric_error(codec):
@@ -168,7 +176,7 @@ def test_decoded_keys_keep_the_calibration_keys_spread():
     """The Lloyd tables decode to conditional means, which shrink keys toward the mean; the codec's
     per-head scale gives the decoded deviations the keys' mean squared norm again."""
     keys = skewed_keys(2, 1500, 32, seed=4)
-    codec = TrellisKeyCodec.fit(keys, 2.0, 6, train_vectors=1024, rounds=2)
+    codec = TrellisCodec.fit(keys, 2.0, 6, train_vectors=1024, rounds=2)
     assert bool((codec.scale > 1.01).all()), codec.scale
     mean = codec.mean[:, None].float()
     spread = ((keys - mean) ** 2).sum((1, 2))
@@ -200,3 +208,16 @@ def test_the_trial_script_runs_its_rows_on_the_tiny_model(tmp_path, tiny_dir, sa
     assert all(s != 1.0 for layer in rows["trellis@4"]["scale"] for s in layer)
     assert all(s == 1.0 for layer in rows["trellis-unscaled@4"]["scale"] for s in layer)
     assert "trellis@4 |" in capsys.readouterr().out
+
+
+@pytest.mark.cuda
+def test_cuda_codec_codes_as_well_as_the_reference():
+    """On CUDA the codec encodes by the Triton Viterbi (one launch): its decoded vectors are as close
+    to the input as the CPU reference's (ties may pick other states), for 8 KV heads at 2^10 states."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    keys = skewed_keys(8, 1200, 128, seed=5)
+    codec = TrellisCodec.fit(keys[:, :1000], 2.0, 10, train_vectors=512, rounds=1)
+    test = keys[:, 1000:].reshape(8, 2, 100, 128).transpose(0, 1)  # [B, H, T, D]
+    errors = [((codec.quantize_dequantize(x).cpu() - test) ** 2).sum((0, 2, 3)) for x in (test, test.cuda())]
+    torch.testing.assert_close(errors[1], errors[0], rtol=1e-4, atol=0)
