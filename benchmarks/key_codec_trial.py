@@ -30,15 +30,17 @@ every token quantized (``--ppl-text``; residual 0, as ``vecinfer eval-ppl --resi
         --calib-text calibration.txt --codebooks cb-qw-2.safetensors --ppl-text wikitext2_test.raw \\
         --rows fp,codes,trellis@12 --device cuda
 
-A research script: each row fits its codecs here on the recorded calibration keys (``vecinfer
-calibrate --key-codec trellis`` fits the same codec into a file); the trellis keys run only in the
-simulate path (no cache kernels yet).
+A research script: each row fits its codecs here on the recorded calibration keys and values
+(``vecinfer calibrate --key-codec trellis --value-codec trellis`` fits the same codecs into a file)
+and attaches them to a copy of the file's layers, so the simulate path codes them as it codes such a
+file (no cache kernels yet).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import sys
@@ -83,26 +85,14 @@ class HalfCoded:
         return (k, v_hat) if self.exact_keys else (k_hat, v)
 
 
-class TrellisKeys:
-    """The simulate path's quantizer for the trellis rows: keys through one codec a layer (in
-    ``codebooks``' coded domain; None: the file's codes), values through one codec a layer
-    (``value_codecs``; None: the file's codes)."""
-
-    def __init__(self, codebooks, codecs: dict[int, TrellisCodec] | None,
-                 value_codecs: dict[int, TrellisCodec] | None = None):
-        self.codebooks = codebooks
-        self.codecs = codecs
-        self.value_codecs = value_codecs
-
-    def __call__(self, sim, k: torch.Tensor, v: torch.Tensor, position_ids=None):
-        k_hat, v_hat = CODES_QUANTIZE(sim, k, v, position_ids)
-        if self.codecs is not None:
-            transform = self.codebooks.layer(sim.layer_idx).transform
-            kt_hat = self.codecs[sim.layer_idx].quantize_dequantize(transform.keys(k.float()))
-            k_hat = transform.keys_inverse(kt_hat).to(k.dtype)
-        if self.value_codecs is not None:
-            v_hat = self.value_codecs[sim.layer_idx].quantize_dequantize(v.float()).to(v.dtype)
-        return k_hat, v_hat
+def with_codecs(codebooks, key_codecs: dict | None, value_codecs: dict | None = None):
+    """A copy of ``codebooks`` whose layers code keys and/or values by the given codecs (one a layer;
+    None: the file's codes), as ``vecinfer calibrate --key-codec / --value-codec trellis`` writes
+    them: the simulate path then runs them as it runs such a file."""
+    layers = [None if layer is None else dataclasses.replace(
+        layer, key_codec=None if key_codecs is None else key_codecs[i],
+        value_codec=None if value_codecs is None else value_codecs[i]) for i, layer in enumerate(codebooks.layers)]
+    return dataclasses.replace(codebooks, layers=layers)
 
 
 def codes_keys(codebooks, layer: int, coded: torch.Tensor, nearest: bool = False) -> torch.Tensor:
@@ -198,8 +188,8 @@ def main(argv=None) -> None:
             entry["value_error"] = [relative_error(values[i][:, n_fit:].to(device), value_codecs[i].quantize_dequantize(
                 values[i][:, n_fit:].to(device))) for i in layers]
             print(f"{row}: held-out value error per layer {[round(e, 4) for e in entry['value_error']]}", flush=True)
-            gm = generation.GenerationMethod(cb.method, cb.bits, cb, args.residual)
-            quantize = TrellisKeys(cb, key_codecs, value_codecs)
+            row_cb = with_codecs(cb, key_codecs, value_codecs)
+            gm, quantize = generation.GenerationMethod(cb.method, cb.bits, row_cb, args.residual), CODES_QUANTIZE
         elif row.startswith(("trellis@", "trellis-unscaled@", "trellis-mse@")):
             lbits = int(row.split("@")[1])
             t1 = time.time()
@@ -218,7 +208,8 @@ def main(argv=None) -> None:
             entry["scale"] = [c.scale.tolist() for c in codecs.values()]
             if cb.weighted_codes:
                 entry["key_metric_error"] = [metric_error(cb, i, *held_out[i]) for i in layers]
-            gm, quantize = generation.GenerationMethod(cb.method, cb.bits, cb, args.residual), TrellisKeys(cb, codecs)
+            row_cb = with_codecs(cb, codecs)
+            gm, quantize = generation.GenerationMethod(cb.method, cb.bits, row_cb, args.residual), CODES_QUANTIZE
         else:
             raise ValueError(f"unknown row {row!r}: fp, codes, exact-keys, exact-values, trellis@L, "
                              "trellis-unscaled@L, trellis-mse@L, trellis-values@L or trellis-kv@L")
@@ -241,7 +232,8 @@ def main(argv=None) -> None:
             if quantize is None:
                 res = perplexity(model, text_ids, **ppl_args)
             else:
-                with quantizer(cb.method, quantize), simulation(model, cb.method, bits=cb.bits, codebooks=cb, residual=0):
+                with quantizer(cb.method, quantize), simulation(model, cb.method, bits=cb.bits, codebooks=gm.codebooks,
+                                                                residual=0):
                     res = perplexity(model, text_ids, **ppl_args)
             entry["ppl"] = res.ppl
             print(f"{row}: perplexity {res.ppl:.3f}" + ("" if quantize is None else " (every token quantized)"), flush=True)
