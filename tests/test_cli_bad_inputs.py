@@ -56,6 +56,7 @@ NO_MODEL_NEEDED = [
     (CALIBRATE + ["--layer-bits", "2,x"], "bits must be a number"),
     (CALIBRATE + ["--key-codec", "trellis", "--trellis-states", "1000"], "must be a power of two from 2 to 65536"),
     (CALIBRATE + ["--trellis-states", "1024"], "--trellis-states is for --key-codec / --value-codec trellis"),
+    (CALIBRATE + ["--value-codec", "trellis", "--trellis-states", "2"], "2 bits need more than 2 trellis states"),
     (CALIBRATE + ["--text", "{ws}/missing.txt"], "calibration text {ws}/missing.txt does not exist"),
     (CALIBRATE + ["--text", "{ws}/dir"], "is a directory, not a file"),
     (CALIBRATE + ["--text", "{ws}/empty.txt"], "is empty"),

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from vecinfer_compile.quant.trellis import reconstruct
@@ -67,6 +67,8 @@ def test_bad_budgets_and_shapes_are_refused():
     keys = skewed_keys(1, 50, 8)
     with pytest.raises(ValueError, match="whole number of bits"):
         TrellisCodec.fit(keys, 1.3, 4)
+    with pytest.raises(ValueError, match="3 bits an element need more than 2-bit trellis steps"):
+        TrellisCodec.fit(keys, 3.0, 2)
     with pytest.raises(ValueError, match="state_bits"):
         TrellisCodec.fit(keys, 1.0, 0)
     codec = TrellisCodec.fit(keys, 1.0, 3, train_vectors=16, rounds=1)
@@ -221,3 +223,42 @@ def test_cuda_codec_codes_as_well_as_the_reference():
     test = keys[:, 1000:].reshape(8, 2, 100, 128).transpose(0, 1)  # [B, H, T, D]
     errors = [((codec.quantize_dequantize(x).cpu() - test) ** 2).sum((0, 2, 3)) for x in (test, test.cuda())]
     torch.testing.assert_close(errors[1], errors[0], rtol=1e-4, atol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from([1, 2, 8]), st.sampled_from([16, 64, 128]), st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0]),
+       st.sampled_from([2, 5, 8, 12]), st.integers(1, 7), st.integers(0, 99))
+def test_property_packed_codes_take_the_budget_and_give_back_every_state(h, d, bits, lbits, n, seed):
+    """The stored string is exactly ``bits * D`` bits a token and head, and every component's state
+    read from its window equals the Viterbi walk's (KV heads 1/2/8, head_dim 16/64/128, 1-3 bits)."""
+    from vecinfer_compile.quant.trellis_packing import component_states, pack_walks, packed_bytes
+
+    assume(bits <= lbits)
+    keys = skewed_keys(h, 150, d, seed)
+    codec = TrellisCodec.fit(keys, bits, lbits, train_vectors=64, rounds=1, seed=seed)
+    walks = codec.encode(keys[:, :n].reshape(1, h, n, d))  # [n, H, D]
+    assert packed_bytes(codec.bits) == -(-round(bits * d) // 8)
+    codes = pack_walks(walks, codec.bits)
+    assert codes.shape == (n, h, packed_bytes(codec.bits)) and codes.dtype == torch.uint8
+    states = component_states(codes, codec.bits, codec.state_bits)
+    torch.testing.assert_close(states, torch.where(codec.bits > 0, walks.long(), 0))
+
+
+def test_packed_codes_refuse_misshapen_input():
+    from vecinfer_compile.quant.trellis_packing import component_states, pack_walks
+
+    bits = torch.tensor([[2, 1, 1, 0]])
+    with pytest.raises(ValueError, match=r"need \[\.\.\., 1, 4\]"):
+        pack_walks(torch.zeros(3, 2, 4, dtype=torch.int32), bits)
+    with pytest.raises(ValueError, match="uint8"):
+        component_states(torch.zeros(3, 1, 1, dtype=torch.int32), bits, 4)
+    with pytest.raises(ValueError, match="state_bits"):
+        component_states(torch.zeros(3, 1, 1, dtype=torch.uint8), bits, 17)
+
+
+def test_calibration_refuses_a_trellis_too_small_for_the_bits(tiny_model):
+    from vecinfer_compile.calibrate import calibrate
+
+    model, tokenizer = tiny_model
+    with pytest.raises(ValueError, match="2 bits need more than 2 trellis states: raise trellis_states"):
+        calibrate(model, tokenizer, "text " * 50, bits=2, value_codec="trellis", trellis_states=2, progress=False)

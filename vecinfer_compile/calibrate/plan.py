@@ -131,6 +131,9 @@ def _check_codec(kind: str, codec: str | None, states: int, spec: KeyTransformSp
         raise ValueError(f"method {method!r} predicts values from the key codebooks' codes; the trellis {kind} codec "
                          "needs plain key and value codes: use --method qaware (or vecinfer)")
     for b in {b for c in candidates for b in c}:
+        if b > states.bit_length() - 1:
+            raise ValueError(f"the trellis codec takes at most log2(states) bits a component: {b:g} bits need more "
+                             f"than {states} trellis states: raise trellis_states")
         if abs(b * head_dim - round(b * head_dim)) > 1e-9:
             raise ValueError(f"the trellis {kind} codec spends a whole number of bits a vector: {b:g} bits x "
                              f"head_dim {head_dim} is not one; choose other bits")

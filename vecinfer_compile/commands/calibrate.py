@@ -132,6 +132,11 @@ def check_args(args) -> float | None:
     if args.trellis_states is not None and args.key_codec is None and args.value_codec is None:
         raise ValueError("--trellis-states is for --key-codec / --value-codec trellis: add one, or drop "
                          "--trellis-states")
+    states = args.trellis_states or DEFAULT_TRELLIS_STATES
+    for b in ((args.layer_bits or [bits]) if args.key_codec or args.value_codec else ()):
+        if b is not None and b > states.bit_length() - 1:
+            raise ValueError(f"the trellis codec takes at most log2(states) bits a component: {b:g} bits need more "
+                             f"than {states} trellis states: raise --trellis-states")
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
         raise ValueError(f"--ridge is for the query-aware methods "
                          f"({', '.join(m for m, spec in VQ_METHODS.items() if spec.query_aware)}), not {args.method!r}")

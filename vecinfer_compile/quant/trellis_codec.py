@@ -81,6 +81,9 @@ class TrellisCodec:
                              f"got {bits_per_element:g} * {d}")
         if not 1 <= state_bits <= 24:
             raise ValueError(f"state_bits (L: 2^L trellis states) must be in 1..24, got {state_bits}")
+        if budget > d * min(MAX_COMPONENT_BITS, state_bits):
+            raise ValueError(f"{bits_per_element:g} bits an element need more than {state_bits}-bit trellis steps "
+                             f"(a component takes at most min(L, {MAX_COMPONENT_BITS}) bits): use more states")
         x = vectors.detach().double().cpu()
         if metric is None:
             root = inverse_root = torch.eye(d, dtype=torch.float64).expand(h, d, d)
