@@ -241,6 +241,40 @@ def test_interp_trellis_viterbi(seed, n, h, d, lbits):
     _assert_optimal_walks(x, bits, tables, viterbi_walks(x, bits, tables))
 
 
+def _trellis_decode_case(gen: torch.Generator, b: int, hkv: int, group: int, tmax: int, d: int, lbits: int):
+    """Random key and value codecs of 2 bits an element (:func:`random_trellis_codec`), random
+    stored codes ``[b, hkv, tmax, 2d/8]`` (any string is a valid code) and queries ``[b, hkv*group, d]``."""
+    from vecinfer_compile.ops.trellis import TrellisOperands
+    from vecinfer_compile.testing import random_trellis_codec
+
+    keys, values = (TrellisOperands.of(random_trellis_codec(gen, hkv, d, 2.0, lbits), "cpu") for _ in range(2))
+    k_codes, v_codes = (torch.randint(0, 256, (b, hkv, tmax, d // 4), generator=gen, dtype=torch.uint8)
+                        for _ in range(2))
+    return torch.randn(b, hkv * group, d, generator=gen), k_codes, v_codes, keys, values
+
+
+@interp_only
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 4, 16]), tmax=st.integers(1, 90), d=st.sampled_from([16, 64]),
+       lbits=st.sampled_from([4, 10]), left_pad=st.booleans(), splits=st.sampled_from([None, 1, 3]))
+def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, splits):
+    """Decode attention over trellis codes in the components = the reference (decode every key and
+    value, then softmax): GQA 1-16, odd lengths, left padding (a row may have nothing to attend)."""
+    from vecinfer_compile.ops.trellis import decode_reference, query_components, values_out
+    from vecinfer_compile.ops.triton.trellis import decode_components
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k_codes, v_codes, keys, values = _trellis_decode_case(gen, b, hkv, group, tmax, d, lbits)
+    n_coded = int(torch.randint(0, tmax + 1, (1,), generator=gen))
+    start = torch.randint(0, n_coded + 2, (b,), generator=gen) if left_pad else None
+    want, want_lse = decode_reference(q, k_codes, v_codes, keys, values, n_coded, start, d ** -0.5)
+    o, lse = decode_components(*query_components(q, keys), k_codes, v_codes, keys, values, n_coded, start,
+                               d ** -0.5, block_t=16, splits=splits)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(values_out(o, lse, values), want, atol=1e-4, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------------- CUDA
 
 
@@ -458,3 +492,22 @@ def test_cuda_trellis_viterbi(lbits):
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(lbits), 33, 8, 128, lbits)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
     _assert_optimal_walks(x, bits, tables, viterbi_walks(x, bits, tables))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_cuda_trellis_decode(group):
+    """Decode attention over trellis codes on the GPU, head_dim 128, 2^10 states, left padding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vecinfer_compile.ops.trellis import TrellisOperands, decode_attention, decode_reference
+
+    gen = torch.Generator().manual_seed(group)
+    q, k_codes, v_codes, keys, values = _trellis_decode_case(gen, 3, 2, group, 1000, 128, 10)
+    start = torch.tensor([0, 17, 990])
+    args = [t.cuda() for t in (q, k_codes, v_codes)]
+    keys, values = (TrellisOperands(*(t.cuda() for t in ops)) for ops in (keys, values))
+    want, want_lse = decode_reference(*args, keys, values, 995, start.cuda(), 128 ** -0.5)
+    got, lse = decode_attention(*args, keys, values, 995, start.cuda(), 128 ** -0.5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

@@ -262,3 +262,18 @@ def test_calibration_refuses_a_trellis_too_small_for_the_bits(tiny_model):
     model, tokenizer = tiny_model
     with pytest.raises(ValueError, match="2 bits need more than 2 trellis states: raise trellis_states"):
         calibrate(model, tokenizer, "text " * 50, bits=2, value_codec="trellis", trellis_states=2, progress=False)
+
+
+def test_the_kernels_operands_decode_stored_codes_as_the_codec_decodes_its_walks():
+    """The stored string read through :class:`TrellisOperands` (windows, tables, the scale folded
+    into the synthesis) gives the codec's own decoding of the walk, for keys of a fitted codec."""
+    from vecinfer_compile.ops.trellis import TrellisOperands
+    from vecinfer_compile.quant.trellis_packing import pack_walks
+
+    keys = skewed_keys(2, 400, 64, seed=6)
+    codec = TrellisCodec.fit(keys[:, :300], 2.0, 8, train_vectors=256, rounds=1)
+    x = keys[:, 300:].reshape(2, 4, 25, 64).transpose(0, 1)  # [B, H, T, D]
+    walks = codec.encode(x)  # [B*T, H, D]
+    codes = pack_walks(walks, codec.bits).view(4, 25, 2, -1).transpose(1, 2)  # [B, H, T, bytes]
+    decoded = TrellisOperands.of(codec, "cpu").vectors(codes)
+    torch.testing.assert_close(decoded, codec.decode(walks, x.shape, torch.float32), atol=1e-4, rtol=1e-4)

@@ -53,24 +53,37 @@ def pack_walks(walks: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (string.view(*string.shape[:-1], nbytes, 8) * weights).sum(-1).to(torch.uint8)
 
 
-def component_states(codes: torch.Tensor, bits: torch.Tensor, state_bits: int) -> torch.Tensor:
-    """``codes: [..., H, nbytes]`` uint8 (:func:`pack_walks`' layout), ``bits: [H, D]``, ``L`` ->
-    every component's state ``[..., H, D]`` int64 (0 for a component of 0 bits): the string's
-    ``L`` bits ending at the component's end, read from the (at most 3) bytes that hold them."""
-    h, d = bits.shape
-    if codes.shape[-2] != h or codes.dtype != torch.uint8:
-        raise ValueError(f"codes must be uint8 [..., {h}, bytes], got {codes.dtype} {tuple(codes.shape)}")
+def state_windows(bits: torch.Tensor, state_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each component's state sits in its string: ``(first, shift, mask)``, each ``[H, D]``
+    int32 for ``bits: [H, D]`` and ``L = state_bits``: the state is
+    ``((byte[first] << 16 | byte[first + 1] << 8 | byte[first + 2]) >> shift) & mask`` (bytes past
+    the string read as 0; ``mask`` 0 for a component of 0 bits)."""
     if not 1 <= state_bits <= 16:
         raise ValueError(f"state_bits must be in 1..16 (a window of at most 3 bytes), got {state_bits}")
-    bits = bits.to(codes.device).long()
+    bits = bits.long()
     ends = bit_ends(bits)
     start = (ends - state_bits).clamp_min(0)
-    width = ends - start  # [H, D]
-    first = start // 8
+    width = ends - start
+    mask = torch.where(bits > 0, (1 << width) - 1, 0)
+    return (start // 8).int(), (24 - start % 8 - width).int(), mask.int()
+
+
+def component_states(codes: torch.Tensor, bits: torch.Tensor, state_bits: int) -> torch.Tensor:
+    """``codes: [..., H, nbytes]`` uint8 (:func:`pack_walks`' layout), ``bits: [H, D]``, ``L`` ->
+    every component's state ``[..., H, D]`` int64 (0 for a component of 0 bits), read from its
+    window (:func:`state_windows`)."""
+    if codes.shape[-2] != bits.shape[0] or codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8 [..., {bits.shape[0]}, bytes], got {codes.dtype} {tuple(codes.shape)}")
+    return read_states(codes, *state_windows(bits, state_bits))
+
+
+def read_states(codes: torch.Tensor, first: torch.Tensor, shift: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``codes: [..., H, nbytes]`` uint8 and the windows ``[H, D]`` of :func:`state_windows` ->
+    states ``[..., H, D]`` int64."""
+    d = first.shape[-1]
+    first, shift, mask = (t.to(codes.device).long() for t in (first, shift, mask))
     padded = torch.cat([codes.long(), codes.new_zeros(*codes.shape[:-1], 2).long()], -1)
     index = (first[..., None] + torch.arange(3, device=codes.device)).flatten(-2)  # [H, D*3]
     three = padded.gather(-1, index.expand(*codes.shape[:-1], -1)).view(*codes.shape[:-1], d, 3)
     word = (three[..., 0] << 16) | (three[..., 1] << 8) | three[..., 2]
-    shift = 24 - (start % 8) - width
-    state = (word >> shift) & ((1 << width) - 1)
-    return torch.where(bits > 0, state, 0)
+    return (word >> shift) & mask

@@ -1,4 +1,6 @@
-"""Triton Viterbi: the trellis codec's encoder (:mod:`vecinfer_compile.quant.trellis`) in one launch.
+"""Triton kernels of the trellis codec: its encoder (the Viterbi walk) and decode attention over its codes.
+
+**Encode** (:func:`viterbi_walks`): the encoder of :mod:`vecinfer_compile.quant.trellis` in one launch.
 
 One program codes one vector (a token's components of one KV head): the ``2^L`` path costs live in
 registers, and each step is the reference's move, a min over the high bits of the cost vector
@@ -16,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch
+from .common import LOG2E, launch, unit_last_stride
 
 SCRATCH_BYTES = 1 << 30  # trace-back bytes one launch may use; larger calls go in row chunks
 MAX_STATE_BITS = 13  # 2^13 path costs a program: 64 float32 registers a thread at 4 warps
@@ -83,3 +85,107 @@ def viterbi_walks(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wra
                part.stride(0), part.stride(1), bits.stride(0), tables.stride(0), tables.stride(1),
                out.stride(0), out.stride(1), L=lbits, MAX_K=width, num_warps=4 if lbits <= 10 else 8)
     return walks
+
+
+@triton.jit
+def _entries(codes_row, t_mask, first, shift, mask, rows, tables_ptr, NBYTES):
+    """Unit table entries ``[BLOCK_T, D]`` float32 of the tokens whose code rows start at
+    ``codes_row [BLOCK_T, 1]``: each component's state from its window of up to three bytes, then
+    its table entry (0 for a component of 0 bits or a masked token)."""
+    f = first[None, :]
+    b0 = tl.load(codes_row + f, mask=t_mask, other=0).to(tl.int32)
+    b1 = tl.load(codes_row + f + 1, mask=t_mask & (f + 1 < NBYTES), other=0).to(tl.int32)
+    b2 = tl.load(codes_row + f + 2, mask=t_mask & (f + 2 < NBYTES), other=0).to(tl.int32)
+    state = (((b0 << 16) | (b1 << 8) | b2) >> shift[None, :]) & mask[None, :]
+    return tl.load(tables_ptr + rows[None, :] + state, mask=t_mask & (mask[None, :] > 0), other=0.0)
+
+
+@triton.jit
+def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
+                   kf_ptr, ks_ptr, km_ptr, kr_ptr, kt_ptr, vf_ptr, vs_ptr, vm_ptr, vr_ptr, vt_ptr,
+                   start_ptr, acc_ptr, m_ptr, l_ptr,
+                   n_coded, hkv, k_nbytes, v_nbytes, split_len, scale2,
+                   stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                   HAS_START: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    b = bh // hkv
+    h = bh % hkv
+    g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, D)
+    g_mask = g < GROUP
+    qrow = bh * GROUP + g  # query heads of this KV head, [B * Hq] flattened
+    q = tl.load(qc_ptr + qrow[:, None] * D + c[None, :], mask=g_mask[:, None], other=0.0)
+    bias = tl.load(bias_ptr + qrow, mask=g_mask, other=0.0)
+    kf, ks, km, kr = (tl.load(p + h * D + c) for p in (kf_ptr, ks_ptr, km_ptr, kr_ptr))
+    vf, vs, vm, vr = (tl.load(p + h * D + c) for p in (vf_ptr, vs_ptr, vm_ptr, vr_ptr))
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, n_coded)
+    if HAS_START:
+        lo = tl.maximum(lo, tl.load(start_ptr + b))
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for t0 in range(lo, hi, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_mask = (t < hi)[:, None]
+        ek = _entries(k_ptr + b * stride_kb + h * stride_kh + t[:, None] * stride_kt, t_mask, kf, ks, km, kr, kt_ptr,
+                      k_nbytes)
+        s = (tl.dot(q, tl.trans(ek), input_precision="ieee") + bias[:, None]) * scale2
+        s = tl.where(tl.trans(t_mask), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        ev = _entries(v_ptr + b * stride_vb + h * stride_vh + t[:, None] * stride_vt, t_mask, vf, vs, vm, vr, vt_ptr,
+                      v_nbytes)
+        acc = acc * alpha[:, None] + tl.dot(p, ev, input_precision="ieee")
+        m_i = m_new
+    out = (bh * splits + split) * BLOCK_G + g
+    tl.store(acc_ptr + out[:, None] * D + c[None, :], acc)
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+
+
+def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys,
+                      values, n_coded: int, kv_start: torch.Tensor | None, scale: float, *, block_t: int = 32,
+                      splits: int | None = None, wrap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over trellis codes in the components (:mod:`vecinfer_compile.ops.trellis`):
+    ``qc [B, Hq, D]`` and ``bias [B, Hq]`` float32 (:func:`~vecinfer_compile.ops.trellis.query_components`),
+    ``k_codes, v_codes [B, Hkv, Tmax, nbytes]`` uint8, ``keys, values``:
+    :class:`~vecinfer_compile.ops.trellis.TrellisOperands`; slots ``[kv_start[b], n_coded)``. The
+    coded prefix is cut into ``splits`` (default: enough programs to fill a GPU), each a program per
+    KV head, merged here by log-sum-exp. Returns ``(o [B, Hq, D], lse [B, Hq])`` float32: the
+    softmax-weighted mean of the values' unit entries, and the natural log-sum-exp of the scores
+    (zeros and ``-inf`` for a row with nothing to attend)."""
+    b, hq, d = qc.shape
+    hkv = k_codes.shape[1]
+    group = hq // hkv
+    block_g = max(16, triton.next_power_of_2(group))
+    if splits is None:
+        splits = max(1, min(triton.cdiv(max(n_coded, 1), block_t), 512 // max(1, b * hkv)))
+    split_len = triton.cdiv(triton.cdiv(max(n_coded, 1), splits), block_t) * block_t
+    k_codes = unit_last_stride(k_codes)
+    v_codes = unit_last_stride(v_codes)
+    acc = torch.empty(b * hkv, splits, block_g, d, dtype=torch.float32, device=qc.device)
+    m = torch.empty(b * hkv, splits, block_g, dtype=torch.float32, device=qc.device)
+    l_sum = torch.empty_like(m)
+    start = kv_start.to(torch.int32).contiguous() if kv_start is not None else m  # unread without HAS_START
+    launch(_decode_kernel, (b * hkv, splits), wrap, qc.float().contiguous(), bias.float().contiguous(), k_codes,
+           v_codes, keys.first, keys.shift, keys.mask, keys.rows, keys.tables, values.first, values.shift,
+           values.mask, values.rows, values.tables, start, acc, m, l_sum, n_coded, hkv, k_codes.shape[-1],
+           v_codes.shape[-1], split_len, scale * LOG2E, k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+           v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), GROUP=group, BLOCK_G=block_g, D=d,
+           BLOCK_T=block_t, HAS_START=kv_start is not None, num_warps=4)
+    m, l_sum, acc = m[:, :, :group], l_sum[:, :, :group], acc[:, :, :group]
+    top = m.amax(1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    w = torch.exp2(m - top)  # [B*Hkv, splits, G]
+    total = (w * l_sum).sum(1)
+    o = (w[..., None] * acc).sum(1) / total.clamp_min(1e-30)[..., None]
+    lse = torch.where(total > 0, (top[:, 0] + torch.log2(total.clamp_min(1e-30))) / LOG2E, float("-inf"))
+    o = torch.where(total[..., None] > 0, o, 0.0)
+    return o.reshape(b, hq, d), lse.reshape(b, hq)
