@@ -24,7 +24,7 @@ mean, per KV head, in the coded domain: the measure of docs/results/accuracy.md;
 calibration tokens ``[0, --calib-tokens)``, scored on the next ``--heldout-tokens``), the needle
 (``vecinfer needle``'s protocol through the simulate path with the cache's window semantics, each
 token encoded once, as ``benchmarks/needle_ideal_quantizer.py`` runs it), and the perplexity with
-every token quantized (``--ppl-text``; residual 0, as ``vecinfer eval-ppl --residual 0``).
+every token quantized (``--ppl-text``; ``--ppl-residual`` R, default 0, as ``vecinfer eval-ppl --residual``).
 
     python benchmarks/key_codec_trial.py --model evalmodel --haystack text/haystack \\
         --calib-text calibration.txt --codebooks cb-qw-2.safetensors --ppl-text wikitext2_test.raw \\
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
     ap.add_argument("--haystack", help="the needle's filler (no needle without it)")
     ap.add_argument("--calib-text", required=True, help="fits the codecs and scores the key error (never the haystack)")
     ap.add_argument("--codebooks", required=True, help="a qaware or vecinfer file: its transform and value codes")
-    ap.add_argument("--ppl-text", help="perplexity with every token quantized on this text (none without it)")
+    ap.add_argument("--ppl-text", help="perplexity on this text (none without it)")
     ap.add_argument("--rows", default="fp,codes,trellis@12", help="fp, codes, exact-keys, exact-values, trellis@L, trellis-unscaled@L, trellis-mse@L, "
                          "trellis-values@L, trellis-kv@L (2^L states)")
     ap.add_argument("--calib-tokens", type=int, default=32 * (WINDOW + 1))
@@ -131,6 +131,9 @@ def main(argv=None) -> None:
     ap.add_argument("--train-vectors", type=int, default=4096, help="tokens a head the trellis tables train on")
     ap.add_argument("--rounds", type=int, default=3, help="table-training rounds (Viterbi, then means)")
     ap.add_argument("--codec-seed", type=int, default=0, help="seeds the codecs' table training and samples")
+    ap.add_argument("--codec-bits", type=float, help="the codecs' bits an element (default: the file's); a "
+                    "trellis-kv row then uses the file for its transform and error metrics only")
+    ap.add_argument("--ppl-residual", type=int, default=0, help="the perplexity's full-precision window R")
     ap.add_argument("--lengths", default="512,1024,2048")
     ap.add_argument("--depths", default="0,25,50,75,100")
     ap.add_argument("--trials", type=int, default=16)
@@ -150,6 +153,7 @@ def main(argv=None) -> None:
         raise ValueError(f"{args.codebooks}: use a uniform-bits qaware or vecinfer file (not per-layer bits, "
                          "not pre-RoPE keys)")
     device = torch.device(args.device)
+    bits = cb.bits if args.codec_bits is None else args.codec_bits
     t0 = time.time()
     ids = tokenize(tok, load_text(args.calib_text))[:args.calib_tokens + args.heldout_tokens]
     keys, values = collect_kv(model, ids, WINDOW)
@@ -177,13 +181,13 @@ def main(argv=None) -> None:
         elif row.startswith(("trellis-values@", "trellis-kv@")):
             lbits = int(row.split("@")[1])
             fit_args = dict(train_vectors=args.train_vectors, rounds=args.rounds)
-            value_codecs = {i: TrellisCodec.fit(values[i][:, :n_fit].to(device), cb.bits, lbits,
+            value_codecs = {i: TrellisCodec.fit(values[i][:, :n_fit].to(device), bits, lbits,
                                                    metric=cb.layer(i).value_metric, seed=1000 * i + 10 * args.codec_seed + 1,
                                                    **fit_args)
                             for i in layers}
             key_codecs = None
             if row.startswith("trellis-kv"):
-                key_codecs = {i: TrellisCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=cb.layer(i).key_metric,
+                key_codecs = {i: TrellisCodec.fit(coded[i][:, :n_fit], bits, lbits, metric=cb.layer(i).key_metric,
                                                      seed=1000 * i + 10 * args.codec_seed, **fit_args) for i in layers}
             entry["value_error"] = [relative_error(values[i][:, n_fit:].to(device), value_codecs[i].quantize_dequantize(
                 values[i][:, n_fit:].to(device))) for i in layers]
@@ -194,7 +198,7 @@ def main(argv=None) -> None:
             lbits = int(row.split("@")[1])
             t1 = time.time()
             metric = {i: None if row.startswith("trellis-mse") else cb.layer(i).key_metric for i in layers}
-            codecs = {i: TrellisCodec.fit(coded[i][:, :n_fit], cb.bits, lbits, metric=metric[i],
+            codecs = {i: TrellisCodec.fit(coded[i][:, :n_fit], bits, lbits, metric=metric[i],
                                              train_vectors=args.train_vectors, rounds=args.rounds,
                                              seed=1000 * i + 10 * args.codec_seed)
                       for i in layers}
@@ -233,10 +237,10 @@ def main(argv=None) -> None:
                 res = perplexity(model, text_ids, **ppl_args)
             else:
                 with quantizer(cb.method, quantize), simulation(model, cb.method, bits=cb.bits, codebooks=gm.codebooks,
-                                                                residual=0):
+                                                                residual=args.ppl_residual):
                     res = perplexity(model, text_ids, **ppl_args)
             entry["ppl"] = res.ppl
-            print(f"{row}: perplexity {res.ppl:.3f}" + ("" if quantize is None else " (every token quantized)"), flush=True)
+            print(f"{row}: perplexity {res.ppl:.3f}" + ("" if quantize is None else f" (R={args.ppl_residual})"), flush=True)
         rows.append(entry)
     fp = next((r.get("ppl") for r in rows if r["row"] == "fp"), None)
     print("\nrow | key error, every layer (mean) | needle | perplexity")
