@@ -5,9 +5,9 @@ Rows: the CUDA append with nearest-centroid codes (one launch; the baseline), wi
 codes (``vq_weigh_flush`` then the append), with error-weighted codes (the same, the descent under
 random symmetric metrics) and the torch form of the last (what ran before the CUDA encoder: the
 ops Inductor would compile, here eager); then the trellis key codec's encoder
-(:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec`: the KLT in torch, the Viterbi walk in
-one Triton launch) for one token's keys, eager, at ``--trellis-states`` (the encode alone: its codes
-have no cache store yet). Each CUDA row is ``STEPS`` appends captured in one CUDA
+(:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.encode_packed`: the KLT in torch, the
+Viterbi walk and the stored codes in one Triton launch) for one token's keys, eager, at
+``--trellis-states`` (the encode alone: no cache stores them yet). Each CUDA row is ``STEPS`` appends captured in one CUDA
 graph and replayed, timed by CUDA events (device time per append, launch gaps included); the
 window is full, so every append encodes a token. Shapes: a Llama-3.1-8B layer (8 KV heads,
 head_dim 128, bf16 windows of 128 slots).
@@ -98,11 +98,11 @@ def time_trellis_encode(b: int, bits: float, states: int, gen: torch.Generator, 
     keys = torch.randn(HKV, 4096, D, generator=gen) * torch.logspace(0, -1, D)
     codec = TrellisCodec.fit(keys.cuda(), bits, states.bit_length() - 1, train_vectors=1024, rounds=1)
     key = torch.randn(b, HKV, 1, D, generator=gen).cuda().bfloat16()
-    codec.encode(key)
+    codec.encode_packed(key)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):
-        codec.encode(key)
+        codec.encode_packed(key)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / n

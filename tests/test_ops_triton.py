@@ -234,11 +234,15 @@ def _assert_optimal_walks(x, bits, tables, walks):
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 5), h=st.sampled_from([1, 2, 8]),
        d=st.sampled_from([16, 64]), lbits=st.sampled_from([1, 3, 6]))
 def test_interp_trellis_viterbi(seed, n, h, d, lbits):
-    """The Viterbi kernel finds walks as cheap as the reference's: KV heads 1/2/8, widths 1..4."""
-    from vecinfer_compile.ops.triton.trellis import viterbi_walks
+    """The Viterbi kernel finds walks as cheap as the reference's: KV heads 1/2/8, widths 1..4; its
+    packed output is those walks in the stored layout."""
+    from vecinfer_compile.ops.triton.trellis import viterbi_codes, viterbi_walks
+    from vecinfer_compile.quant.trellis_packing import pack_walks
 
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(seed), n, h, d, lbits)
-    _assert_optimal_walks(x, bits, tables, viterbi_walks(x, bits, tables))
+    walks = viterbi_walks(x, bits, tables)
+    _assert_optimal_walks(x, bits, tables, walks)
+    torch.testing.assert_close(viterbi_codes(x, bits, tables), pack_walks(walks, bits))  # the same launch, packed
 
 
 def _trellis_decode_case(gen: torch.Generator, b: int, hkv: int, group: int, tmax: int, d: int, lbits: int):

@@ -218,11 +218,15 @@ def test_cuda_codec_codes_as_well_as_the_reference():
     to the input as the CPU reference's (ties may pick other states), for 8 KV heads at 2^10 states."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from vecinfer_compile.quant.trellis_packing import pack_walks
+
     keys = skewed_keys(8, 1200, 128, seed=5)
     codec = TrellisCodec.fit(keys[:, :1000], 2.0, 10, train_vectors=512, rounds=1)
     test = keys[:, 1000:].reshape(8, 2, 100, 128).transpose(0, 1)  # [B, H, T, D]
     errors = [((codec.quantize_dequantize(x).cpu() - test) ** 2).sum((0, 2, 3)) for x in (test, test.cuda())]
     torch.testing.assert_close(errors[1], errors[0], rtol=1e-4, atol=0)
+    cuda_walks = codec.encode(test.cuda())  # the packed launch stores exactly the walks the other finds
+    torch.testing.assert_close(codec.encode_packed(test.cuda()), pack_walks(cuda_walks, codec.bits))
 
 
 @settings(max_examples=12, deadline=None)
@@ -239,6 +243,7 @@ def test_property_packed_codes_take_the_budget_and_give_back_every_state(h, d, b
     walks = codec.encode(keys[:, :n].reshape(1, h, n, d))  # [n, H, D]
     assert packed_bytes(codec.bits) == -(-round(bits * d) // 8)
     codes = pack_walks(walks, codec.bits)
+    assert torch.equal(codec.encode_packed(keys[:, :n].reshape(1, h, n, d)), codes)
     assert codes.shape == (n, h, packed_bytes(codec.bits)) and codes.dtype == torch.uint8
     states = component_states(codes, codec.bits, codec.state_bits)
     torch.testing.assert_close(states, torch.where(codec.bits > 0, walks.long(), 0))

@@ -35,6 +35,7 @@ import torch
 
 from .klt import KLT, gaussian_lloyd_max_distortion, greedy_allocation
 from .trellis import train_luts, viterbi
+from .trellis_packing import pack_walks
 
 MAX_COMPONENT_BITS = 12  # the allocation's curve reaches this far; it never gives a component more than L
 PARTS = ("mean", "analysis", "synthesis", "variance", "scale", "bits", "tables")  # to_tensors' names
@@ -162,17 +163,23 @@ class TrellisCodec:
             cache[device] = {name: t.to(device) for name, t in parts.items()}
         return cache[device]
 
+    def encode_packed(self, vectors: torch.Tensor) -> torch.Tensor:
+        """``vectors: [..., H, T, D]`` -> the stored codes ``[N, H, nbytes]`` uint8 (``bits_per_element
+        * D`` bits a token and head: :mod:`.trellis_packing`); on CUDA the Viterbi launch writes them."""
+        unit = self._unit(vectors)
+        if unit.is_cuda:
+            from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_codes  # imports triton: only where it runs
+            if self.state_bits <= MAX_STATE_BITS:
+                return viterbi_codes(unit, self._on(unit.device)["bits"], self._on(unit.device)["tables"])
+        return pack_walks(self.encode(vectors), self.bits)
+
     def encode(self, vectors: torch.Tensor) -> torch.Tensor:
         """``vectors: [..., H, T, D]`` -> trellis states ``[N, H, D]`` int32 (``N``: the product of
         the leading dims and ``T``; component ``c`` of head ``h`` decodes from state ``[n, h, c]``,
         0 where it has 0 bits), on the vectors' device. On CUDA (up to 2^13 states) one Triton launch
         (:mod:`vecinfer_compile.ops.triton.trellis`), elsewhere the torch reference per head."""
-        if vectors.shape[-3] != self.num_heads or vectors.shape[-1] != self.bits.shape[1]:
-            raise ValueError(f"vectors of shape {tuple(vectors.shape)}: this codec codes [..., {self.num_heads}, T, "
-                             f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)")
-        on = self._on(vectors.device)
-        x = vectors.movedim(-3, -2).reshape(-1, self.num_heads, vectors.shape[-1]).double()
-        unit = (torch.einsum("nhd,hdc->nhc", x - on["mean"], on["analysis"]) * on["inverse_sd"]).float()
+        unit = self._unit(vectors)
+        on = self._on(unit.device)
         if unit.is_cuda:
             from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
             if self.state_bits <= MAX_STATE_BITS:
@@ -185,6 +192,15 @@ class TrellisCodec:
             cols = coded.nonzero()[:, 0].to(unit.device)
             walks[:, i, cols] = viterbi(unit[:, i, cols], steps, luts).int()
         return walks
+
+    def _unit(self, vectors: torch.Tensor) -> torch.Tensor:
+        """``[..., H, T, D]`` -> the components at unit scale ``[N, H, D]`` float32 (what the trellis codes)."""
+        if vectors.shape[-3] != self.num_heads or vectors.shape[-1] != self.bits.shape[1]:
+            raise ValueError(f"vectors of shape {tuple(vectors.shape)}: this codec codes [..., {self.num_heads}, T, "
+                             f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)")
+        on = self._on(vectors.device)
+        x = vectors.movedim(-3, -2).reshape(-1, self.num_heads, vectors.shape[-1]).double()
+        return (torch.einsum("nhd,hdc->nhc", x - on["mean"], on["analysis"]) * on["inverse_sd"]).float()
 
     def decode(self, walks: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`encode`'s states ``[N, H, D]`` back to vectors of ``shape`` ``[..., H, T, D]`` and

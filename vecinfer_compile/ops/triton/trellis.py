@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quant.trellis_packing import bit_ends, packed_bytes
 from .common import LOG2E, launch, unit_last_stride
 
 SCRATCH_BYTES = 1 << 30  # trace-back bytes one launch may use; larger calls go in row chunks
@@ -25,9 +26,9 @@ MAX_STATE_BITS = 13  # 2^13 path costs a program: 64 float32 registers a thread 
 
 
 @triton.jit
-def _viterbi_kernel(x_ptr, bits_ptr, tables_ptr, trace_ptr, walk_ptr, H, D,
-                    stride_xn, stride_xh, stride_bh, stride_th, stride_tw, stride_wn, stride_wh,
-                    L: tl.constexpr, MAX_K: tl.constexpr):
+def _viterbi_kernel(x_ptr, bits_ptr, tables_ptr, trace_ptr, walk_ptr, ends_ptr, codes_ptr, H, D, nbytes,
+                    stride_xn, stride_xh, stride_bh, stride_th, stride_tw, stride_wn, stride_wh, stride_cn, stride_ch,
+                    L: tl.constexpr, MAX_K: tl.constexpr, WALKS: tl.constexpr, CODES: tl.constexpr, NB: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
     S: tl.constexpr = 1 << L
@@ -48,13 +49,24 @@ def _viterbi_kernel(x_ptr, bits_ptr, tables_ptr, trace_ptr, walk_ptr, H, D,
                 spread = tl.broadcast_to(tl.reshape(best, (S >> kk, 1)), (S >> kk, 1 << kk))
                 cost = tl.reshape(spread, (S,)) + err * err
     s = tl.argmin(cost, axis=0).to(tl.int32)
+    byte = tl.arange(0, NB)
+    packed = tl.zeros([NB], tl.int32)
     for i in range(D):
         t = D - 1 - i
         k = tl.load(bits_ptr + h * stride_bh + t)
         if k > 0:
-            tl.store(walk_ptr + row * stride_wn + h * stride_wh + t, s)
+            if WALKS:
+                tl.store(walk_ptr + row * stride_wn + h * stride_wh + t, s)
+            if CODES:  # the new bits (the state's low k) at string bits [end - k, end), most significant first
+                start = tl.load(ends_ptr + h * D + t) - k
+                window = (s & ((1 << k) - 1)) << (24 - (start & 7) - k)  # 3 bytes from the start's byte
+                rel = byte - (start >> 3)
+                inside = (rel >= 0) & (rel <= 2)
+                packed |= tl.where(inside, (window >> tl.where(inside, 8 * (2 - rel), 0)) & 255, 0)
             high = tl.load(trace + t * HALF + (s >> k)).to(tl.int32)
             s = (s >> k) | (high << (L - k))
+    if CODES:
+        tl.store(codes_ptr + row * stride_cn + h * stride_ch + byte, packed.to(tl.uint8), mask=byte < nbytes)
 
 
 def viterbi_walks(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wrap: bool = False) -> torch.Tensor:
@@ -63,6 +75,17 @@ def viterbi_walks(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wra
     float32 (row ``k - 1``: the ``k``-bit table) -> states ``[N, H, D]`` int32 (0 where a component
     has 0 bits). The same walks as :func:`vecinfer_compile.quant.trellis.viterbi` on each head's
     coded components, up to ties in cost."""
+    return _viterbi(x, bits, tables, walks=True, codes=False, wrap=wrap)[0]
+
+
+def viterbi_codes(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wrap: bool = False) -> torch.Tensor:
+    """:func:`viterbi_walks`' walks in the stored layout, written by the same launch:
+    ``[N, H, nbytes]`` uint8 (:func:`vecinfer_compile.quant.trellis_packing.pack_walks`)."""
+    return _viterbi(x, bits, tables, walks=False, codes=True, wrap=wrap)[1]
+
+
+def _viterbi(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, *, walks: bool, codes: bool,
+             wrap: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     n, h, d = x.shape
     if bits.shape != (h, d) or tables.dim() != 3 or tables.shape[0] != h:
         raise ValueError(f"x [N, H, D], bits [H, D], tables [H, W, 2^L]: got {tuple(x.shape)}, {tuple(bits.shape)}, "
@@ -75,16 +98,21 @@ def viterbi_walks(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wra
     x = x.float().contiguous()
     bits = bits.to(device=x.device, dtype=torch.int32).contiguous()
     tables = tables.to(device=x.device, dtype=torch.float32).contiguous()
-    walks = torch.zeros(n, h, d, dtype=torch.int32, device=x.device)
+    nbytes = packed_bytes(bits)
+    walk_out = torch.zeros(n if walks else 1, h, d, dtype=torch.int32, device=x.device)
+    code_out = torch.zeros(n if codes else 1, h, nbytes, dtype=torch.uint8, device=x.device)
+    ends = bit_ends(bits).int().contiguous()
     rows = max(1, SCRATCH_BYTES // (h * d * (states // 2)))
     for start in range(0, n, rows):
         part = x[start:start + rows]
-        out = walks[start:start + rows]
+        w = walk_out[start:start + rows] if walks else walk_out
+        c = code_out[start:start + rows] if codes else code_out
         trace = torch.empty(part.shape[0] * h * d * (states // 2), dtype=torch.uint8, device=x.device)
-        launch(_viterbi_kernel, (part.shape[0], h), wrap, part, bits, tables, trace, out, h, d,
+        launch(_viterbi_kernel, (part.shape[0], h), wrap, part, bits, tables, trace, w, ends, c, h, d, nbytes,
                part.stride(0), part.stride(1), bits.stride(0), tables.stride(0), tables.stride(1),
-               out.stride(0), out.stride(1), L=lbits, MAX_K=width, num_warps=4 if lbits <= 10 else 8)
-    return walks
+               w.stride(0), w.stride(1), c.stride(0), c.stride(1), L=lbits, MAX_K=width, WALKS=walks,
+               CODES=codes, NB=triton.next_power_of_2(nbytes), num_warps=4 if lbits <= 10 else 8)
+    return (walk_out if walks else None), (code_out if codes else None)
 
 
 @triton.jit
