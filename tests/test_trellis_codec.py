@@ -104,13 +104,11 @@ def test_a_trellis_file_round_trips_and_names_its_codecs(trellis_file):
         assert not torch.equal(b.key_codec.analysis, b.value_codec.analysis)
 
 
-def test_simulate_codes_keys_and_values_by_the_codecs_and_the_cache_refuses_them(trellis_file, tiny_model):
-    from vecinfer_compile.cache import VecInferCache
-    from vecinfer_compile.evaluation.generation import GenerationMethod
+def test_simulate_codes_keys_and_values_by_the_codecs_and_the_backend_refuses_them(trellis_file):
+    from vecinfer_compile import vecinfer_backend
     from vecinfer_compile.simulate import LayerSimulator
 
     cb, _ = trellis_file
-    model, _ = tiny_model
     k = torch.randn(1, 2, 9, 64)
     v = torch.randn(1, 2, 9, 64)
     sim = LayerSimulator("vecinfer", 2.0, codebooks=cb, layer_idx=1)
@@ -119,10 +117,50 @@ def test_simulate_codes_keys_and_values_by_the_codecs_and_the_cache_refuses_them
     expected = layer.transform.keys_inverse(layer.key_codec.quantize_dequantize(layer.transform.keys(k)))
     torch.testing.assert_close(k_hat, expected)
     torch.testing.assert_close(v_hat, layer.value_codec.quantize_dequantize(v))
-    assert GenerationMethod("vecinfer", 2.0, cb).simulated
     with pytest.raises(ValueError, match="code keys with the trellis codec and values with the trellis codec, which "
-                                         "runs in the simulate path only.*without --key-codec / --value-codec"):
-        VecInferCache(model, cb, batch_size=1, max_cache_len=16)
+                                         "runs in the simulate path and in an eager VecInferCache only.*--backend eager"):
+        vecinfer_backend.configure(codebooks=cb)
+
+
+def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(trellis_file, tiny_model):
+    """Prefill 9 tokens with a 4-token window, then append 3 one at a time: the coded slots read
+    back as the codec decodes them (keys through the inverse transform), the window's exactly; the
+    codes take ``bits * D / 8`` bytes a token and head."""
+    from vecinfer_compile.cache import VecInferCache
+
+    cb, _ = trellis_file
+    model, _ = tiny_model
+    cache = VecInferCache(model, cb, batch_size=2, max_cache_len=16, residual=4)
+    layer, codebooks = cache.layers[1], cb.layer(1)
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 12, 64, generator=gen) for _ in range(2))
+    layer.update(k[:, :, :9], v[:, :, :9])
+    for t in range(9, 12):
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert layer.storage.k_codes.shape[-1] == layer.storage.v_codes.shape[-1] == 2 * 64 // 8
+    assert int(layer.storage.n_coded) == 8 and int(layer.storage.n_window) == 4
+    k_read, v_read = layer.dequantized()
+    kt = codebooks.transform.keys(k[:, :, :8])
+    want_k = codebooks.transform.keys_inverse(codebooks.key_codec.quantize_dequantize(kt))
+    torch.testing.assert_close(k_read[:, :, :8], want_k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v_read[:, :, :8], codebooks.value_codec.quantize_dequantize(v[:, :, :8]),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k_read[:, :, 8:12], k[:, :, 8:12], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v_read[:, :, 8:12], v[:, :, 8:12])
+
+
+def test_greedy_tokens_through_the_trellis_cache_match_the_simulate_path(trellis_file, tiny_model):
+    """``vecinfer match``'s check on the tiny model: 24 new tokens after a 40-token prompt, a window
+    of 8, eager cache vs simulate path, token for token; a compiled step is refused by name."""
+    from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
+
+    cb, _ = trellis_file
+    model, tokenizer = tiny_model
+    ids = torch.arange(3, 43) % model.config.vocab_size
+    cached = cache_tokens(model, ids, cb, new_tokens=24, residual=8, compiled=False)
+    assert cached == simulate_tokens(model, ids, cb, new_tokens=24, residual=8)
+    with pytest.raises(Exception, match="trellis codec.*--backend eager"):
+        cache_tokens(model, ids, cb, new_tokens=4, residual=8, compiled=True)
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])

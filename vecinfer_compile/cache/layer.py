@@ -24,7 +24,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 from ..hf import eager_decode
 from ..hf.layer_kinds import SLIDING, attention_kinds
 from ..ops.split_attention.chunk import ChunkKeys
-from . import reads
+from . import reads, trellis_layer
 from .quantizer import LayerQuantizer
 from .storage import LayerStorage, count_bytes, indexed_device
 
@@ -98,6 +98,8 @@ class VecInferLayer(CacheLayerMixin):
 
     # -- update --------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.quantizer.trellis:
+            trellis_layer.check_eager(self.layer_idx)
         if not self.is_initialized:
             self._allocate(key_states.shape[0])
         self.storage.check_states(key_states, value_states)
@@ -129,7 +131,7 @@ class VecInferLayer(CacheLayerMixin):
         held = n_coded + n_window
         if held + t > self.max_cache_len:
             raise s.overflow(held + t)
-        codes = eager_decode.is_active(self.model_config)
+        codes = self._codes_read()
         chunk = before = None
         if t > 1 and codes:
             chunk = reads.chunk_keys(s, qz, self.transform_keys(k), v, n_coded, n_window)
@@ -190,9 +192,14 @@ class VecInferLayer(CacheLayerMixin):
     def _direct_read(self, index: int) -> torch.Tensor | None:
         if not self.is_initialized:
             return None
-        if _is_compiling():
+        if _is_compiling() or not self._codes_read():
             return reads.read(self.storage, self.quantizer)[index]
         return eager_decode.codes_read(self, self._full_shape(), self.dtype, self.device)[index]
+
+    def _codes_read(self) -> bool:
+        """Whether an eager step returns a codes read (the model attends with ``"vecinfer_sdpa"``);
+        a trellis-coded layer reads dense K/V instead (no codes-read attention for its codes yet)."""
+        return eager_decode.is_active(self.model_config) and not self.quantizer.trellis
 
     # -- sizes ---------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:

@@ -226,7 +226,6 @@ class VecInferCache(Cache):
             )
         check_runs_over_codes(codebooks.method)
         codebooks.check_model(config)
-        codebooks.check_cache_codec()
         if isinstance(model_or_config, torch.nn.Module):  # warns once if calibrated on other weights
             codebooks.check_weights(model_or_config)
         coded = check_codable(config, residual)

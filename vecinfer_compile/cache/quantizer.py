@@ -11,6 +11,10 @@ cache's device, frozen (built once from a :class:`~vecinfer_compile.codebooks.La
 - centring methods: ``key_mean [H, D]``, ``mu``, subtracted before the rest of the transform.
 - ``key_parallel_weight`` (score-aware key codes, 1: nearest centroid) and the error metrics
   ``key_metric``, ``value_metric [H, D, D]`` of error-weighted codes (both or neither).
+- ``key_codec`` / ``value_codec``: the trellis codec (:mod:`vecinfer_compile.quant.trellis_codec`)
+  that codes keys (in the ``K~`` domain) / values in place of the centroids, with its decode
+  operands ``key_trellis`` / ``value_trellis`` (:class:`~vecinfer_compile.ops.trellis.TrellisOperands`),
+  or None. The cache runs such a layer eagerly only (:mod:`.trellis_layer`).
 
 The key transform: ``K~ = ((K - mu) / lam) @ H``, or ``(K - mu) @ key_matrix``.
 """
@@ -23,7 +27,10 @@ import torch
 
 from ..codebooks import LayerCodebooks
 from ..ops.append import transform_keys
+from ..ops.trellis import TrellisOperands
 from ..quant.packing import packed_width
+from ..quant.trellis_codec import TrellisCodec
+from ..quant.trellis_packing import packed_bytes
 from ..quant.score_aware import check_parallel_weight
 from ..quant.weighted_codes import check_metric
 
@@ -42,6 +49,10 @@ class LayerQuantizer:
     key_parallel_weight: float = 1.0
     key_metric: torch.Tensor | None = None
     value_metric: torch.Tensor | None = None
+    key_codec: TrellisCodec | None = None
+    value_codec: TrellisCodec | None = None
+    key_trellis: TrellisOperands | None = None
+    value_trellis: TrellisOperands | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_parallel_weight", check_parallel_weight(self.key_parallel_weight))
@@ -72,7 +83,15 @@ class LayerQuantizer:
             lam=_on(t.lam, device), rotation=rotation, key_matrix=key_matrix, key_read=key_read,
             key_mean=_on(t.mean, device), key_parallel_weight=key_parallel_weight,
             key_metric=_on(layer.key_metric, device), value_metric=_on(layer.value_metric, device),
+            key_codec=layer.key_codec, value_codec=layer.value_codec,
+            key_trellis=None if layer.key_codec is None else TrellisOperands.of(layer.key_codec, device),
+            value_trellis=None if layer.value_codec is None else TrellisOperands.of(layer.value_codec, device),
         )
+
+    @property
+    def trellis(self) -> bool:
+        """Whether a trellis codec codes this layer's keys or values."""
+        return self.key_codec is not None or self.value_codec is not None
 
     def check_fits(self, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
         """Raise a ValueError unless this quantizer codes ``[B, num_kv_heads, T, head_dim]`` K/V."""
@@ -98,8 +117,8 @@ class LayerQuantizer:
 
     def code_widths(self, head_dim: int) -> tuple[int, int]:
         """Bytes per token and head of the stored key and value codes (:mod:`..quant.packing`)."""
-        books = (self.key_centroids, self.value_centroids)
-        return tuple(packed_width(head_dim // c.shape[1], c.shape[0]) for c in books)
+        return tuple(packed_width(head_dim // books.shape[1], books.shape[0]) if codec is None else packed_bytes(codec.bits)
+                     for books, codec in ((self.key_centroids, self.key_codec), (self.value_centroids, self.value_codec)))
 
     @property
     def key_transform_matrix(self) -> torch.Tensor | None:
@@ -111,10 +130,26 @@ class LayerQuantizer:
         return transform_keys(k, self.key_mean, self.lam, self.key_transform_matrix).to(dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The codebooks and key transform, as the layer's bytes count them (the error metrics are left out)."""
+        """The codebooks, key transform and trellis operands, as the layer's bytes count them (the
+        error metrics are left out)."""
         ts = [self.key_centroids, self.value_centroids, self.lam, self.rotation, self.key_matrix, self.key_read,
-              self.key_mean]
+              self.key_mean, *(self.key_trellis or ()), *(self.value_trellis or ())]
         return [t for t in ts if t is not None]
+
+    def inverse_keys(self, kt: torch.Tensor) -> torch.Tensor:
+        """``K~ [B, H, T, D]`` back to keys, float32: ``K~ @ key_read`` for the query-aware methods,
+        else ``(K~ @ rotation^T) * lam``, then ``+ key_mean`` (each step where the method has it)."""
+        work = kt.float()
+        if self.key_read is not None:
+            work = work @ self.key_read
+        else:
+            if self.rotation is not None:
+                work = work @ self.rotation.T
+            if self.lam is not None:
+                work = work * self.lam[None, :, None, :]
+        if self.key_mean is not None:
+            work = work + self.key_mean[None, :, None, :]
+        return work
 
 
 def _on(t: torch.Tensor | None, device) -> torch.Tensor | None:

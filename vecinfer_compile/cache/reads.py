@@ -25,6 +25,7 @@ from ..ops.decode import decode_attention
 from ..ops.decode_inputs import kv_start_from_mask, mask_is_a_range, transform_queries
 from ..ops.split_attention import chunk as chunk_attention
 from ..ops.split_attention.chunk import ChunkKeys
+from . import trellis_layer
 from .quantizer import LayerQuantizer
 from .storage import LayerStorage
 
@@ -47,6 +48,8 @@ def read(storage: LayerStorage, quantizer: LayerQuantizer, length: int | None = 
     place of the layer's own (windows ``[B, H, w, D]``, keys transformed: a chunk's read,
     :func:`chunk_window` compiled, :func:`dense` eager)."""
     s, q = storage, quantizer
+    if q.trellis:
+        return trellis_layer.read(s, q, length, rows, window)
     k_codes, v_codes = s.k_codes[rows], s.v_codes[rows]
     if length is not None:
         k_codes, v_codes = k_codes[:, :, :length], v_codes[:, :, :length]

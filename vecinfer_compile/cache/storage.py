@@ -27,6 +27,7 @@ import copy
 import torch
 
 from ..ops.append import weigh_codes
+from . import trellis_layer
 from .quantizer import LayerQuantizer
 
 
@@ -123,6 +124,8 @@ class LayerStorage:
     def fill(self, kt: torch.Tensor, v: torch.Tensor, quantizer: LayerQuantizer) -> None:
         """The first update of an empty layer: ``kt`` (``K~``), ``v``: ``[B, H, T, D]`` in the cache
         dtype, ``T <= max_cache_len``. All but the last ``R`` tokens become codes, those ``R`` the window."""
+        if quantizer.trellis:
+            return trellis_layer.fill(self, kt, v, quantizer)
         ops, q = torch.ops.vecinfer, quantizer
         t = kt.shape[2]
         n_code = max(t - self.residual, 0)
@@ -144,8 +147,11 @@ class LayerStorage:
     def append(self, k: torch.Tensor, v: torch.Tensor, quantizer: LayerQuantizer) -> None:
         """Append ``k``, ``v``: ``[B, H, T, D]`` with ``vecinfer::cache_append``
         (:mod:`vecinfer_compile.ops.append`: no data-dependent Python, so it compiles with
-        fullgraph=True; one CUDA launch per decode step where the kernel runs)."""
+        fullgraph=True; one CUDA launch per decode step where the kernel runs); a trellis-coded layer
+        eagerly (:mod:`.trellis_layer`)."""
         q = quantizer
+        if q.trellis:
+            return trellis_layer.append(self, k, v, q)
         torch.ops.vecinfer.cache_append(
             k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
             self.append_arrivals, q.key_centroids, q.value_centroids, q.key_mean, q.lam,

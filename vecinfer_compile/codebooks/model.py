@@ -77,8 +77,8 @@ class LayerCodebooks:
     None (nearest-centroid or score-aware codes). key_codec: a long-block code of the keys in the
     transform's domain (:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec`) that codes
     them in place of key_centroids, or None; value_codec: the same for the values (in place of
-    value_centroids), or None; only the simulate path runs them so far
-    (:meth:`VecInferCodebooks.check_cache_codec`)."""
+    value_centroids), or None; the simulate path and an eager VecInferCache run them, the
+    compiled backend not yet (:meth:`VecInferCodebooks.check_cache_codec`)."""
 
     transform: KeyTransform
     key_centroids: torch.Tensor
@@ -171,15 +171,15 @@ class VecInferCodebooks:
 
     def check_cache_codec(self) -> None:
         """Raise a ValueError naming the fix if these codebooks code keys or values with a codec that
-        the cache and the compiled backend cannot run yet (the trellis codec runs in the simulate
-        path only)."""
+        the compiled backend cannot run yet (the trellis codec runs in the simulate path and in
+        an eager VecInferCache)."""
         coded = [f"{kind} with the {codec} codec" for kind, codec in (("keys", self.key_codec),
                                                                       ("values", self.value_codec)) if codec]
         if coded:
             raise ValueError(
-                f"these codebooks code {' and '.join(coded)}, which runs in the simulate path only "
-                "(enable_simulation, `vecinfer eval-ppl`); VecInferCache and vecinfer_backend have no kernels "
-                "for it yet: calibrate without --key-codec / --value-codec for them")
+                f"these codebooks code {' and '.join(coded)}, which runs in the simulate path and in an eager "
+                "VecInferCache only: vecinfer_backend has no compiled ops for it yet (generate without torch.compile, "
+                "--backend eager), or calibrate without --key-codec / --value-codec")
 
     @property
     def key_parallel_weight(self) -> float:

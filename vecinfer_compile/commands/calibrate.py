@@ -59,10 +59,10 @@ def register(subparsers) -> None:
     p.add_argument("--key-codec", choices=["trellis"], default=None,
                    help="code keys with a long-block code instead of the key codebooks: per-head KLT, integer bits "
                         "per component, a bitshift trellis (docs/results/accuracy.md); same bits a key. Such files "
-                        "run in simulate mode only so far (eval-ppl, ablation, needle), not in VecInferCache")
+                        "run in simulate mode and in an eager VecInferCache (--backend eager), not compiled yet")
     p.add_argument("--value-codec", choices=["trellis"], default=None,
                    help="code values with the same long-block code, under o_proj's error metric with "
-                        "--weighted-codes; same bits a value, simulate mode only so far")
+                        "--weighted-codes; same bits a value, as --key-codec runs")
     p.add_argument("--trellis-states", type=power_of_two, default=None, metavar="S",
                    help=f"with --key-codec or --value-codec trellis: trellis states, a power of two (default "
                         f"{DEFAULT_TRELLIS_STATES}; more: closer to the bound, slower to encode)")
@@ -97,9 +97,9 @@ def _simulate_only_note(cb) -> str:
 
     coded = [kind for kind, codec in (("keys", cb.key_codec), ("values", cb.value_codec)) if codec]
     if coded:
-        return (f"\n({' and '.join(coded)} coded by the trellis codec, which has no VecInferCache kernels yet: the "
-                "figures above are what one would hold; these codebooks run in simulate mode: vecinfer eval-ppl, "
-                "ablation, needle, gsm8k)")
+        return (f"\n({' and '.join(coded)} coded by the trellis codec: these codebooks run in simulate mode "
+                "(vecinfer eval-ppl, ablation) and in an eager VecInferCache (needle, gsm8k, match with --backend "
+                "eager), not compiled yet)")
     if cb.method not in SIMULATE_ONLY:
         return ""
     return (f"\n({cb.method} has no VecInferCache yet: the figures above are what one would hold; its codebooks "

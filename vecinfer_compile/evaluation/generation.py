@@ -85,14 +85,11 @@ class GenerationMethod:
 
     @property
     def simulated(self) -> bool:
-        """Whether ``generate()`` runs this method in simulate mode: the :data:`SIMULATED` methods,
-        and codebooks whose keys or values a codec codes that has no cache kernels yet
-        (:meth:`~vecinfer_compile.codebooks.VecInferCodebooks.check_cache_codec`)."""
-        return self.method in SIMULATED or any(getattr(self.codebooks, f"{kind}_codec", None) is not None
-                                               for kind in ("key", "value"))
+        """Whether ``generate()`` runs this method in simulate mode: the :data:`SIMULATED` methods."""
+        return self.method in SIMULATED
 
     def note(self) -> str:
-        note = method_note(self.method, self.bits, self.residual, self.simulated)
+        note = method_note(self.method, self.bits, self.residual)
         return note if self.layer_bits_text is None else f"{note}; bits per layer {self.layer_bits_text}"
 
     @property
@@ -102,14 +99,11 @@ class GenerationMethod:
         return None if not layer_bits else "/".join(f"{b:g}" for b in layer_bits)
 
 
-def method_note(method: str, bits: float | None, residual: int, simulated: bool | None = None) -> str:
-    """One line saying how ``method`` runs during generation (``simulated``: in simulate mode; None:
-    as the method does, :data:`SIMULATED`)."""
+def method_note(method: str, bits: float | None, residual: int) -> str:
+    """One line saying how ``method`` runs during generation."""
     if method == "fp16":
         return "fp16: full-precision DynamicCache (plain SDPA)"
-    if simulated is None:
-        simulated = method in SIMULATED
-    if simulated:
+    if method in SIMULATED:
         return (f"{method} {bits:g}-bit: runs in SIMULATE mode (quantize->dequantize attention, "
                 f"full_precision_prefill=True) with the cache's window semantics: prefill in full "
                 f"precision, decode reads K/V outside the last {residual} tokens quantized")

@@ -24,7 +24,8 @@ One layer's vectors ``x`` (keys in a method's coded domain, after
    adds (docs/results/accuracy.md). The scale is free at run time (it folds into the query side or
    the output).
 
-Only the simulate path runs it so far (docs/results/accuracy.md, "A long-block key codec").
+The simulate path and an eager VecInferCache run it (:mod:`vecinfer_compile.cache.trellis_layer`;
+docs/results/accuracy.md, "A long-block key codec"); the compiled backend not yet.
 """
 
 from __future__ import annotations
