@@ -131,7 +131,7 @@ class VecInferLayer(CacheLayerMixin):
         held = n_coded + n_window
         if held + t > self.max_cache_len:
             raise s.overflow(held + t)
-        codes = self._codes_read()
+        codes = self._codes_read(t)
         chunk = before = None
         if t > 1 and codes:
             chunk = reads.chunk_keys(s, qz, self.transform_keys(k), v, n_coded, n_window)
@@ -196,10 +196,14 @@ class VecInferLayer(CacheLayerMixin):
             return reads.read(self.storage, self.quantizer)[index]
         return eager_decode.codes_read(self, self._full_shape(), self.dtype, self.device)[index]
 
-    def _codes_read(self) -> bool:
-        """Whether an eager step returns a codes read (the model attends with ``"vecinfer_sdpa"``);
-        a trellis-coded layer reads dense K/V instead (no codes-read attention for its codes yet)."""
-        return eager_decode.is_active(self.model_config) and not self.quantizer.trellis
+    def _codes_read(self, tokens: int | None = None) -> bool:
+        """Whether an eager step of ``tokens`` new tokens returns a codes read (the model attends with
+        ``"vecinfer_sdpa"``); a trellis-coded layer only for one token with both keys and values
+        coded by the codec (:func:`.trellis_layer.attend`), else it reads dense K/V."""
+        if not eager_decode.is_active(self.model_config):
+            return False
+        qz = self.quantizer
+        return not qz.trellis or (tokens == 1 and qz.key_codec is not None and qz.value_codec is not None)
 
     # -- sizes ---------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:

@@ -149,6 +149,8 @@ def attend(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, at
             return sdpa_by_rows(s, qz, q, attn_mask, scale, attn_mask.shape[-1])
     q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
     scale = s.head_dim ** -0.5 if scale is None else float(scale)
+    if qz.trellis:
+        return trellis_layer.attend(s, qz, q_t, kv_start, scale)
     return decode_attention(q_t, coded_kv(s, qz), kv_start, scale)
 
 

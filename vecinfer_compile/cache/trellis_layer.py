@@ -5,10 +5,12 @@ The buffers are the storage's (:mod:`.storage`): a code slot holds a token and h
 ``bits * D`` bits (:mod:`vecinfer_compile.quant.trellis_packing`; as many bytes as the codebooks'
 codes of the same preset), the window its full-precision ``K~`` and ``V``. A side without a codec
 (a file with ``--key-codec`` only) keeps the codebooks' codes. Encoding is the codec's
-(``encode_packed``: one Viterbi launch on CUDA); reads decode the codes to ``K~`` / ``V`` with the
-kernels' operands (:class:`~vecinfer_compile.ops.trellis.TrellisOperands`) and attend densely, as
-the eager step of the codebooks' codes does without ``"vecinfer_sdpa"``. No registered op covers
-them yet, so a compiled step is refused (:func:`check_eager`).
+(``encode_packed``: one Viterbi launch on CUDA). A decode step with ``"vecinfer_sdpa"`` attends over
+the codes in the components (:func:`attend`: :func:`vecinfer_compile.ops.trellis.decode_attention`,
+the Triton kernel on CUDA) and over the window, merged by log-sum-exp; every other read decodes the
+codes to ``K~`` / ``V`` with the kernels' operands (:class:`~vecinfer_compile.ops.trellis.TrellisOperands`)
+and attends densely. No registered op covers them yet, so a compiled step is refused
+(:func:`check_eager`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from ..ops import reference
 from ..ops.append import weigh_codes
+from ..ops.trellis import decode_attention
 from .quantizer import LayerQuantizer
 
 
@@ -104,3 +107,30 @@ def read(storage, q: LayerQuantizer, length: int | None = None, rows: slice = sl
     k = q.inverse_keys(kt)
     valid = (torch.arange(length, device=storage.device) < coded + win)[:, None]
     return torch.where(valid, k, 0.0).to(storage.dtype), v.to(storage.dtype)
+
+
+def attend(storage, q: LayerQuantizer, q_t: torch.Tensor, kv_start: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One query token ``q_t: [B, Hq, 1, D]`` (in ``K~``'s domain) over a layer whose keys and values
+    the codec codes: the coded slots by :func:`~vecinfer_compile.ops.trellis.decode_attention`, the
+    window's ``n_window`` slots exactly, merged by log-sum-exp; slots before ``kv_start [B]`` (left
+    padding) hidden. Returns ``[B, Hq, 1, D]`` in ``q_t``'s dtype."""
+    n_coded, n_window = int(storage.n_coded), int(storage.n_window)
+    b, hq, _, d = q_t.shape
+    hkv = storage.num_heads
+    qf = q_t[:, :, 0].float()
+    out_c, lse_c = decode_attention(qf, storage.k_codes, storage.v_codes, q.key_trellis, q.value_trellis, n_coded,
+                                    kv_start, scale)
+    kw, vw = storage.k_window[:, :, :n_window].float(), storage.v_window[:, :, :n_window].float()
+    scores = torch.einsum("bhgd,bhtd->bhgt", qf.view(b, hkv, hq // hkv, d), kw) * scale
+    if kv_start is not None:
+        slot = n_coded + torch.arange(n_window, device=q_t.device)
+        scores = scores.masked_fill(slot < kv_start.to(q_t.device)[:, None, None, None], float("-inf"))
+    lse_w = torch.logsumexp(scores, -1)
+    p = torch.where(torch.isfinite(lse_w)[..., None], torch.exp(scores - lse_w[..., None]), 0.0)
+    out_w = torch.einsum("bhgt,bhtd->bhgd", p, vw).reshape(b, hq, d)
+    lse_w = lse_w.reshape(b, hq)
+    lse = torch.logaddexp(lse_c, lse_w)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    w_c = torch.where(torch.isfinite(lse_c), torch.exp(lse_c - safe), 0.0)[..., None]
+    w_w = torch.where(torch.isfinite(lse_w), torch.exp(lse_w - safe), 0.0)[..., None]
+    return (w_c * out_c + w_w * out_w)[:, :, None].to(q_t.dtype)
