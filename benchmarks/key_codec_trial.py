@@ -134,6 +134,8 @@ def main(argv=None) -> None:
     ap.add_argument("--codec-bits", type=float, help="the codecs' bits an element (default: the file's); a "
                     "trellis-kv row then uses the file for its transform and error metrics only")
     ap.add_argument("--ppl-residual", type=int, default=0, help="the perplexity's full-precision window R")
+    ap.add_argument("--save-dir", help="write each trellis row's codebooks here as ROW.safetensors (the file with "
+                    "the row's codecs: `vecinfer needle --codebooks` runs it through the cache)")
     ap.add_argument("--lengths", default="512,1024,2048")
     ap.add_argument("--depths", default="0,25,50,75,100")
     ap.add_argument("--trials", type=int, default=16)
@@ -217,6 +219,9 @@ def main(argv=None) -> None:
         else:
             raise ValueError(f"unknown row {row!r}: fp, codes, exact-keys, exact-values, trellis@L, "
                              "trellis-unscaled@L, trellis-mse@L, trellis-values@L or trellis-kv@L")
+        if args.save_dir and row.startswith("trellis"):
+            path = gm.codebooks.save(Path(args.save_dir) / f"{row.replace('@', '-')}.safetensors")
+            print(f"{row}: wrote {path}", flush=True)
         if "key_error" in entry:
             print(f"{row}: held-out key error per layer {[round(e, 4) for e in entry['key_error']]}", flush=True)
         if "key_metric_error" in entry:

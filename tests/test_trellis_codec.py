@@ -240,12 +240,17 @@ def test_the_trial_script_runs_its_rows_on_the_tiny_model(tmp_path, tiny_dir, sa
                           str(default_codebooks_dir() / "vecinfer-2bit.safetensors"), "--ppl-text",
                           str(sample_text_path), "--rows", "codes,trellis@4,trellis-unscaled@4", "--calib-tokens",
                           "1025", "--heldout-tokens", "512", "--train-vectors", "256", "--rounds", "1",
-                          "--ppl-windows", "1", "--ppl-window-len", "128", "--json", str(out)])
+                          "--ppl-windows", "1", "--ppl-window-len", "128", "--json", str(out),
+                          "--save-dir", str(tmp_path)])
     rows = {r["row"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"codes", "trellis@4", "trellis-unscaled@4"}
     for r in rows.values():
         assert len(r["key_error"]) == 4 and all(0 < e < 1 for e in r["key_error"]) and r["ppl"] > 1
     assert all(s != 1.0 for layer in rows["trellis@4"]["scale"] for s in layer)
+    from vecinfer_compile.codebooks import load_codebooks
+
+    saved = load_codebooks(tmp_path / "trellis-4.safetensors")  # the row's codecs, as calibrate writes them
+    assert saved.key_codec == "trellis" and saved.value_codec is None
     assert all(s == 1.0 for layer in rows["trellis-unscaled@4"]["scale"] for s in layer)
     assert "trellis@4 |" in capsys.readouterr().out
 
