@@ -125,7 +125,7 @@ def test_simulate_codes_keys_and_values_by_the_codecs_and_the_backend_refuses_th
 def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(trellis_file, tiny_model):
     """Prefill 9 tokens with a 4-token window, then append 3 one at a time: the coded slots read
     back as the codec decodes them (keys through the inverse transform), the window's exactly; the
-    codes take ``bits * D / 8`` bytes a token and head."""
+    codes take ``bits * D / 8`` bytes a token and head; a decode step attends as SDPA over that read."""
     from vecinfer_compile.cache import VecInferCache
 
     cb, _ = trellis_file
@@ -147,6 +147,15 @@ def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(tre
                                atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(k_read[:, :, 8:12], k[:, :, 8:12], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v_read[:, :, 8:12], v[:, :, 8:12])
+    # a decode step's attention over the codes (in the components) and the window = SDPA over that read,
+    # row 1 left-padded by 3 slots
+    q = torch.randn(2, 4, 1, 64, generator=gen)
+    mask = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    mask[:, :, :, 12:] = False
+    mask[1, :, :, :3] = False
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k_read.repeat_interleave(2, 1), v_read.repeat_interleave(2, 1), attn_mask=mask)
+    torch.testing.assert_close(layer.attend(q, mask, None), want, atol=1e-4, rtol=1e-4)
 
 
 def test_greedy_tokens_through_the_trellis_cache_match_the_simulate_path(trellis_file, tiny_model):

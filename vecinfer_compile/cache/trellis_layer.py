@@ -19,6 +19,7 @@ import torch
 
 from ..ops import reference
 from ..ops.append import weigh_codes
+from ..ops.split_attention.lse_merge import merge_by_lse
 from ..ops.trellis import decode_attention
 from .quantizer import LayerQuantizer
 
@@ -128,9 +129,4 @@ def attend(storage, q: LayerQuantizer, q_t: torch.Tensor, kv_start: torch.Tensor
     lse_w = torch.logsumexp(scores, -1)
     p = torch.where(torch.isfinite(lse_w)[..., None], torch.exp(scores - lse_w[..., None]), 0.0)
     out_w = torch.einsum("bhgt,bhtd->bhgd", p, vw).reshape(b, hq, d)
-    lse_w = lse_w.reshape(b, hq)
-    lse = torch.logaddexp(lse_c, lse_w)
-    safe = torch.where(torch.isfinite(lse), lse, 0.0)
-    w_c = torch.where(torch.isfinite(lse_c), torch.exp(lse_c - safe), 0.0)[..., None]
-    w_w = torch.where(torch.isfinite(lse_w), torch.exp(lse_w - safe), 0.0)[..., None]
-    return (w_c * out_c + w_w * out_w)[:, :, None].to(q_t.dtype)
+    return merge_by_lse(out_c, lse_c, out_w, lse_w.reshape(b, hq), q_t.dtype)[:, :, None]
