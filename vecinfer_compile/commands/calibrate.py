@@ -88,11 +88,11 @@ def memory_summary(cb) -> str:
             f"{acc.bytes_per_token:g} bytes per token (full precision: {acc.fp16_bytes_per_token:,}); fewer "
             f"bytes than full precision from {acc.break_even_tokens():,} tokens "
             f"({windowed.break_even_tokens():,} with the default {DEFAULT_RESIDUAL}-token full-precision window)"
-            + _uncoded_note(cb) + _simulate_only_note(cb))
+            + _uncoded_note(cb) + _where_it_runs_note(cb))
 
 
-def _simulate_only_note(cb) -> str:
-    """For a method without a cache yet: where its codebooks run today."""
+def _where_it_runs_note(cb) -> str:
+    """For codebooks that do not run everywhere (simulate-only methods, trellis codecs): where they run."""
     from ..methods import SIMULATE_ONLY
 
     coded = [kind for kind, codec in (("keys", cb.key_codec), ("values", cb.value_codec)) if codec]
