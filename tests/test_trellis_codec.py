@@ -334,3 +334,38 @@ def test_the_kernels_operands_decode_stored_codes_as_the_codec_decodes_its_walks
     codes = pack_walks(walks, codec.bits).view(4, 25, 2, -1).transpose(1, 2)  # [B, H, T, bytes]
     decoded = TrellisOperands.of(codec, "cpu").vectors(codes)
     torch.testing.assert_close(decoded, codec.decode(walks, x.shape, torch.float32), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hkv, d, group, kinds", [(1, 128, 4, ("key", "value")), (4, 64, 1, ("key", "value")),
+                                                  (2, 64, 2, ("key",))])
+def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(hkv, d, group, kinds):
+    """``qaware``-style transforms (query-aware matrices with the Hadamard folded in, a key mean) under
+    the codecs, MQA / MHA / GQA, head_dim 64 and 128, a keys-only file too: the layer reads back what
+    the codecs decode (keys through the inverse transform) and a decode step attends as SDPA over it."""
+    import dataclasses
+
+    from vecinfer_compile.testing import cache_layer, random_layer_codebooks, random_trellis_codec
+
+    gen = torch.Generator().manual_seed(d + hkv)
+    base = random_layer_codebooks(hkv, d, query_aware=True, smooth=False, center=True, seed=hkv)
+    layer = dataclasses.replace(base, **{f"{kind}_codec": random_trellis_codec(gen, hkv, d, 2.0, 8) for kind in kinds})
+    cached = cache_layer(layer, num_kv_heads=hkv, head_dim=d, max_cache_len=20, residual=3, batch_size=2)
+    k, v = (torch.randn(2, hkv, 13, d, generator=gen) for _ in range(2))
+    cached.update(k[:, :, :11], v[:, :, :11])
+    for t in (11, 12):
+        cached.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    k_read, v_read = cached.dequantized()
+    kt = layer.transform.keys(k[:, :, :10])
+    want_k = layer.transform.keys_inverse(layer.key_codec.quantize_dequantize(kt))
+    want_v = layer.value_codec.quantize_dequantize(v[:, :, :10]) if layer.value_codec is not None else None
+    torch.testing.assert_close(k_read[:, :, :10], want_k, atol=2e-4, rtol=2e-4)
+    if want_v is not None:
+        torch.testing.assert_close(v_read[:, :, :10], want_v, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(k_read[:, :, 10:13], k[:, :, 10:13], atol=2e-4, rtol=2e-4)
+    q = torch.randn(2, hkv * group, 1, d, generator=gen)
+    mask = torch.zeros(2, 1, 1, 20, dtype=torch.bool)
+    mask[:, :, :, :13] = True
+    mask[0, :, :, :4] = False
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k_read.repeat_interleave(group, 1), v_read.repeat_interleave(group, 1), attn_mask=mask)
+    torch.testing.assert_close(cached.attend(q, mask, None), want, atol=2e-4, rtol=2e-4)  # keys-only: dense

@@ -150,6 +150,10 @@ def attend(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, at
     q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
     scale = s.head_dim ** -0.5 if scale is None else float(scale)
     if qz.trellis:
+        if qz.key_codec is None or qz.value_codec is None:  # one side of codebooks' codes: the dense read
+            if attn_mask is None:
+                attn_mask = torch.ones(1, 1, 1, int(s.n_coded + s.n_window), dtype=torch.bool, device=q.device)
+            return sdpa_by_rows(s, qz, q, attn_mask, scale, attn_mask.shape[-1])
         return trellis_layer.attend(s, qz, q_t, kv_start, scale)
     return decode_attention(q_t, coded_kv(s, qz), kv_start, scale)
 

@@ -11,7 +11,7 @@ from ..allocate import allocation_choices
 from ..codebooks import model_geometry
 from ..hf.layer_kinds import coded_layers
 from ..methods import VQ_METHODS, KeyTransformSpec, check_method
-from ..presets import DEFAULT_TRELLIS_STATES, get_preset
+from ..presets import DEFAULT_TRELLIS_STATES, check_trellis_states, get_preset
 from ..quant.refine import RefineConfig
 from ..quant.rope import model_rope_frequencies
 from ..quant.score_aware import check_parallel_weight
@@ -131,9 +131,7 @@ def _check_codec(kind: str, codec: str | None, states: int, spec: KeyTransformSp
         raise ValueError(f"method {method!r} predicts values from the key codebooks' codes; the trellis {kind} codec "
                          "needs plain key and value codes: use --method qaware (or vecinfer)")
     for b in {b for c in candidates for b in c}:
-        if b > states.bit_length() - 1:
-            raise ValueError(f"the trellis codec takes at most log2(states) bits a component: {b:g} bits need more "
-                             f"than {states} trellis states: raise trellis_states")
+        check_trellis_states(b, states, "raise trellis_states")
         if abs(b * head_dim - round(b * head_dim)) > 1e-9:
             raise ValueError(f"the trellis {kind} codec spends a whole number of bits a vector: {b:g} bits x "
                              f"head_dim {head_dim} is not one; choose other bits")

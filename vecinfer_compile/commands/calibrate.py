@@ -7,7 +7,7 @@ import sys
 import time
 
 from ..methods import VQ_METHODS, normalize_bits
-from ..presets import DEFAULT_TRELLIS_STATES, allocation_choices
+from ..presets import DEFAULT_TRELLIS_STATES, allocation_choices, check_trellis_states
 from . import add_calib_args, add_model_args, add_progress_arg
 from .arguments import bits_arg, check_positions, layer_bits_arg, new_file, power_of_two, real, text_file
 
@@ -134,9 +134,7 @@ def check_args(args) -> float | None:
                          "--trellis-states")
     states = args.trellis_states or DEFAULT_TRELLIS_STATES
     for b in ((args.layer_bits or [bits]) if args.key_codec or args.value_codec else ()):
-        if b is not None and b > states.bit_length() - 1:
-            raise ValueError(f"the trellis codec takes at most log2(states) bits a component: {b:g} bits need more "
-                             f"than {states} trellis states: raise --trellis-states")
+        check_trellis_states(b, states)
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
         raise ValueError(f"--ridge is for the query-aware methods "
                          f"({', '.join(m for m, spec in VQ_METHODS.items() if spec.query_aware)}), not {args.method!r}")

@@ -83,11 +83,6 @@ class GenerationMethod:
     def label(self) -> str:
         return "fp16" if self.method == "fp16" else f"{self.method}-{self.bits:g}bit"
 
-    @property
-    def simulated(self) -> bool:
-        """Whether ``generate()`` runs this method in simulate mode: the :data:`SIMULATED` methods."""
-        return self.method in SIMULATED
-
     def note(self) -> str:
         note = method_note(self.method, self.bits, self.residual)
         return note if self.layer_bits_text is None else f"{note}; bits per layer {self.layer_bits_text}"
@@ -171,11 +166,11 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 @contextlib.contextmanager
 def _attention_for(model, gm: GenerationMethod):
-    """Switch the model's attention for ``gm`` (simulation when ``gm.simulated``) and
+    """Switch the model's attention for ``gm`` (the :data:`SIMULATED` methods: simulation) and
     restore it afterwards."""
     from ..simulate import disable_simulation, enable_simulation, is_simulating
 
-    if gm.simulated:
+    if gm.method in SIMULATED:
         enable_simulation(model, gm.method, bits=gm.bits, codebooks=gm.codebooks, residual=gm.residual,
                           full_precision_prefill=True)
         try:
@@ -191,7 +186,7 @@ def _attention_for(model, gm: GenerationMethod):
 def make_cache(model, gm: GenerationMethod, batch_size: int, max_cache_len: int):
     """The ``past_key_values`` for ``gm``: None (HF's default DynamicCache) for fp16/KIVI, a
     :class:`VecInferCache` of ``max_cache_len`` slots for the VQ methods that have one."""
-    if gm.method not in VQ_METHODS or gm.simulated:
+    if gm.method not in VQ_METHODS or gm.method in SIMULATED:
         return None
     from ..cache import VecInferCache
 

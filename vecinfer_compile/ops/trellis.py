@@ -38,12 +38,13 @@ class TrellisOperands(NamedTuple):
 
     @classmethod
     def of(cls, codec: TrellisCodec, device) -> TrellisOperands:
-        width, states = codec.tables.shape[1:]
-        rows = (torch.arange(codec.num_heads)[:, None] * width + (codec.bits - 1).clamp_min(0)) * states
-        sd = torch.where(codec.bits > 0, codec.variance.sqrt(), 0.0)
-        parts = (*state_windows(codec.bits, codec.state_bits), rows.int(), codec.tables.float().flatten(),
-                 sd.float(), (codec.synthesis * codec.scale[:, None, None]).float(), codec.mean.float())
-        return cls(*(t.to(device).contiguous() for t in parts))
+        """``codec``'s operands on ``device``, from the parts its own decoding reads
+        (:meth:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.on_device`), in the kernels' dtypes."""
+        on = codec.on_device(device)
+        windows = (t.to(on["rows"].device) for t in state_windows(codec.bits, codec.state_bits))
+        parts = (*windows, on["rows"].int(), on["tables"].flatten(), on["sd"].float(), on["synthesis"].float(),
+                 on["mean"].float())
+        return cls(*(t.contiguous() for t in parts))
 
     def entries(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes: [..., H, nbytes]`` uint8 -> unit table entries ``[..., H, D]`` float32 (0 for a

@@ -146,11 +146,12 @@ class TrellisCodec:
         super().__setattr__(name, value)
         self.__dict__.pop("_operands", None)  # a changed part (the trial's unscaled rows set scale) drops the copies
 
-    def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def on_device(self, device) -> dict[str, torch.Tensor]:
         """What encode and decode read, on ``device``, made once a device: ``mean, analysis`` float64;
         ``synthesis`` float64 times the scale; ``sd`` float64 ``[H, D]`` (0 where a component has 0
         bits), ``inverse_sd`` (1 there); ``bits`` int32; ``rows [H, D]`` int64, each component's
-        table's offset in ``tables`` flattened."""
+        table's offset in ``tables`` (float32 ``[H, W, 2^L]``) flattened."""
+        device = torch.device(device)
         cache = self.__dict__.setdefault("_operands", {})
         if device not in cache:
             coded = self.bits > 0
@@ -171,16 +172,20 @@ class TrellisCodec:
         if unit.is_cuda:
             from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_codes  # imports triton: only where it runs
             if self.state_bits <= MAX_STATE_BITS:
-                return viterbi_codes(unit, self._on(unit.device)["bits"], self._on(unit.device)["tables"])
-        return pack_walks(self.encode(vectors), self.bits)
+                on = self.on_device(unit.device)
+                return viterbi_codes(unit, on["bits"], on["tables"])
+        return pack_walks(self._walks(unit), self.bits)
 
     def encode(self, vectors: torch.Tensor) -> torch.Tensor:
         """``vectors: [..., H, T, D]`` -> trellis states ``[N, H, D]`` int32 (``N``: the product of
         the leading dims and ``T``; component ``c`` of head ``h`` decodes from state ``[n, h, c]``,
         0 where it has 0 bits), on the vectors' device. On CUDA (up to 2^13 states) one Triton launch
         (:mod:`vecinfer_compile.ops.triton.trellis`), elsewhere the torch reference per head."""
-        unit = self._unit(vectors)
-        on = self._on(unit.device)
+        return self._walks(self._unit(vectors))
+
+    def _walks(self, unit: torch.Tensor) -> torch.Tensor:
+        """:meth:`encode` of the components ``unit: [N, H, D]`` (:meth:`_unit`)."""
+        on = self.on_device(unit.device)
         if unit.is_cuda:
             from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
             if self.state_bits <= MAX_STATE_BITS:
@@ -199,7 +204,7 @@ class TrellisCodec:
         if vectors.shape[-3] != self.num_heads or vectors.shape[-1] != self.bits.shape[1]:
             raise ValueError(f"vectors of shape {tuple(vectors.shape)}: this codec codes [..., {self.num_heads}, T, "
                              f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)")
-        on = self._on(vectors.device)
+        on = self.on_device(vectors.device)
         x = vectors.movedim(-3, -2).reshape(-1, self.num_heads, vectors.shape[-1]).double()
         return (torch.einsum("nhd,hdc->nhc", x - on["mean"], on["analysis"]) * on["inverse_sd"]).float()
 
@@ -208,7 +213,7 @@ class TrellisCodec:
         ``dtype``: each component its table entry times its standard deviation (0 bits: 0), then
         ``mean + scale * (y @ synthesis)``."""
         h, t, d = shape[-3:]
-        on = self._on(walks.device)
+        on = self.on_device(walks.device)
         y = on["tables"].flatten()[on["rows"] + walks.long()].double() * on["sd"]
         x = torch.einsum("nhc,hcd->nhd", y, on["synthesis"]) + on["mean"]
         return x.reshape(*shape[:-3], t, h, d).movedim(-2, -3).to(dtype)
