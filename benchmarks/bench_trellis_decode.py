@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode_attention as dec  # noqa: E402  (a sibling: its inputs, SDPA variants and timer)
 from bench_common import copies_for, graph_time_ms  # noqa: E402
 from vecinfer_compile.ops.cuda import decode as cuda_decode  # noqa: E402
-from vecinfer_compile.ops.trellis import TrellisOperands, decode_attention, decode_reference  # noqa: E402
+from vecinfer_compile.ops.trellis import (TrellisOperands, decode_attention, decode_reference,  # noqa: E402
+                                          query_components)
+from vecinfer_compile.ops.triton.trellis import decode_components  # noqa: E402
 from vecinfer_compile.testing import random_trellis_codec  # noqa: E402
 
 HQ, HKV, D = dec.HQ, dec.HKV, dec.D
@@ -71,6 +73,21 @@ def fp16_ms(b: int, t: int, passes: int, g: torch.Generator) -> tuple[str, float
     return best
 
 
+def tile_ms(b: int, t: int, states: int, tiles: list[tuple[int, int]], passes: int) -> dict[str, float]:
+    """ms per call of the trellis kernel's launch alone (the query already in the components) for
+    each ``(BLOCK_T, num_warps)`` of ``tiles``."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    operands = trellis_operands(states)
+    q, k_codes, v_codes, keys, values, n, start, scale = trellis_inputs(b, t, operands, g)
+    qc, bias = query_components(q, keys)
+    out = {}
+    for block_t, warps in tiles:
+        fn = lambda: decode_components(qc, bias, k_codes, v_codes, keys, values, n, start, scale,  # noqa: E731
+                                       block_t=block_t, num_warps=warps)
+        out[f"{block_t}x{warps}"] = min(graph_time_ms([fn]) for _ in range(passes))
+    return out
+
+
 def run_case(b: int, t: int, states: int, passes: int, check: bool) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     row = {"B": b, "T": t, "states": states}
@@ -102,6 +119,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--states", default="1024", help="trellis sizes, comma-separated powers of two")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--check", action="store_true", help="compare the trellis kernel with its reference")
+    ap.add_argument("--tiles", default="", help="also time the kernel alone at these BLOCK_T x num_warps, e.g. "
+                                                "16x4,32x8 (its inputs stay in the L2: a tuning aid, not a headline)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -119,6 +138,11 @@ def main(argv=None) -> list[dict]:
                 print(f"| {b} | {t} | {states} | {r['trellis_ms']:.3f}{err} | {r['codes_ms']:.3f} | "
                       f"{r['baseline_ms']:.3f} ({r['baseline']}) | {r['trellis_speedup']:.2f}x | "
                       f"{r['codes_speedup']:.2f}x |", flush=True)
+                if args.tiles:
+                    tiles = [tuple(int(v) for v in x.split("x")) for x in args.tiles.split(",")]
+                    times = tile_ms(b, t, states, tiles, args.passes)
+                    print("  kernel alone, ms by BLOCK_T x warps: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()),
+                          flush=True)
     return rows
 
 

@@ -104,11 +104,13 @@ def test_a_trellis_file_round_trips_and_names_its_codecs(trellis_file):
         assert not torch.equal(b.key_codec.analysis, b.value_codec.analysis)
 
 
-def test_simulate_codes_keys_and_values_by_the_codecs_and_the_backend_refuses_them(trellis_file):
+def test_simulate_codes_keys_and_values_by_the_codecs_and_the_compiled_simulate_path_refuses_them(trellis_file,
+                                                                                                 tiny_model):
     from vecinfer_compile import vecinfer_backend
     from vecinfer_compile.simulate import LayerSimulator
 
     cb, _ = trellis_file
+    model, _ = tiny_model
     k = torch.randn(1, 2, 9, 64)
     v = torch.randn(1, 2, 9, 64)
     sim = LayerSimulator("vecinfer", 2.0, codebooks=cb, layer_idx=1)
@@ -117,9 +119,11 @@ def test_simulate_codes_keys_and_values_by_the_codecs_and_the_backend_refuses_th
     expected = layer.transform.keys_inverse(layer.key_codec.quantize_dequantize(layer.transform.keys(k)))
     torch.testing.assert_close(k_hat, expected)
     torch.testing.assert_close(v_hat, layer.value_codec.quantize_dequantize(v))
-    with pytest.raises(ValueError, match="code keys with the trellis codec and values with the trellis codec, which "
-                                         "runs in the simulate path and in an eager VecInferCache only.*--backend eager"):
-        vecinfer_backend.configure(codebooks=cb)
+    compiled = torch.compile(model, backend=vecinfer_backend.configure(codebooks=cb), fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="code keys with the trellis codec and values with the trellis codec, which "
+                                        "vecinfer_backend runs over a VecInferCache only.*run it uncompiled"):
+        compiled(torch.arange(3, 12)[None])
 
 
 def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(trellis_file, tiny_model):
@@ -160,7 +164,10 @@ def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(tre
 
 def test_greedy_tokens_through_the_trellis_cache_match_the_simulate_path(trellis_file, tiny_model):
     """``vecinfer match``'s check on the tiny model: 24 new tokens after a 40-token prompt, a window
-    of 8, eager cache vs simulate path, token for token; a compiled step is refused by name."""
+    of 8, eager cache vs simulate path vs the compiled cache (the backend's trellis decode op in
+    every decode step), token for token."""
+    from torch._dynamo.utils import counters
+
     from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
 
     cb, _ = trellis_file
@@ -168,8 +175,9 @@ def test_greedy_tokens_through_the_trellis_cache_match_the_simulate_path(trellis
     ids = torch.arange(3, 43) % model.config.vocab_size
     cached = cache_tokens(model, ids, cb, new_tokens=24, residual=8, compiled=False)
     assert cached == simulate_tokens(model, ids, cb, new_tokens=24, residual=8)
-    with pytest.raises(Exception, match="trellis codec.*--backend eager"):
-        cache_tokens(model, ids, cb, new_tokens=4, residual=8, compiled=True)
+    counters.clear()
+    assert cache_tokens(model, ids, cb, new_tokens=24, residual=8, compiled=True) == cached
+    assert counters["vecinfer"]["cache_decode_trellis"] >= model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])
@@ -336,19 +344,23 @@ def test_the_kernels_operands_decode_stored_codes_as_the_codec_decodes_its_walks
     torch.testing.assert_close(decoded, codec.decode(walks, x.shape, torch.float32), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("hkv, d, group, kinds", [(1, 128, 4, ("key", "value")), (4, 64, 1, ("key", "value")),
-                                                  (2, 64, 2, ("key",))])
-def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(hkv, d, group, kinds):
+@pytest.mark.parametrize("hkv, d, group", [(1, 128, 4), (4, 64, 1), (2, 64, 2)])
+def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(hkv, d, group):
     """``qaware``-style transforms (query-aware matrices with the Hadamard folded in, a key mean) under
-    the codecs, MQA / MHA / GQA, head_dim 64 and 128, a keys-only file too: the layer reads back what
-    the codecs decode (keys through the inverse transform) and a decode step attends as SDPA over it."""
+    the codecs, MQA / MHA / GQA, head_dim 64 and 128: the layer reads back what the codecs decode
+    (keys through the inverse transform) and a decode step attends as SDPA over it. A file with a
+    codec on one side only is refused by name."""
     import dataclasses
 
     from vecinfer_compile.testing import cache_layer, random_layer_codebooks, random_trellis_codec
 
     gen = torch.Generator().manual_seed(d + hkv)
     base = random_layer_codebooks(hkv, d, query_aware=True, smooth=False, center=True, seed=hkv)
-    layer = dataclasses.replace(base, **{f"{kind}_codec": random_trellis_codec(gen, hkv, d, 2.0, 8) for kind in kinds})
+    codecs = {f"{kind}_codec": random_trellis_codec(gen, hkv, d, 2.0, 8) for kind in ("key", "value")}
+    with pytest.raises(ValueError, match="code only the keys with the trellis codec.*--value-codec trellis"):
+        cache_layer(dataclasses.replace(base, key_codec=codecs["key_codec"]), num_kv_heads=hkv, head_dim=d,
+                    max_cache_len=20, residual=3, batch_size=2)
+    layer = dataclasses.replace(base, **codecs)
     cached = cache_layer(layer, num_kv_heads=hkv, head_dim=d, max_cache_len=20, residual=3, batch_size=2)
     k, v = (torch.randn(2, hkv, 13, d, generator=gen) for _ in range(2))
     cached.update(k[:, :, :11], v[:, :, :11])
@@ -357,10 +369,9 @@ def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(
     k_read, v_read = cached.dequantized()
     kt = layer.transform.keys(k[:, :, :10])
     want_k = layer.transform.keys_inverse(layer.key_codec.quantize_dequantize(kt))
-    want_v = layer.value_codec.quantize_dequantize(v[:, :, :10]) if layer.value_codec is not None else None
     torch.testing.assert_close(k_read[:, :, :10], want_k, atol=2e-4, rtol=2e-4)
-    if want_v is not None:
-        torch.testing.assert_close(v_read[:, :, :10], want_v, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(v_read[:, :, :10], layer.value_codec.quantize_dequantize(v[:, :, :10]), atol=2e-4,
+                               rtol=2e-4)
     torch.testing.assert_close(k_read[:, :, 10:13], k[:, :, 10:13], atol=2e-4, rtol=2e-4)
     q = torch.randn(2, hkv * group, 1, d, generator=gen)
     mask = torch.zeros(2, 1, 1, 20, dtype=torch.bool)
@@ -368,4 +379,4 @@ def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(
     mask[0, :, :, :4] = False
     want = torch.nn.functional.scaled_dot_product_attention(
         q, k_read.repeat_interleave(group, 1), v_read.repeat_interleave(group, 1), attn_mask=mask)
-    torch.testing.assert_close(cached.attend(q, mask, None), want, atol=2e-4, rtol=2e-4)  # keys-only: dense
+    torch.testing.assert_close(cached.attend(q, mask, None), want, atol=2e-4, rtol=2e-4)

@@ -102,7 +102,6 @@ def _resolve(codebooks, bits: float | None, method: str | None, residual: int, q
         bits = DEFAULT_BITS if bits is None else float(bits)
         get_preset(bits)  # a clear error for an unknown bit-width, now rather than at compile
         return BackendConfig(None, bits, method, residual, quantize, decode_kernel)
-    codebooks.check_cache_codec()
     if bits is not None and float(bits) != float(codebooks.bits):
         raise ValueError(
             f"the codebooks are for {codebooks.bits:g} bits, not {bits:g}: calibrate at {bits:g} "
@@ -203,8 +202,10 @@ class VecInferBackend:
         all_sites = [] if with_cache else find_sdpa_sites(gm)
         sites = self._coded(all_sites)
         if sites:
-            layers = self._layers(gm, example_inputs, sites)
             given = self.config.codebooks
+            if given is not None:
+                given.check_compiled_simulate()
+            layers = self._layers(gm, example_inputs, sites)
             rewrite_sdpa(gm, sites, layers, quantize=self.config.quantize, residual=self.config.residual,
                          key_parallel_weight=1.0 if given is None else given.key_parallel_weight)
         elif not (with_cache or all_sites or cache_reads or self.fitted or self._warned_no_sdpa):

@@ -24,7 +24,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 from ..hf import eager_decode
 from ..hf.layer_kinds import SLIDING, attention_kinds
 from ..ops.split_attention.chunk import ChunkKeys
-from . import reads, trellis_layer
+from . import reads
 from .quantizer import LayerQuantizer
 from .storage import LayerStorage, count_bytes, indexed_device
 
@@ -98,8 +98,6 @@ class VecInferLayer(CacheLayerMixin):
 
     # -- update --------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.quantizer.trellis:
-            trellis_layer.check_eager(self.layer_idx)
         if not self.is_initialized:
             self._allocate(key_states.shape[0])
         self.storage.check_states(key_states, value_states)
@@ -198,12 +196,11 @@ class VecInferLayer(CacheLayerMixin):
 
     def _codes_read(self, tokens: int | None = None) -> bool:
         """Whether an eager step of ``tokens`` new tokens returns a codes read (the model attends with
-        ``"vecinfer_sdpa"``); a trellis-coded layer only for one token with both keys and values
-        coded by the codec (:func:`.trellis_layer.attend`), else it reads dense K/V."""
+        ``"vecinfer_sdpa"``); a trellis-coded layer only for one token (:func:`.trellis_layer.attend`),
+        else it reads dense K/V."""
         if not eager_decode.is_active(self.model_config):
             return False
-        qz = self.quantizer
-        return not qz.trellis or (tokens == 1 and qz.key_codec is not None and qz.value_codec is not None)
+        return not self.quantizer.trellis or tokens == 1
 
     # -- sizes ---------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:

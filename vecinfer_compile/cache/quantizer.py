@@ -14,7 +14,7 @@ cache's device, frozen (built once from a :class:`~vecinfer_compile.codebooks.La
 - ``key_codec`` / ``value_codec``: the trellis codec (:mod:`vecinfer_compile.quant.trellis_codec`)
   that codes keys (in the ``K~`` domain) / values in place of the centroids, with its decode
   operands ``key_trellis`` / ``value_trellis`` (:class:`~vecinfer_compile.ops.trellis.TrellisOperands`),
-  or None. The cache runs such a layer eagerly only (:mod:`.trellis_layer`).
+  or None: both or neither (:mod:`.trellis_layer`).
 
 The key transform: ``K~ = ((K - mu) / lam) @ H``, or ``(K - mu) @ key_matrix``.
 """
@@ -58,6 +58,12 @@ class LayerQuantizer:
         object.__setattr__(self, "key_parallel_weight", check_parallel_weight(self.key_parallel_weight))
         if (self.key_metric is None) != (self.value_metric is None):
             raise ValueError("key_metric and value_metric go together (error-weighted codes of keys and values)")
+        if (self.key_codec is None) != (self.value_codec is None):
+            coded = "keys" if self.key_codec is not None else "values"
+            raise ValueError(
+                f"these codebooks code only the {coded} with the trellis codec: a VecInferCache codes keys and values "
+                "with it together (calibrate with both --key-codec trellis and --value-codec trellis); a file with one "
+                "of them runs in the simulate path (eval-ppl, ablation)")
 
     @classmethod
     def from_codebooks(cls, layer: LayerCodebooks, *, device, key_parallel_weight: float = 1.0,

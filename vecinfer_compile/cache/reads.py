@@ -37,7 +37,8 @@ DECODE_READ_BYTES = 1 << 30  # dequantized + repeated K/V of one row group of an
 
 def read(storage: LayerStorage, quantizer: LayerQuantizer, length: int | None = None, rows: slice = slice(None),
          window: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``vecinfer::cache_kv`` (K in the original domain, V), then, for the query-aware methods,
+    """``vecinfer::cache_kv`` (``trellis_cache_kv`` for a layer the trellis codec codes: K in the
+    original domain, V), then, for the query-aware methods,
     ``K = (K~.float() @ key_read).to(dtype)`` (a plain matmul that
     :mod:`~vecinfer_compile.passes.cache_decode` recognises and moves to the query side), and for
     the centring methods ``+ key_mean`` before the cast (which that pass drops). Slots beyond the
@@ -48,16 +49,17 @@ def read(storage: LayerStorage, quantizer: LayerQuantizer, length: int | None = 
     place of the layer's own (windows ``[B, H, w, D]``, keys transformed: a chunk's read,
     :func:`chunk_window` compiled, :func:`dense` eager)."""
     s, q = storage, quantizer
-    if q.trellis:
-        return trellis_layer.read(s, q, length, rows, window)
     k_codes, v_codes = s.k_codes[rows], s.v_codes[rows]
     if length is not None:
         k_codes, v_codes = k_codes[:, :, :length], v_codes[:, :, :length]
     n_coded, k_window, v_window, n_window = window or (s.n_coded, s.k_window, s.v_window, s.n_window)
-    k, v = torch.ops.vecinfer.cache_kv(
-        k_codes, v_codes, q.key_centroids, q.value_centroids, n_coded,
-        k_window[rows], v_window[rows], n_window, q.lam, q.rotation,
-    )
+    if q.trellis:
+        k, v = trellis_layer.cache_kv(k_codes, v_codes, n_coded, k_window[rows], v_window[rows], n_window, q)
+    else:
+        k, v = torch.ops.vecinfer.cache_kv(
+            k_codes, v_codes, q.key_centroids, q.value_centroids, n_coded,
+            k_window[rows], v_window[rows], n_window, q.lam, q.rotation,
+        )
     if q.key_read is None and q.key_mean is None:
         return k, v
     k = k.float()
@@ -150,10 +152,6 @@ def attend(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, at
     q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
     scale = s.head_dim ** -0.5 if scale is None else float(scale)
     if qz.trellis:
-        if qz.key_codec is None or qz.value_codec is None:  # one side of codebooks' codes: the dense read
-            if attn_mask is None:
-                attn_mask = torch.ones(1, 1, 1, int(s.n_coded + s.n_window), dtype=torch.bool, device=q.device)
-            return sdpa_by_rows(s, qz, q, attn_mask, scale, attn_mask.shape[-1])
         return trellis_layer.attend(s, qz, q_t, kv_start, scale)
     return decode_attention(q_t, coded_kv(s, qz), kv_start, scale)
 

@@ -71,8 +71,8 @@ def calibrate(
     True, the others 1 and False). ``key_codec="trellis"`` codes keys with a long-block code instead
     of the key codebooks (per-head KLT, integer bits per component, a bitshift trellis of
     ``trellis_states`` states: :mod:`vecinfer_compile.quant.trellis_codec`), ``value_codec="trellis"``
-    the values; such files run in the simulate path and in an eager VecInferCache (the compiled
-    backend refuses them: no compiled ops yet).
+    the values; such files run in the simulate path, and in VecInferCache (eager or compiled) when
+    both are set.
     By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly

@@ -77,8 +77,9 @@ class LayerCodebooks:
     None (nearest-centroid or score-aware codes). key_codec: a long-block code of the keys in the
     transform's domain (:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec`) that codes
     them in place of key_centroids, or None; value_codec: the same for the values (in place of
-    value_centroids), or None; the simulate path and an eager VecInferCache run them, the
-    compiled backend not yet (:meth:`VecInferCodebooks.check_cache_codec`)."""
+    value_centroids), or None; the simulate path and VecInferCache (eager or compiled) run them,
+    the compiled backend's rewrite of attention without a cache not
+    (:meth:`VecInferCodebooks.check_compiled_simulate`)."""
 
     transform: KeyTransform
     key_centroids: torch.Tensor
@@ -169,17 +170,18 @@ class VecInferCodebooks:
         """The long-block codec that codes values in place of the value codebooks (``"trellis"``), or None."""
         return "trellis" if self.layer(self.attention_layers()[0]).value_codec is not None else None
 
-    def check_cache_codec(self) -> None:
+    def check_compiled_simulate(self) -> None:
         """Raise a ValueError naming the fix if these codebooks code keys or values with a codec that
-        the compiled backend cannot run yet (the trellis codec runs in the simulate path and in
-        an eager VecInferCache)."""
+        the compiled backend's rewrite of attention without a VecInferCache (the compiled simulate
+        path, which codes with the codebooks) cannot run: the trellis codec runs compiled over a
+        VecInferCache, and in the eager simulate path."""
         coded = [f"{kind} with the {codec} codec" for kind, codec in (("keys", self.key_codec),
                                                                       ("values", self.value_codec)) if codec]
         if coded:
             raise ValueError(
-                f"these codebooks code {' and '.join(coded)}, which runs in the simulate path and in an eager "
-                "VecInferCache only: vecinfer_backend has no compiled ops for it yet (generate without torch.compile, "
-                "--backend eager), or calibrate without --key-codec / --value-codec")
+                f"these codebooks code {' and '.join(coded)}, which vecinfer_backend runs over a VecInferCache "
+                "only (generate with cache=VecInferCache(...)); this graph attends without one: run it uncompiled "
+                "(the simulate path: vecinfer eval-ppl), or calibrate without --key-codec / --value-codec")
 
     @property
     def key_parallel_weight(self) -> float:

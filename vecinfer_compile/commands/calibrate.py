@@ -58,8 +58,9 @@ def register(subparsers) -> None:
                         "(3, 1.5, 1.25 bits) it makes a decode step's append about 12x the nearest codes' at 1.5 bits)")
     p.add_argument("--key-codec", choices=["trellis"], default=None,
                    help="code keys with a long-block code instead of the key codebooks: per-head KLT, integer bits "
-                        "per component, a bitshift trellis (docs/results/accuracy.md); same bits a key. Such files "
-                        "run in simulate mode and in an eager VecInferCache (--backend eager), not compiled yet")
+                        "per component, a bitshift trellis (docs/results/accuracy.md); same bits a key. "
+                        "VecInferCache (eager or compiled) runs it with --value-codec trellis too; keys alone run in "
+                        "simulate mode")
     p.add_argument("--value-codec", choices=["trellis"], default=None,
                    help="code values with the same long-block code, under o_proj's error metric with "
                         "--weighted-codes; same bits a value, as --key-codec runs")
@@ -92,14 +93,13 @@ def memory_summary(cb) -> str:
 
 
 def _where_it_runs_note(cb) -> str:
-    """For codebooks that do not run everywhere (simulate-only methods, trellis codecs): where they run."""
+    """For codebooks that do not run everywhere (simulate-only methods, a trellis codec on one side): where they run."""
     from ..methods import SIMULATE_ONLY
 
     coded = [kind for kind, codec in (("keys", cb.key_codec), ("values", cb.value_codec)) if codec]
-    if coded:
-        return (f"\n({' and '.join(coded)} coded by the trellis codec: these codebooks run in simulate mode "
-                "(vecinfer eval-ppl, ablation) and in an eager VecInferCache (needle, gsm8k, match with --backend "
-                "eager), not compiled yet)")
+    if len(coded) == 1:
+        return (f"\n(only the {coded[0]} coded by the trellis codec: these codebooks run in simulate mode "
+                "(vecinfer eval-ppl, ablation); VecInferCache needs --key-codec and --value-codec trellis together)")
     if cb.method not in SIMULATE_ONLY:
         return ""
     return (f"\n({cb.method} has no VecInferCache yet: the figures above are what one would hold; its codebooks "

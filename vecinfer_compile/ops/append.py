@@ -123,16 +123,26 @@ def weigh_codes(x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tensor, 
 def append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
                      k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0,
                      key_metric=None, value_metric=None) -> None:
-    """The op's semantics in torch, without data-dependent Python (compiles with fullgraph=True).
+    """The op's semantics in torch, without data-dependent Python (compiles with fullgraph=True):
+    :func:`append_through_window` with the codebooks' codes. ``arrivals`` is unused."""
+    append_through_window(
+        transform_keys(key, key_mean, lam, key_matrix), value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
+        lambda x: encode_flush(x, k_centroids, key_parallel_weight, key_metric),
+        lambda x: encode_flush(x, v_centroids, metric=value_metric))
+
+
+def append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, encode_keys,
+                          encode_values) -> None:
+    """Append ``T`` tokens (``kt``: keys transformed, ``value``: ``[B, H, T, D]``) to a layer's buffers
+    in place, without host syncs: ``encode_keys`` / ``encode_values`` map ``[B, H, T, D]`` to stored
+    codes ``[B, H, T, W]``.
 
     Virtual sequence ``S = window[:w] ++ new[:T]``. The first ``f = w + T - min(w + T, R)``
     tokens of ``S`` are encoded into code slots ``n_coded .. n_coded + f``; the window becomes
     ``S[f:]``. ``S[v]`` sits at index ``v`` of ``cat(window, new)`` if ``v < w``, else at ``R + v
     - w``. Codes computed for ``S[f:T]`` are written to slots ``n_coded + f .. n_coded + T`` (in
-    bounds when the tokens fit, beyond the new ``n_coded``, so never read) instead of branching.
-    ``arrivals`` is unused."""
-    t, r, tmax, dev = key.shape[2], k_window.shape[2], k_codes.shape[2], key.device
-    kt = transform_keys(key, key_mean, lam, key_matrix)
+    bounds when the tokens fit, beyond the new ``n_coded``, so never read) instead of branching."""
+    t, r, tmax, dev = kt.shape[2], k_window.shape[2], k_codes.shape[2], kt.device
     c, w = n_coded, n_window
     ck = torch.cat([k_window, kt], dim=2)
     cv = torch.cat([v_window, value], dim=2)
@@ -145,8 +155,8 @@ def append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, 
 
     j = torch.arange(t, device=dev)
     flush = source(j)
-    k_flush = encode_flush(ck.index_select(2, flush), k_centroids, key_parallel_weight, key_metric)
-    v_flush = encode_flush(cv.index_select(2, flush), v_centroids, metric=value_metric)
+    k_flush = encode_keys(ck.index_select(2, flush))
+    v_flush = encode_values(cv.index_select(2, flush))
     pos = (c + j).clamp(max=tmax - 1)
     k_codes.index_copy_(2, pos, k_flush)
     v_codes.index_copy_(2, pos, v_flush)

@@ -1,5 +1,7 @@
-"""Decode attention over trellis codes (:mod:`vecinfer_compile.quant.trellis_codec`): the operands a
-kernel reads, the pure-torch reference (the oracle) and the entry point.
+"""A cache layer coded by the trellis codec (:mod:`vecinfer_compile.quant.trellis_codec`): the operands
+the kernels read, the encode of new tokens, the dense read, decode attention (the pure-torch oracle
+and the kernel's entry point) and a decode step over codes and window. The registered ops over
+them are :mod:`.trellis_ops`'.
 
 A coded key is ``k~ = mean + (e * sd) @ synthesis`` (``e``: each component's unit table entry at
 its state, read from the stored string, :mod:`vecinfer_compile.quant.trellis_packing`; the scale
@@ -7,7 +9,7 @@ folded into ``synthesis``), so its score against a query ``q~`` (in the codec's 
 ``q~ . mean + q'' . e`` with ``q'' = sd * (synthesis @ q~)``: the query goes to the components once
 per step and the kernel never forms a key. Values likewise: attention over the values' entries,
 then one ``mean + (o * sd) @ synthesis`` per query head. Only the coded prefix is read here; the
-full-precision window is merged by log-sum-exp as for the codebooks' codes.
+full-precision window is merged by log-sum-exp as for the codebooks' codes (:func:`decode_step`).
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ from typing import NamedTuple
 
 import torch
 
-from ..quant.trellis_codec import TrellisCodec
-from ..quant.trellis_packing import read_states, state_windows
+from ..quant.trellis_codec import TrellisCodec, components, packed_codes
+from ..quant.trellis_packing import packed_bytes, read_states, state_windows
+from .split_attention.lse_merge import merge_by_lse
 
 
 class TrellisOperands(NamedTuple):
-    """One codec (keys or values of a layer) as the kernels read it. ``first, shift, mask [H, D]``
-    int32: each component's window (:func:`~vecinfer_compile.quant.trellis_packing.state_windows`);
-    ``rows [H, D]`` int32: the offset of its table in ``tables`` (flattened ``[H, W, 2^L]``
-    float32); ``sd [H, D]`` float32 (0 for a component of 0 bits); ``synthesis [H, D, D]`` float32,
-    the scale folded in; ``mean [H, D]`` float32."""
+    """One codec (keys or values of a layer) as the kernels and ops read it, on one device.
+
+    Decoding: ``first, shift, mask [H, D]`` int32, each component's window
+    (:func:`~vecinfer_compile.quant.trellis_packing.state_windows`); ``rows [H, D]`` int32, the offset
+    of its table in ``tables`` (``[H, W, 2^L]`` float32, read flattened); ``sd [H, D]`` float32 (0 for
+    a component of 0 bits); ``synthesis [H, D, D]`` float32, the scale folded in; ``mean [H, D]``
+    float32. Encoding (:func:`encode`, float64 as the codec's own): ``center [H, D]`` (the mean),
+    ``analysis [H, D, D]``, ``inverse_sd [H, D]``; ``bits [H, D]`` int32."""
 
     first: torch.Tensor
     shift: torch.Tensor
@@ -35,22 +41,31 @@ class TrellisOperands(NamedTuple):
     sd: torch.Tensor
     synthesis: torch.Tensor
     mean: torch.Tensor
+    center: torch.Tensor
+    analysis: torch.Tensor
+    inverse_sd: torch.Tensor
+    bits: torch.Tensor
 
     @classmethod
     def of(cls, codec: TrellisCodec, device) -> TrellisOperands:
-        """``codec``'s operands on ``device``, from the parts its own decoding reads
-        (:meth:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.on_device`), in the kernels' dtypes."""
+        """``codec``'s operands on ``device``, from the parts its own coding reads
+        (:meth:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.on_device`)."""
         on = codec.on_device(device)
         windows = (t.to(on["rows"].device) for t in state_windows(codec.bits, codec.state_bits))
-        parts = (*windows, on["rows"].int(), on["tables"].flatten(), on["sd"].float(), on["synthesis"].float(),
-                 on["mean"].float())
+        parts = (*windows, on["rows"].int(), on["tables"], on["sd"].float(), on["synthesis"].float(),
+                 on["mean"].float(), on["mean"], on["analysis"], on["inverse_sd"], on["bits"])
         return cls(*(t.contiguous() for t in parts))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one token and head's stored string."""
+        return packed_bytes(self.bits)
 
     def entries(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes: [..., H, nbytes]`` uint8 -> unit table entries ``[..., H, D]`` float32 (0 for a
         component of 0 bits)."""
         states = read_states(codes, self.first, self.shift, self.mask)
-        return torch.where(self.mask > 0, self.tables[self.rows.long() + states], 0.0)
+        return torch.where(self.mask > 0, self.tables.flatten()[self.rows.long() + states], 0.0)
 
     def vectors(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes: [B, H, T, nbytes]`` -> the decoded vectors ``[B, H, T, D]`` float32."""
@@ -58,23 +73,54 @@ class TrellisOperands(NamedTuple):
         return torch.einsum("bhtc,hcd->bhtd", e * self.sd[:, None], self.synthesis) + self.mean[:, None]
 
 
+def encode(x: torch.Tensor, operands: TrellisOperands, nbytes: int) -> torch.Tensor:
+    """``x [B, H, T, D]`` (keys in the codec's domain, or values; any float dtype) -> the stored codes
+    ``[B, H, T, nbytes]`` uint8, as :meth:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.encode_packed`
+    codes them (one Viterbi launch on CUDA, no host sync)."""
+    b, h, t, _ = x.shape
+    unit = components(x, operands.center, operands.analysis, operands.inverse_sd)
+    return packed_codes(unit, operands.bits, operands.tables, nbytes).view(b, t, h, nbytes).transpose(1, 2)
+
+
+def read(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded, k_window: torch.Tensor, v_window: torch.Tensor,
+         n_window, keys: TrellisOperands, values: TrellisOperands) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot of a layer: ``(K~, V)`` ``[B, H, S, D]`` float32 (``S = k_codes.shape[2]``), slots
+    ``< n_coded`` decoded from ``k_codes, v_codes [B, H, S, nbytes]``, the next ``n_window`` from
+    the windows ``[B, H, R, D]``, zeros after. ``n_coded``, ``n_window``: ints or 0-d tensors (no
+    host sync: the compiled read)."""
+    s = k_codes.shape[2]
+    slot = torch.arange(s, device=k_codes.device)[:, None]
+    kt, v = keys.vectors(k_codes), values.vectors(v_codes)
+    r = k_window.shape[2]
+    if r:
+        at = (slot[:, 0] - n_coded).clamp(0, r - 1)
+        in_window = (slot >= n_coded) & (slot < n_coded + n_window)
+        kt = torch.where(in_window, k_window.float().index_select(2, at), kt)
+        v = torch.where(in_window, v_window.float().index_select(2, at), v)
+    valid = slot < n_coded + n_window
+    return torch.where(valid, kt, 0.0), torch.where(valid, v, 0.0)
+
+
 def decode_reference(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys: TrellisOperands,
-                     values: TrellisOperands, n_coded: int, kv_start: torch.Tensor | None,
+                     values: TrellisOperands, n_coded, kv_start: torch.Tensor | None,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: decode every key and value, then softmax attention in float32.
 
     q ``[B, Hq, D]`` in the key codec's domain; k_codes / v_codes ``[B, Hkv, Tmax, nbytes]`` uint8;
-    slots ``[kv_start[b], n_coded)`` of row ``b`` attend (kv_start None: from 0). Returns ``(out
-    [B, Hq, D], lse [B, Hq])`` float32 (natural log; a row with nothing to attend: zeros, ``-inf``)."""
+    slots ``[kv_start[b], n_coded)`` of row ``b`` attend (kv_start None: from 0; ``n_coded`` an int
+    or a 0-d tensor). Returns ``(out [B, Hq, D], lse [B, Hq])`` float32 (natural log; a row with
+    nothing to attend: zeros, ``-inf``)."""
     b, hq, d = q.shape
     hkv = k_codes.shape[1]
     group = hq // hkv
-    k = keys.vectors(k_codes[:, :, :n_coded])
-    v = values.vectors(v_codes[:, :, :n_coded])
+    n = n_coded if isinstance(n_coded, int) else k_codes.shape[2]
+    k = keys.vectors(k_codes[:, :, :n])
+    v = values.vectors(v_codes[:, :, :n])
     scores = torch.einsum("bhgd,bhtd->bhgt", q.float().view(b, hkv, group, d), k) * scale
-    slot = torch.arange(n_coded, device=q.device)
+    slot = torch.arange(n, device=q.device)
     start = torch.zeros(b, dtype=torch.long, device=q.device) if kv_start is None else kv_start.long()
-    scores = scores.masked_fill(slot < start[:, None, None, None], float("-inf"))
+    hidden = (slot < start[:, None, None, None]) | (slot >= n_coded)
+    scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, -1)
     p = torch.where(torch.isfinite(lse)[..., None], torch.exp(scores - lse[..., None]), 0.0)
     return torch.einsum("bhgt,bhtd->bhgd", p, v).reshape(b, hq, d), lse.reshape(b, hq)
@@ -102,10 +148,11 @@ def values_out(o: torch.Tensor, lse: torch.Tensor, values: TrellisOperands) -> t
 
 
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys: TrellisOperands,
-                     values: TrellisOperands, n_coded: int, kv_start: torch.Tensor | None,
+                     values: TrellisOperands, n_coded, kv_start: torch.Tensor | None,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_reference`'s result, in the components on CUDA (the Triton kernel of
-    :mod:`vecinfer_compile.ops.triton.trellis`), by the reference elsewhere."""
+    :mod:`vecinfer_compile.ops.triton.trellis`, reading a tensor ``n_coded`` on the device), by the
+    reference elsewhere."""
     if not q.is_cuda:
         return decode_reference(q, k_codes, v_codes, keys, values, n_coded, kv_start, scale)
     from .triton.trellis import decode_components
@@ -113,3 +160,28 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     qc, bias = query_components(q, keys)
     o, lse = decode_components(qc, bias, k_codes, v_codes, keys, values, n_coded, kv_start, scale)
     return values_out(o, lse, values), lse
+
+
+def decode_step(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,
+                k_window: torch.Tensor, v_window: torch.Tensor, n_window: torch.Tensor,
+                kv_start: torch.Tensor | None, scale: float, keys: TrellisOperands,
+                values: TrellisOperands) -> torch.Tensor:
+    """One query token ``q: [B, Hq, 1, D]`` (in ``K~``'s domain) over a layer: the ``n_coded`` coded
+    slots by :func:`decode_attention`, the window's ``n_window`` slots (``k_window, v_window [B, Hkv,
+    R, D]``) exactly, merged by log-sum-exp; slots before ``kv_start [B]`` (left padding) hidden.
+    The counters are 0-d tensors, read on the device. Returns ``[B, Hq, 1, D]`` in ``q``'s dtype."""
+    b, hq, _, d = q.shape
+    hkv = k_codes.shape[1]
+    qf = q[:, :, 0].float()
+    out_c, lse_c = decode_attention(qf, k_codes, v_codes, keys, values, n_coded, kv_start, scale)
+    kw, vw = k_window.float(), v_window.float()
+    scores = torch.einsum("bhgd,bhtd->bhgt", qf.view(b, hkv, hq // hkv, d), kw) * scale
+    slot = torch.arange(kw.shape[2], device=q.device)
+    hidden = slot >= n_window
+    if kv_start is not None:
+        hidden = hidden | (n_coded + slot < kv_start.to(q.device)[:, None, None, None])
+    scores = scores.masked_fill(hidden, float("-inf"))
+    lse_w = torch.logsumexp(scores, -1)
+    p = torch.where(torch.isfinite(lse_w)[..., None], torch.exp(scores - lse_w[..., None]), 0.0)
+    out_w = torch.einsum("bhgt,bhtd->bhgd", p, vw).reshape(b, hq, d)
+    return merge_by_lse(out_c, lse_c, out_w, lse_w.reshape(b, hq), q.dtype)[:, :, None]

@@ -17,6 +17,12 @@ On CUDA the op emitted is the kernel-specific one the request resolves to
 (:func:`vecinfer_compile.ops.decode.choose`): ``decode_attention_cuda`` (the NVRTC kernel)
 or ``decode_attention_triton``, so the choice is in the graph; elsewhere ``decode_attention``.
 
+A layer the trellis codec codes (:mod:`vecinfer_compile.cache.trellis_layer`) reads through
+``vecinfer::trellis_cache_kv`` instead (the same chain after it); its decode step becomes
+``vecinfer.trellis_decode_attention(q~, k_codes, v_codes, n_coded, k_window, v_window, n_window,
+kv_start, s, keys, values)`` (``counters["vecinfer"]["cache_decode_trellis"]``), and a chunk over it
+stays SDPA over the dense read, tagged (``cache_trellis_chunk_dense``).
+
 A chunk of several query tokens reads the coded slots and the window as they were before it, with
 its own tokens after the window (:func:`vecinfer_compile.cache.reads.chunk_window`: the
 ``cache_kv`` node's window arguments), and becomes
@@ -74,6 +80,8 @@ CACHE_READ_META = "vecinfer_cache_read"
 
 # positions of the cache_kv arguments
 K_CODES, V_CODES, K_CENT, V_CENT, N_CODED, K_WIN, V_WIN, N_WIN, LAM, ROT = range(10)
+# and of trellis_cache_kv's: (k_codes, v_codes, n_coded, k_window, v_window, n_window), lam, rotation, keys, values
+T_LAM, T_ROT, T_KEYS, T_VALUES = range(6, 10)
 
 
 def _example(node):
@@ -84,7 +92,7 @@ def _example(node):
 
 
 def _cache_output(node: fx.Node, index: int) -> fx.Node | None:
-    """The cache_kv node if ``node`` is ``getitem(cache_kv(...), index)``."""
+    """The read node if ``node`` is ``getitem(cache_kv(...) | trellis_cache_kv(...), index)``."""
     if (
         isinstance(node, fx.Node)
         and node.op == "call_function"
@@ -92,7 +100,7 @@ def _cache_output(node: fx.Node, index: int) -> fx.Node | None:
         and node.args[1] == index
         and isinstance(node.args[0], fx.Node)
         and node.args[0].op == "call_function"
-        and is_op(node.args[0].target, "cache_kv")
+        and (is_op(node.args[0].target, "cache_kv") or is_op(node.args[0].target, "trellis_cache_kv"))
     ):
         return node.args[0]
     return None
@@ -130,11 +138,13 @@ def _key_read(key: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
 
 def updates_a_cache(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` stores into or reads a VecInferCache (``vecinfer::cache_append``,
-    ``cache_kv`` or ``prefill_read`` nodes). In such a graph every attention over the cache is
-    the cache's business (rewritten to the decode op, or tagged to stay as it is), and the others
+    ``cache_kv``, ``prefill_read``, ``trellis_encode`` or ``trellis_cache_kv`` nodes). In such a
+    graph every attention over the cache is the cache's business (rewritten to the decode op, or
+    tagged to stay as it is), and the others
     read layers the cache keeps in full precision (a hybrid model's sliding windows): the generic
     simulate rewrite must quantize none of them."""
-    ops = [getattr(torch.ops.vecinfer, name) for name in ("cache_append", "cache_kv", "prefill_read")]
+    ops = [getattr(torch.ops.vecinfer, name)
+           for name in ("cache_append", "cache_kv", "prefill_read", "trellis_encode", "trellis_cache_kv")]
     targets = {op for op in ops} | {op.default for op in ops}
     return any(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
 
@@ -250,9 +260,15 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
             _unfusable(node, "unsupported scale")
             continue
         a = cache.args
+        trellis = is_op(cache.target, "trellis_cache_kv")
+        if trellis and not one_token:  # a chunk over trellis codes attends over the dense read
+            node.meta[CACHE_READ_META] = True
+            counters["vecinfer"]["cache_trellis_chunk_dense"] += 1
+            continue
+        lam, rot = (a[T_LAM], a[T_ROT]) if trellis else (a[LAM], a[ROT])
         coded = (a[K_CODES], a[V_CODES], a[K_CENT], a[V_CENT], a[N_CODED], a[K_WIN], a[V_WIN], a[N_WIN])
         with graph.inserting_before(node):
-            q_t = graph.call_function(transform_queries, (query, a[LAM], a[ROT], key_read))
+            q_t = graph.call_function(transform_queries, (query, lam, rot, key_read))
             q_t.meta["example_value"] = q
             if one_token:
                 kv_start = None
@@ -260,7 +276,12 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
                     kv_start = starts.get(mask)
                     if kv_start is None:
                         kv_start = starts[mask] = graph.call_function(kv_start_from_mask, (mask, query))
-                out = graph.call_function(_decode_op(q, a, decode_kernel), (q_t, *coded, kv_start, scale))
+                if trellis:
+                    out = graph.call_function(torch.ops.vecinfer.trellis_decode_attention.default,
+                                              (q_t, *a[:6], kv_start, scale, a[T_KEYS], a[T_VALUES]))
+                    counters["vecinfer"]["cache_decode_trellis"] += 1
+                else:
+                    out = graph.call_function(_decode_op(q, a, decode_kernel), (q_t, *coded, kv_start, scale))
             else:  # a chunk: its read's window ends with its own tokens (cache.reads.chunk_window)
                 out = graph.call_function(torch.ops.vecinfer.chunk_attention.default, (q_t, *coded, mask, scale))
                 counters["vecinfer"]["cache_chunk_rewrites"] += 1

@@ -24,8 +24,8 @@ One layer's vectors ``x`` (keys in a method's coded domain, after
    adds (docs/results/accuracy.md). The scale is free at run time (it folds into the query side or
    the output).
 
-The simulate path and an eager VecInferCache run it (:mod:`vecinfer_compile.cache.trellis_layer`;
-docs/results/accuracy.md, "A long-block key codec"); the compiled backend not yet.
+The simulate path runs it, and VecInferCache, eager or compiled, with keys and values both coded
+(:mod:`vecinfer_compile.cache.trellis_layer`; docs/results/accuracy.md, "A long-block key codec").
 """
 
 from __future__ import annotations
@@ -168,56 +168,74 @@ class TrellisCodec:
     def encode_packed(self, vectors: torch.Tensor) -> torch.Tensor:
         """``vectors: [..., H, T, D]`` -> the stored codes ``[N, H, nbytes]`` uint8 (``bits_per_element
         * D`` bits a token and head: :mod:`.trellis_packing`); on CUDA the Viterbi launch writes them."""
-        unit = self._unit(vectors)
-        if unit.is_cuda:
-            from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_codes  # imports triton: only where it runs
-            if self.state_bits <= MAX_STATE_BITS:
-                on = self.on_device(unit.device)
-                return viterbi_codes(unit, on["bits"], on["tables"])
-        return pack_walks(self._walks(unit), self.bits)
+        on = self.on_device(vectors.device)
+        return packed_codes(self._unit(vectors), on["bits"], on["tables"])
 
     def encode(self, vectors: torch.Tensor) -> torch.Tensor:
         """``vectors: [..., H, T, D]`` -> trellis states ``[N, H, D]`` int32 (``N``: the product of
         the leading dims and ``T``; component ``c`` of head ``h`` decodes from state ``[n, h, c]``,
-        0 where it has 0 bits), on the vectors' device. On CUDA (up to 2^13 states) one Triton launch
-        (:mod:`vecinfer_compile.ops.triton.trellis`), elsewhere the torch reference per head."""
-        return self._walks(self._unit(vectors))
-
-    def _walks(self, unit: torch.Tensor) -> torch.Tensor:
-        """:meth:`encode` of the components ``unit: [N, H, D]`` (:meth:`_unit`)."""
-        on = self.on_device(unit.device)
-        if unit.is_cuda:
-            from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
-            if self.state_bits <= MAX_STATE_BITS:
-                return viterbi_walks(unit, on["bits"], on["tables"])
-        walks = torch.zeros(unit.shape, dtype=torch.int32, device=unit.device)
-        for i in range(self.num_heads):
-            coded = self.bits[i] > 0
-            steps = self.bits[i][coded].tolist()
-            luts = {k: on["tables"][i, k - 1] for k in set(steps)}
-            cols = coded.nonzero()[:, 0].to(unit.device)
-            walks[:, i, cols] = viterbi(unit[:, i, cols], steps, luts).int()
-        return walks
+        0 where it has 0 bits), on the vectors' device (:func:`walks`)."""
+        on = self.on_device(vectors.device)
+        return walks(self._unit(vectors), on["bits"], on["tables"])
 
     def _unit(self, vectors: torch.Tensor) -> torch.Tensor:
-        """``[..., H, T, D]`` -> the components at unit scale ``[N, H, D]`` float32 (what the trellis codes)."""
+        """``[..., H, T, D]`` -> the components at unit scale ``[N, H, D]`` float32 (:func:`components`)."""
         if vectors.shape[-3] != self.num_heads or vectors.shape[-1] != self.bits.shape[1]:
             raise ValueError(f"vectors of shape {tuple(vectors.shape)}: this codec codes [..., {self.num_heads}, T, "
                              f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)")
         on = self.on_device(vectors.device)
-        x = vectors.movedim(-3, -2).reshape(-1, self.num_heads, vectors.shape[-1]).double()
-        return (torch.einsum("nhd,hdc->nhc", x - on["mean"], on["analysis"]) * on["inverse_sd"]).float()
+        return components(vectors, on["mean"], on["analysis"], on["inverse_sd"])
 
-    def decode(self, walks: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, states: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`encode`'s states ``[N, H, D]`` back to vectors of ``shape`` ``[..., H, T, D]`` and
         ``dtype``: each component its table entry times its standard deviation (0 bits: 0), then
         ``mean + scale * (y @ synthesis)``."""
         h, t, d = shape[-3:]
-        on = self.on_device(walks.device)
-        y = on["tables"].flatten()[on["rows"] + walks.long()].double() * on["sd"]
+        on = self.on_device(states.device)
+        y = on["tables"].flatten()[on["rows"] + states.long()].double() * on["sd"]
         x = torch.einsum("nhc,hcd->nhd", y, on["synthesis"]) + on["mean"]
         return x.reshape(*shape[:-3], t, h, d).movedim(-2, -3).to(dtype)
 
     def quantize_dequantize(self, vectors: torch.Tensor) -> torch.Tensor:
         """``vectors: [..., H, T, D]`` through the code and back, same shape, dtype and device."""
         return self.decode(self.encode(vectors), vectors.shape, vectors.dtype)
+
+
+def components(vectors: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor,
+               inverse_sd: torch.Tensor) -> torch.Tensor:
+    """What the trellis codes: ``vectors [..., H, T, D]`` -> ``((x - mean) @ analysis) * inverse_sd``
+    as ``[N, H, D]`` float32 (``N``: the leading dims and ``T``, token-major), computed in float64
+    (``mean, inverse_sd [H, D]``, ``analysis [H, D, D]``: :meth:`TrellisCodec.on_device`'s)."""
+    h, d = vectors.shape[-3], vectors.shape[-1]
+    x = vectors.movedim(-3, -2).reshape(-1, h, d).double()
+    return (torch.einsum("nhd,hdc->nhc", x - mean, analysis) * inverse_sd).float()
+
+
+def walks(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Least-squared-error trellis walks of the components ``unit [N, H, D]`` (``bits [H, D]``
+    int32, ``tables [H, W, 2^L]`` float32 on their device) -> states ``[N, H, D]`` int32 (0 where a
+    component has 0 bits). On CUDA (up to 2^13 states) one Triton launch
+    (:mod:`vecinfer_compile.ops.triton.trellis`), elsewhere the torch reference per head."""
+    if unit.is_cuda:
+        from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
+        if tables.shape[-1].bit_length() - 1 <= MAX_STATE_BITS:
+            return viterbi_walks(unit, bits, tables)
+    out = torch.zeros(unit.shape, dtype=torch.int32, device=unit.device)
+    for i in range(unit.shape[1]):
+        coded = bits[i] > 0
+        steps = bits[i][coded].tolist()
+        luts = {k: tables[i, k - 1] for k in set(steps)}
+        cols = coded.nonzero()[:, 0]
+        out[:, i, cols] = viterbi(unit[:, i, cols], steps, luts).int()
+    return out
+
+
+def packed_codes(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
+                 nbytes: int | None = None) -> torch.Tensor:
+    """:func:`walks` in the stored layout, ``[N, H, nbytes]`` uint8 (:mod:`.trellis_packing`); on
+    CUDA the Viterbi launch writes them (``nbytes`` given: no host sync there)."""
+    if unit.is_cuda:
+        from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_codes  # imports triton: only where it runs
+        if tables.shape[-1].bit_length() - 1 <= MAX_STATE_BITS:
+            return viterbi_codes(unit, bits, tables, nbytes=nbytes)
+    return pack_walks(walks(unit, bits, tables), bits)

@@ -78,14 +78,17 @@ def viterbi_walks(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wra
     return _viterbi(x, bits, tables, walks=True, codes=False, wrap=wrap)[0]
 
 
-def viterbi_codes(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wrap: bool = False) -> torch.Tensor:
+def viterbi_codes(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wrap: bool = False,
+                  nbytes: int | None = None) -> torch.Tensor:
     """:func:`viterbi_walks`' walks in the stored layout, written by the same launch:
-    ``[N, H, nbytes]`` uint8 (:func:`vecinfer_compile.quant.trellis_packing.pack_walks`)."""
-    return _viterbi(x, bits, tables, walks=False, codes=True, wrap=wrap)[1]
+    ``[N, H, nbytes]`` uint8 (:func:`vecinfer_compile.quant.trellis_packing.pack_walks`). ``nbytes``:
+    the string's bytes when the caller knows them (reading them off ``bits`` on the GPU is a host
+    sync, which a CUDA graph's capture refuses)."""
+    return _viterbi(x, bits, tables, walks=False, codes=True, wrap=wrap, nbytes=nbytes)[1]
 
 
 def _viterbi(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, *, walks: bool, codes: bool,
-             wrap: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+             wrap: bool, nbytes: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     n, h, d = x.shape
     if bits.shape != (h, d) or tables.dim() != 3 or tables.shape[0] != h:
         raise ValueError(f"x [N, H, D], bits [H, D], tables [H, W, 2^L]: got {tuple(x.shape)}, {tuple(bits.shape)}, "
@@ -98,7 +101,7 @@ def _viterbi(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, *, walks
     x = x.float().contiguous()
     bits = bits.to(device=x.device, dtype=torch.int32).contiguous()
     tables = tables.to(device=x.device, dtype=torch.float32).contiguous()
-    nbytes = packed_bytes(bits)
+    nbytes = (packed_bytes(bits) if nbytes is None else nbytes) if codes else 1
     walk_out = torch.zeros(n if walks else 1, h, d, dtype=torch.int32, device=x.device)
     code_out = torch.zeros(n if codes else 1, h, nbytes, dtype=torch.uint8, device=x.device)
     ends = bit_ends(bits).int().contiguous()
@@ -131,11 +134,11 @@ def _entries(codes_row, t_mask, first, shift, mask, rows, tables_ptr, NBYTES):
 @triton.jit
 def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
                    kf_ptr, ks_ptr, km_ptr, kr_ptr, kt_ptr, vf_ptr, vs_ptr, vm_ptr, vr_ptr, vt_ptr,
-                   start_ptr, acc_ptr, m_ptr, l_ptr,
+                   start_ptr, n_ptr, acc_ptr, m_ptr, l_ptr,
                    n_coded, hkv, k_nbytes, v_nbytes, split_len, scale2,
                    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                   HAS_START: tl.constexpr):
+                   HAS_START: tl.constexpr, N_ON_DEVICE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -147,8 +150,16 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
     qrow = bh * GROUP + g  # query heads of this KV head, [B * Hq] flattened
     q = tl.load(qc_ptr + qrow[:, None] * D + c[None, :], mask=g_mask[:, None], other=0.0)
     bias = tl.load(bias_ptr + qrow, mask=g_mask, other=0.0)
-    kf, ks, km, kr = (tl.load(p + h * D + c) for p in (kf_ptr, ks_ptr, km_ptr, kr_ptr))
-    vf, vs, vm, vr = (tl.load(p + h * D + c) for p in (vf_ptr, vs_ptr, vm_ptr, vr_ptr))
+    kf = tl.load(kf_ptr + h * D + c)
+    ks = tl.load(ks_ptr + h * D + c)
+    km = tl.load(km_ptr + h * D + c)
+    kr = tl.load(kr_ptr + h * D + c)
+    vf = tl.load(vf_ptr + h * D + c)
+    vs = tl.load(vs_ptr + h * D + c)
+    vm = tl.load(vm_ptr + h * D + c)
+    vr = tl.load(vr_ptr + h * D + c)
+    if N_ON_DEVICE:
+        n_coded = tl.load(n_ptr).to(tl.int32)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, n_coded)
     if HAS_START:
@@ -179,23 +190,27 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
 
 
 def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys,
-                      values, n_coded: int, kv_start: torch.Tensor | None, scale: float, *, block_t: int = 32,
-                      splits: int | None = None, wrap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      values, n_coded, kv_start: torch.Tensor | None, scale: float, *, block_t: int = 32,
+                      splits: int | None = None, num_warps: int = 4,
+                      wrap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over trellis codes in the components (:mod:`vecinfer_compile.ops.trellis`):
     ``qc [B, Hq, D]`` and ``bias [B, Hq]`` float32 (:func:`~vecinfer_compile.ops.trellis.query_components`),
     ``k_codes, v_codes [B, Hkv, Tmax, nbytes]`` uint8, ``keys, values``:
-    :class:`~vecinfer_compile.ops.trellis.TrellisOperands`; slots ``[kv_start[b], n_coded)``. The
-    coded prefix is cut into ``splits`` (default: enough programs to fill a GPU), each a program per
-    KV head, merged here by log-sum-exp. Returns ``(o [B, Hq, D], lse [B, Hq])`` float32: the
+    :class:`~vecinfer_compile.ops.trellis.TrellisOperands`; slots ``[kv_start[b], n_coded)``
+    (``n_coded``: an int, or a 0-d integer tensor the kernel reads on the device, no host sync; the
+    splits then cover every slot). The coded prefix is cut into ``splits`` (default: enough programs
+    to fill a GPU), each a program per KV head, merged here by log-sum-exp. Returns ``(o [B, Hq, D], lse [B, Hq])`` float32: the
     softmax-weighted mean of the values' unit entries, and the natural log-sum-exp of the scores
     (zeros and ``-inf`` for a row with nothing to attend)."""
     b, hq, d = qc.shape
     hkv = k_codes.shape[1]
     group = hq // hkv
     block_g = max(16, triton.next_power_of_2(group))
+    on_device = isinstance(n_coded, torch.Tensor)
+    span = k_codes.shape[2] if on_device else max(n_coded, 1)
     if splits is None:
-        splits = max(1, min(triton.cdiv(max(n_coded, 1), block_t), 512 // max(1, b * hkv)))
-    split_len = triton.cdiv(triton.cdiv(max(n_coded, 1), splits), block_t) * block_t
+        splits = max(1, min(triton.cdiv(span, block_t), 512 // max(1, b * hkv)))
+    split_len = triton.cdiv(triton.cdiv(span, splits), block_t) * block_t
     k_codes = unit_last_stride(k_codes)
     v_codes = unit_last_stride(v_codes)
     acc = torch.empty(b * hkv, splits, block_g, d, dtype=torch.float32, device=qc.device)
@@ -204,10 +219,11 @@ def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tenso
     start = kv_start.to(torch.int32).contiguous() if kv_start is not None else m  # unread without HAS_START
     launch(_decode_kernel, (b * hkv, splits), wrap, qc.float().contiguous(), bias.float().contiguous(), k_codes,
            v_codes, keys.first, keys.shift, keys.mask, keys.rows, keys.tables, values.first, values.shift,
-           values.mask, values.rows, values.tables, start, acc, m, l_sum, n_coded, hkv, k_codes.shape[-1],
+           values.mask, values.rows, values.tables, start, n_coded if on_device else m, acc, m, l_sum,
+           0 if on_device else n_coded, hkv, k_codes.shape[-1],
            v_codes.shape[-1], split_len, scale * LOG2E, k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
            v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), GROUP=group, BLOCK_G=block_g, D=d,
-           BLOCK_T=block_t, HAS_START=kv_start is not None, num_warps=4)
+           BLOCK_T=block_t, HAS_START=kv_start is not None, N_ON_DEVICE=on_device, num_warps=num_warps)
     m, l_sum, acc = m[:, :, :group], l_sum[:, :, :group], acc[:, :, :group]
     top = m.amax(1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)

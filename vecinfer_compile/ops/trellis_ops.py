@@ -1,0 +1,87 @@
+"""The registered ops of a cache layer coded by the trellis codec (:mod:`.trellis`), eager and compiled alike.
+
+Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list of tensors)::
+
+    vecinfer::trellis_encode(Tensor x, Tensor[] codec, int nbytes) -> Tensor
+    vecinfer::trellis_cache_kv(Tensor k_codes, Tensor v_codes, Tensor n_coded, Tensor k_window,
+        Tensor v_window, Tensor n_window, Tensor? lam, Tensor? rotation, Tensor[] keys,
+        Tensor[] values) -> (Tensor, Tensor)
+    vecinfer::trellis_decode_attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor n_coded,
+        Tensor k_window, Tensor v_window, Tensor n_window, Tensor? kv_start, float scale,
+        Tensor[] keys, Tensor[] values) -> Tensor
+
+- ``trellis_encode``: ``x [B, H, T, D]`` -> stored codes ``[B, H, T, nbytes]`` uint8
+  (:func:`.trellis.encode`; one Viterbi launch on CUDA; ``nbytes``: the codec's, given so that the
+  output's shape needs no data).
+- ``trellis_cache_kv``: ``vecinfer::cache_kv``'s contract over trellis codes: every slot's K and V
+  ``[B, H, S, D]`` in the window's dtype, keys back through ``rotation^T`` and ``lam`` where given
+  (the query-aware matrix and the mean follow as plain ops, as for ``cache_kv``), zeros past the
+  valid slots. What a compiled chunk attends densely, and what
+  :mod:`vecinfer_compile.passes.cache_decode` replaces at a decode step by
+- ``trellis_decode_attention``: one query token ``q [B, Hq, 1, D]`` in ``K~``'s domain over the
+  codes and the window (:func:`.trellis.decode_step`) -> ``[B, Hq, 1, D]`` in ``q``'s dtype.
+
+All three are opaque (Inductor calls them as extern kernels) and read the counters on the device
+only: no host sync, so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dequantize import ROW_CHUNK_ELEMENTS
+from .registry import define
+from .trellis import TrellisOperands, decode_step, encode, read
+
+
+def trellis_encode(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+    return encode(x, TrellisOperands(*codec), nbytes).contiguous()
+
+
+def _encode_fake(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+    b, h, t, _ = x.shape
+    return x.new_empty((b, h, t, nbytes), dtype=torch.uint8)
+
+
+def trellis_cache_kv(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor, k_window: torch.Tensor,
+                     v_window: torch.Tensor, n_window: torch.Tensor, lam: torch.Tensor | None,
+                     rotation: torch.Tensor | None, keys: list[torch.Tensor],
+                     values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    k_out, v_out = _cache_kv_fake(k_codes, v_codes, n_coded, k_window, v_window, n_window, lam, rotation, keys, values)
+    kops, vops = TrellisOperands(*keys), TrellisOperands(*values)
+    b, h, s, d = k_out.shape
+    rows = max(1, ROW_CHUNK_ELEMENTS // max(h * s * d, 1))
+    for i in range(0, b, rows):
+        j = min(i + rows, b)
+        kt, v = read(k_codes[i:j], v_codes[i:j], n_coded, k_window[i:j], v_window[i:j], n_window, kops, vops)
+        if rotation is not None:
+            kt = kt @ rotation.float().T
+        if lam is not None:
+            kt = kt * lam.float()[None, :, None, :]
+        k_out[i:j] = kt
+        v_out[i:j] = v
+    return k_out, v_out
+
+
+def _cache_kv_fake(k_codes, v_codes, n_coded, k_window, v_window, n_window, lam, rotation, keys,
+                   values) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, s, _ = k_codes.shape
+    d = k_window.shape[-1]
+    return k_window.new_empty((b, h, s, d)), v_window.new_empty((b, h, s, d))
+
+
+def trellis_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,
+                             k_window: torch.Tensor, v_window: torch.Tensor, n_window: torch.Tensor,
+                             kv_start: torch.Tensor | None, scale: float, keys: list[torch.Tensor],
+                             values: list[torch.Tensor]) -> torch.Tensor:
+    return decode_step(q, k_codes, v_codes, n_coded, k_window, v_window, n_window, kv_start, scale,
+                       TrellisOperands(*keys), TrellisOperands(*values))
+
+
+def _decode_fake(q, *args) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+define("trellis_encode", trellis_encode, kind="opaque", fake=_encode_fake)
+define("trellis_cache_kv", trellis_cache_kv, kind="opaque", fake=_cache_kv_fake)
+define("trellis_decode_attention", trellis_decode_attention, kind="opaque", fake=_decode_fake)
