@@ -165,7 +165,7 @@ def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(tre
 def test_greedy_tokens_through_the_trellis_cache_match_the_simulate_path(trellis_file, tiny_model):
     """``vecinfer match``'s check on the tiny model: 24 new tokens after a 40-token prompt, a window
     of 8, eager cache vs simulate path vs the compiled cache (the backend's trellis decode op in
-    every decode step), token for token."""
+    every decode step), token for token; a chunked prefill, compiled vs eager."""
     from torch._dynamo.utils import counters
 
     from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
@@ -178,6 +178,10 @@ def test_greedy_tokens_through_the_trellis_cache_match_the_simulate_path(trellis
     counters.clear()
     assert cache_tokens(model, ids, cb, new_tokens=24, residual=8, compiled=True) == cached
     assert counters["vecinfer"]["cache_decode_trellis"] >= model.config.num_hidden_layers
+    # a chunked prefill (16-token chunks over a window of 8): compiled = eager, the chunks dense over the read
+    chunked = cache_tokens(model, ids, cb, new_tokens=6, residual=8, compiled=False, prefill_chunk=16)
+    assert cache_tokens(model, ids, cb, new_tokens=6, residual=8, compiled=True, prefill_chunk=16) == chunked
+    assert counters["vecinfer"]["cache_trellis_chunk_dense"] >= model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])
