@@ -293,6 +293,26 @@ def test_cuda_codec_codes_as_well_as_the_reference():
     torch.testing.assert_close(codec.encode_packed(test.cuda()), pack_walks(cuda_walks, codec.bits))
 
 
+@pytest.mark.cuda
+def test_cuda_compiled_trellis_cache_gives_the_eager_cache_tokens(trellis_file, tiny_dir):
+    """On CUDA (where generate() compiles the step into CUDA graphs) the compiled cache runs the
+    fused trellis decode op in every decode step and gives the eager cache's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch._dynamo.utils import counters
+
+    from vecinfer_compile.evaluation.token_match import cache_tokens
+    from vecinfer_compile.models import load_model
+
+    cb, _ = trellis_file
+    model, _ = load_model(tiny_dir, "float32", "cuda")
+    ids = torch.arange(3, 43) % model.config.vocab_size
+    eager = cache_tokens(model, ids, cb, new_tokens=24, residual=8, compiled=False)
+    counters.clear()
+    assert cache_tokens(model, ids, cb, new_tokens=24, residual=8, compiled=True) == eager
+    assert counters["vecinfer"]["cache_decode_trellis"] >= model.config.num_hidden_layers
+
+
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from([1, 2, 8]), st.sampled_from([16, 64, 128]), st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0]),
        st.sampled_from([2, 5, 8, 12]), st.integers(1, 7), st.integers(0, 99))
