@@ -75,17 +75,16 @@ def fp16_ms(b: int, t: int, passes: int, g: torch.Generator) -> tuple[str, float
 
 def tile_ms(b: int, t: int, states: int, tiles: list[tuple[int, int]], passes: int) -> dict[str, float]:
     """ms per call of the trellis kernel's launch alone (the query already in the components) for
-    each ``(BLOCK_T, num_warps)`` of ``tiles``, scores by broadcast products and by ``tl.dot``."""
+    each ``(BLOCK_T, num_warps)`` of ``tiles``."""
     g = torch.Generator(device="cuda").manual_seed(1)
     operands = trellis_operands(states)
     q, k_codes, v_codes, keys, values, n, start, scale = trellis_inputs(b, t, operands, g)
     qc, bias = query_components(q, keys)
     out = {}
     for block_t, warps in tiles:
-        for dot in (False, True):
-            fn = lambda: decode_components(qc, bias, k_codes, v_codes, keys, values, n, start,  # noqa: E731
-                                           scale, block_t=block_t, num_warps=warps, use_dot=dot)
-            out[f"{block_t}x{warps}{' dot' if dot else ''}"] = min(graph_time_ms([fn]) for _ in range(passes))
+        fn = lambda: decode_components(qc, bias, k_codes, v_codes, keys, values, n, start, scale,  # noqa: E731
+                                       block_t=block_t, num_warps=warps)
+        out[f"{block_t}x{warps}"] = min(graph_time_ms([fn]) for _ in range(passes))
     return out
 
 

@@ -262,12 +262,11 @@ def _trellis_decode_case(gen: torch.Generator, b: int, hkv: int, group: int, tma
 @given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 2, 4, 16]), tmax=st.integers(1, 90), d=st.sampled_from([16, 64]),
        lbits=st.sampled_from([4, 10]), left_pad=st.booleans(), splits=st.sampled_from([None, 1, 3]),
-       count_on_device=st.booleans(), use_dot=st.sampled_from([None, True, False]))
-def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, splits, count_on_device, use_dot):
+       count_on_device=st.booleans())
+def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, splits, count_on_device):
     """Decode attention over trellis codes in the components = the reference (decode every key and
     value, then softmax): GQA 1-16, odd lengths, left padding (a row may have nothing to attend),
-    the coded count as an int or as a tensor the kernel reads (a compiled step's), scores by
-    tl.dot or by broadcast products."""
+    the coded count as an int or as a tensor the kernel reads (a compiled step's)."""
     from vecinfer_compile.ops.trellis import decode_reference, query_components, values_out
     from vecinfer_compile.ops.triton.trellis import decode_components
 
@@ -278,7 +277,7 @@ def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, sp
     want, want_lse = decode_reference(q, k_codes, v_codes, keys, values, n_coded, start, d ** -0.5)
     count = torch.tensor(n_coded) if count_on_device else n_coded
     o, lse = decode_components(*query_components(q, keys), k_codes, v_codes, keys, values, count, start,
-                               d ** -0.5, block_t=16, splits=splits, use_dot=use_dot)
+                               d ** -0.5, block_t=16, splits=splits)
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(values_out(o, lse, values), want, atol=1e-4, rtol=1e-4)
 

@@ -14,8 +14,9 @@ head (about 1,500 launches a layer per decode step).
 **Decode** (:func:`decode_components`): flash-decoding over the codes in the components. A program
 takes one (batch row, KV head) and one split of the coded prefix, a block of tokens at a time:
 each component's state from its string's bytes, its unit table entry gathered (through L1: Triton
-has no shared-memory gather), scores against the GROUP query heads (broadcast products for a few
-heads, ``tl.dot`` for more), online softmax, and the values' entries accumulated the same way.
+has no shared-memory gather), scores against the group's query heads by ``tl.dot`` in float32,
+online softmax, and the values' entries accumulated the same way (docs/results/decode-speed.md:
+correct, and far slower than FP16).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from .common import LOG2E, launch, unit_last_stride
 
 SCRATCH_BYTES = 1 << 30  # trace-back bytes one launch may use; larger calls go in row chunks
 MAX_STATE_BITS = 13  # 2^13 path costs a program: 64 float32 registers a thread at 4 warps
-BROADCAST_MAX_GROUP = 4  # decode: query heads a KV head up to which scores are broadcast products, not tl.dot
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
                    n_coded, hkv, k_nbytes, v_nbytes, split_len, scale2,
                    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                   HAS_START: tl.constexpr, N_ON_DEVICE: tl.constexpr, DOT: tl.constexpr):
+                   HAS_START: tl.constexpr, N_ON_DEVICE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -179,11 +179,8 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
         t_mask = (t < hi)[:, None]
         ek = _entries(k_ptr + b * stride_kb + h * stride_kh + t[:, None] * stride_kt, t_mask, kf, ks, km, kr, kt_ptr,
                       k_nbytes)
-        if DOT:
-            s = tl.dot(q, tl.trans(ek), input_precision="ieee")
-        else:  # a few query heads: broadcast products, no padding to the dot's 16 rows
-            s = tl.sum(q[:, None, :] * ek[None, :, :], 2)
-        s = tl.where((t < hi)[None, :], (s + bias[:, None]) * scale2, float("-inf"))
+        s = (tl.dot(q, tl.trans(ek), input_precision="ieee") + bias[:, None]) * scale2
+        s = tl.where(tl.trans(t_mask), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -191,10 +188,7 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
         l_i = l_i * alpha + tl.sum(p, 1)
         ev = _entries(v_ptr + b * stride_vb + h * stride_vh + t[:, None] * stride_vt, t_mask, vf, vs, vm, vr, vt_ptr,
                       v_nbytes)
-        if DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, ev, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * ev[None, :, :], 1)
+        acc = acc * alpha[:, None] + tl.dot(p, ev, input_precision="ieee")
         m_i = m_new
     out = (bh * splits + split) * BLOCK_G + g
     tl.store(acc_ptr + out[:, None] * D + c[None, :], acc)
@@ -204,7 +198,7 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
 
 def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys,
                       values, n_coded, kv_start: torch.Tensor | None, scale: float, *, block_t: int = 32,
-                      splits: int | None = None, num_warps: int = 4, use_dot: bool | None = None,
+                      splits: int | None = None, num_warps: int = 4,
                       wrap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over trellis codes in the components (:mod:`vecinfer_compile.ops.trellis`):
     ``qc [B, Hq, D]`` and ``bias [B, Hq]`` float32 (:func:`~vecinfer_compile.ops.trellis.query_components`),
@@ -218,8 +212,7 @@ def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tenso
     b, hq, d = qc.shape
     hkv = k_codes.shape[1]
     group = hq // hkv
-    use_dot = group > BROADCAST_MAX_GROUP if use_dot is None else use_dot
-    block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    block_g = max(16, triton.next_power_of_2(group))
     on_device = isinstance(n_coded, torch.Tensor)
     span = k_codes.shape[2] if on_device else max(n_coded, 1)
     if splits is None:
@@ -237,7 +230,7 @@ def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tenso
            0 if on_device else n_coded, hkv, k_codes.shape[-1],
            v_codes.shape[-1], split_len, scale * LOG2E, k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
            v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), GROUP=group, BLOCK_G=block_g, D=d,
-           BLOCK_T=block_t, HAS_START=kv_start is not None, N_ON_DEVICE=on_device, DOT=use_dot, num_warps=num_warps)
+           BLOCK_T=block_t, HAS_START=kv_start is not None, N_ON_DEVICE=on_device, num_warps=num_warps)
     m, l_sum, acc = m[:, :, :group], l_sum[:, :, :group], acc[:, :, :group]
     top = m.amax(1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
