@@ -1,10 +1,11 @@
 """The trellis codec of keys and values (quant/trellis_codec.py): exact bit budget, the KLT round
 trip, an error near the study's on vectors with a skewed spectrum; calibration, the file, the
-simulate path and the cache's refusal."""
+simulate path, the cache eager and compiled, and the needle diagnostic."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -404,3 +405,28 @@ def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(
     want = torch.nn.functional.scaled_dot_product_attention(
         q, k_read.repeat_interleave(group, 1), v_read.repeat_interleave(group, 1), attn_mask=mask)
     torch.testing.assert_close(cached.attend(q, mask, None), want, atol=2e-4, rtol=2e-4)
+
+
+def test_the_needle_attention_diagnostic_runs_on_the_tiny_model(trellis_file, tiny_dir, tmp_path):
+    """``benchmarks/needle_attention_mass.py`` on the tiny model: the shipped 2-bit file and a
+    trellis file, every layer; with every token coded the outputs move, with a window longer than
+    the prompt nothing is coded and nothing moves."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import needle_attention_mass
+
+    from vecinfer_compile.models import default_text_path
+
+    _, trellis_path = trellis_file
+    haystack = tmp_path / "haystack"
+    haystack.mkdir()
+    (haystack / "filler.txt").write_text(default_text_path().read_text())
+    books = f"{tiny_dir.parent / 'tiny_codebooks' / 'vecinfer-2bit.safetensors'},{trellis_path}"
+    common = ["--model", str(tiny_dir), "--haystack", str(haystack), "--codebooks", books, "--lengths", "96",
+              "--depths", "0,50", "--trials", "1"]
+    coded = needle_attention_mass.main(common + ["--residual", "0"])
+    kept = needle_attention_mass.main(common + ["--residual", "1000"])
+    assert len(coded) == len(kept) == 2 * 4  # two files, the tiny model's 4 layers
+    for row in kept.values():
+        assert row["keys"] == row["values"] == row["both"] == row["mass abs change"] == 0.0
+    for row in coded.values():
+        assert 0.0 <= row["exact mass"] <= 1.0 and row["both"] > 0.0 and row["values"] > 0.0
