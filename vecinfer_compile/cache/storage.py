@@ -148,7 +148,7 @@ class LayerStorage:
         """Append ``k``, ``v``: ``[B, H, T, D]`` with ``vecinfer::cache_append``
         (:mod:`vecinfer_compile.ops.append`: no data-dependent Python, so it compiles with
         fullgraph=True; one CUDA launch per decode step where the kernel runs); a trellis-coded layer
-        eagerly (:mod:`.trellis_layer`)."""
+        by the same window rule with the codec's codes (:mod:`.trellis_layer`)."""
         q = quantizer
         if q.trellis:
             return trellis_layer.append(self, k, v, q)
