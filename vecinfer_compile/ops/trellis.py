@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..quant.trellis_codec import TrellisCodec, components, packed_codes
-from ..quant.trellis_packing import packed_bytes, read_states, state_windows
+from ..quant.trellis_packing import read_states, state_windows
 from .split_attention.lse_merge import merge_by_lse
 
 
@@ -55,11 +55,6 @@ class TrellisOperands(NamedTuple):
         parts = (*windows, on["rows"].int(), on["tables"], on["sd"].float(), on["synthesis"].float(),
                  on["mean"].float(), on["mean"], on["analysis"], on["inverse_sd"], on["bits"])
         return cls(*(t.contiguous() for t in parts))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one token and head's stored string."""
-        return packed_bytes(self.bits)
 
     def entries(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes: [..., H, nbytes]`` uint8 -> unit table entries ``[..., H, D]`` float32 (0 for a
