@@ -427,6 +427,6 @@ def test_the_needle_attention_diagnostic_runs_on_the_tiny_model(trellis_file, ti
     kept = needle_attention_mass.main(common + ["--residual", "1000"])
     assert len(coded) == len(kept) == 2 * 4  # two files, the tiny model's 4 layers
     for row in kept.values():
-        assert row["keys"] == row["values"] == row["both"] == row["mass abs change"] == 0.0
+        assert row["keys"] == row["values"] == row["both"] == row["mass abs change"] == 0.0 and row["same token"] == 1.0
     for row in coded.values():
         assert 0.0 <= row["exact mass"] <= 1.0 and row["both"] > 0.0 and row["values"] > 0.0
