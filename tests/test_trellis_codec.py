@@ -430,3 +430,30 @@ def test_the_needle_attention_diagnostic_runs_on_the_tiny_model(trellis_file, ti
         assert row["keys"] == row["values"] == row["both"] == row["mass abs change"] == 0.0 and row["same token"] == 1.0
     for row in coded.values():
         assert 0.0 <= row["exact mass"] <= 1.0 and row["both"] > 0.0 and row["values"] > 0.0
+
+
+def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(tiny_model):
+    """``qaware``'s centred query-aware transform (the chain the decode rewrite moves to the query
+    side) under the codecs, on a model of another geometry (Qwen2, one KV head, head_dim 32, random
+    weights): the compiled cache's greedy tokens equal the eager cache's and the simulate path's."""
+    import transformers
+    from torch._dynamo.utils import counters
+
+    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
+    from vecinfer_compile.models import default_text_path
+
+    _, tokenizer = tiny_model
+    config = transformers.Qwen2Config(vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, method="qaware", max_tokens=512,
+                   seq_len=128, iters=1, key_codec="trellis", value_codec="trellis", trellis_states=16, progress=False)
+    ids = torch.arange(3, 43) % config.vocab_size
+    eager = cache_tokens(model, ids, cb, new_tokens=12, residual=8, compiled=False)
+    assert eager == simulate_tokens(model, ids, cb, new_tokens=12, residual=8)
+    counters.clear()
+    assert cache_tokens(model, ids, cb, new_tokens=12, residual=8, compiled=True) == eager
+    assert counters["vecinfer"]["cache_decode_trellis"] >= config.num_hidden_layers
