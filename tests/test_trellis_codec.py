@@ -457,3 +457,24 @@ def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(ti
     counters.clear()
     assert cache_tokens(model, ids, cb, new_tokens=12, residual=8, compiled=True) == eager
     assert counters["vecinfer"]["cache_decode_trellis"] >= config.num_hidden_layers
+
+
+def test_needle_refuses_a_keys_only_file_in_one_line(tiny_model, tiny_dir, tmp_path, capsys):
+    """A file whose keys alone the codec codes runs in the simulate path only: ``vecinfer needle``
+    (through the cache) exits 2 with one line naming the fix."""
+    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.cli import main
+    from vecinfer_compile.models import default_text_path
+
+    model, tokenizer = tiny_model
+    path = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=256, seq_len=128, iters=1,
+                     key_codec="trellis", trellis_states=16, progress=False).save(tmp_path / "keys-only.safetensors")
+    haystack = tmp_path / "haystack"
+    haystack.mkdir()
+    (haystack / "filler.txt").write_text(default_text_path().read_text())
+    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--codebooks", str(path),
+               "--method", "vecinfer", "--bits", "2", "--lengths", "96", "--depths", "50", "--trials", "1",
+               "--residual", "8", "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "code only the keys with the trellis codec" in err[0] and "--value-codec trellis" in err[0]

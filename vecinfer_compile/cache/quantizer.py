@@ -29,7 +29,7 @@ from ..codebooks import LayerCodebooks
 from ..ops.append import transform_keys
 from ..ops.trellis import TrellisOperands
 from ..quant.packing import packed_width
-from ..quant.trellis_codec import TrellisCodec
+from ..quant.trellis_codec import TrellisCodec, check_both_sides
 from ..quant.trellis_packing import packed_bytes
 from ..quant.score_aware import check_parallel_weight
 from ..quant.weighted_codes import check_metric
@@ -58,12 +58,7 @@ class LayerQuantizer:
         object.__setattr__(self, "key_parallel_weight", check_parallel_weight(self.key_parallel_weight))
         if (self.key_metric is None) != (self.value_metric is None):
             raise ValueError("key_metric and value_metric go together (error-weighted codes of keys and values)")
-        if (self.key_codec is None) != (self.value_codec is None):
-            coded = "keys" if self.key_codec is not None else "values"
-            raise ValueError(
-                f"these codebooks code only the {coded} with the trellis codec: a VecInferCache codes keys and values "
-                "with it together (calibrate with both --key-codec trellis and --value-codec trellis); a file with one "
-                "of them runs in the simulate path (eval-ppl, ablation)")
+        check_both_sides(self.key_codec, self.value_codec)
 
     @classmethod
     def from_codebooks(cls, layer: LayerCodebooks, *, device, key_parallel_weight: float = 1.0,

@@ -43,6 +43,17 @@ PARTS = ("mean", "analysis", "synthesis", "variance", "scale", "bits", "tables")
 SCALE_SAMPLE = 4096  # calibration vectors a head that the norm-matching scale is fitted on
 
 
+def check_both_sides(key_codec, value_codec) -> None:
+    """Raise a ValueError naming the fix unless both or neither of keys and values are coded by the
+    codec (anything truthy: a codec, or its name): a VecInferCache codes them together."""
+    if bool(key_codec) != bool(value_codec):
+        coded = "keys" if key_codec else "values"
+        raise ValueError(
+            f"these codebooks code only the {coded} with the trellis codec: a VecInferCache codes keys and values "
+            "with it together (calibrate with both --key-codec trellis and --value-codec trellis); a file with one "
+            "of them runs in the simulate path (eval-ppl, ablation)")
+
+
 def metric_sqrt(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M^(1/2), M^(-1/2))`` float64 of symmetric positive definite ``metric: [H, D, D]``."""
     lam, vec = torch.linalg.eigh(metric.double())
