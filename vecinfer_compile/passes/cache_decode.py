@@ -140,9 +140,8 @@ def updates_a_cache(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` stores into or reads a VecInferCache (``vecinfer::cache_append``,
     ``cache_kv``, ``prefill_read``, ``trellis_encode`` or ``trellis_cache_kv`` nodes). In such a
     graph every attention over the cache is the cache's business (rewritten to the decode op, or
-    tagged to stay as it is), and the others
-    read layers the cache keeps in full precision (a hybrid model's sliding windows): the generic
-    simulate rewrite must quantize none of them."""
+    tagged to stay as it is), and the others read layers the cache keeps in full precision (a
+    hybrid model's sliding windows): the generic simulate rewrite must quantize none of them."""
     ops = [getattr(torch.ops.vecinfer, name)
            for name in ("cache_append", "cache_kv", "prefill_read", "trellis_encode", "trellis_cache_kv")]
     targets = {op for op in ops} | {op.default for op in ops}
@@ -265,8 +264,11 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
             node.meta[CACHE_READ_META] = True
             counters["vecinfer"]["cache_trellis_chunk_dense"] += 1
             continue
-        lam, rot = (a[T_LAM], a[T_ROT]) if trellis else (a[LAM], a[ROT])
-        coded = (a[K_CODES], a[V_CODES], a[K_CENT], a[V_CENT], a[N_CODED], a[K_WIN], a[V_WIN], a[N_WIN])
+        if trellis:
+            lam, rot = a[T_LAM], a[T_ROT]
+        else:
+            lam, rot = a[LAM], a[ROT]
+            coded = (a[K_CODES], a[V_CODES], a[K_CENT], a[V_CENT], a[N_CODED], a[K_WIN], a[V_WIN], a[N_WIN])
         with graph.inserting_before(node):
             q_t = graph.call_function(transform_queries, (query, lam, rot, key_read))
             q_t.meta["example_value"] = q
