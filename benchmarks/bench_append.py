@@ -90,27 +90,22 @@ def time_torch(args: dict, n: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / n
 
 
-def time_trellis_encode(b: int, bits: float, states: int, gen: torch.Generator, weights: tuple[float, ...],
-                        n: int = 20) -> list[float]:
+def time_trellis_encode(b: int, bits: float, states: int, gen: torch.Generator, n: int = 20) -> float:
     """Microseconds per encode of one token's keys ``[b, HKV, 1, D]`` by a trellis codec of ``states``
-    states fitted on random keys with a decaying spectrum, eager, synchronised: one figure for each
-    key parallel weight of ``weights`` (1: the least-error walks; above: score-aware walks)."""
+    states fitted on random keys with a decaying spectrum, eager, synchronised."""
     from vecinfer_compile.quant.trellis_codec import TrellisCodec
 
     keys = torch.randn(HKV, 4096, D, generator=gen) * torch.logspace(0, -1, D)
     codec = TrellisCodec.fit(keys.cuda(), bits, states.bit_length() - 1, train_vectors=1024, rounds=1)
     key = torch.randn(b, HKV, 1, D, generator=gen).cuda().bfloat16()
-    out = []
-    for weight in weights:
-        codec.encode_packed(key, weight)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            codec.encode_packed(key, weight)
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / n)
-    return out
+    codec.encode_packed(key)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        codec.encode_packed(key)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
 
 
 def main(argv=None) -> None:
@@ -136,10 +131,9 @@ def main(argv=None) -> None:
             us = time_torch(layer_state(b, bits, 8.0, True, gen))
             print(f"| {bits:g} | {b} | error-weighted, w=8, torch ops (eager) | {us:.1f} | {us / base:.2f}x |")
             for states in (int(x) for x in args.trellis_states.split(",") if x):
-                for weight, us in zip((1.0, 8.0), time_trellis_encode(b, bits, states, gen, (1.0, 8.0))):
-                    walks = "least-error" if weight == 1.0 else f"score-aware w={weight:g}"
-                    print(f"| {bits:g} | {b} | trellis keys, {states} states, {walks}: encode only (eager) | "
-                          f"{us:.1f} | {us / base:.2f}x |")
+                us = time_trellis_encode(b, bits, states, gen)
+                print(f"| {bits:g} | {b} | trellis keys, {states} states: encode only (eager) | {us:.1f} | "
+                      f"{us / base:.2f}x |")
 
 
 if __name__ == "__main__":

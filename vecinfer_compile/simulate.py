@@ -90,7 +90,7 @@ class LayerSimulator:
             positions = key_positions(position_ids, k.shape[2], k.device)
         kt = layer.transform.keys(k, positions)
         if layer.key_codec is not None:
-            kt_hat = layer.key_codec.quantize_dequantize(kt, self.codebooks.key_parallel_weight)
+            kt_hat = layer.key_codec.quantize_dequantize(kt)
         else:
             kt_hat = quantize_dequantize(kt, kc, self.codebooks.key_parallel_weight, layer.key_metric)
         k_hat = layer.transform.keys_inverse(kt_hat, positions).to(k.dtype)

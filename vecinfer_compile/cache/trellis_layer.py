@@ -6,8 +6,7 @@ The buffers are the storage's (:mod:`.storage`): a code slot holds a token and h
 codes of the same preset), the window its full-precision ``K~`` and ``V``. Everything goes through
 the registered ops of :mod:`vecinfer_compile.ops.trellis_ops` and reads the counters on the device
 only, so one form runs eagerly and inside a compiled step (CUDA graphs included): the prefill and
-every append encode with ``trellis_encode`` (one Viterbi launch on CUDA; the keys score-aware where
-the file says so, ``key_parallel_weight``, as the codebooks' codes are), the reads are
+every append encode with ``trellis_encode`` (one Viterbi launch on CUDA), the reads are
 ``trellis_cache_kv`` (:func:`.reads.read`), and a decode step attends over codes and window with
 ``trellis_decode_attention`` (eagerly under ``"vecinfer_sdpa"``, :func:`attend`; compiled, the
 backend's pass puts it in place of SDPA over the read).
@@ -21,8 +20,8 @@ from ..ops.append import append_through_window
 from .quantizer import LayerQuantizer
 
 
-def _encoder(operands, width: int, parallel_weight: float = 1.0):
-    return lambda x: torch.ops.vecinfer.trellis_encode(x, list(operands), width, parallel_weight)
+def _encoder(operands, width: int):
+    return lambda x: torch.ops.vecinfer.trellis_encode(x, list(operands), width)
 
 
 def fill(storage, kt: torch.Tensor, v: torch.Tensor, q: LayerQuantizer) -> None:
@@ -30,8 +29,7 @@ def fill(storage, kt: torch.Tensor, v: torch.Tensor, q: LayerQuantizer) -> None:
     t = kt.shape[2]
     n_code = max(t - storage.residual, 0)
     if n_code > 0:
-        encode_keys = _encoder(q.key_trellis, storage.k_codes.shape[-1], q.key_parallel_weight)
-        storage.k_codes[:, :, :n_code].copy_(encode_keys(kt[:, :, :n_code]))
+        storage.k_codes[:, :, :n_code].copy_(_encoder(q.key_trellis, storage.k_codes.shape[-1])(kt[:, :, :n_code]))
         storage.v_codes[:, :, :n_code].copy_(_encoder(q.value_trellis, storage.v_codes.shape[-1])(v[:, :, :n_code]))
     storage.k_window[:, :, :t - n_code].copy_(kt[:, :, n_code:])
     storage.v_window[:, :, :t - n_code].copy_(v[:, :, n_code:])
@@ -46,7 +44,7 @@ def append(storage, k: torch.Tensor, v: torch.Tensor, q: LayerQuantizer) -> None
     in the window; those before are coded into slots ``n_coded ..``."""
     s = storage
     append_through_window(q.transform_keys(k, s.dtype), v, s.k_codes, s.v_codes, s.k_window, s.v_window, s.n_coded,
-                          s.n_window, _encoder(q.key_trellis, s.k_codes.shape[-1], q.key_parallel_weight),
+                          s.n_window, _encoder(q.key_trellis, s.k_codes.shape[-1]),
                           _encoder(q.value_trellis, s.v_codes.shape[-1]))
 
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..quant.trellis_codec import TrellisCodec, components, packed_codes, score_aware_codes
+from ..quant.trellis_codec import TrellisCodec, components, packed_codes
 from ..quant.trellis_packing import read_states, state_windows
 from .split_attention.lse_merge import merge_by_lse
 
@@ -64,27 +64,17 @@ class TrellisOperands(NamedTuple):
 
     def vectors(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes: [B, H, T, nbytes]`` -> the decoded vectors ``[B, H, T, D]`` float32."""
-        return self.decoded(codes.transpose(1, 2)).transpose(1, 2)
-
-    def decoded(self, codes: torch.Tensor) -> torch.Tensor:
-        """``codes: [..., H, nbytes]`` -> the decoded vectors ``[..., H, D]`` float32."""
-        return torch.einsum("...hc,hcd->...hd", self.entries(codes) * self.sd, self.synthesis) + self.mean
+        e = self.entries(codes.transpose(1, 2)).transpose(1, 2)  # [B, H, T, D]
+        return torch.einsum("bhtc,hcd->bhtd", e * self.sd[:, None], self.synthesis) + self.mean[:, None]
 
 
-def encode(x: torch.Tensor, operands: TrellisOperands, nbytes: int, parallel_weight: float = 1.0) -> torch.Tensor:
+def encode(x: torch.Tensor, operands: TrellisOperands, nbytes: int) -> torch.Tensor:
     """``x [B, H, T, D]`` (keys in the codec's domain, or values; any float dtype) -> the stored codes
-    ``[B, H, T, nbytes]`` uint8: the least-error walks, as
-    :meth:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.encode_packed` codes them (one Viterbi
-    launch on CUDA, no host sync); ``parallel_weight > 1``: score-aware walks (:func:`score_aware_codes`)."""
+    ``[B, H, T, nbytes]`` uint8, as :meth:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.encode_packed`
+    codes them (one Viterbi launch on CUDA, no host sync)."""
     b, h, t, _ = x.shape
     unit = components(x, operands.center, operands.analysis, operands.inverse_sd)
-    if parallel_weight == 1.0:
-        codes = packed_codes(unit, operands.bits, operands.tables, nbytes)
-    else:
-        codes = score_aware_codes(x.movedim(-3, -2).reshape(-1, h, x.shape[-1]), unit, operands.bits,
-                                  operands.tables, nbytes, operands.analysis, parallel_weight,
-                                  lambda c: operands.decoded(c))
-    return codes.view(b, t, h, nbytes).transpose(1, 2)
+    return packed_codes(unit, operands.bits, operands.tables, nbytes).view(b, t, h, nbytes).transpose(1, 2)
 
 
 def read(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded, k_window: torch.Tensor, v_window: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list of tensors)::
 
-    vecinfer::trellis_encode(Tensor x, Tensor[] codec, int nbytes, float parallel_weight) -> Tensor
+    vecinfer::trellis_encode(Tensor x, Tensor[] codec, int nbytes) -> Tensor
     vecinfer::trellis_cache_kv(Tensor k_codes, Tensor v_codes, Tensor n_coded, Tensor k_window,
         Tensor v_window, Tensor n_window, Tensor? lam, Tensor? rotation, Tensor[] keys,
         Tensor[] values) -> (Tensor, Tensor)
@@ -11,8 +11,8 @@ Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list 
         Tensor[] keys, Tensor[] values) -> Tensor
 
 - ``trellis_encode``: ``x [B, H, T, D]`` -> stored codes ``[B, H, T, nbytes]`` uint8
-  (:func:`.trellis.encode`; one Viterbi launch on CUDA, one a scale of the score-aware search for
-  ``parallel_weight > 1``; ``nbytes``: the codec's, given so that the output's shape needs no data).
+  (:func:`.trellis.encode`; one Viterbi launch on CUDA; ``nbytes``: the codec's, given so that the
+  output's shape needs no data).
 - ``trellis_cache_kv``: ``vecinfer::cache_kv``'s contract over trellis codes: every slot's K and V
   ``[B, H, S, D]`` in the window's dtype, keys back through ``rotation^T`` and ``lam`` where given
   (the query-aware matrix and the mean follow as plain ops, as for ``cache_kv``), zeros past the
@@ -34,11 +34,11 @@ from .registry import define
 from .trellis import TrellisOperands, decode_step, encode, read
 
 
-def trellis_encode(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int, parallel_weight: float) -> torch.Tensor:
-    return encode(x, TrellisOperands(*codec), nbytes, parallel_weight).contiguous()
+def trellis_encode(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+    return encode(x, TrellisOperands(*codec), nbytes).contiguous()
 
 
-def _encode_fake(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int, parallel_weight: float) -> torch.Tensor:
+def _encode_fake(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> torch.Tensor:
     b, h, t, _ = x.shape
     return x.new_empty((b, h, t, nbytes), dtype=torch.uint8)
 

@@ -30,15 +30,13 @@ The simulate path runs it, and VecInferCache, eager or compiled, with keys and v
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .klt import KLT, gaussian_lloyd_max_distortion, greedy_allocation
-from .score_aware import SCALES, check_parallel_weight
 from .trellis import train_luts, viterbi
-from .trellis_packing import component_states, pack_walks, packed_bytes
+from .trellis_packing import pack_walks
 
 MAX_COMPONENT_BITS = 12  # the allocation's curve reaches this far; it never gives a component more than L
 PARTS = ("mean", "analysis", "synthesis", "variance", "scale", "bits", "tables")  # to_tensors' names
@@ -178,22 +176,11 @@ class TrellisCodec:
             cache[device] = {name: t.to(device) for name, t in parts.items()}
         return cache[device]
 
-    def encode_packed(self, vectors: torch.Tensor, parallel_weight: float = 1.0) -> torch.Tensor:
+    def encode_packed(self, vectors: torch.Tensor) -> torch.Tensor:
         """``vectors: [..., H, T, D]`` -> the stored codes ``[N, H, nbytes]`` uint8 (``bits_per_element
-        * D`` bits a token and head: :mod:`.trellis_packing`); on CUDA the Viterbi launch writes them.
-        ``parallel_weight > 1``: score-aware walks (:func:`score_aware_codes`; keys)."""
+        * D`` bits a token and head: :mod:`.trellis_packing`); on CUDA the Viterbi launch writes them."""
         on = self.on_device(vectors.device)
-        unit = self._unit(vectors)
-        if parallel_weight == 1.0:
-            return packed_codes(unit, on["bits"], on["tables"])
-        h, d = vectors.shape[-3], vectors.shape[-1]
-        x = vectors.movedim(-3, -2).reshape(-1, h, d)
-        return score_aware_codes(x, unit, on["bits"], on["tables"], packed_bytes(self.bits), on["analysis"],
-                                 parallel_weight, lambda codes: self._decoded(self.states(codes)).float())
-
-    def states(self, codes: torch.Tensor) -> torch.Tensor:
-        """Stored codes ``[N, H, nbytes]`` -> :meth:`encode`'s states ``[N, H, D]`` int32."""
-        return component_states(codes, self.bits.to(codes.device), self.state_bits).int()
+        return packed_codes(self._unit(vectors), on["bits"], on["tables"])
 
     def encode(self, vectors: torch.Tensor) -> torch.Tensor:
         """``vectors: [..., H, T, D]`` -> trellis states ``[N, H, D]`` int32 (``N``: the product of
@@ -215,21 +202,14 @@ class TrellisCodec:
         ``dtype``: each component its table entry times its standard deviation (0 bits: 0), then
         ``mean + scale * (y @ synthesis)``."""
         h, t, d = shape[-3:]
-        x = self._decoded(states)
-        return x.reshape(*shape[:-3], t, h, d).movedim(-2, -3).to(dtype)
-
-    def _decoded(self, states: torch.Tensor) -> torch.Tensor:
-        """States ``[N, H, D]`` -> the decoded vectors ``[N, H, D]`` float64."""
         on = self.on_device(states.device)
         y = on["tables"].flatten()[on["rows"] + states.long()].double() * on["sd"]
-        return torch.einsum("nhc,hcd->nhd", y, on["synthesis"]) + on["mean"]
+        x = torch.einsum("nhc,hcd->nhd", y, on["synthesis"]) + on["mean"]
+        return x.reshape(*shape[:-3], t, h, d).movedim(-2, -3).to(dtype)
 
-    def quantize_dequantize(self, vectors: torch.Tensor, parallel_weight: float = 1.0) -> torch.Tensor:
-        """``vectors: [..., H, T, D]`` through the code and back, same shape, dtype and device
-        (``parallel_weight > 1``: score-aware walks, :meth:`encode_packed`)."""
-        if parallel_weight == 1.0:
-            return self.decode(self.encode(vectors), vectors.shape, vectors.dtype)
-        return self.decode(self.states(self.encode_packed(vectors, parallel_weight)), vectors.shape, vectors.dtype)
+    def quantize_dequantize(self, vectors: torch.Tensor) -> torch.Tensor:
+        """``vectors: [..., H, T, D]`` through the code and back, same shape, dtype and device."""
+        return self.decode(self.encode(vectors), vectors.shape, vectors.dtype)
 
 
 def components(vectors: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor,
@@ -270,34 +250,3 @@ def packed_codes(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
         if tables.shape[-1].bit_length() - 1 <= MAX_STATE_BITS:
             return viterbi_codes(unit, bits, tables, nbytes=nbytes)
     return pack_walks(walks(unit, bits, tables), bits)
-
-
-def score_aware_codes(x: torch.Tensor, unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, nbytes: int,
-                      analysis: torch.Tensor, weight: float,
-                      decode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The score-aware search of :mod:`.score_aware` over trellis walks: stored codes ``[N, H, nbytes]``
-    uint8 of ``x [N, H, D]`` (vectors in the codec's domain; ``unit [N, H, D]`` their unit components).
-
-    The walks of ``a * unit`` for each scale ``a`` of :data:`.score_aware.SCALES` are candidates (a
-    longer target counters the tables' shrinkage toward the mean along the vector's own direction);
-    each vector keeps the one of the lowest ``r^T M r + (weight - 1) (r . x / |x|)^2`` (``r = x -
-    decode(codes)``, ``decode``: codes ``[N, H, nbytes]`` -> ``[N, H, D]`` float32; ``M``: the
-    codec's error metric, ``|r @ analysis|^2`` with ``analysis [H, D, D]``), the earlier scale on
-    ties. ``a = 1`` (the least-error walks) is a candidate, so the loss never exceeds theirs. One
-    Viterbi launch a scale on CUDA, no host sync."""
-    weight = check_parallel_weight(weight)
-    xf = x.float()
-    root = analysis.float()
-    direction = xf / xf.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    best = best_loss = None
-    for a in SCALES:
-        codes = packed_codes(unit * a, bits, tables, nbytes)
-        r = xf - decode(codes)
-        loss = torch.einsum("nhd,hdc->nhc", r, root).square().sum(-1) + (weight - 1.0) * (r * direction).sum(-1) ** 2
-        if best is None:
-            best, best_loss = codes, loss
-            continue
-        take = loss < best_loss
-        best = torch.where(take[..., None], codes, best)
-        best_loss = torch.where(take, loss, best_loss)
-    return best
