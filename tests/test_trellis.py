@@ -41,6 +41,22 @@ def test_property_viterbi_finds_the_best_walk(lbits, bits, seed):
             prev = s
 
 
+def test_steps_wider_than_a_byte_keep_their_whole_trace():
+    """A step of more than 8 bits has up to 2^k predecessors a state: the walk back keeps all k high
+    bits, so the walk costs the trellis's least cost (a recursion over costs alone, no trace back)."""
+    lbits, bits = 10, [2, 1, 3, 3, 2, 10, 9, 1]
+    gen = torch.Generator().manual_seed(0)
+    luts = {k: torch.randn(1 << lbits, generator=gen) for k in set(bits)}
+    x = torch.randn(16, len(bits), generator=gen)
+    cost = torch.full((16, 1 << lbits), float("inf"))
+    cost[:, 0] = 0
+    for t, k in enumerate(bits):
+        best = cost.view(16, 1 << k, -1).min(1).values
+        cost = best.repeat_interleave(1 << k, 1) + (x[:, t, None] - luts[k][None]) ** 2
+    err = ((reconstruct(viterbi(x, bits, luts), bits, luts) - x) ** 2).sum(1)
+    torch.testing.assert_close(err, cost.min(1).values, atol=1e-5, rtol=1e-5)
+
+
 def test_a_sequence_on_the_trellis_is_reconstructed_exactly():
     bits, lbits = [2, 1, 3, 2, 2, 1], 4
     luts = initial_luts(lbits, bits)

@@ -26,8 +26,8 @@ def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chu
     The predecessors of state ``s`` under a ``k``-bit step are the ``2^k`` states whose low
     ``L - k`` bits are ``s >> k``: viewing the cost vector as ``[2^k, 2^(L-k)]`` (high bits, low
     bits), one min over the first axis gives every state's best predecessor, and only its high
-    bits (``< 2^k``, one byte) are kept for the trace back. Rows go ``chunk`` at a time (default:
-    about 1 GiB of trace-back bytes)."""
+    bits (``< 2^k``: a byte, two for a step of more than 8 bits) are kept for the trace back. Rows
+    go ``chunk`` at a time (default: about 1 GiB of trace-back bytes)."""
     if x.dim() != 2 or x.shape[1] != len(bits):
         raise ValueError(f"x must be [N, T] with T = len(bits) = {len(bits)}, got {tuple(x.shape)}")
     states = next(iter(luts.values())).numel()
@@ -35,7 +35,7 @@ def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chu
     if states != 1 << lbits or any(not 1 <= k <= lbits for k in bits):
         raise ValueError(f"tables of 2^L entries and 1 <= bits <= L, got {states} entries and bits {sorted(set(bits))}")
     if chunk is None:
-        trace_bytes = sum(states >> k for k in bits)
+        trace_bytes = sum((states >> k) * (1 if k <= 8 else 2) for k in bits)
         chunk = max(1, min(8192, (1 << 30) // max(1, trace_bytes)))
     tables = {k: luts[k].to(device=x.device, dtype=torch.float32) for k in set(bits)}
     out = []
@@ -48,7 +48,7 @@ def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chu
             best, high = cost.view(n, 1 << k, states >> k).min(1)  # [n, 2^(L-k)] over the high bits
             err = (part[:, t, None] - tables[k][None, :]) ** 2
             cost = (best[:, :, None] + err.view(n, states >> k, 1 << k)).view(n, states)
-            back.append(high.to(torch.uint8))
+            back.append(high.to(torch.uint8 if k <= 8 else torch.int16))
         s = cost.argmin(1)
         walk = torch.empty(n, len(bits), dtype=torch.long, device=x.device)
         for t in range(len(bits) - 1, -1, -1):

@@ -6,8 +6,9 @@ One program codes one vector (a token's components of one KV head): the ``2^L`` 
 registers, and each step is the reference's move, a min over the high bits of the cost vector
 viewed ``[2^k, 2^(L-k)]``, then the new states' squared errors added. The step's width ``k`` is
 read at run time from the head's bit allocation (one branch per width, widths up to ``MAX_K``);
-components with 0 bits are skipped. The argmin's high bits (one byte a state) go to a scratch
-buffer in global memory and the walk is traced back at the end of the same program. Every row
+components with 0 bits are skipped. The argmin's high bits (one byte a state; two where a width
+exceeds 8 bits) go to a scratch buffer in global memory and the walk is traced back at the end of
+the same program. Every row
 and head of a call is one launch, where the torch reference takes a few kernels a component and
 head (about 1,500 launches a layer per decode step).
 
@@ -50,7 +51,7 @@ def _viterbi_kernel(x_ptr, bits_ptr, tables_ptr, trace_ptr, walk_ptr, ends_ptr, 
             if k == kk:
                 view = tl.reshape(cost, (1 << kk, S >> kk))
                 best, high = tl.min(view, axis=0, return_indices=True)
-                tl.store(trace + t * HALF + tl.arange(0, S >> kk), high.to(tl.uint8))
+                tl.store(trace + t * HALF + tl.arange(0, S >> kk), high.to(trace_ptr.dtype.element_ty))
                 table = tl.load(tables_ptr + h * stride_th + (kk - 1) * stride_tw + states)
                 err = x - table
                 spread = tl.broadcast_to(tl.reshape(best, (S >> kk, 1)), (S >> kk, 1 << kk))
@@ -112,12 +113,13 @@ def _viterbi(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, *, walks
     walk_out = torch.zeros(n if walks else 1, h, d, dtype=torch.int32, device=x.device)
     code_out = torch.zeros(n if codes else 1, h, nbytes, dtype=torch.uint8, device=x.device)
     ends = bit_ends(bits).int().contiguous()
-    rows = max(1, SCRATCH_BYTES // (h * d * (states // 2)))
+    trace_dtype = torch.uint8 if width <= 8 else torch.int16  # a step's high bits: < 2^k
+    rows = max(1, SCRATCH_BYTES // (h * d * (states // 2) * trace_dtype.itemsize))
     for start in range(0, n, rows):
         part = x[start:start + rows]
         w = walk_out[start:start + rows] if walks else walk_out
         c = code_out[start:start + rows] if codes else code_out
-        trace = torch.empty(part.shape[0] * h * d * (states // 2), dtype=torch.uint8, device=x.device)
+        trace = torch.empty(part.shape[0] * h * d * (states // 2), dtype=trace_dtype, device=x.device)
         launch(_viterbi_kernel, (part.shape[0], h), wrap, part, bits, tables, trace, w, ends, c, h, d, nbytes,
                part.stride(0), part.stride(1), bits.stride(0), tables.stride(0), tables.stride(1),
                w.stride(0), w.stride(1), c.stride(0), c.stride(1), L=lbits, MAX_K=width, WALKS=walks,
