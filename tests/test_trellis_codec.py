@@ -105,6 +105,26 @@ def test_a_trellis_file_round_trips_and_names_its_codecs(trellis_file):
         assert not torch.equal(b.key_codec.analysis, b.value_codec.analysis)
 
 
+def test_the_fixed_bytes_count_the_codecs_state(trellis_file, tiny_model):
+    """What a trellis cache holds whatever its length includes every tensor of its codecs' operands,
+    and calibrate's summary counts the codecs' float32 state in its fixed bytes."""
+    from vecinfer_compile.cache import VecInferCache
+    from vecinfer_compile.commands.calibrate import memory_summary
+    from vecinfer_compile.evaluation.kv_bytes import cache_bytes, kv_bytes
+
+    cb, _ = trellis_file
+    model, _ = tiny_model
+    cache = VecInferCache(model, cb, batch_size=1, max_cache_len=8, residual=2)
+    operands = sum(t.numel() * t.element_size() for layer in cache.coded_layers()
+                   for ops in (layer.quantizer.key_trellis, layer.quantizer.value_trellis) for t in ops)
+    state = cb.state_bytes()
+    codecs = state["key codec"] + state["value codec"]
+    rotation = 4 * 64 * 64  # vecinfer's Hadamard, which the cache holds
+    assert cache_bytes(cache).fixed == cb.nbytes() - codecs + operands + rotation
+    fixed = kv_bytes(cb.method, cb.bits, cb.geometry, weighted_codes=cb.weighted_codes).fixed_bytes
+    assert f"{fixed + codecs:,} bytes fixed" in memory_summary(cb)
+
+
 def test_simulate_codes_keys_and_values_by_the_codecs_and_the_compiled_simulate_path_refuses_them(trellis_file,
                                                                                                  tiny_model):
     from vecinfer_compile import vecinfer_backend

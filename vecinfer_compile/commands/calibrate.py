@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -80,10 +81,13 @@ def memory_summary(cb) -> str:
     from ..evaluation.generation import DEFAULT_RESIDUAL
     from ..evaluation.kv_bytes import kv_bytes
 
-    parts = ", ".join(f"{kind} {n:,}" for kind, n in cb.state_bytes().items())
-    acc = kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, weighted_codes=cb.weighted_codes)
-    windowed = kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, residual=DEFAULT_RESIDUAL,
-                        weighted_codes=cb.weighted_codes)
+    state = cb.state_bytes()
+    parts = ", ".join(f"{kind} {n:,}" for kind, n in state.items())
+    codecs = state.get("key codec", 0) + state.get("value codec", 0)  # the method's formula knows no codec
+    acc, windowed = (dataclasses.replace(b, fixed_bytes=b.fixed_bytes + codecs) for b in (
+        kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, weighted_codes=cb.weighted_codes),
+        kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, residual=DEFAULT_RESIDUAL,
+                 weighted_codes=cb.weighted_codes)))
     return (f"state: {cb.nbytes():,} bytes of float32, the precision the cache uses it in ({parts})\n"
             f"a VecInferCache of this model: {acc.fixed_bytes:,} bytes fixed, whatever its length, + "
             f"{acc.bytes_per_token:g} bytes per token (full precision: {acc.fp16_bytes_per_token:,}); fewer "
