@@ -201,12 +201,12 @@ def test_interp_encode_score_aware(spec):
     _assert_score_aware_match(x, cent, stored, values, 8.0)
 
 
-def _trellis_case(gen: torch.Generator, n: int, h: int, d: int, lbits: int):
-    """Unit-scale components ``[n, h, d]``, per-head bits ``[h, d]`` (0..min(4, L), decreasing like an
-    allocation's, at least one coded) and tables ``[h, W, 2^L]`` of one codec."""
+def _trellis_case(gen: torch.Generator, n: int, h: int, d: int, lbits: int, widest: int = 4):
+    """Unit-scale components ``[n, h, d]``, per-head bits ``[h, d]`` (0..min(widest, L), decreasing like
+    an allocation's, at least one coded) and tables ``[h, W, 2^L]`` of one codec."""
     from vecinfer_compile.quant.trellis import initial_luts
 
-    bits = torch.randint(0, min(4, lbits) + 1, (h, d), generator=gen).sort(1, descending=True).values
+    bits = torch.randint(0, min(widest, lbits) + 1, (h, d), generator=gen).sort(1, descending=True).values
     bits[:, 0] = bits[:, 0].clamp_min(1)
     tables = torch.zeros(h, int(bits.max()), 1 << lbits)
     for i in range(h):
@@ -243,6 +243,16 @@ def test_interp_trellis_viterbi(seed, n, h, d, lbits):
     walks = viterbi_walks(x, bits, tables)
     _assert_optimal_walks(x, bits, tables, walks)
     torch.testing.assert_close(viterbi_codes(x, bits, tables), pack_walks(walks, bits))  # the same launch, packed
+
+
+@interp_only
+def test_interp_trellis_viterbi_steps_wider_than_a_byte():
+    """Steps of 9 and 10 bits (more than a trace byte holds) at 2^10 states: walks as cheap as the reference's."""
+    from vecinfer_compile.ops.triton.trellis import viterbi_walks
+
+    x, bits, tables = _trellis_case(torch.Generator().manual_seed(3), 3, 2, 12, 10, widest=10)
+    assert int(bits.max()) > 8
+    _assert_optimal_walks(x, bits, tables, viterbi_walks(x, bits, tables))
 
 
 def _trellis_decode_case(gen: torch.Generator, b: int, hkv: int, group: int, tmax: int, d: int, lbits: int):
@@ -489,14 +499,15 @@ test_cuda_compiled_ops_fullgraph_dynamic = pytest.mark.cuda(test_cuda_compiled_o
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("lbits", [8, 10, 12])
-def test_cuda_trellis_viterbi(lbits):
-    """The Viterbi kernel on the GPU at the codec's sizes (head_dim 128, 8 KV heads, up to 2^12 states)."""
+@pytest.mark.parametrize("lbits, widest", [(8, 4), (10, 4), (12, 4), (10, 10)])
+def test_cuda_trellis_viterbi(lbits, widest):
+    """The Viterbi kernel on the GPU at the codec's sizes (head_dim 128, 8 KV heads, up to 2^12 states,
+    steps up to 10 bits: wider than a trace byte)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from vecinfer_compile.ops.triton.trellis import viterbi_walks
 
-    x, bits, tables = _trellis_case(torch.Generator().manual_seed(lbits), 33, 8, 128, lbits)
+    x, bits, tables = _trellis_case(torch.Generator().manual_seed(lbits + widest), 33, 8, 128, lbits, widest)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
     _assert_optimal_walks(x, bits, tables, viterbi_walks(x, bits, tables))
 
