@@ -275,7 +275,7 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
 
     model, tok = load_model(evalmodel_dir, "float32", "cpu")
     text = load_text(calibration_text_path)
-    cb = calibrate(model, tok, text[:200_000], bits=2, method=method, max_tokens=2048, seq_len=512, iters=10,
+    cb = calibrate(model, tok, text[:200_000], bits=2, method=method, max_tokens=1024, seq_len=512, iters=10,
                    progress=False)
     ids = tokenize(tok, text[-60_000:])[None, :600]  # the calibration file's end: not calibrated on
     with torch.no_grad():
