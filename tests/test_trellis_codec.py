@@ -427,6 +427,44 @@ def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(
     torch.testing.assert_close(cached.attend(q, mask, None), want, atol=2e-4, rtol=2e-4)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 4, 16]), d=st.sampled_from([64, 128]), n_coded=st.integers(0, 37),
+       residual=st.integers(1, 9), fill=st.sampled_from(["empty", "partial", "full"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), left_pad=st.booleans())
+def test_property_a_decode_step_attends_as_sdpa_over_the_read(seed, b, hkv, group, d, n_coded, residual, fill, dtype,
+                                                               left_pad):
+    """``decode_step`` (the codes in the components, the window exactly, merged by log-sum-exp) = SDPA
+    over what ``read`` gives for the same slots: GQA 1-16, head_dim 64/128, float32/bf16/fp16, odd
+    lengths, the window empty, partial or full, left padding (a padded row still attends something)."""
+    from vecinfer_compile.ops.trellis import TrellisOperands, decode_step, read
+    from vecinfer_compile.testing import random_trellis_codec
+
+    gen = torch.Generator().manual_seed(seed)
+    n_window = {"empty": 0, "partial": (residual + 1) // 2, "full": residual}[fill]
+    assume(n_coded + n_window > 0)
+    keys, values = (TrellisOperands.of(random_trellis_codec(gen, hkv, d, 2.0, 6), "cpu") for _ in range(2))
+    slots = n_coded + residual + 3
+    k_codes, v_codes = (torch.randint(0, 256, (b, hkv, slots, d // 4), generator=gen, dtype=torch.uint8)
+                        for _ in range(2))
+    k_window, v_window = (torch.randn(b, hkv, residual, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(b, hkv * group, 1, d, generator=gen).to(dtype)
+    start = torch.randint(0, n_coded + n_window, (b,), generator=gen) if left_pad else None
+    got = decode_step(q, k_codes, v_codes, torch.tensor(n_coded), k_window, v_window, torch.tensor(n_window), start,
+                      d ** -0.5, keys, values)
+    k, v = read(k_codes, v_codes, n_coded, k_window, v_window, n_window, keys, values)
+    slot = torch.arange(slots)
+    mask = (slot < n_coded + n_window)[None].expand(b, slots)
+    if start is not None:
+        mask = mask & (slot[None] >= start[:, None])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask[:, None, None],
+        scale=d ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def test_the_needle_attention_diagnostic_runs_on_the_tiny_model(trellis_file, tiny_dir, tmp_path):
     """``benchmarks/needle_attention_mass.py`` on the tiny model: the shipped 2-bit file and a
     trellis file, every layer; with every token coded the outputs move, with a window longer than
