@@ -8,9 +8,8 @@ viewed ``[2^k, 2^(L-k)]``, then the new states' squared errors added. The step's
 read at run time from the head's bit allocation (one branch per width, widths up to ``MAX_K``);
 components with 0 bits are skipped. The argmin's high bits (one byte a state; two where a width
 exceeds 8 bits) go to a scratch buffer in global memory and the walk is traced back at the end of
-the same program. Every row
-and head of a call is one launch, where the torch reference takes a few kernels a component and
-head (about 1,500 launches a layer per decode step).
+the same program. Every row and head of a call is one launch, where the torch reference takes a
+few kernels a component and head (about 1,500 launches a layer per decode step).
 
 **Decode** (:func:`decode_components`): flash-decoding over the codes in the components. A program
 takes one (batch row, KV head) and one split of the coded prefix, a block of tokens at a time:
