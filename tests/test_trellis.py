@@ -41,20 +41,39 @@ def test_property_viterbi_finds_the_best_walk(lbits, bits, seed):
             prev = s
 
 
+def _least_cost(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], lbits: int) -> torch.Tensor:
+    """The trellis's least total squared error of each row of ``x: [N, T]``, by the recursion over
+    costs alone (no trace back to get wrong)."""
+    cost = torch.full((x.shape[0], 1 << lbits), float("inf"))
+    cost[:, 0] = 0
+    for t, k in enumerate(bits):
+        best = cost.view(x.shape[0], 1 << k, -1).min(1).values
+        cost = best.repeat_interleave(1 << k, 1) + (x[:, t, None] - luts[k][None]) ** 2
+    return cost.min(1).values
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 10), st.lists(st.integers(1, 10), min_size=1, max_size=8), st.integers(0, 2**16))
+def test_property_the_walk_costs_the_least_cost_whatever_the_widths(lbits, widths, seed):
+    """Any widths up to L (steps of more than 8 bits keep their whole high bits in the trace): the
+    walk's squared error is the least cost."""
+    bits = [min(k, lbits) for k in widths]
+    gen = torch.Generator().manual_seed(seed)
+    luts = {k: torch.randn(1 << lbits, generator=gen) for k in set(bits)}
+    x = torch.randn(8, len(bits), generator=gen)
+    err = ((reconstruct(viterbi(x, bits, luts), bits, luts) - x) ** 2).sum(1)
+    torch.testing.assert_close(err, _least_cost(x, bits, luts, lbits), atol=1e-5, rtol=1e-5)
+
+
 def test_steps_wider_than_a_byte_keep_their_whole_trace():
     """A step of more than 8 bits has up to 2^k predecessors a state: the walk back keeps all k high
-    bits, so the walk costs the trellis's least cost (a recursion over costs alone, no trace back)."""
+    bits, so the walk costs the least cost (the case the one-byte trace got wrong)."""
     lbits, bits = 10, [2, 1, 3, 3, 2, 10, 9, 1]
     gen = torch.Generator().manual_seed(0)
     luts = {k: torch.randn(1 << lbits, generator=gen) for k in set(bits)}
     x = torch.randn(16, len(bits), generator=gen)
-    cost = torch.full((16, 1 << lbits), float("inf"))
-    cost[:, 0] = 0
-    for t, k in enumerate(bits):
-        best = cost.view(16, 1 << k, -1).min(1).values
-        cost = best.repeat_interleave(1 << k, 1) + (x[:, t, None] - luts[k][None]) ** 2
     err = ((reconstruct(viterbi(x, bits, luts), bits, luts) - x) ** 2).sum(1)
-    torch.testing.assert_close(err, cost.min(1).values, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(err, _least_cost(x, bits, luts, lbits), atol=1e-5, rtol=1e-5)
 
 
 def test_a_sequence_on_the_trellis_is_reconstructed_exactly():
