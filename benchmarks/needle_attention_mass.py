@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -34,8 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vecinfer_compile.codebooks import load_codebooks  # noqa: E402
-from vecinfer_compile.evaluation.needle import (build_prompt, load_haystack, make_needle,  # noqa: E402
-                                                sentence_boundaries)
+from vecinfer_compile.evaluation.needle import cell_prompts, load_haystack, sentence_boundaries  # noqa: E402
 from vecinfer_compile.hf.recording import _recording  # noqa: E402
 from vecinfer_compile.models import load_model  # noqa: E402
 from vecinfer_compile.simulate import LayerSimulator  # noqa: E402
@@ -63,15 +61,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
 def prompts(tokenizer, haystack: str, lengths: list[int], depths: list[float], trials: int, seed: int,
             template: str):
+    """``(length, depth, prompt)`` of ``vecinfer needle``'s grid, cell by cell."""
     filler = tokenizer(haystack, add_special_tokens=False)["input_ids"]
     boundaries = sentence_boundaries(tokenizer, filler)
-    bos = getattr(tokenizer, "bos_token_id", None)
     for n in lengths:
         for d in depths:
-            rng = random.Random(f"{seed}-{n}-{d:g}-{template}")  # run_needle's prompts
-            for _ in range(trials):
-                yield n, d, build_prompt(tokenizer, filler, boundaries, n, d / 100.0, make_needle(template, rng),
-                                         rng, bos)
+            for p in cell_prompts(tokenizer, filler, boundaries, n, d, trials, seed, template):
+                yield n, d, p
 
 
 def main(argv=None) -> dict:

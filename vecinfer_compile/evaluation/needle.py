@@ -181,6 +181,16 @@ class NeedleResult:
         }
 
 
+def cell_prompts(tokenizer, filler_ids: list[int], boundaries: list[int], length: int, depth: float, trials: int,
+                 seed: int, template: str) -> list[Prompt]:
+    """The ``trials`` prompts of one (length, depth) cell (``depth`` in percent), seeded by (seed, length,
+    depth, template): the same prompts for every method and every script that asks for them."""
+    rng = random.Random(f"{seed}-{length}-{depth:g}-{template}")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [build_prompt(tokenizer, filler_ids, boundaries, length, depth / 100.0, make_needle(template, rng), rng, bos)
+            for _ in range(trials)]
+
+
 def run_needle(
     model,
     tokenizer,
@@ -217,7 +227,6 @@ def run_needle(
     t0 = time.perf_counter()
     filler_ids = tokenizer(haystack_text, add_special_tokens=False)["input_ids"]
     boundaries = sentence_boundaries(tokenizer, filler_ids)
-    bos = getattr(tokenizer, "bos_token_id", None)
     grid = [[0.0] * len(depths) for _ in lengths]
     samples = []
     bar = None
@@ -228,10 +237,7 @@ def run_needle(
     try:
         for li, n in enumerate(lengths):
             for di, d in enumerate(depths):
-                # the same prompts for every method: seeded by (seed, length, depth)
-                rng = random.Random(f"{seed}-{n}-{d:g}-{template}")
-                prompts = [build_prompt(tokenizer, filler_ids, boundaries, n, d / 100.0,
-                                        make_needle(template, rng), rng, bos) for _ in range(trials)]
+                prompts = cell_prompts(tokenizer, filler_ids, boundaries, n, d, trials, seed, template)
                 correct = 0
                 for b in range(0, trials, max(1, batch_size)):
                     chunk = prompts[b:b + batch_size]
