@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vecinfer_compile.codebooks import load_codebooks  # noqa: E402
 from vecinfer_compile.evaluation.needle import cell_prompts, load_haystack, sentence_boundaries  # noqa: E402
-from vecinfer_compile.hf.recording import _recording  # noqa: E402
+from vecinfer_compile.hf.recording import recording  # noqa: E402
 from vecinfer_compile.models import load_model  # noqa: E402
 from vecinfer_compile.simulate import LayerSimulator  # noqa: E402
 
@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
         answer = tokenizer(" " + p.needle.key, add_special_tokens=False)["input_ids"]
         span = slice(p.needle_start, p.needle_start + len(needle_ids))
         positions = torch.arange(len(p.ids) - 1, len(p.ids) + len(answer) - 1)
-        with _recording(model, with_queries=True) as rec, torch.no_grad():
+        with recording(model, with_queries=True) as rec, torch.no_grad():
             model(input_ids=torch.tensor([p.ids + answer], device=args.device), use_cache=False)
         keep = max(0, len(p.ids) - args.residual)
         for l in layers:

@@ -48,7 +48,10 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def _recording(model, with_queries: bool):
+def recording(model, with_queries: bool):
+    """Within the block, ``model``'s attention layers record what they receive (the yielded
+    recorder's ``keys``, ``values``, and ``queries`` with ``with_queries``: per layer, lists of
+    float32 CPU tensors, post-RoPE), attending as SDPA."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -103,7 +106,7 @@ def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = Tr
     ``{layer: [H_q, N_tokens, D]}`` queries as a third element."""
     device = next(model.parameters()).device
     windows = _windows(model, token_ids, seq_len)
-    with _recording(model, with_queries) as rec:
+    with recording(model, with_queries) as rec:
         for ids in tqdm(windows, desc="recording attention inputs", disable=not progress):
             model(input_ids=ids[None].to(device), use_cache=False)
     if not rec.keys:
