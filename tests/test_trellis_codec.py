@@ -106,8 +106,8 @@ def test_a_trellis_file_round_trips_and_names_its_codecs(trellis_file):
 
 
 def test_the_fixed_bytes_count_the_codecs_state(trellis_file, tiny_model):
-    """What a trellis cache holds whatever its length includes every tensor of its codecs' operands,
-    and calibrate's summary counts the codecs' float32 state in its fixed bytes."""
+    """What a trellis cache holds whatever its length includes every tensor of its codecs' operands
+    and none of the codebooks' centroids (its reads use none), and calibrate's summary counts the codecs' float32 state in its fixed bytes."""
     from vecinfer_compile.cache import VecInferCache
     from vecinfer_compile.commands.calibrate import memory_summary
     from vecinfer_compile.evaluation.kv_bytes import cache_bytes, kv_bytes
@@ -120,9 +120,11 @@ def test_the_fixed_bytes_count_the_codecs_state(trellis_file, tiny_model):
     state = cb.state_bytes()
     codecs = state["key codec"] + state["value codec"]
     rotation = 4 * 64 * 64  # vecinfer's Hadamard, which the cache holds
-    assert cache_bytes(cache).fixed == cb.nbytes() - codecs + operands + rotation
+    assert all(layer.quantizer.key_centroids.numel() == layer.quantizer.value_centroids.numel() == 0
+               for layer in cache.coded_layers())
+    assert cache_bytes(cache).fixed == cb.nbytes() - codecs - state["codebooks"] + operands + rotation
     fixed = kv_bytes(cb.method, cb.bits, cb.geometry, weighted_codes=cb.weighted_codes).fixed_bytes
-    assert f"{fixed + codecs:,} bytes fixed" in memory_summary(cb)
+    assert f"{fixed + codecs - state['codebooks']:,} bytes fixed" in memory_summary(cb)
 
 
 def test_simulate_codes_keys_and_values_by_the_codecs_and_the_compiled_simulate_path_refuses_them(trellis_file,

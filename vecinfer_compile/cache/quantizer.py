@@ -1,7 +1,8 @@
 """One coded layer's quantizer as the cache holds it: codebooks and key transform, float32, on the
 cache's device, frozen (built once from a :class:`~vecinfer_compile.codebooks.LayerCodebooks`).
 
-- ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``.
+- ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``; ``[0, dk]``, ``[0, dv]`` (no entries, the
+  sub-vector sizes kept) where a trellis codec codes the layer, which reads no centroids.
 - ``lam [H, D]`` smoothing factors, or None.
 - ``rotation [D, D]`` the normalized Hadamard matrix, or None; one tensor shared by all layers of
   a cache (:meth:`LayerQuantizer.from_codebooks`'s ``rotations``).
@@ -79,8 +80,11 @@ class LayerQuantizer:
             key_matrix = fold(_on(t.key_matrix, device)).contiguous()
             key_read = fold(_on(t.query_matrix, device)).transpose(-1, -2).contiguous()
             rotation = None
+        unread = layer.key_codec is not None  # a trellis layer (both sides) reads no centroids
+        key_centroids, value_centroids = (_on(c[:0] if unread else c, device)
+                                          for c in (layer.key_centroids, layer.value_centroids))
         return cls(
-            key_centroids=_on(layer.key_centroids, device), value_centroids=_on(layer.value_centroids, device),
+            key_centroids=key_centroids, value_centroids=value_centroids,
             lam=_on(t.lam, device), rotation=rotation, key_matrix=key_matrix, key_read=key_read,
             key_mean=_on(t.mean, device), key_parallel_weight=key_parallel_weight,
             key_metric=_on(layer.key_metric, device), value_metric=_on(layer.value_metric, device),

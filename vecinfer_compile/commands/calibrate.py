@@ -84,6 +84,8 @@ def memory_summary(cb) -> str:
     state = cb.state_bytes()
     parts = ", ".join(f"{kind} {n:,}" for kind, n in state.items())
     codecs = state.get("key codec", 0) + state.get("value codec", 0)  # the method's formula knows no codec
+    if cb.key_codec and cb.value_codec:  # a trellis cache holds no centroids
+        codecs -= state["codebooks"]
     acc, windowed = (dataclasses.replace(b, fixed_bytes=b.fixed_bytes + codecs) for b in (
         kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, weighted_codes=cb.weighted_codes),
         kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, residual=DEFAULT_RESIDUAL,
