@@ -5,7 +5,8 @@ Llama-3.1-8B geometry (32 query heads, 8 KV heads, head_dim 128, bf16), one new 
 copies that exceed the L2, median replay, the best of ``--passes`` rounds):
 
 - ``trellis``: :func:`vecinfer_compile.ops.trellis.decode_attention` over ``T`` coded tokens (the
-  query into the components, the Triton kernel, the split merge and the values' synthesis) with
+  query into the components, the CUDA kernel where it builds, the split merge and the values'
+  synthesis; ``trellis Triton``: the same with the Triton kernel forced) with
   random codecs of ``2^L`` states (``--states``) and random codes (any string is a valid code);
   the full-precision window is not merged in (the codebooks' kernel below merges its 128 slots);
 - ``codes``: the codebooks' CUDA decode kernel at 2 bits over ``T - 128`` codes and a 128-slot window;
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode_attention as dec  # noqa: E402  (a sibling: its inputs, SDPA variants and timer)
 from bench_common import copies_for, graph_time_ms  # noqa: E402
 from vecinfer_compile.ops.cuda import decode as cuda_decode  # noqa: E402
+from vecinfer_compile.ops.kernel_request import use_decode_kernel  # noqa: E402
 from vecinfer_compile.ops.trellis import (TrellisOperands, decode_attention, decode_reference,  # noqa: E402
                                           query_components)
 from vecinfer_compile.ops.triton.trellis import decode_components  # noqa: E402
@@ -98,6 +100,9 @@ def run_case(b: int, t: int, states: int, passes: int, check: bool) -> dict:
     for _ in range(passes):
         ms = graph_time_ms([lambda a=a: decode_attention(*a) for a in sets])
         row["trellis_ms"] = min(ms, row.get("trellis_ms", ms))
+        with use_decode_kernel("triton"):
+            ms = graph_time_ms([lambda a=a: decode_attention(*a) for a in sets])
+        row["trellis_triton_ms"] = min(ms, row.get("trellis_triton_ms", ms))
         ms = graph_time_ms([lambda a=a: cuda_decode.decode_attention_cuda(*a) for a in codes])
         row["codes_ms"] = min(ms, row.get("codes_ms", ms))
     if check and t <= dec.CHECK_MAX_T:
@@ -126,8 +131,9 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("this benchmark needs a CUDA GPU")
     print(f"# decode attention, {torch.cuda.get_device_name()}: {HQ} query / {HKV} KV heads, head_dim {D}, bf16, "
           f"2 bits an element; ms per call, device-timed (CUDA graph over L2-defeating copies)")
-    print("| B | T | states | trellis ms | codes (CUDA) ms | best FP16 ms | FP16 / trellis | FP16 / codes |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| B | T | states | trellis ms | trellis Triton ms | codes (CUDA) ms | best FP16 ms | FP16 / trellis | "
+          "FP16 / trellis Triton | FP16 / codes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for states in (int(x) for x in args.states.split(",")):
         for b in (int(x) for x in args.batches.split(",")):
@@ -135,8 +141,9 @@ def main(argv=None) -> list[dict]:
                 r = run_case(b, t, states, args.passes, args.check)
                 rows.append(r)
                 err = f" (max err {r['trellis_max_err']:.1e})" if "trellis_max_err" in r else ""
-                print(f"| {b} | {t} | {states} | {r['trellis_ms']:.3f}{err} | {r['codes_ms']:.3f} | "
-                      f"{r['baseline_ms']:.3f} ({r['baseline']}) | {r['trellis_speedup']:.2f}x | "
+                print(f"| {b} | {t} | {states} | {r['trellis_ms']:.3f}{err} | {r['trellis_triton_ms']:.3f} | "
+                      f"{r['codes_ms']:.3f} | {r['baseline_ms']:.3f} ({r['baseline']}) | "
+                      f"{r['trellis_speedup']:.2f}x | {r['baseline_ms'] / r['trellis_triton_ms']:.2f}x | "
                       f"{r['codes_speedup']:.2f}x |", flush=True)
                 if args.tiles:
                     tiles = [tuple(int(v) for v in x.split("x")) for x in args.tiles.split(",")]

@@ -14,12 +14,15 @@ full-precision window is merged by log-sum-exp as for the codebooks' codes (:fun
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 
 from ..quant.trellis_codec import TrellisCodec, components, packed_codes
 from ..quant.trellis_packing import read_states, state_windows
+from .cuda import trellis_decode as cuda_trellis_decode
+from .kernel_request import fall_back, requested
 from .split_attention.lse_merge import merge_by_lse
 
 
@@ -145,16 +148,34 @@ def values_out(o: torch.Tensor, lse: torch.Tensor, values: TrellisOperands) -> t
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys: TrellisOperands,
                      values: TrellisOperands, n_coded, kv_start: torch.Tensor | None,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_reference`'s result, in the components on CUDA (the Triton kernel of
-    :mod:`vecinfer_compile.ops.triton.trellis`, reading a tensor ``n_coded`` on the device), by the
-    reference elsewhere."""
+    """:func:`decode_reference`'s result, in the components on CUDA (reading a tensor ``n_coded``
+    on the device): the CUDA kernel (:mod:`.cuda.trellis_decode`) where :func:`choose_decode` picks
+    it, else the Triton kernel (:mod:`.triton.trellis`); by the reference elsewhere."""
     if not q.is_cuda:
         return decode_reference(q, k_codes, v_codes, keys, values, n_coded, kv_start, scale)
-    from .triton.trellis import decode_components
-
     qc, bias = query_components(q, keys)
+    if choose_decode(qc, k_codes, v_codes, keys, values) == "cuda":
+        decode_components = cuda_trellis_decode.decode_components_cuda
+    else:
+        from .triton.trellis import decode_components  # imports triton: only where it runs
     o, lse = decode_components(qc, bias, k_codes, v_codes, keys, values, n_coded, kv_start, scale)
     return values_out(o, lse, values), lse
+
+
+def choose_decode(qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys: TrellisOperands,
+                  values: TrellisOperands) -> str:
+    """``"cuda"`` or ``"triton"`` for a trellis decode on CUDA tensors (shapes only; may compile the
+    CUDA kernel once), under :mod:`.kernel_request`'s request."""
+    if requested() == "triton":
+        return "triton"
+    reason, level = cuda_trellis_decode.unsupported_reason(qc, k_codes, v_codes, keys, values), logging.INFO
+    if reason is None:  # the inputs fit: a failure to build is the machine's, worth a warning
+        reason, level = cuda_trellis_decode.build_error(qc, k_codes, v_codes, keys, values), logging.WARNING
+    if reason is None:
+        return "cuda"
+    fall_back(reason, level, "trellis decode attention runs the Triton kernel",
+              "the CUDA trellis decode kernel cannot run")
+    return "triton"
 
 
 def decode_step(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,

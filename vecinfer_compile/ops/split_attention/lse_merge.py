@@ -8,7 +8,8 @@ sets (``L`` the log of the sum of ``exp(score)``), the attention over their unio
 A row with no key in a set has ``L = -inf`` there; a row with none in either is zeros. Shared by
 the windowed simulate attention (:mod:`.windowed`: quantized keys + the
 full-precision band) and the chunk attention over a compressed cache (:mod:`.chunk`:
-the coded prefix + the full-precision window and chunk).
+the coded prefix + the full-precision window and chunk). :func:`merge_splits` is the same merge
+over the splits of a flash-decoding kernel (the trellis decode kernels).
 """
 
 from __future__ import annotations
@@ -30,6 +31,24 @@ def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch
     out = (w1 * o1.to(acc) + w2 * o2.to(acc)) / torch.where(total > 0, total, torch.ones((), dtype=acc,
                                                                                          device=total.device))
     return out.to(dtype)
+
+
+def merge_splits(acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor,
+                 group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split decode kernel's partials, ``acc [N, splits, BG, D]`` (the unnormalised sums of its
+    split), ``m, l_sum [N, splits, BG]`` (the split's running max and sum of ``exp2``: scores in log2
+    units), float32, ``BG >= group`` rows padded -> ``(o [N, group, D], lse [N, group])`` float32:
+    the attention over every split and its natural log-sum-exp (zeros and ``-inf`` for a row with
+    nothing to attend)."""
+    log2e = 1.4426950408889634
+    m, l_sum, acc = m[:, :, :group], l_sum[:, :, :group], acc[:, :, :group]
+    top = m.amax(1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    w = torch.exp2(m - top)  # [N, splits, G]
+    total = (w * l_sum).sum(1)
+    o = (w[..., None] * acc).sum(1) / total.clamp_min(1e-30)[..., None]
+    lse = torch.where(total > 0, (top[:, 0] + torch.log2(total.clamp_min(1e-30))) / log2e, float("-inf"))
+    return torch.where(total[..., None] > 0, o, 0.0), lse
 
 
 def flash_lse(lse: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ...quant.trellis_packing import bit_ends, packed_bytes
+from ..split_attention.lse_merge import merge_splits
 from .common import LOG2E, launch, unit_last_stride
 
 SCRATCH_BYTES = 1 << 30  # trace-back bytes one launch may use; larger calls go in row chunks
@@ -232,12 +233,5 @@ def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tenso
            v_codes.shape[-1], split_len, scale * LOG2E, k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
            v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), GROUP=group, BLOCK_G=block_g, D=d,
            BLOCK_T=block_t, HAS_START=kv_start is not None, N_ON_DEVICE=on_device, num_warps=num_warps)
-    m, l_sum, acc = m[:, :, :group], l_sum[:, :, :group], acc[:, :, :group]
-    top = m.amax(1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, 0.0)
-    w = torch.exp2(m - top)  # [B*Hkv, splits, G]
-    total = (w * l_sum).sum(1)
-    o = (w[..., None] * acc).sum(1) / total.clamp_min(1e-30)[..., None]
-    lse = torch.where(total > 0, (top[:, 0] + torch.log2(total.clamp_min(1e-30))) / LOG2E, float("-inf"))
-    o = torch.where(total[..., None] > 0, o, 0.0)
+    o, lse = merge_splits(acc, m, l_sum, group)
     return o.reshape(b, hq, d), lse.reshape(b, hq)
