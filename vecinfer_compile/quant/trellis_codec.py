@@ -244,9 +244,11 @@ def walks(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> torch
 def packed_codes(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
                  nbytes: int | None = None) -> torch.Tensor:
     """:func:`walks` in the stored layout, ``[N, H, nbytes]`` uint8 (:mod:`.trellis_packing`); on
-    CUDA the Viterbi launch writes them (``nbytes`` given: no host sync there)."""
+    CUDA the Viterbi launch writes them (:mod:`vecinfer_compile.ops.viterbi`: the CUDA kernel, else
+    Triton's; ``nbytes`` given: no host sync there)."""
     if unit.is_cuda:
-        from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_codes  # imports triton: only where it runs
+        from ..ops.triton.trellis import MAX_STATE_BITS  # imports triton: only where it runs
+        from ..ops.viterbi import viterbi_codes_gpu
         if tables.shape[-1].bit_length() - 1 <= MAX_STATE_BITS:
-            return viterbi_codes(unit, bits, tables, nbytes=nbytes)
+            return viterbi_codes_gpu(unit, bits, tables, nbytes)
     return pack_walks(walks(unit, bits, tables), bits)
