@@ -4,13 +4,13 @@ chosen, side by side on one GPU.
 Rows: the CUDA append with nearest-centroid codes (one launch; the baseline), with score-aware key
 codes (``vq_weigh_flush`` then the append), with error-weighted codes (the same, the descent under
 random symmetric metrics) and the torch form of the last (what ran before the CUDA encoder: the
-ops Inductor would compile, here eager); then the trellis key codec's encoder
-(:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.encode_packed`: the KLT in torch, the
-Viterbi walk and the stored codes in one Triton launch) for one token's keys, eager, at
-``--trellis-states`` (the encode alone: no cache stores them yet). Each CUDA row is ``STEPS`` appends captured in one CUDA
-graph and replayed, timed by CUDA events (device time per append, launch gaps included); the
-window is full, so every append encodes a token. Shapes: a Llama-3.1-8B layer (8 KV heads,
-head_dim 128, bf16 windows of 128 slots).
+ops Inductor would compile, here eager); then the append of a layer whose keys and values the
+trellis codec codes (:mod:`vecinfer_compile.cache.trellis_layer`: the key transform, each side's
+KLT in torch and its Viterbi walk in one launch, the window's shift), at ``--trellis-states`` (a
+decode step's few vectors: the ops walk them with Triton's kernel, :mod:`vecinfer_compile.ops.viterbi`). Each row
+but the torch one is ``STEPS`` appends captured in one CUDA graph and replayed, timed by CUDA
+events (device time per append, launch gaps included); the window is full, so every append encodes
+a token. Shapes: a Llama-3.1-8B layer (8 KV heads, head_dim 128, bf16 windows of 128 slots).
 
     python benchmarks/bench_append.py [--batches 1,8] [--bits 2,1.5]
 """
@@ -63,11 +63,17 @@ def layer_state(b: int, bits: float, weight: float, weighted: bool, gen: torch.G
 
 def time_graph(args: dict) -> float:
     """Device microseconds per append: STEPS appends in one CUDA graph, replayed REPLAYS times."""
-    torch.ops.vecinfer.cache_append_cuda(*args.values())  # build and load outside the capture
+    return time_captured(lambda: torch.ops.vecinfer.cache_append_cuda(*args.values()))
+
+
+def time_captured(append) -> float:
+    """Device microseconds per call of ``append`` (run once outside the capture to build and load
+    its kernels): STEPS calls in one CUDA graph, replayed REPLAYS times."""
+    append()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(STEPS):
-            torch.ops.vecinfer.cache_append_cuda(*args.values())
+            append()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -90,22 +96,33 @@ def time_torch(args: dict, n: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / n
 
 
-def time_trellis_encode(b: int, bits: float, states: int, gen: torch.Generator, n: int = 20) -> float:
-    """Microseconds per encode of one token's keys ``[b, HKV, 1, D]`` by a trellis codec of ``states``
-    states fitted on random keys with a decaying spectrum, eager, synchronised."""
+def trellis_append(b: int, bits: float, states: int, gen: torch.Generator):
+    """One layer's trellis append as a function of no arguments: codecs of ``states`` states fitted
+    on random keys and values with a decaying spectrum, a full window and room for every timed append."""
+    from vecinfer_compile.ops.append import append_through_window
+    from vecinfer_compile.ops.trellis import TrellisOperands
     from vecinfer_compile.quant.trellis_codec import TrellisCodec
+    from vecinfer_compile.quant.trellis_packing import packed_bytes
 
-    keys = torch.randn(HKV, 4096, D, generator=gen) * torch.logspace(0, -1, D)
-    codec = TrellisCodec.fit(keys.cuda(), bits, states.bit_length() - 1, train_vectors=1024, rounds=1)
-    key = torch.randn(b, HKV, 1, D, generator=gen).cuda().bfloat16()
-    codec.encode_packed(key)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        codec.encode_packed(key)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / n
+    spectrum = torch.logspace(0, -1, D)
+    codecs = [TrellisCodec.fit((torch.randn(HKV, 4096, D, generator=gen) * spectrum).cuda(), bits,
+                               states.bit_length() - 1, train_vectors=1024, rounds=1) for _ in range(2)]
+    operands = [list(TrellisOperands.of(c, "cuda")) for c in codecs]
+    width = packed_bytes(codecs[0].bits)
+    tmax = 16 + STEPS * (REPLAYS + 2)
+    key, value = (torch.randn(b, HKV, 1, D, generator=gen).cuda().bfloat16() for _ in range(2))
+    k_codes, v_codes = (torch.zeros(b, HKV, tmax, width, dtype=torch.uint8, device="cuda") for _ in range(2))
+    k_window, v_window = (torch.randn(b, HKV, R, D, generator=gen).cuda().bfloat16() for _ in range(2))
+    n_coded, n_window = torch.tensor(16, device="cuda"), torch.tensor(R, device="cuda")
+    key_matrix = (torch.randn(D, D, generator=gen) / D**0.5).cuda()
+
+    def append():
+        kt = (key.float() @ key_matrix).bfloat16()
+        append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
+                              lambda x: torch.ops.vecinfer.trellis_encode(x, operands[0], width),
+                              lambda x: torch.ops.vecinfer.trellis_encode(x, operands[1], width))
+
+    return append
 
 
 def main(argv=None) -> None:
@@ -131,9 +148,8 @@ def main(argv=None) -> None:
             us = time_torch(layer_state(b, bits, 8.0, True, gen))
             print(f"| {bits:g} | {b} | error-weighted, w=8, torch ops (eager) | {us:.1f} | {us / base:.2f}x |")
             for states in (int(x) for x in args.trellis_states.split(",") if x):
-                us = time_trellis_encode(b, bits, states, gen)
-                print(f"| {bits:g} | {b} | trellis keys, {states} states: encode only (eager) | {us:.1f} | "
-                      f"{us / base:.2f}x |")
+                us = time_captured(trellis_append(b, bits, states, gen))
+                print(f"| {bits:g} | {b} | trellis keys and values, {states} states | {us:.1f} | {us / base:.2f}x |")
 
 
 if __name__ == "__main__":
