@@ -23,12 +23,13 @@ export PYTHONPATH=${PYTHONPATH:-}:$(pwd) PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 sec() { echo; echo "=== $* ($(date +%T))"; }
 V="python -m vecinfer_compile"
 
-# The `cuda` tests in named groups, each measured under 5 minutes on an H200 (decode ~1 min,
+# The `cuda` tests in named groups, each measured under 5 minutes on an H200 (decode ~1 min before
+# the trellis kernels' two files joined it,
 # triton ~1.7, cache ~2.9, windowed ~3.3, chunk: the chunk attention over codes, hybrid: models
 # that mix attention kinds, ~2.4 before its Gemma 4 check became four processes of ~40-60 s each,
 # so give it TEST_TIMEOUT=480); TEST_GROUPS picks some, e.g. TEST_GROUPS="decode windowed".
 declare -A TEST_GROUP=(
-    [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py tests/test_ops_cuda_weigh.py tests/test_weighted_codes.py"
+    [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py tests/test_ops_cuda_weigh.py tests/test_weighted_codes.py tests/test_ops_cuda_trellis_decode.py tests/test_ops_cuda_viterbi.py"
     [triton]="tests/test_ops_triton.py tests/test_trellis_codec.py"
     [cache]="tests/test_eager_decode.py tests/test_cache_compile.py tests/test_deferred_stop.py tests/test_qaware.py tests/test_needle.py tests/test_ops_library.py tests/test_benchmarks_smoke.py"
     [windowed]="tests/test_windowed.py"
