@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..split_attention.lse_merge import merge_splits
+from ..split_attention.lse_merge import LOG2E, merge_splits
 from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
 
 SOURCE = Path(__file__).with_name("trellis_decode.cu")
@@ -24,7 +24,6 @@ MIN_ARCH = 80
 THREADS = 128  # tokens a tile and threads a CTA
 MAX_GROUP = 16  # query heads a KV head (registers: a thread holds each head's score and accumulators)
 SMEM_LIMIT = 200 * 1024
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)

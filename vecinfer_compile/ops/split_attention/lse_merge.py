@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+LOG2E = 1.4426950408889634  # log2(e): the split kernels' scores are in log2 units
+
 
 def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
@@ -40,14 +42,13 @@ def merge_splits(acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor,
     units), float32, ``BG >= group`` rows padded -> ``(o [N, group, D], lse [N, group])`` float32:
     the attention over every split and its natural log-sum-exp (zeros and ``-inf`` for a row with
     nothing to attend)."""
-    log2e = 1.4426950408889634
     m, l_sum, acc = m[:, :, :group], l_sum[:, :, :group], acc[:, :, :group]
     top = m.amax(1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
     w = torch.exp2(m - top)  # [N, splits, G]
     total = (w * l_sum).sum(1)
     o = (w[..., None] * acc).sum(1) / total.clamp_min(1e-30)[..., None]
-    lse = torch.where(total > 0, (top[:, 0] + torch.log2(total.clamp_min(1e-30))) / log2e, float("-inf"))
+    lse = torch.where(total > 0, (top[:, 0] + torch.log2(total.clamp_min(1e-30))) / LOG2E, float("-inf"))
     return torch.where(total[..., None] > 0, o, 0.0), lse
 
 
