@@ -4,7 +4,7 @@ Same contract as :func:`..triton.trellis.decode_components`, which it replaces o
 supports the inputs and builds (:func:`vecinfer_compile.ops.trellis.decode_attention` chooses).
 Triton cannot put the codec's tables in shared memory, so its kernel gathers every component's
 entry through L1; this one loads a KV head's key and value tables into shared memory once a CTA
-and gathers from there. Compiled once per process and variant; launched on torch's current stream
+and gathers from there, and reads each key row's string front to back through a sliding window. Compiled once per process and variant; launched on torch's current stream
 (CUDA graphs capture it); ``n_coded`` may be a 0-d int64 tensor read on the device.
 """
 
@@ -21,9 +21,11 @@ from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_d
 
 SOURCE = Path(__file__).with_name("trellis_decode.cu")
 MIN_ARCH = 80
-THREADS = 128  # tokens a tile and threads a CTA
+THREADS = 256  # tokens a tile and threads a CTA
 MAX_GROUP = 16  # query heads a KV head (registers: a thread holds each head's score and accumulators)
 SMEM_LIMIT = 200 * 1024
+CTAS_PER_SM = 8  # splits fill about this many CTAs an SM (several waves: the tiles' barriers idle an SM)
+MIN_SPLIT = 256  # tokens a split takes at least: a CTA loads its head's tables once
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,16 @@ class TrellisDecodeVariant:
         return max(16, 1 << (self.group - 1).bit_length())
 
     @property
+    def value_groups(self) -> int:
+        """Token groups of the value phase (each writes its partial sums as a split of its own)."""
+        return max(1, THREADS // self.head_dim)
+
+    @property
     def smem_bytes(self) -> int:
         rows = ((self.key_bytes // 4 + 1) | 1) + ((self.value_bytes // 4 + 1) | 1)
         g, d = self.group, self.head_dim
-        return 4 * ((self.key_widths + self.value_widths) * (1 << self.state_bits) + g * d + g * THREADS + 2 * g
-                    + 4 * d + THREADS * rows)
+        return 4 * ((self.key_widths + self.value_widths) * (1 << self.state_bits) + g * d + g * THREADS
+                    + 2 * g * (THREADS // 32) + d + THREADS * rows)
 
     def defines(self) -> list[str]:
         return [f"-DD={self.head_dim}", f"-DG={self.group}", f"-DBG={self.padded_group}", f"-DL={self.state_bits}",
@@ -74,6 +81,8 @@ def unsupported_reason(qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.T
     v = variant_for(qc, k_codes, v_codes, keys, values)
     if v.group > MAX_GROUP:
         return f"{v.group} query heads a KV head (at most {MAX_GROUP})"
+    if v.head_dim % 4:
+        return f"head_dim {v.head_dim} is not a multiple of 4"
     for codes, what in ((k_codes, "key"), (v_codes, "value")):
         if codes.stride(-1) != 1 or any(s % 4 for s in codes.stride()[:3]) or codes.data_ptr() % 4:
             return f"the {what} code rows are not 4-byte aligned ({codes.shape[-1]} bytes a row, strides {codes.stride()})"
@@ -114,11 +123,11 @@ def decode_components_cuda(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.
     kernel = _build(variant, device_index(qc.device))
     on_device = isinstance(n_coded, torch.Tensor)
     span = k_codes.shape[2] if on_device else max(n_coded, 1)
-    splits = max(1, min(-(-span // THREADS), 2 * sm_count(device_index(qc.device)) // max(1, b * hkv)))
+    splits = max(1, min(-(-span // MIN_SPLIT), CTAS_PER_SM * sm_count(device_index(qc.device)) // max(1, b * hkv)))
     split_len = -(-(-(-span // splits)) // THREADS) * THREADS
-    bg = variant.padded_group
-    acc = torch.empty(b * hkv, splits, bg, d, dtype=torch.float32, device=qc.device)
-    m = torch.empty(b * hkv, splits, bg, dtype=torch.float32, device=qc.device)
+    bg, groups = variant.padded_group, variant.value_groups
+    acc = torch.empty(b * hkv, splits * groups, bg, d, dtype=torch.float32, device=qc.device)
+    m = torch.empty(b * hkv, splits * groups, bg, dtype=torch.float32, device=qc.device)
     l_sum = torch.empty_like(m)
     start = kv_start.to(device=qc.device, dtype=torch.int32).contiguous() if kv_start is not None else None
     n_arg = n_coded.to(device=qc.device, dtype=torch.int64) if on_device else None
