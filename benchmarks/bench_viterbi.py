@@ -1,5 +1,6 @@
-"""The trellis codec's Viterbi walk on the GPU: the CUDA kernel (one warp a vector) against the
-Triton kernel, side by side in one run.
+"""The trellis codec's Viterbi walk on the GPU: the CUDA encoder (one CTA a vector below
+``WARP_FROM`` vectors a head, one warp a vector from there) against the Triton kernel, side by side
+in one run.
 
 One launch codes ``N`` vectors of each of 8 KV heads (head_dim 128) with tables of ``2^L`` states
 and a decreasing allocation of 7/5/4/.../1 bits (2 bits an element, 10 components uncoded), as a
@@ -7,7 +8,7 @@ layer's keys at ``N`` tokens. Each kernel is captured in a CUDA graph of 20 laun
 CUDA events (the median replay, ``bench_common.graph_time_ms``); both write the stored codes,
 compared row by row (equal but for ties of equal cost).
 
-    python benchmarks/bench_viterbi.py [--vectors 1,8,256,2048] [--states 1024]
+    python benchmarks/bench_viterbi.py [--vectors 1,8,16,256,2048] [--states 1024]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import graph_time_ms  # noqa: E402
-from vecinfer_compile.ops.cuda.viterbi import viterbi_codes_cuda  # noqa: E402
+from vecinfer_compile.ops.cuda.viterbi import kernel_for, viterbi_codes_cuda  # noqa: E402
 from vecinfer_compile.ops.triton.trellis import viterbi_codes  # noqa: E402
 from vecinfer_compile.quant.trellis import initial_luts  # noqa: E402
 from vecinfer_compile.quant.trellis_packing import packed_bytes  # noqa: E402
@@ -43,15 +44,15 @@ def operands(states: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--vectors", default="1,8,256,2048", help="vectors a head, comma-separated")
-    ap.add_argument("--states", default="1024", help="trellis sizes, comma-separated powers of two (up to 1024)")
+    ap.add_argument("--vectors", default="1,8,16,256,2048", help="vectors a head, comma-separated")
+    ap.add_argument("--states", default="1024", help="trellis sizes, comma-separated powers of two (up to 2048)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     print(f"# trellis Viterbi walk, {torch.cuda.get_device_name()}: {HKV} heads, head_dim {D}; us per launch "
           "(median replay of a CUDA graph of 20)")
-    print("| states | N | Triton us | CUDA us | Triton / CUDA | same codes |")
-    print("|---|---|---|---|---|---|")
+    print("| states | N | Triton us | CUDA kernel | CUDA us | Triton / CUDA | same codes |")
+    print("|---|---|---|---|---|---|---|")
     for states in (int(s) for s in args.states.split(",")):
         bits, tables = operands(states)
         nbytes = packed_bytes(bits)
@@ -60,7 +61,7 @@ def main(argv=None) -> None:
             same = (viterbi_codes(x, bits, tables, nbytes=nbytes) == viterbi_codes_cuda(x, bits, tables, nbytes))
             t_triton = 1e3 * graph_time_ms([lambda: viterbi_codes(x, bits, tables, nbytes=nbytes)] * LAUNCHES)
             t_cuda = 1e3 * graph_time_ms([lambda: viterbi_codes_cuda(x, bits, tables, nbytes)] * LAUNCHES)
-            print(f"| {states} | {n} | {t_triton:.1f} | {t_cuda:.1f} | {t_triton / t_cuda:.2f}x | "
+            print(f"| {states} | {n} | {t_triton:.1f} | {kernel_for(x, tables)} | {t_cuda:.1f} | {t_triton / t_cuda:.2f}x | "
                   f"{same.all(-1).float().mean().item():.3f} |", flush=True)
 
 

@@ -1,10 +1,11 @@
-"""The CUDA trellis encoder (``ops/cuda/viterbi.cu``, one warp a vector) against the torch Viterbi.
+"""The CUDA trellis encoders (``ops/cuda/viterbi.cu``, one warp a vector; ``viterbi_block.cu``, one
+CTA a vector) against the torch Viterbi.
 
-- CPU: the kernel compiles with NVRTC to an sm_90 cubin at every state count it takes (2^5 to
-  2^10), steps up to L bits, head_dim 64/128; what it refuses, with the reason.
-- ``cuda``: its codes are walks as cheap as the reference's (hypothesis: KV heads 1/2/8, odd
-  counts of vectors, 2^5 to 2^10 states, steps up to L bits: wider than a byte, 0-bit components);
-  the dispatcher's choice by count and request; a CUDA graph's replay writes the eager codes.
+- CPU: both kernels compile with NVRTC to sm_90 cubins at every state count they take (2^5 to 2^10
+  and 2^11), steps up to L bits, head_dim 64/128; which kernel a count gets; what they refuse.
+- ``cuda``: each kernel's codes are walks as cheap as the reference's (hypothesis: KV heads 1/2/8,
+  odd counts of vectors, 2^5 to 2^11 states, steps up to L bits: wider than a byte, 0-bit
+  components); the dispatcher's choice by request; a CUDA graph's replay writes the eager codes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,28 @@ def test_cuda_viterbi_compiles_for_sm90(lbits, widest, head_dim):
     assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_viterbi_warp" in image
 
 
+@pytest.mark.parametrize("lbits, widest, head_dim", [(5, 5, 64), (10, 7, 128), (10, 10, 64), (11, 8, 128)])
+def test_cuda_block_viterbi_compiles_for_sm90(lbits, widest, head_dim):
+    nvrtc_or_skip()
+    variant = cuda_viterbi.BlockViterbiVariant(lbits, head_dim, widest)
+    assert variant.smem_bytes <= cuda_viterbi.BLOCK_SMEM_LIMIT
+    image, is_cubin = compile_source(cuda_viterbi.BLOCK_SOURCE.read_text(), "trellis_viterbi_block", 90,
+                                     ["--std=c++17", *variant.defines()])
+    assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_viterbi_block" in image
+
+
+def test_the_kernel_a_count_gets():
+    """Few vectors a head (a decode step) take the block kernel, a prefill's many the warp kernel,
+    which holds at most 2^10 states."""
+    x, _, tables = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 10)
+    many = x.expand(cuda_viterbi.WARP_FROM, -1, -1)
+    assert cuda_viterbi.kernel_for(x, tables) == "block" and cuda_viterbi.kernel_for(many, tables) == "warp"
+    _, _, tables11 = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 11)
+    assert cuda_viterbi.kernel_for(many, tables11) == "block"
+    v = cuda_viterbi.BlockViterbiVariant(10, 128, 7)
+    assert v.threads == 1024 and v.smem_bytes == 4 * (2048 + 256 + 64 + 40) + 128 * 512
+
+
 def test_trace_words_bound_every_step():
     """A step of k bits leaves k ballots for each 32 of its 2^(L-k) prefixes (at least one word a bit)."""
     assert cuda_viterbi.trace_words(10, 1) == 16 and cuda_viterbi.trace_words(10, 3) == 12
@@ -46,7 +69,7 @@ def test_what_the_cuda_encoder_refuses():
     assert "on cpu, not CUDA" in cuda_viterbi.unsupported_reason(x, bits, tables)
     if torch.cuda.is_available():
         x12, bits12, tables12 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 12))
-        assert "2^12 states (the warp kernel takes 2^5 to 2^10)" in cuda_viterbi.unsupported_reason(x12, bits12, tables12)
+        assert "2^12 states (the CUDA encoder takes 2^5 to 2^11)" in cuda_viterbi.unsupported_reason(x12, bits12, tables12)
     with pytest.raises(CudaBuildError, match="cannot run this call: the components are on cpu"):
         cuda_viterbi.viterbi_codes_cuda(x, bits, tables)
 
@@ -59,11 +82,17 @@ def _walks_of(codes, bits, lbits):
 @needs_cuda
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([1, 3, 33]), h=st.sampled_from([1, 2, 8]),
-       d=st.sampled_from([64, 128]), lbits=st.sampled_from([5, 8, 10]), widest=st.sampled_from([2, 4, 12]))
-def test_cuda_viterbi_codes_are_least_cost_walks(seed, n, h, d, lbits, widest):
+       d=st.sampled_from([64, 128]), lbits=st.sampled_from([5, 8, 10, 11]), widest=st.sampled_from([2, 4, 12]),
+       kernel=st.sampled_from(["block", "warp"]))
+def test_cuda_viterbi_codes_are_least_cost_walks(seed, n, h, d, lbits, widest, kernel):
+    if kernel == "warp" and lbits > cuda_viterbi.MAX_STATE_BITS:
+        kernel = "block"
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(seed), n, h, d, lbits, widest)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
-    codes = cuda_viterbi.viterbi_codes_cuda(x, bits, tables, packed_bytes(bits))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_viterbi, "WARP_FROM", 1 if kernel == "warp" else 10**9)
+        assert cuda_viterbi.kernel_for(x, tables) == kernel
+        codes = cuda_viterbi.viterbi_codes_cuda(x, bits, tables, packed_bytes(bits))
     _assert_optimal_walks(x, bits, tables, _walks_of(codes, bits, lbits))
 
 
@@ -73,24 +102,22 @@ def test_cuda_viterbi_dispatch_and_graph_replay():
     from vecinfer_compile.ops.triton.trellis import viterbi_codes
     from vecinfer_compile.ops.viterbi import choose_viterbi, viterbi_codes_gpu
 
-    x, bits, tables = _trellis_case(torch.Generator().manual_seed(1), cuda_viterbi.MIN_VECTORS, 8, 128, 10, 7)
+    x, bits, tables = _trellis_case(torch.Generator().manual_seed(1), cuda_viterbi.WARP_FROM, 8, 128, 10, 7)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
     nbytes = packed_bytes(bits)
-    assert choose_viterbi(x, bits, tables) == "cuda"
-    assert choose_viterbi(x[:8], bits, tables) == "triton"  # a decode step's few vectors
-    with kernel_request.use_decode_kernel("cuda"):
-        assert choose_viterbi(x[:8], bits, tables) == "cuda"
+    assert choose_viterbi(x, bits, tables) == "cuda" and choose_viterbi(x[:8], bits, tables) == "cuda"
     with kernel_request.use_decode_kernel("triton"):
         assert choose_viterbi(x, bits, tables) == "triton"
-    eager = viterbi_codes_gpu(x, bits, tables, nbytes)
-    _assert_optimal_walks(x, bits, tables, _walks_of(eager, bits, 10))
-    triton_codes = viterbi_codes(x, bits, tables, nbytes=nbytes)
-    assert (eager == triton_codes).all(-1).float().mean() >= 0.9  # ties aside, the same walks
-    out = torch.empty_like(eager)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(viterbi_codes_gpu(x, bits, tables, nbytes))
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    for rows in (x, x[:8]):  # the warp kernel, then the block kernel
+        eager = viterbi_codes_gpu(rows, bits, tables, nbytes)
+        _assert_optimal_walks(rows, bits, tables, _walks_of(eager, bits, 10))
+        triton_codes = viterbi_codes(rows, bits, tables, nbytes=nbytes)
+        assert (eager == triton_codes).all(-1).float().mean() >= 0.9  # ties aside, the same walks
+        out = torch.empty_like(eager)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(viterbi_codes_gpu(rows, bits, tables, nbytes))
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)

@@ -1,8 +1,8 @@
 """Which kernel walks the trellis codec's Viterbi on CUDA: :func:`.cuda.viterbi.viterbi_codes_cuda`
-for :data:`~.cuda.viterbi.MIN_VECTORS` vectors a head or more (a prefill) where it supports the
-inputs and builds, else :func:`.triton.trellis.viterbi_codes` (a decode step's few vectors: as
-fast there). The request of :mod:`.kernel_request` applies: ``"triton"`` runs no CUDA kernel,
-``"cuda"`` runs it at any count and raises instead of falling back; one log line per reason."""
+(one CTA a vector for a decode step's few vectors, one warp a vector for a prefill's many) where it
+supports the inputs and builds, else :func:`.triton.trellis.viterbi_codes`. The request of
+:mod:`.kernel_request` applies: ``"triton"`` runs no CUDA kernel, ``"cuda"`` raises instead of
+falling back; one log line per reason."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def choose_viterbi(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor)
     """``"cuda"`` or ``"triton"`` for these CUDA inputs ``unit [N, H, D]`` (shapes only; may compile
     the kernel once)."""
     request = requested()
-    if request == "triton" or (request == "auto" and unit.shape[0] < cuda_viterbi.MIN_VECTORS):
+    if request == "triton":
         return "triton"
     reason = cuda_viterbi.unsupported_reason(unit, bits, tables) or cuda_viterbi.build_error(unit, tables)
     if reason is None:

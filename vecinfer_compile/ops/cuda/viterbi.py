@@ -1,15 +1,18 @@
-"""CUDA encoder of the trellis codec: the Viterbi walk of every vector, one warp a vector, written in
-the stored layout (NVRTC).
+"""CUDA encoders of the trellis codec: the Viterbi walk of every vector, written in the stored
+layout (NVRTC), with :func:`..triton.trellis.viterbi_codes`' contract.
 
-Same contract as :func:`..triton.trellis.viterbi_codes`. The walk's steps are sequential, so one
-vector's latency is the cost of its ~100 steps. The Triton program keeps the path costs in
-registers but moves them through the compiler's cross-thread reductions and global memory every
-step; this kernel (``viterbi.cu``) keeps them in one warp's registers, exchanges them by shuffles,
-and keeps the trace as ballots in shared memory (no block barrier). On the H200 its codes equal
-Triton's; one vector's walk takes about as long (1 and 8 vectors a head: 104 us against 95), many
-are 3.4-3.7x faster (256 and 2,048 vectors a head: a prefill), so the ops take it from
-:data:`MIN_VECTORS` vectors on (:mod:`vecinfer_compile.ops.viterbi`). Compiled once per process
-and variant; launched on torch's current stream, no host sync (``nbytes`` given).
+A walk's steps are sequential, so a vector's latency is its ~100 steps. Two kernels:
+
+- ``viterbi_block.cu``, one CTA a vector: the 2^L path costs in shared memory, a thread a state
+  (or a few), a barrier a step. Few vectors (a decode step's one token a head) finish in about the
+  time of their steps' barriers.
+- ``viterbi.cu``, one warp a vector: the costs in the warp's registers, exchanged by shuffles, the
+  trace as ballots in shared memory (no block barrier). A vector takes longer than in a CTA but
+  uses a 32nd of its threads, so many vectors (a prefill) go faster; it holds up to 2^10 states.
+
+:func:`viterbi_codes_cuda` runs the warp kernel from :data:`WARP_FROM` vectors a head on, the
+block kernel below. Compiled once per process and variant; launched on torch's current stream, no
+host sync (``nbytes`` given).
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ from ...quant.trellis_packing import packed_bytes
 from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason
 
 SOURCE = Path(__file__).with_name("viterbi.cu")
+BLOCK_SOURCE = Path(__file__).with_name("viterbi_block.cu")
 MIN_ARCH = 80
-MIN_STATE_BITS = 5  # a lane holds 2^L / 32 costs
-MAX_STATE_BITS = 10  # 32 costs a lane (2^12 states spill the registers: slower than Triton's on the H200)
-SMEM_LIMIT = 40 * 1024  # static shared memory of a block (its warps' traces and strings)
+MIN_STATE_BITS = 5  # the warp kernel: a lane holds 2^L / 32 costs; the block kernel: a warp's states
+MAX_STATE_BITS = 10  # the warp kernel: 32 costs a lane (2^12 states spill the registers)
+MAX_BLOCK_STATE_BITS = 11  # the block kernel: its trace (at most 2^(L-1) bytes a step) in shared memory
+SMEM_LIMIT = 40 * 1024  # static shared memory of a warp kernel's block (its warps' traces and strings)
+BLOCK_SMEM_LIMIT = 200 * 1024  # dynamic shared memory of the block kernel's CTA
 MAX_WARPS = 4
-MIN_VECTORS = 256  # fewer vectors a head run Triton's kernel (measured faster at 1 and 8 on the H200)
+WARP_FROM = 16  # vectors a head from which the warp kernel runs (H200: the block kernel 74 us at 1 and 8, 122 at 32; the warp kernel 104-107 at 1 and 8)
 
 
 def trace_words(state_bits: int, k: int) -> int:
@@ -68,8 +74,49 @@ class ViterbiVariant:
                 f"-DMAXB={self.max_bytes}", f"-DWPB={self.warps}", f"-DTW={self.trace_words}"]
 
 
+@dataclass(frozen=True)
+class BlockViterbiVariant:
+    """The block kernel's specialisation: ``2^state_bits`` states, ``head_dim`` components a
+    vector, steps of at most ``widest`` bits."""
+
+    state_bits: int
+    head_dim: int
+    widest: int
+
+    @property
+    def threads(self) -> int:
+        return min(1 << self.state_bits, 1024)
+
+    @property
+    def max_bytes(self) -> int:
+        return (self.head_dim * self.state_bits + 7) // 8
+
+    @property
+    def smem_bytes(self) -> int:
+        """Two cost buffers, the vector and its bits, the final reduction, the string, and the
+        trace: a byte for each of a step's 2^(L-k) prefixes, at most 2^(L-1) a step."""
+        states = 1 << self.state_bits
+        return (4 * (2 * states + 2 * self.head_dim + 2 * (self.threads // 32) + (self.max_bytes + 3) // 4)
+                + self.head_dim * states // 2)
+
+    def defines(self) -> list[str]:
+        return [f"-DL={self.state_bits}", f"-DD={self.head_dim}", f"-DMAXK={self.widest}",
+                f"-DMAXB={self.max_bytes}", f"-DBT={self.threads}"]
+
+
 def variant_for(unit: torch.Tensor, tables: torch.Tensor) -> ViterbiVariant:
     return ViterbiVariant(int(tables.shape[-1]).bit_length() - 1, int(unit.shape[-1]), int(tables.shape[1]))
+
+
+def block_variant_for(unit: torch.Tensor, tables: torch.Tensor) -> BlockViterbiVariant:
+    return BlockViterbiVariant(int(tables.shape[-1]).bit_length() - 1, int(unit.shape[-1]), int(tables.shape[1]))
+
+
+def kernel_for(unit: torch.Tensor, tables: torch.Tensor) -> str:
+    """``"warp"`` or ``"block"``: the kernel :func:`viterbi_codes_cuda` runs for ``unit [N, H, D]``
+    (the warp kernel from :data:`WARP_FROM` vectors a head where it takes the states)."""
+    warp_fits = MIN_STATE_BITS <= variant_for(unit, tables).state_bits <= MAX_STATE_BITS
+    return "warp" if warp_fits and unit.shape[0] >= WARP_FROM else "block"
 
 
 def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> str | None:
@@ -79,25 +126,40 @@ def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
                                  "the CUDA trellis encoder", MIN_ARCH, subject="the components are")
     if reason is not None:
         return reason
-    variant = variant_for(unit, tables)
-    if not MIN_STATE_BITS <= variant.state_bits <= MAX_STATE_BITS:
-        return f"2^{variant.state_bits} states (the warp kernel takes 2^{MIN_STATE_BITS} to 2^{MAX_STATE_BITS})"
-    if variant.warp_smem > SMEM_LIMIT:
-        return (f"2^{variant.state_bits} states at head_dim {variant.head_dim}: a vector's trace needs "
-                f"{variant.warp_smem} bytes of shared memory (at most {SMEM_LIMIT})")
+    if kernel_for(unit, tables) == "warp":
+        variant = variant_for(unit, tables)
+        if variant.warp_smem > SMEM_LIMIT:
+            return (f"2^{variant.state_bits} states at head_dim {variant.head_dim}: a vector's trace needs "
+                    f"{variant.warp_smem} bytes of shared memory (at most {SMEM_LIMIT})")
+        return None
+    block = block_variant_for(unit, tables)
+    if not MIN_STATE_BITS <= block.state_bits <= MAX_BLOCK_STATE_BITS:
+        return f"2^{block.state_bits} states (the CUDA encoder takes 2^{MIN_STATE_BITS} to 2^{MAX_BLOCK_STATE_BITS})"
+    if block.smem_bytes > BLOCK_SMEM_LIMIT:
+        return (f"2^{block.state_bits} states at head_dim {block.head_dim}: a vector's trace needs "
+                f"{block.smem_bytes} bytes of shared memory (at most {BLOCK_SMEM_LIMIT})")
     return None
 
 
 @functools.cache
-def _build(variant: ViterbiVariant, device_index: int):
-    return build_kernel(SOURCE.read_text(), "trellis_viterbi_warp", torch.device("cuda", device_index),
-                        ["--std=c++17", *variant.defines()])
+def _build(variant: ViterbiVariant | BlockViterbiVariant, device_index: int):
+    block = isinstance(variant, BlockViterbiVariant)
+    kernel = build_kernel((BLOCK_SOURCE if block else SOURCE).read_text(),
+                          "trellis_viterbi_block" if block else "trellis_viterbi_warp",
+                          torch.device("cuda", device_index), ["--std=c++17", *variant.defines()])
+    if block:
+        kernel.set_dynamic_smem(variant.smem_bytes)
+    return kernel
+
+
+def _variant(unit: torch.Tensor, tables: torch.Tensor) -> ViterbiVariant | BlockViterbiVariant:
+    return (variant_for if kernel_for(unit, tables) == "warp" else block_variant_for)(unit, tables)
 
 
 def build_error(unit: torch.Tensor, tables: torch.Tensor) -> str | None:
-    """None if this call's variant compiles and loads (compiling it as a side effect), else why not."""
+    """None if this call's kernel compiles and loads (compiling it as a side effect), else why not."""
     try:
-        _build(variant_for(unit, tables), device_index(unit.device))
+        _build(_variant(unit, tables), device_index(unit.device))
     except (CudaBuildError, OSError) as exc:
         return str(exc)
     return None
@@ -122,10 +184,13 @@ def viterbi_codes_cuda(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
     out = torch.empty(n, h, nbytes, dtype=torch.uint8, device=unit.device)
     if n == 0:
         return out
-    variant = variant_for(unit, tables)
+    variant = _variant(unit, tables)
     kernel = _build(variant, device_index(unit.device))
-    kernel.launch((-(-n // variant.warps), h, 1), (32 * variant.warps, 1, 1),
-                  [unit.contiguous(), bits.to(device=unit.device, dtype=torch.int32).contiguous(),
-                   tables.to(device=unit.device, dtype=torch.float32).contiguous(), out, n, h,
-                   int(tables.shape[1]), nbytes])
+    operands = [unit.contiguous(), bits.to(device=unit.device, dtype=torch.int32).contiguous(),
+                tables.to(device=unit.device, dtype=torch.float32).contiguous(), out]
+    if isinstance(variant, BlockViterbiVariant):
+        kernel.launch((n, h, 1), (variant.threads, 1, 1), [*operands, h, int(tables.shape[1]), nbytes])
+    else:
+        kernel.launch((-(-n // variant.warps), h, 1), (32 * variant.warps, 1, 1),
+                      [*operands, n, h, int(tables.shape[1]), nbytes])
     return out
