@@ -34,7 +34,7 @@ def test_cuda_viterbi_compiles_for_sm90(lbits, widest, head_dim):
     assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_viterbi_warp" in image
 
 
-@pytest.mark.parametrize("lbits, widest, head_dim", [(5, 5, 64), (10, 7, 128), (10, 10, 64), (11, 8, 128)])
+@pytest.mark.parametrize("lbits, widest, head_dim", [(5, 5, 64), (10, 7, 128), (10, 8, 64), (11, 8, 128)])
 def test_cuda_block_viterbi_compiles_for_sm90(lbits, widest, head_dim):
     nvrtc_or_skip()
     variant = cuda_viterbi.BlockViterbiVariant(lbits, head_dim, widest)
@@ -46,12 +46,14 @@ def test_cuda_block_viterbi_compiles_for_sm90(lbits, widest, head_dim):
 
 def test_the_kernel_a_count_gets():
     """Few vectors a head (a decode step) take the block kernel, a prefill's many the warp kernel,
-    which holds at most 2^10 states."""
+    which holds at most 2^10 states; steps over 8 bits take the warp kernel at any count."""
     x, _, tables = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 10)
     many = x.expand(cuda_viterbi.WARP_FROM, -1, -1)
     assert cuda_viterbi.kernel_for(x, tables) == "block" and cuda_viterbi.kernel_for(many, tables) == "warp"
     _, _, tables11 = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 11)
     assert cuda_viterbi.kernel_for(many, tables11) == "block"
+    _, _, wide = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 10, widest=10)
+    assert wide.shape[1] > cuda_viterbi.MAX_BLOCK_STEP_BITS and cuda_viterbi.kernel_for(x, wide) == "warp"
     v = cuda_viterbi.BlockViterbiVariant(10, 128, 7)
     assert v.threads == 1024 and v.smem_bytes == 4 * (2048 + 256 + 64 + 40) + 128 * 512
 
@@ -70,6 +72,8 @@ def test_what_the_cuda_encoder_refuses():
     if torch.cuda.is_available():
         x12, bits12, tables12 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 12))
         assert "2^12 states (the CUDA encoder takes 2^5 to 2^11)" in cuda_viterbi.unsupported_reason(x12, bits12, tables12)
+        x11, bits11, tables11 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 11, 11))
+        assert "steps of 10 bits at 2^11 states" in cuda_viterbi.unsupported_reason(x11, bits11, tables11)
     with pytest.raises(CudaBuildError, match="cannot run this call: the components are on cpu"):
         cuda_viterbi.viterbi_codes_cuda(x, bits, tables)
 
@@ -85,10 +89,15 @@ def _walks_of(codes, bits, lbits):
        d=st.sampled_from([64, 128]), lbits=st.sampled_from([5, 8, 10, 11]), widest=st.sampled_from([2, 4, 12]),
        kernel=st.sampled_from(["block", "warp"]))
 def test_cuda_viterbi_codes_are_least_cost_walks(seed, n, h, d, lbits, widest, kernel):
-    if kernel == "warp" and lbits > cuda_viterbi.MAX_STATE_BITS:
-        kernel = "block"
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(seed), n, h, d, lbits, widest)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
+    if tables.shape[1] > cuda_viterbi.MAX_BLOCK_STEP_BITS:  # steps the block kernel does not take
+        if lbits > cuda_viterbi.MAX_STATE_BITS:
+            assert "steps of" in cuda_viterbi.unsupported_reason(x, bits, tables)
+            return
+        kernel = "warp"
+    elif lbits > cuda_viterbi.MAX_STATE_BITS:
+        kernel = "block"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cuda_viterbi, "WARP_FROM", 1 if kernel == "warp" else 10**9)
         assert cuda_viterbi.kernel_for(x, tables) == kernel

@@ -4,8 +4,9 @@ layout (NVRTC), with :func:`..triton.trellis.viterbi_codes`' contract.
 A walk's steps are sequential, so a vector's latency is its ~100 steps. Two kernels:
 
 - ``viterbi_block.cu``, one CTA a vector: the 2^L path costs in shared memory, a thread a state
-  (or a few), a barrier a step. Few vectors (a decode step's one token a head) finish in about the
-  time of their steps' barriers.
+  (or a few), a barrier a step; steps of up to 8 bits. Few vectors (a decode step's one token a
+  head) finish sooner than in a warp (H200: 74 us for 1 and 8 vectors of 8 heads at 2^10 states,
+  the warp kernel 104-107, Triton's 93).
 - ``viterbi.cu``, one warp a vector: the costs in the warp's registers, exchanged by shuffles, the
   trace as ballots in shared memory (no block barrier). A vector takes longer than in a CTA but
   uses a 32nd of its threads, so many vectors (a prefill) go faster; it holds up to 2^10 states.
@@ -32,10 +33,12 @@ MIN_ARCH = 80
 MIN_STATE_BITS = 5  # the warp kernel: a lane holds 2^L / 32 costs; the block kernel: a warp's states
 MAX_STATE_BITS = 10  # the warp kernel: 32 costs a lane (2^12 states spill the registers)
 MAX_BLOCK_STATE_BITS = 11  # the block kernel: its trace (at most 2^(L-1) bytes a step) in shared memory
+MAX_BLOCK_STEP_BITS = 8  # the block kernel's trace: a byte a prefix
 SMEM_LIMIT = 40 * 1024  # static shared memory of a warp kernel's block (its warps' traces and strings)
 BLOCK_SMEM_LIMIT = 200 * 1024  # dynamic shared memory of the block kernel's CTA
 MAX_WARPS = 4
-WARP_FROM = 16  # vectors a head from which the warp kernel runs (H200: the block kernel 74 us at 1 and 8, 122 at 32; the warp kernel 104-107 at 1 and 8)
+WARP_FROM = 16  # vectors a head from which the warp kernel runs (H200, 8 heads: the block kernel 74 us at 1 and
+# 8 vectors, 122 at 32; the warp kernel 104-107 at 1 and 8, 245 at 256; 16 lies between, unmeasured)
 
 
 def trace_words(state_bits: int, k: int) -> int:
@@ -114,9 +117,11 @@ def block_variant_for(unit: torch.Tensor, tables: torch.Tensor) -> BlockViterbiV
 
 def kernel_for(unit: torch.Tensor, tables: torch.Tensor) -> str:
     """``"warp"`` or ``"block"``: the kernel :func:`viterbi_codes_cuda` runs for ``unit [N, H, D]``
-    (the warp kernel from :data:`WARP_FROM` vectors a head where it takes the states)."""
+    (the warp kernel from :data:`WARP_FROM` vectors a head, or for steps the block kernel does not
+    take, where it takes the states)."""
     warp_fits = MIN_STATE_BITS <= variant_for(unit, tables).state_bits <= MAX_STATE_BITS
-    return "warp" if warp_fits and unit.shape[0] >= WARP_FROM else "block"
+    block_fits = tables.shape[1] <= MAX_BLOCK_STEP_BITS
+    return "warp" if warp_fits and (unit.shape[0] >= WARP_FROM or not block_fits) else "block"
 
 
 def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> str | None:
@@ -135,6 +140,9 @@ def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
     block = block_variant_for(unit, tables)
     if not MIN_STATE_BITS <= block.state_bits <= MAX_BLOCK_STATE_BITS:
         return f"2^{block.state_bits} states (the CUDA encoder takes 2^{MIN_STATE_BITS} to 2^{MAX_BLOCK_STATE_BITS})"
+    if block.widest > MAX_BLOCK_STEP_BITS:
+        return (f"steps of {block.widest} bits at 2^{block.state_bits} states (the CUDA encoder takes steps of at most "
+                f"{MAX_BLOCK_STEP_BITS} bits above 2^{MAX_STATE_BITS} states)")
     if block.smem_bytes > BLOCK_SMEM_LIMIT:
         return (f"2^{block.state_bits} states at head_dim {block.head_dim}: a vector's trace needs "
                 f"{block.smem_bytes} bytes of shared memory (at most {BLOCK_SMEM_LIMIT})")

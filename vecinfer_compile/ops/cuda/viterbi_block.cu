@@ -3,16 +3,16 @@
 // state), written in the stored layout (vecinfer_compile/quant/trellis_packing.py). Compiled at run
 // time with NVRTC (viterbi.py); no toolkit headers. Compile-time parameters as -D defines:
 //   L     state bits (2^L states, 5 <= L)        D     components a vector (head_dim)
-//   MAXK  the widest step (<= L)                  MAXB  bytes of the widest string
+//   MAXK  the widest step (<= L, <= 8)            MAXB  bytes of the widest string
 //   BT    threads a CTA (min(2^L, 1024)); each owns the states tid + BT r, r < 2^L / BT
 //
 // trellis_viterbi_block: grid (N, H). The path costs sit in shared memory (two buffers); a step of
 // k bits has every thread compute its new states s' = j << k | new: the cheapest of the 2^k
 // predecessors i * 2^(L-k) + j (read as broadcasts: a warp's states share few prefixes j) plus the
-// squared error against the k-bit table (coalesced reads, a step ahead), then one barrier. The
-// choice of each prefix goes to shared memory (a byte, two for steps over 8 bits; at most 2^(L-1)
-// bytes a step), read back by one thread's walk from the cheapest final state. A vector's latency
-// is ~D barriers, not D steps of one warp over 2^L states.
+// squared error against the k-bit table (coalesced reads), then one barrier. The choice of each
+// prefix goes to shared memory as a byte (2^(L-k) a step; steps of at most 8 bits), read back by
+// one thread's walk from the cheapest final state. A vector's latency is ~D barriers, not D steps
+// of one warp over 2^L states.
 
 #define S (1 << L)
 #define SPT (S / BT)                         // states a thread
@@ -20,7 +20,7 @@
 #define INF __int_as_float(0x7f800000)
 
 template <int K>
-__device__ __forceinline__ void block_step(const float* prev, float* next, float x, const float (&entry)[SPT],
+__device__ __forceinline__ void block_step(const float* prev, float* next, float x, const float* __restrict__ table,
                                            unsigned char* trace, int tid) {
     constexpr int M = S >> K;
 #pragma unroll
@@ -33,20 +33,10 @@ __device__ __forceinline__ void block_step(const float* prev, float* next, float
             const float v = prev[i * M + j];
             if (v < m) { m = v; arg = i; }
         }
-        if ((s & ((1 << K) - 1)) == 0) {
-            if constexpr (K > 8) ((unsigned short*)trace)[j] = (unsigned short)arg;
-            else trace[j] = (unsigned char)arg;
-        }
-        const float e = x - entry[r];
+        if ((s & ((1 << K) - 1)) == 0) trace[j] = (unsigned char)arg;
+        const float e = x - __ldg(table + s);
         next[s] = m + e * e;
     }
-}
-
-__device__ __forceinline__ int trace_bytes(int k) { return (S >> k) * (k > 8 ? 2 : 1); }
-
-__device__ __forceinline__ int next_coded(const int* ks, int t) {
-    while (t < D && ks[t] == 0) ++t;
-    return t;
 }
 
 extern "C" __global__ void __launch_bounds__(BT)
@@ -74,32 +64,24 @@ trellis_viterbi_block(const float* __restrict__ x,       // [N, H, D] unit compo
     for (int i = tid; i < (MAXB + 3) / 4; i += BT) string[i] = 0u;
     __syncthreads();
 
-    // each step's table entries for this thread's states are read a step ahead (off the barriers' path)
     const float* head_tables = tables + (long long)h * widths * S;
     int cur = 0, offset = 0, total_bits = 0;
-    float entry[SPT], ahead[SPT];
-    int t = next_coded(ks, 0);
-#pragma unroll
-    for (int r = 0; r < SPT; ++r) entry[r] = t < D ? __ldg(head_tables + (ks[t] - 1) * S + tid + r * BT) : 0.0f;
-    while (t < D) {
-        const int k = ks[t], tn = next_coded(ks, t + 1);
-#pragma unroll
-        for (int r = 0; r < SPT; ++r) ahead[r] = tn < D ? __ldg(head_tables + (ks[tn] - 1) * S + tid + r * BT) : 0.0f;
+    for (int t = 0; t < D; ++t) {
+        const int k = ks[t];
+        if (k == 0) continue;  // uniform across the CTA
         const float* prev = cost + cur * S;
         float* next = cost + (cur ^ 1) * S;
+        const float* table = head_tables + (k - 1) * S;
         switch (k) {
-#define CASE(KK) case KK: if constexpr (KK <= MAXK && KK <= L) block_step<KK>(prev, next, xs[t], entry, trace + offset, tid); break;
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11)
+#define CASE(KK) case KK: if constexpr (KK <= MAXK && KK <= L && KK <= 8) block_step<KK>(prev, next, xs[t], table, trace + offset, tid); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
             default: break;
         }
         __syncthreads();
         cur ^= 1;
-        offset += trace_bytes(k);
+        offset += S >> k;
         total_bits += k;
-#pragma unroll
-        for (int r = 0; r < SPT; ++r) entry[r] = ahead[r];
-        t = tn;
     }
 
     // the cheapest final state (the lowest on ties)
@@ -127,7 +109,7 @@ trellis_viterbi_block(const float* __restrict__ x,       // [N, H, D] unit compo
         for (int t = D - 1; t >= 0; --t) {
             const int kk = ks[t];
             if (kk == 0) continue;
-            offset -= trace_bytes(kk);
+            offset -= S >> kk;
             const int start = end - kk, fresh = s & ((1 << kk) - 1);
             // the string is big-endian by bit: bit p is bit 7 - (p & 7) of byte p >> 3; bytes
             // little-endian in the 32-bit words
@@ -138,8 +120,7 @@ trellis_viterbi_block(const float* __restrict__ x,       // [N, H, D] unit compo
                 }
             }
             const int j = s >> kk;
-            const int i = kk > 8 ? ((const unsigned short*)(trace + offset))[j] : trace[offset + j];
-            s = j | (i << (L - kk));
+            s = j | ((int)trace[offset + j] << (L - kk));
             end = start;
         }
     }
