@@ -8,7 +8,7 @@ layer's keys at ``N`` tokens. Each kernel is captured in a CUDA graph of 20 laun
 CUDA events (the median replay, ``bench_common.graph_time_ms``); both write the stored codes,
 compared row by row (equal but for ties of equal cost).
 
-    python benchmarks/bench_viterbi.py [--vectors 1,8,16,256,2048] [--states 1024]
+    python benchmarks/bench_viterbi.py [--vectors 1,8,16,256,2048] [--states 1024] [--kernel auto|block|warp]
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--vectors", default="1,8,16,256,2048", help="vectors a head, comma-separated")
     ap.add_argument("--states", default="1024", help="trellis sizes, comma-separated powers of two (up to 2048)")
+    ap.add_argument("--kernel", default="auto", choices=["auto", "block", "warp"],
+                    help="the CUDA kernel (auto: the one the ops run at that count)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -58,10 +60,11 @@ def main(argv=None) -> None:
         nbytes = packed_bytes(bits)
         for n in (int(v) for v in args.vectors.split(",")):
             x = torch.randn(n, HKV, D, device="cuda")
-            same = (viterbi_codes(x, bits, tables, nbytes=nbytes) == viterbi_codes_cuda(x, bits, tables, nbytes))
+            kernel = kernel_for(x, tables) if args.kernel == "auto" else args.kernel
+            same = (viterbi_codes(x, bits, tables, nbytes=nbytes) == viterbi_codes_cuda(x, bits, tables, nbytes, kernel))
             t_triton = 1e3 * graph_time_ms([lambda: viterbi_codes(x, bits, tables, nbytes=nbytes)] * LAUNCHES)
-            t_cuda = 1e3 * graph_time_ms([lambda: viterbi_codes_cuda(x, bits, tables, nbytes)] * LAUNCHES)
-            print(f"| {states} | {n} | {t_triton:.1f} | {kernel_for(x, tables)} | {t_cuda:.1f} | {t_triton / t_cuda:.2f}x | "
+            t_cuda = 1e3 * graph_time_ms([lambda: viterbi_codes_cuda(x, bits, tables, nbytes, kernel)] * LAUNCHES)
+            print(f"| {states} | {n} | {t_triton:.1f} | {kernel} | {t_cuda:.1f} | {t_triton / t_cuda:.2f}x | "
                   f"{same.all(-1).float().mean().item():.3f} |", flush=True)
 
 

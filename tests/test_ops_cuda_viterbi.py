@@ -69,11 +69,14 @@ def test_trace_words_bound_every_step():
 def test_what_the_cuda_encoder_refuses():
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(0), 2, 2, 16, 4)
     assert "on cpu, not CUDA" in cuda_viterbi.unsupported_reason(x, bits, tables)
+    with pytest.raises(ValueError, match="kernel must be 'block', 'warp' or None"):
+        cuda_viterbi.viterbi_codes_cuda(x, bits, tables, kernel="thread")
     if torch.cuda.is_available():
         x12, bits12, tables12 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 12))
         assert "2^12 states (the CUDA encoder takes 2^5 to 2^11)" in cuda_viterbi.unsupported_reason(x12, bits12, tables12)
         x11, bits11, tables11 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 11, 11))
         assert "steps of 10 bits at 2^11 states" in cuda_viterbi.unsupported_reason(x11, bits11, tables11)
+        assert "2^11 states (the warp kernel takes" in cuda_viterbi.unsupported_reason(x11, bits11, tables11, "warp")
     with pytest.raises(CudaBuildError, match="cannot run this call: the components are on cpu"):
         cuda_viterbi.viterbi_codes_cuda(x, bits, tables)
 
@@ -98,10 +101,7 @@ def test_cuda_viterbi_codes_are_least_cost_walks(seed, n, h, d, lbits, widest, k
         kernel = "warp"
     elif lbits > cuda_viterbi.MAX_STATE_BITS:
         kernel = "block"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cuda_viterbi, "WARP_FROM", 1 if kernel == "warp" else 10**9)
-        assert cuda_viterbi.kernel_for(x, tables) == kernel
-        codes = cuda_viterbi.viterbi_codes_cuda(x, bits, tables, packed_bytes(bits))
+    codes = cuda_viterbi.viterbi_codes_cuda(x, bits, tables, packed_bytes(bits), kernel)
     _assert_optimal_walks(x, bits, tables, _walks_of(codes, bits, lbits))
 
 

@@ -124,15 +124,19 @@ def kernel_for(unit: torch.Tensor, tables: torch.Tensor) -> str:
     return "warp" if warp_fits and (unit.shape[0] >= WARP_FROM or not block_fits) else "block"
 
 
-def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> str | None:
-    """Why the CUDA encoder cannot run this call (None if it can); building is :func:`build_error`'s.
-    Reads shapes only (no host sync)."""
+def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
+                       kernel: str | None = None) -> str | None:
+    """Why the CUDA encoder (``kernel``: ``"block"``, ``"warp"``, None for :func:`kernel_for`'s)
+    cannot run this call (None if it can); building is :func:`build_error`'s. Reads shapes only (no
+    host sync)."""
     reason = unfit_device_reason(unit, (torch.float32,), "the components are {dtype}, not float32",
                                  "the CUDA trellis encoder", MIN_ARCH, subject="the components are")
     if reason is not None:
         return reason
-    if kernel_for(unit, tables) == "warp":
+    if (kernel or kernel_for(unit, tables)) == "warp":
         variant = variant_for(unit, tables)
+        if not MIN_STATE_BITS <= variant.state_bits <= MAX_STATE_BITS:
+            return f"2^{variant.state_bits} states (the warp kernel takes 2^{MIN_STATE_BITS} to 2^{MAX_STATE_BITS})"
         if variant.warp_smem > SMEM_LIMIT:
             return (f"2^{variant.state_bits} states at head_dim {variant.head_dim}: a vector's trace needs "
                     f"{variant.warp_smem} bytes of shared memory (at most {SMEM_LIMIT})")
@@ -160,8 +164,8 @@ def _build(variant: ViterbiVariant | BlockViterbiVariant, device_index: int):
     return kernel
 
 
-def _variant(unit: torch.Tensor, tables: torch.Tensor) -> ViterbiVariant | BlockViterbiVariant:
-    return (variant_for if kernel_for(unit, tables) == "warp" else block_variant_for)(unit, tables)
+def _variant(unit: torch.Tensor, tables: torch.Tensor, kernel: str | None = None) -> ViterbiVariant | BlockViterbiVariant:
+    return (variant_for if (kernel or kernel_for(unit, tables)) == "warp" else block_variant_for)(unit, tables)
 
 
 def build_error(unit: torch.Tensor, tables: torch.Tensor) -> str | None:
@@ -174,13 +178,16 @@ def build_error(unit: torch.Tensor, tables: torch.Tensor) -> str | None:
 
 
 def viterbi_codes_cuda(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
-                       nbytes: int | None = None) -> torch.Tensor:
+                       nbytes: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """Stored codes ``[N, H, nbytes]`` uint8 of the least-squared-error walks of ``unit [N, H, D]``
     float32 (unit-scale components; ``bits [H, D]`` integer bits a component, 0: not coded;
     ``tables [H, W, 2^L]`` float32, row ``k - 1`` the ``k``-bit table), as
     :func:`..triton.trellis.viterbi_codes` writes them. ``nbytes`` None reads it off ``bits`` (a
-    host sync). Raises :class:`CudaBuildError` when the kernel cannot run it."""
-    reason = unsupported_reason(unit, bits, tables)
+    host sync); ``kernel`` ``"block"`` or ``"warp"`` (None: :func:`kernel_for`'s). Raises
+    :class:`CudaBuildError` when the kernel cannot run it."""
+    if kernel not in (None, "block", "warp"):
+        raise ValueError(f"kernel must be 'block', 'warp' or None, got {kernel!r}")
+    reason = unsupported_reason(unit, bits, tables, kernel)
     if reason is not None:
         raise CudaBuildError(f"the CUDA trellis encoder cannot run this call: {reason}")
     n, h, d = unit.shape
@@ -192,13 +199,13 @@ def viterbi_codes_cuda(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
     out = torch.empty(n, h, nbytes, dtype=torch.uint8, device=unit.device)
     if n == 0:
         return out
-    variant = _variant(unit, tables)
-    kernel = _build(variant, device_index(unit.device))
+    variant = _variant(unit, tables, kernel)
+    launcher = _build(variant, device_index(unit.device))
     operands = [unit.contiguous(), bits.to(device=unit.device, dtype=torch.int32).contiguous(),
                 tables.to(device=unit.device, dtype=torch.float32).contiguous(), out]
     if isinstance(variant, BlockViterbiVariant):
-        kernel.launch((n, h, 1), (variant.threads, 1, 1), [*operands, h, int(tables.shape[1]), nbytes])
+        launcher.launch((n, h, 1), (variant.threads, 1, 1), [*operands, h, int(tables.shape[1]), nbytes])
     else:
-        kernel.launch((-(-n // variant.warps), h, 1), (32 * variant.warps, 1, 1),
+        launcher.launch((-(-n // variant.warps), h, 1), (32 * variant.warps, 1, 1),
                       [*operands, n, h, int(tables.shape[1]), nbytes])
     return out
