@@ -4,8 +4,9 @@ Same contract as :func:`..triton.trellis.decode_components`, which it replaces o
 supports the inputs and builds (:func:`vecinfer_compile.ops.trellis.decode_attention` chooses).
 Triton cannot put the codec's tables in shared memory, so its kernel gathers every component's
 entry through L1; this one loads a KV head's key and value tables into shared memory once a CTA
-and gathers from there, and reads each key row's string front to back through a sliding window. Compiled once per process and variant; launched on torch's current stream
-(CUDA graphs capture it); ``n_coded`` may be a 0-d int64 tensor read on the device.
+and gathers from there, reading each key row's string front to back through a sliding window.
+Compiled once per process and variant; launched on torch's current stream (CUDA graphs capture
+it); ``n_coded`` may be a 0-d int64 tensor read on the device.
 """
 
 from __future__ import annotations

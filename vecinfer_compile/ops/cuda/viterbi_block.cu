@@ -73,7 +73,9 @@ trellis_viterbi_block(const float* __restrict__ x,       // [N, H, D] unit compo
         float* next = cost + (cur ^ 1) * S;
         const float* table = head_tables + (k - 1) * S;
         switch (k) {
-#define CASE(KK) case KK: if constexpr (KK <= MAXK && KK <= L && KK <= 8) block_step<KK>(prev, next, xs[t], table, trace + offset, tid); break;
+#define CASE(KK) case KK: \
+    if constexpr (KK <= MAXK && KK <= L && KK <= 8) block_step<KK>(prev, next, xs[t], table, trace + offset, tid); \
+    break;
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
             default: break;
