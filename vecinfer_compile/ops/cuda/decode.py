@@ -65,6 +65,7 @@ from ...quant.byte_centroids import BYTE_BOOK_ENTRIES, packed_byte_book
 from ...quant.packing import is_packed
 from ..checks import check_decode_args
 from ..coded_kv import CodedKV
+from ..split_attention.lse_merge import LOG2E
 from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
                     sm_count, unfit_device_reason)
 
@@ -442,7 +443,7 @@ def decode_attention_cuda(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor |
         (b * hkv, units, 1), (built.nwarps * 32, 1, 1),
         [q, k_codes, v_codes, k_centroids, v_centroids, k_window, v_window, n_coded, n_window, kv_start,
          *partials, out, hkv, tmax, k_window.shape[2], _index_is64(n_coded), _index_is64(n_window), start_kind,
-         float(scale) * 1.4426950408889634],
+         float(scale) * LOG2E],
         cluster=None if cluster is None else (1, cluster, 1),
     )
     return out

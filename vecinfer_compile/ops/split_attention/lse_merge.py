@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-LOG2E = 1.4426950408889634  # log2(e): the split kernels' scores are in log2 units
+LOG2E = 1.4426950408889634  # log2(e): the decode kernels take their scores in log2 units
 
 
 def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,

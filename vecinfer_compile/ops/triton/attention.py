@@ -21,7 +21,8 @@ import triton.language as tl
 
 from ...quant.packing import is_packed
 from ..checks import check_attention_args
-from .common import LOG2E, check_head_dim_pow2, dequant_tile_2d, launch, softmax_step, unit_last_stride
+from ..split_attention.lse_merge import LOG2E
+from .common import check_head_dim_pow2, dequant_tile_2d, launch, softmax_step, unit_last_stride
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
 
 def launch(kernel, grid: tuple, wrap: bool, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, through ``wrap_triton`` when ``wrap``."""

@@ -36,8 +36,9 @@ import triton.language as tl
 from ...quant.packing import is_packed
 from ..checks import check_decode_args
 from ..coded_kv import CodedKV
+from ..split_attention.lse_merge import LOG2E
 from .common import (
-    LOG2E, block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, rows_for_head_dim, softmax_step,
+    block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, rows_for_head_dim, softmax_step,
     unit_last_stride,
 )
 

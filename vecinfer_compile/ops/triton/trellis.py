@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ...quant.trellis_packing import bit_ends, packed_bytes
-from ..split_attention.lse_merge import merge_splits
-from .common import LOG2E, launch, unit_last_stride
+from ..split_attention.lse_merge import LOG2E, merge_splits
+from .common import launch, unit_last_stride
 
 SCRATCH_BYTES = 1 << 30  # trace-back bytes one launch may use; larger calls go in row chunks
 MAX_STATE_BITS = 13  # 2^13 path costs a program: 64 float32 registers a thread at 4 warps
