@@ -5,9 +5,10 @@ Rows: the CUDA append with nearest-centroid codes (one launch; the baseline), wi
 codes (``vq_weigh_flush`` then the append), with error-weighted codes (the same, the descent under
 random symmetric metrics) and the torch form of the last (what ran before the CUDA encoder: the
 ops Inductor would compile, here eager); then the append of a layer whose keys and values the
-trellis codec codes (:mod:`vecinfer_compile.cache.trellis_layer`: the key transform, each side's
-KLT in torch and its Viterbi walk in one launch, the window's shift), at ``--trellis-states`` (a
-decode step's few vectors: the ops walk them with Triton's kernel, :mod:`vecinfer_compile.ops.viterbi`). Each row
+trellis codec codes (:mod:`vecinfer_compile.cache.trellis_layer`), at ``--trellis-states``: the
+key transform's matmul, then ``vecinfer::trellis_append`` (one launch: each side's KLT and walk, the
+window's shift, the counters; :mod:`vecinfer_compile.ops.cuda.trellis_append`) and, over the same
+buffers, its torch form (each side's KLT in torch ops and one Viterbi launch). Each row
 but the torch one is ``STEPS`` appends captured in one CUDA graph and replayed, timed by CUDA
 events (device time per append, launch gaps included); the window is full, so every append encodes
 a token. Shapes: a Llama-3.1-8B layer (8 KV heads, head_dim 128, bf16 windows of 128 slots).
@@ -96,9 +97,11 @@ def time_torch(args: dict, n: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / n
 
 
-def trellis_append(b: int, bits: float, states: int, gen: torch.Generator):
-    """One layer's trellis append as a function of no arguments: codecs of ``states`` states fitted
-    on random keys and values with a decaying spectrum, a full window and room for every timed append."""
+def trellis_appends(b: int, bits: float, states: int, gen: torch.Generator):
+    """One layer's trellis append as two functions of no arguments, over the same buffers: the op
+    (one launch) and its torch form (the key transform's matmul and the ops around one Viterbi
+    launch a side, as before the kernel). Codecs of ``states`` states fitted on random keys and
+    values with a decaying spectrum, a full window and room for every timed append."""
     from vecinfer_compile.ops.append import append_through_window
     from vecinfer_compile.ops.trellis import TrellisOperands
     from vecinfer_compile.quant.trellis_codec import TrellisCodec
@@ -109,20 +112,26 @@ def trellis_append(b: int, bits: float, states: int, gen: torch.Generator):
                                states.bit_length() - 1, train_vectors=1024, rounds=1) for _ in range(2)]
     operands = [list(TrellisOperands.of(c, "cuda")) for c in codecs]
     width = packed_bytes(codecs[0].bits)
-    tmax = 16 + STEPS * (REPLAYS + 2)
+    tmax = 16 + 2 * STEPS * (REPLAYS + 2)
     key, value = (torch.randn(b, HKV, 1, D, generator=gen).cuda().bfloat16() for _ in range(2))
     k_codes, v_codes = (torch.zeros(b, HKV, tmax, width, dtype=torch.uint8, device="cuda") for _ in range(2))
     k_window, v_window = (torch.randn(b, HKV, R, D, generator=gen).cuda().bfloat16() for _ in range(2))
     n_coded, n_window = torch.tensor(16, device="cuda"), torch.tensor(R, device="cuda")
+    arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
     key_matrix = (torch.randn(D, D, generator=gen) / D**0.5).cuda()
 
-    def append():
+    def op():
+        kt = (key.float() @ key_matrix).bfloat16()
+        torch.ops.vecinfer.trellis_append(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
+                                          operands[0], operands[1])
+
+    def torch_form():
         kt = (key.float() @ key_matrix).bfloat16()
         append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
                               lambda x: torch.ops.vecinfer.trellis_encode(x, operands[0], width),
                               lambda x: torch.ops.vecinfer.trellis_encode(x, operands[1], width))
 
-    return append
+    return op, torch_form
 
 
 def main(argv=None) -> None:
@@ -148,8 +157,11 @@ def main(argv=None) -> None:
             us = time_torch(layer_state(b, bits, 8.0, True, gen))
             print(f"| {bits:g} | {b} | error-weighted, w=8, torch ops (eager) | {us:.1f} | {us / base:.2f}x |")
             for states in (int(x) for x in args.trellis_states.split(",") if x):
-                us = time_captured(trellis_append(b, bits, states, gen))
-                print(f"| {bits:g} | {b} | trellis keys and values, {states} states | {us:.1f} | {us / base:.2f}x |")
+                op, torch_form = trellis_appends(b, bits, states, gen)
+                for label, append in (("one launch", op), ("torch ops around two walks", torch_form)):
+                    us = time_captured(append)
+                    print(f"| {bits:g} | {b} | trellis keys and values, {states} states, {label} | {us:.1f} | "
+                          f"{us / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ V="python -m vecinfer_compile"
 # that mix attention kinds, ~2.4 before its Gemma 4 check became four processes of ~40-60 s each,
 # so give it TEST_TIMEOUT=480); TEST_GROUPS picks some, e.g. TEST_GROUPS="decode windowed".
 declare -A TEST_GROUP=(
-    [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py tests/test_ops_cuda_weigh.py tests/test_weighted_codes.py tests/test_ops_cuda_trellis_decode.py tests/test_ops_cuda_viterbi.py"
+    [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py tests/test_ops_cuda_weigh.py tests/test_weighted_codes.py tests/test_ops_cuda_trellis_decode.py tests/test_ops_cuda_viterbi.py tests/test_ops_cuda_trellis_append.py"
     [triton]="tests/test_ops_triton.py tests/test_trellis_codec.py"
     [cache]="tests/test_eager_decode.py tests/test_cache_compile.py tests/test_deferred_stop.py tests/test_qaware.py tests/test_needle.py tests/test_ops_library.py tests/test_benchmarks_smoke.py"
     [windowed]="tests/test_windowed.py"

@@ -4,8 +4,8 @@ CTA a vector) against the torch Viterbi.
 - CPU: both kernels compile with NVRTC to sm_90 cubins at every state count they take (2^5 to 2^10
   and 2^11), steps up to L bits, head_dim 64/128; which kernel a count gets; what they refuse.
 - ``cuda``: each kernel's codes are walks as cheap as the reference's (hypothesis: KV heads 1/2/8,
-  odd counts of vectors, 2^5 to 2^11 states, steps up to L bits: wider than a byte, 0-bit
-  components); the dispatcher's choice by request; a CUDA graph's replay writes the eager codes.
+  odd counts of vectors, 2^5 to 2^11 states, steps up to L bits: wider than a byte of trace,
+  0-bit components); the dispatcher's choice by request; a CUDA graph's replay writes the eager codes.
 """
 
 from __future__ import annotations
@@ -29,33 +29,33 @@ def test_cuda_viterbi_compiles_for_sm90(lbits, widest, head_dim):
     nvrtc_or_skip()
     variant = cuda_viterbi.ViterbiVariant(lbits, head_dim, widest)
     assert variant.warp_smem * variant.warps <= cuda_viterbi.SMEM_LIMIT
-    image, is_cubin = compile_source(cuda_viterbi.SOURCE.read_text(), "trellis_viterbi_warp", 90,
+    image, is_cubin = compile_source(cuda_viterbi.warp_source(), "trellis_viterbi_warp", 90,
                                      ["--std=c++17", *variant.defines()])
     assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_viterbi_warp" in image
 
 
-@pytest.mark.parametrize("lbits, widest, head_dim", [(5, 5, 64), (10, 7, 128), (10, 8, 64), (11, 8, 128)])
+@pytest.mark.parametrize("lbits, widest, head_dim", [(5, 5, 64), (10, 7, 128), (10, 10, 64), (11, 11, 128)])
 def test_cuda_block_viterbi_compiles_for_sm90(lbits, widest, head_dim):
     nvrtc_or_skip()
     variant = cuda_viterbi.BlockViterbiVariant(lbits, head_dim, widest)
     assert variant.smem_bytes <= cuda_viterbi.BLOCK_SMEM_LIMIT
-    image, is_cubin = compile_source(cuda_viterbi.BLOCK_SOURCE.read_text(), "trellis_viterbi_block", 90,
+    image, is_cubin = compile_source(cuda_viterbi.with_block_walk(cuda_viterbi.BLOCK_SOURCE), "trellis_viterbi_block", 90,
                                      ["--std=c++17", *variant.defines()])
     assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_viterbi_block" in image
 
 
 def test_the_kernel_a_count_gets():
     """Few vectors a head (a decode step) take the block kernel, a prefill's many the warp kernel,
-    which holds at most 2^10 states; steps over 8 bits take the warp kernel at any count."""
+    which holds at most 2^10 states."""
     x, _, tables = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 10)
     many = x.expand(cuda_viterbi.WARP_FROM, -1, -1)
     assert cuda_viterbi.kernel_for(x, tables) == "block" and cuda_viterbi.kernel_for(many, tables) == "warp"
     _, _, tables11 = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 11)
     assert cuda_viterbi.kernel_for(many, tables11) == "block"
     _, _, wide = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 10, widest=10)
-    assert wide.shape[1] > cuda_viterbi.MAX_BLOCK_STEP_BITS and cuda_viterbi.kernel_for(x, wide) == "warp"
+    assert cuda_viterbi.kernel_for(x, wide) == "block"  # a wide step's choice takes two bytes of trace
     v = cuda_viterbi.BlockViterbiVariant(10, 128, 7)
-    assert v.threads == 1024 and v.smem_bytes == 4 * (2048 + 256 + 64 + 40) + 128 * 512
+    assert v.threads == 1024 and v.smem_bytes == 4 * (2048 + 64 + 40) + 128 * 512
 
 
 def test_trace_words_bound_every_step():
@@ -75,7 +75,7 @@ def test_what_the_cuda_encoder_refuses():
         x12, bits12, tables12 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 12))
         assert "2^12 states (the CUDA encoder takes 2^5 to 2^11)" in cuda_viterbi.unsupported_reason(x12, bits12, tables12)
         x11, bits11, tables11 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 11, 11))
-        assert "steps of 10 bits at 2^11 states" in cuda_viterbi.unsupported_reason(x11, bits11, tables11)
+        assert cuda_viterbi.unsupported_reason(x11, bits11, tables11) is None
         assert "2^11 states (the warp kernel takes" in cuda_viterbi.unsupported_reason(x11, bits11, tables11, "warp")
     with pytest.raises(CudaBuildError, match="cannot run this call: the components are on cpu"):
         cuda_viterbi.viterbi_codes_cuda(x, bits, tables)
@@ -94,12 +94,7 @@ def _walks_of(codes, bits, lbits):
 def test_cuda_viterbi_codes_are_least_cost_walks(seed, n, h, d, lbits, widest, kernel):
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(seed), n, h, d, lbits, widest)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
-    if tables.shape[1] > cuda_viterbi.MAX_BLOCK_STEP_BITS:  # steps the block kernel does not take
-        if lbits > cuda_viterbi.MAX_STATE_BITS:
-            assert "steps of" in cuda_viterbi.unsupported_reason(x, bits, tables)
-            return
-        kernel = "warp"
-    elif lbits > cuda_viterbi.MAX_STATE_BITS:
+    if lbits > cuda_viterbi.MAX_STATE_BITS:
         kernel = "block"
     codes = cuda_viterbi.viterbi_codes_cuda(x, bits, tables, packed_bytes(bits), kernel)
     _assert_optimal_walks(x, bits, tables, _walks_of(codes, bits, lbits))

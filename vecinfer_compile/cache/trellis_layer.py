@@ -5,8 +5,9 @@ The buffers are the storage's (:mod:`.storage`): a code slot holds a token and h
 ``bits * D`` bits (:mod:`vecinfer_compile.quant.trellis_packing`; as many bytes as the codebooks'
 codes of the same preset), the window its full-precision ``K~`` and ``V``. Everything goes through
 the registered ops of :mod:`vecinfer_compile.ops.trellis_ops` and reads the counters on the device
-only, so one form runs eagerly and inside a compiled step (CUDA graphs included): the prefill and
-every append encode with ``trellis_encode`` (one Viterbi launch on CUDA), the reads are
+only, so one form runs eagerly and inside a compiled step (CUDA graphs included): the prefill
+encodes with ``trellis_encode`` (one Viterbi launch on CUDA), an append is
+``trellis_append`` (one launch for a decode step's token on CUDA), the reads are
 ``trellis_cache_kv`` (:func:`.reads.read`), and a decode step attends over codes and window with
 ``trellis_decode_attention`` (eagerly under ``"vecinfer_sdpa"``, :func:`attend`; compiled, the
 backend's pass puts it in place of SDPA over the read).
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.append import append_through_window
 from .quantizer import LayerQuantizer
 
 
@@ -39,13 +39,13 @@ def fill(storage, kt: torch.Tensor, v: torch.Tensor, q: LayerQuantizer) -> None:
 
 
 def append(storage, k: torch.Tensor, v: torch.Tensor, q: LayerQuantizer) -> None:
-    """``vecinfer::cache_append``'s contract (:func:`~vecinfer_compile.ops.append.append_through_window`)
-    with the codec's codes: the window's tokens then the new ones keep their last ``min(w + T, R)``
-    in the window; those before are coded into slots ``n_coded ..``."""
+    """``vecinfer::cache_append``'s contract with the codec's codes (``vecinfer::trellis_append``):
+    the window's tokens then the new ones keep their last ``min(w + T, R)`` in the window; those
+    before are coded into slots ``n_coded ..``."""
     s = storage
-    append_through_window(q.transform_keys(k, s.dtype), v, s.k_codes, s.v_codes, s.k_window, s.v_window, s.n_coded,
-                          s.n_window, _encoder(q.key_trellis, s.k_codes.shape[-1]),
-                          _encoder(q.value_trellis, s.v_codes.shape[-1]))
+    torch.ops.vecinfer.trellis_append(q.transform_keys(k, s.dtype), v, s.k_codes, s.v_codes, s.k_window, s.v_window,
+                                      s.n_coded, s.n_window, s.append_arrivals, list(q.key_trellis),
+                                      list(q.value_trellis))
 
 
 def cache_kv(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor, k_window: torch.Tensor,

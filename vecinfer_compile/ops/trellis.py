@@ -21,6 +21,8 @@ import torch
 
 from ..quant.trellis_codec import TrellisCodec, components, packed_codes
 from ..quant.trellis_packing import read_states, state_windows
+from .append import append_through_window
+from .cuda import trellis_append as cuda_trellis_append
 from .cuda import trellis_decode as cuda_trellis_decode
 from .kernel_request import fall_back, requested
 from .split_attention.lse_merge import merge_by_lse
@@ -78,6 +80,37 @@ def encode(x: torch.Tensor, operands: TrellisOperands, nbytes: int) -> torch.Ten
     b, h, t, _ = x.shape
     unit = components(x, operands.center, operands.analysis, operands.inverse_sd)
     return packed_codes(unit, operands.bits, operands.tables, nbytes).view(b, t, h, nbytes).transpose(1, 2)
+
+
+def append(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+           k_window: torch.Tensor, v_window: torch.Tensor, n_coded: torch.Tensor, n_window: torch.Tensor,
+           arrivals: torch.Tensor, keys: TrellisOperands, values: TrellisOperands) -> None:
+    """Append ``T`` tokens (``kt``: keys as ``K~``, ``value``: ``[B, H, T, D]`` in the windows'
+    dtype) to a layer's buffers in place, without host syncs: the window rule of
+    :func:`~.append.append_through_window` with this codec's codes. One token on CUDA: one launch
+    (:mod:`.cuda.trellis_append`) where :func:`choose_append` picks it; else torch ops and an
+    :func:`encode` a side. ``arrivals``: the kernel's int32 ``[1]`` scratch, zero."""
+    if kt.is_cuda and choose_append(kt, k_window, keys, values) == "cuda":
+        cuda_trellis_append.trellis_append_cuda(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
+                                                arrivals, keys, values)
+        return
+    append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
+                          lambda x: encode(x, keys, k_codes.shape[-1]), lambda x: encode(x, values, v_codes.shape[-1]))
+
+
+def choose_append(kt: torch.Tensor, k_window: torch.Tensor, keys: TrellisOperands, values: TrellisOperands) -> str:
+    """``"cuda"`` or ``"torch"`` for an append of CUDA tensors (shapes only; may compile the kernel
+    once), under :mod:`.kernel_request`'s request. Several new tokens (a prefill chunk) take the
+    torch ops, whose encode walks them all in one launch."""
+    if requested() == "triton" or int(kt.shape[2]) != 1:
+        return "torch"
+    reason, level = cuda_trellis_append.unsupported_reason(kt, k_window, keys, values), logging.INFO
+    if reason is None:  # the inputs fit: a failure to build is the machine's, worth a warning
+        reason, level = cuda_trellis_append.build_error(kt, keys, values), logging.WARNING
+    if reason is None:
+        return "cuda"
+    fall_back(reason, level, "the trellis append runs as torch ops", "the CUDA trellis append cannot run")
+    return "torch"
 
 
 def read(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded, k_window: torch.Tensor, v_window: torch.Tensor,

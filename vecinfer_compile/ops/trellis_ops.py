@@ -3,6 +3,9 @@
 Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list of tensors)::
 
     vecinfer::trellis_encode(Tensor x, Tensor[] codec, int nbytes) -> Tensor
+    vecinfer::trellis_append(Tensor kt, Tensor value, Tensor(a!) k_codes, Tensor(b!) v_codes,
+        Tensor(c!) k_window, Tensor(d!) v_window, Tensor(e!) n_coded, Tensor(f!) n_window,
+        Tensor(g!) arrivals, Tensor[] keys, Tensor[] values) -> ()
     vecinfer::trellis_cache_kv(Tensor k_codes, Tensor v_codes, Tensor n_coded, Tensor k_window,
         Tensor v_window, Tensor n_window, Tensor? lam, Tensor? rotation, Tensor[] keys,
         Tensor[] values) -> (Tensor, Tensor)
@@ -13,6 +16,10 @@ Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list 
 - ``trellis_encode``: ``x [B, H, T, D]`` -> stored codes ``[B, H, T, nbytes]`` uint8
   (:func:`.trellis.encode`; one Viterbi launch on CUDA; ``nbytes``: the codec's, given so that the
   output's shape needs no data).
+- ``trellis_append``: ``T`` new tokens (keys as ``K~``, values; ``[B, H, T, D]`` in the windows'
+  dtype) into a layer's buffers in place by the window rule of ``vecinfer::cache_append``
+  (:func:`.trellis.append`: one launch for a decode step's token on CUDA, else torch ops and a
+  ``trellis_encode`` a side).
 - ``trellis_cache_kv``: ``vecinfer::cache_kv``'s contract over trellis codes: every slot's K and V
   ``[B, H, S, D]`` in the window's dtype, keys back through ``rotation^T`` and ``lam`` where given
   (the query-aware matrix and the mean follow as plain ops, as for ``cache_kv``), zeros past the
@@ -21,7 +28,7 @@ Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list 
 - ``trellis_decode_attention``: one query token ``q [B, Hq, 1, D]`` in ``K~``'s domain over the
   codes and the window (:func:`.trellis.decode_step`) -> ``[B, Hq, 1, D]`` in ``q``'s dtype.
 
-All three are opaque (Inductor calls them as extern kernels) and read the counters on the device
+All four are opaque (Inductor calls them as extern kernels) and read the counters on the device
 only: no host sync, so CUDA graphs capture them.
 """
 
@@ -31,7 +38,7 @@ import torch
 
 from .dequantize import ROW_CHUNK_ELEMENTS
 from .registry import define
-from .trellis import TrellisOperands, decode_step, encode, read
+from .trellis import TrellisOperands, append, decode_step, encode, read
 
 
 def trellis_encode(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> torch.Tensor:
@@ -41,6 +48,13 @@ def trellis_encode(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> t
 def _encode_fake(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> torch.Tensor:
     b, h, t, _ = x.shape
     return x.new_empty((b, h, t, nbytes), dtype=torch.uint8)
+
+
+def trellis_append(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+                   k_window: torch.Tensor, v_window: torch.Tensor, n_coded: torch.Tensor, n_window: torch.Tensor,
+                   arrivals: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    append(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals, TrellisOperands(*keys),
+           TrellisOperands(*values))
 
 
 def trellis_cache_kv(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor, k_window: torch.Tensor,
@@ -83,5 +97,7 @@ def _decode_fake(q, *args) -> torch.Tensor:
 
 
 define("trellis_encode", trellis_encode, kind="opaque", fake=_encode_fake)
+define("trellis_append", trellis_append, kind="opaque", fake=lambda *args: None,
+       mutates=("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", "arrivals"))
 define("trellis_cache_kv", trellis_cache_kv, kind="opaque", fake=_cache_kv_fake)
 define("trellis_decode_attention", trellis_decode_attention, kind="opaque", fake=_decode_fake)

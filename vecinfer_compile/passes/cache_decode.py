@@ -138,12 +138,14 @@ def _key_read(key: fx.Node) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
 
 def updates_a_cache(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` stores into or reads a VecInferCache (``vecinfer::cache_append``,
-    ``cache_kv``, ``prefill_read``, ``trellis_encode`` or ``trellis_cache_kv`` nodes). In such a
+    ``cache_kv``, ``prefill_read``, ``trellis_encode``, ``trellis_append`` or ``trellis_cache_kv``
+    nodes). In such a
     graph every attention over the cache is the cache's business (rewritten to the decode op, or
     tagged to stay as it is), and the others read layers the cache keeps in full precision (a
     hybrid model's sliding windows): the generic simulate rewrite must quantize none of them."""
     ops = [getattr(torch.ops.vecinfer, name)
-           for name in ("cache_append", "cache_kv", "prefill_read", "trellis_encode", "trellis_cache_kv")]
+           for name in ("cache_append", "cache_kv", "prefill_read", "trellis_encode", "trellis_append",
+                        "trellis_cache_kv")]
     targets = {op for op in ops} | {op.default for op in ops}
     return any(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
 

@@ -1,7 +1,7 @@
 // The trellis codec's encoder, one warp a vector: least-squared-error walks of a bitshift trellis
 // (vecinfer_compile/quant/trellis.py), written in the stored layout
-// (vecinfer_compile/quant/trellis_packing.py). Compiled at run time with NVRTC (viterbi.py); no
-// toolkit headers. Compile-time parameters as -D defines:
+// (vecinfer_compile/quant/trellis_packing.py; by string_bits.cuh, prepended). Compiled at run time
+// with NVRTC (viterbi.py); no toolkit headers. Compile-time parameters as -D defines:
 //   L     state bits (2^L states, 5 <= L)        D     components a vector (head_dim)
 //   MAXK  the widest step (<= L)                  MAXB  bytes of the widest string
 //   WPB   warps (vectors) a block                 TW    trace words a warp (D * the widest step's)
@@ -152,15 +152,8 @@ trellis_viterbi_warp(const float* __restrict__ x,       // [N, H, D] unit compon
             const int kk = __ldg(kv + t);
             if (kk == 0) continue;
             offset -= trace_words(kk);
-            const int start = end - kk, fresh = s & ((1 << kk) - 1);
-            // the string is big-endian by bit: bit p is bit 7 - (p & 7) of byte p >> 3; bytes
-            // little-endian in the 32-bit words
-            for (int b = 0; b < kk; ++b) {
-                if ((fresh >> (kk - 1 - b)) & 1) {
-                    const int p = start + b;
-                    string[p >> 5] |= (0x80u >> (p & 7)) << (8 * ((p >> 3) & 3));
-                }
-            }
+            const int start = end - kk;
+            put_state_bits(string, start, kk, s & ((1 << kk) - 1));
             const int j = s >> kk;
             const unsigned* w = trace + offset + (j >> 5) * kk;
             int hi = 0;

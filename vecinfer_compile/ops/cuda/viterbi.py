@@ -3,10 +3,10 @@ layout (NVRTC), with :func:`..triton.trellis.viterbi_codes`' contract.
 
 A walk's steps are sequential, so a vector's latency is its ~100 steps. Two kernels:
 
-- ``viterbi_block.cu``, one CTA a vector: the 2^L path costs in shared memory, a thread a state
-  (or a few), a barrier a step; steps of up to 8 bits. Few vectors (a decode step's one token a
-  head) finish sooner than in a warp (H200: 74 us for 1 and 8 vectors of 8 heads at 2^10 states,
-  the warp kernel 104-107, Triton's 93).
+- ``viterbi_block.cu``, one CTA a vector (the walk itself in ``block_walk.cuh``, which the decode
+  step's append kernel shares): the 2^L path costs in shared memory, a thread a state (or a few),
+  a barrier a step. Few vectors (a decode step's one token a head) finish sooner than in a warp
+  (H200: 74 us for 1 and 8 vectors of 8 heads at 2^10 states, the warp kernel 104-107, Triton's 93).
 - ``viterbi.cu``, one warp a vector: the costs in the warp's registers, exchanged by shuffles, the
   trace as ballots in shared memory (no block barrier). A vector takes longer than in a CTA but
   uses a 32nd of its threads, so many vectors (a prefill) go faster; it holds up to 2^10 states.
@@ -28,12 +28,13 @@ from ...quant.trellis_packing import packed_bytes
 from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason
 
 SOURCE = Path(__file__).with_name("viterbi.cu")
+STRING_BITS = Path(__file__).with_name("string_bits.cuh")
+BLOCK_WALK = Path(__file__).with_name("block_walk.cuh")
 BLOCK_SOURCE = Path(__file__).with_name("viterbi_block.cu")
 MIN_ARCH = 80
 MIN_STATE_BITS = 5  # the warp kernel: a lane holds 2^L / 32 costs; the block kernel: a warp's states
 MAX_STATE_BITS = 10  # the warp kernel: 32 costs a lane (2^12 states spill the registers)
 MAX_BLOCK_STATE_BITS = 11  # the block kernel: its trace (at most 2^(L-1) bytes a step) in shared memory
-MAX_BLOCK_STEP_BITS = 8  # the block kernel's trace: a byte a prefix
 SMEM_LIMIT = 40 * 1024  # static shared memory of a warp kernel's block (its warps' traces and strings)
 BLOCK_SMEM_LIMIT = 200 * 1024  # dynamic shared memory of the block kernel's CTA
 MAX_WARPS = 4
@@ -96,15 +97,25 @@ class BlockViterbiVariant:
 
     @property
     def smem_bytes(self) -> int:
-        """Two cost buffers, the vector and its bits, the final reduction, the string, and the
-        trace: a byte for each of a step's 2^(L-k) prefixes, at most 2^(L-1) a step."""
+        """The walk's dynamic shared memory (``WALK_SMEM_BYTES`` of ``block_walk.cuh``): two cost
+        buffers, the final reduction, the string, and the trace: a byte for each of a step's
+        2^(L-k) prefixes (two above 8 bits), at most 2^(L-1) a step."""
         states = 1 << self.state_bits
-        return (4 * (2 * states + 2 * self.head_dim + 2 * (self.threads // 32) + (self.max_bytes + 3) // 4)
-                + self.head_dim * states // 2)
+        return 4 * (2 * states + 2 * (self.threads // 32) + (self.max_bytes + 3) // 4) + self.head_dim * states // 2
 
     def defines(self) -> list[str]:
         return [f"-DL={self.state_bits}", f"-DD={self.head_dim}", f"-DMAXK={self.widest}",
                 f"-DMAXB={self.max_bytes}", f"-DBT={self.threads}"]
+
+
+def warp_source() -> str:
+    """The warp kernel's source, after the string writer it calls."""
+    return STRING_BITS.read_text() + SOURCE.read_text()
+
+
+def with_block_walk(kernel_source: Path) -> str:
+    """The source of a kernel that calls ``block_walk`` (``kernel_source``), after the walk's own."""
+    return STRING_BITS.read_text() + BLOCK_WALK.read_text() + kernel_source.read_text()
 
 
 def variant_for(unit: torch.Tensor, tables: torch.Tensor) -> ViterbiVariant:
@@ -117,11 +128,9 @@ def block_variant_for(unit: torch.Tensor, tables: torch.Tensor) -> BlockViterbiV
 
 def kernel_for(unit: torch.Tensor, tables: torch.Tensor) -> str:
     """``"warp"`` or ``"block"``: the kernel :func:`viterbi_codes_cuda` runs for ``unit [N, H, D]``
-    (the warp kernel from :data:`WARP_FROM` vectors a head, or for steps the block kernel does not
-    take, where it takes the states)."""
+    (the warp kernel from :data:`WARP_FROM` vectors a head where it takes the states)."""
     warp_fits = MIN_STATE_BITS <= variant_for(unit, tables).state_bits <= MAX_STATE_BITS
-    block_fits = tables.shape[1] <= MAX_BLOCK_STEP_BITS
-    return "warp" if warp_fits and (unit.shape[0] >= WARP_FROM or not block_fits) else "block"
+    return "warp" if warp_fits and unit.shape[0] >= WARP_FROM else "block"
 
 
 def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
@@ -144,9 +153,6 @@ def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
     block = block_variant_for(unit, tables)
     if not MIN_STATE_BITS <= block.state_bits <= MAX_BLOCK_STATE_BITS:
         return f"2^{block.state_bits} states (the CUDA encoder takes 2^{MIN_STATE_BITS} to 2^{MAX_BLOCK_STATE_BITS})"
-    if block.widest > MAX_BLOCK_STEP_BITS:
-        return (f"steps of {block.widest} bits at 2^{block.state_bits} states (the CUDA encoder takes steps of at most "
-                f"{MAX_BLOCK_STEP_BITS} bits above 2^{MAX_STATE_BITS} states)")
     if block.smem_bytes > BLOCK_SMEM_LIMIT:
         return (f"2^{block.state_bits} states at head_dim {block.head_dim}: a vector's trace needs "
                 f"{block.smem_bytes} bytes of shared memory (at most {BLOCK_SMEM_LIMIT})")
@@ -156,7 +162,7 @@ def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
 @functools.cache
 def _build(variant: ViterbiVariant | BlockViterbiVariant, device_index: int):
     block = isinstance(variant, BlockViterbiVariant)
-    kernel = build_kernel((BLOCK_SOURCE if block else SOURCE).read_text(),
+    kernel = build_kernel(with_block_walk(BLOCK_SOURCE) if block else warp_source(),
                           "trellis_viterbi_block" if block else "trellis_viterbi_warp",
                           torch.device("cuda", device_index), ["--std=c++17", *variant.defines()])
     if block:
