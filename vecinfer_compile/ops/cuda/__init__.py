@@ -1,6 +1,6 @@
 """The CUDA C++ kernels, compiled at run time with NVRTC (:mod:`.nvrtc`) and launched on torch's
 current stream: decode attention (:mod:`.decode`), the decode-step append (:mod:`.append`), the
 chunk prefix's dequantization (:mod:`.dequant`), the error-weighted encoder (:mod:`.weigh`), and
-the trellis codec's decode attention (:mod:`.trellis_decode`) and Viterbi encoder (:mod:`.viterbi`).
-Each module holds its launcher, the builds its inputs choose, and why a call cannot run
+the trellis codec's decode attention (:mod:`.trellis_decode`), Viterbi encoder (:mod:`.viterbi`) and
+decode-step append (:mod:`.trellis_append`). Each module holds its launcher, the builds its inputs choose, and why a call cannot run
 (``unsupported_reason``, ``build_error``); the ``.cu`` source sits beside it."""
