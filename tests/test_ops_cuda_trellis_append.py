@@ -42,7 +42,7 @@ def test_cuda_trellis_append_compiles_for_sm90(lbits, head_dim, widest, fp16):
 
 def _operands(gen: torch.Generator, h: int, d: int, bits: float, lbits: int, device) -> TrellisOperands:
     spectrum = torch.logspace(0, -1, d)
-    vectors = torch.randn(h, 256, d, generator=gen) * spectrum
+    vectors = (torch.randn(h, 256, d, generator=gen) * spectrum).to(device)  # the tables train there
     codec = TrellisCodec.fit(vectors, bits, lbits, train_vectors=128, rounds=1, seed=int(gen.initial_seed()) % 1000)
     return TrellisOperands.of(codec, device)
 
@@ -67,9 +67,10 @@ def _assert_same_layer(got, want):
     n = int(want["n_coded"])
     assert int(got["n_coded"]) == n and int(got["n_window"]) == int(want["n_window"])
     assert int(got["arrivals"]) == 0
+    w = int(want["n_window"])  # slots past the counters are never read (the torch form fills them)
     for name in ("k_window", "v_window"):
-        assert torch.equal(got[name], want[name]), name
-    for name in ("k_codes", "v_codes"):  # slots past n_coded are never read (the torch form writes one)
+        assert torch.equal(got[name][:, :, :w], want[name][:, :, :w]), name
+    for name in ("k_codes", "v_codes"):
         assert torch.equal(got[name][:, :, :n], want[name][:, :, :n]), name
 
 
@@ -88,7 +89,7 @@ def test_the_torch_form_runs_off_cuda():
 
 @pytest.mark.cuda
 @needs_cuda
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), h=st.sampled_from([1, 2, 8]), d=st.sampled_from([64, 128]),
        lbits=st.sampled_from([5, 8, 10]), r=st.sampled_from([0, 1, 5, 16]), start=st.sampled_from(["empty", "short", "full"]),
        fp16=st.booleans(), value_bits=st.sampled_from([1.5, 2.0, 3.0]))

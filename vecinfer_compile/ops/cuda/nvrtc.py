@@ -161,6 +161,7 @@ def compile_source(source: str, name: str, arch: int, options: list[str]) -> tup
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -220,7 +221,9 @@ class Kernel:
         return self.attribute(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
 
     def set_dynamic_smem(self, nbytes: int) -> None:
-        if nbytes > 48 * 1024:
+        """Launch with ``nbytes`` of dynamic shared memory, opting in above the default 48 KiB a CTA
+        (static and dynamic together)."""
+        if nbytes + self.attribute(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) > 48 * 1024:
             _check_cu(driver().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
                       f"raising {self.name}'s dynamic shared memory to {nbytes} bytes")
         self.dynamic_smem = nbytes
