@@ -38,8 +38,8 @@ MAX_BLOCK_STATE_BITS = 11  # the block kernel: its trace (at most 2^(L-1) bytes 
 SMEM_LIMIT = 40 * 1024  # static shared memory of a warp kernel's block (its warps' traces and strings)
 BLOCK_SMEM_LIMIT = 200 * 1024  # dynamic shared memory of the block kernel's CTA
 MAX_WARPS = 4
-WARP_FROM = 16  # vectors a head from which the warp kernel runs (H200, 8 heads: the block kernel 74 us at 1 and
-# 8 vectors, 122 at 32; the warp kernel 104-107 at 1 and 8, 245 at 256; 16 lies between, unmeasured)
+WARP_FROM = 32  # vectors a head from which the warp kernel runs (H100, 8 heads, 2^10 states: the block kernel
+# 76.5 us at 16 vectors and 123.4 at 32, the warp kernel 107.7 and 107.8)
 
 
 def trace_words(state_bits: int, k: int) -> int:
