@@ -126,7 +126,7 @@ def build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix, search
     return None
 
 
-def _require_buffer(t: torch.Tensor, name: str) -> None:
+def require_buffer(t: torch.Tensor, name: str) -> None:
     """A buffer the kernel writes in place: it must be contiguous and 16-byte aligned (a copy
     would lose the write)."""
     if not t.is_contiguous() or t.data_ptr() % 16:
@@ -182,7 +182,7 @@ def cache_append_cuda(
         if codes.dtype != torch.uint8 or tuple(codes.shape[:2]) != (b, h) or codes.shape[-1] != width:
             raise ValueError(f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not [{b}, {h}, Tmax, {width}] uint8 codes")
     for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes"), (k_window, "k_window"), (v_window, "v_window")):
-        _require_buffer(t, name)
+        require_buffer(t, name)
     if searched:
         cuda_weigh.weigh_flush_cuda(k_window, v_window, k_codes, v_codes, n_coded, n_window, k_centroids, v_centroids,
                                     key_metric, value_metric, key_parallel_weight)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .append import _require_buffer
+from .append import require_buffer
 from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason
 from .viterbi import (BLOCK_SMEM_LIMIT, MAX_BLOCK_STATE_BITS, MIN_ARCH, MIN_STATE_BITS, BlockViterbiVariant,
                       with_block_walk)
@@ -114,7 +114,7 @@ def trellis_append_cuda(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Te
         if codes.dtype != torch.uint8 or tuple(codes.shape[:2]) != (b, h) or codes.shape[2] != k_codes.shape[2]:
             raise ValueError(f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not [{b}, {h}, Tmax, bytes] uint8 codes")
     for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes"), (k_window, "k_window"), (v_window, "v_window")):
-        _require_buffer(t, name)
+        require_buffer(t, name)
     variant = variant_for(kt, keys, values)
     kernel = _build(variant, device_index(kt.device))
     sides = [[ops.center.double().contiguous(), ops.analysis.double().contiguous(),
