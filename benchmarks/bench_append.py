@@ -6,7 +6,7 @@ codes (``vq_weigh_flush`` then the append), with error-weighted codes (the same,
 random symmetric metrics) and the torch form of the last (what ran before the CUDA encoder: the
 ops Inductor would compile, here eager); then the append of a layer whose keys and values the
 trellis codec codes (:mod:`vecinfer_compile.cache.trellis_layer`), at ``--trellis-states``: the
-key transform's matmul, then ``vecinfer::trellis_append`` (one launch: each side's KLT and walk, the
+cache's key transform, then ``vecinfer::trellis_append`` (one launch: each side's KLT and walk, the
 window's shift, the counters; :mod:`vecinfer_compile.ops.cuda.trellis_append`) and, over the same
 buffers, its torch form (each side's KLT in torch ops and one Viterbi launch). Each row
 but the torch one is ``STEPS`` appends captured in one CUDA graph and replayed, timed by CUDA
@@ -98,11 +98,12 @@ def time_torch(args: dict, n: int = 5) -> float:
 
 
 def trellis_appends(b: int, bits: float, states: int, gen: torch.Generator):
-    """One layer's trellis append as two functions of no arguments, over the same buffers: the op
-    (one launch) and its torch form (the key transform's matmul and the ops around one Viterbi
-    launch a side, as before the kernel). Codecs of ``states`` states fitted on random keys and
-    values with a decaying spectrum, a full window and room for every timed append."""
-    from vecinfer_compile.ops.append import append_through_window
+    """One layer's trellis append as two functions of no arguments, over the same buffers, each after
+    the key transform the cache runs (:func:`~vecinfer_compile.ops.append.transform_keys`): the op
+    (one launch) and its torch form (the ops around one Viterbi launch a side, as before the
+    kernel). Codecs of ``states`` states fitted on random keys and values with a decaying spectrum,
+    a full window and room for every timed append."""
+    from vecinfer_compile.ops.append import append_through_window, transform_keys
     from vecinfer_compile.ops.trellis import TrellisOperands
     from vecinfer_compile.quant.trellis_codec import TrellisCodec
     from vecinfer_compile.quant.trellis_packing import packed_bytes
@@ -121,12 +122,12 @@ def trellis_appends(b: int, bits: float, states: int, gen: torch.Generator):
     key_matrix = (torch.randn(D, D, generator=gen) / D**0.5).cuda()
 
     def op():
-        kt = (key.float() @ key_matrix).bfloat16()
+        kt = transform_keys(key, None, None, key_matrix)
         torch.ops.vecinfer.trellis_append(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
                                           operands[0], operands[1])
 
     def torch_form():
-        kt = (key.float() @ key_matrix).bfloat16()
+        kt = transform_keys(key, None, None, key_matrix)
         append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
                               lambda x: torch.ops.vecinfer.trellis_encode(x, operands[0], width),
                               lambda x: torch.ops.vecinfer.trellis_encode(x, operands[1], width))
