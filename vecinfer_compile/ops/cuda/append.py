@@ -126,6 +126,16 @@ def build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix, search
     return None
 
 
+def require_counters(n_coded: torch.Tensor, n_window: torch.Tensor, arrivals: torch.Tensor) -> None:
+    """The counters an append kernel reads and moves on the device: 0-d int64, and its int32
+    arrival scratch of one element."""
+    for t, name in ((n_coded, "n_coded"), (n_window, "n_window")):
+        if t.dim() != 0 or t.dtype != torch.int64:
+            raise TypeError(f"{name} must be a 0-d int64 tensor, got {t.dtype} {tuple(t.shape)}")
+    if arrivals.dtype != torch.int32 or arrivals.numel() < 1:
+        raise TypeError(f"arrivals must be an int32 tensor of one element, got {arrivals.dtype} {tuple(arrivals.shape)}")
+
+
 def require_buffer(t: torch.Tensor, name: str) -> None:
     """A buffer the kernel writes in place: it must be contiguous and 16-byte aligned (a copy
     would lose the write)."""
@@ -172,11 +182,7 @@ def cache_append_cuda(
             raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; the CUDA append needs {k_window.dtype} [..., {d}]")
     if key.dtype != k_window.dtype:
         raise ValueError(f"key is {key.dtype} but the window holds {k_window.dtype}")
-    for t, name in ((n_coded, "n_coded"), (n_window, "n_window")):
-        if t.dim() != 0 or t.dtype != torch.int64:
-            raise TypeError(f"{name} must be a 0-d int64 tensor, got {t.dtype} {tuple(t.shape)}")
-    if arrivals.dtype != torch.int32 or arrivals.numel() < 1:
-        raise TypeError(f"arrivals must be an int32 tensor of one element, got {arrivals.dtype} {tuple(arrivals.shape)}")
+    require_counters(n_coded, n_window, arrivals)
     for codes, cent, name in ((k_codes, k_centroids, "k_codes"), (v_codes, v_centroids, "v_codes")):
         width = packed_width(d // int(cent.shape[1]), int(cent.shape[0]))
         if codes.dtype != torch.uint8 or tuple(codes.shape[:2]) != (b, h) or codes.shape[-1] != width:

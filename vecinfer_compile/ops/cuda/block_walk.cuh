@@ -49,15 +49,16 @@ __device__ __forceinline__ void block_step(const float* prev, float* next, float
 
 __device__ __forceinline__ int trace_bytes(int k) { return (S >> k) * (k > 8 ? 2 : 1); }
 
+// Where block_walk leaves the code string in its shared memory.
+__device__ __forceinline__ unsigned* walk_string(unsigned char* walk_smem) {
+    return (unsigned*)(walk_smem + 4 * (2 * S + 2 * NWARPS));
+}
+
 // The walk of xs [D] (unit components) with ks [D] (bits a component, 0: not coded), both in shared
 // memory and written before the call; head_tables [W, S] this head's unit tables (row k - 1: the
 // k-bit table). `walk_smem` is WALK_SMEM_BYTES of shared memory. Every thread of the CTA calls it;
 // on return (after a barrier) the code string is in walk_string(walk_smem), its bytes little-endian
 // in the words, zero past its bits.
-__device__ __forceinline__ unsigned* walk_string(unsigned char* walk_smem) {
-    return (unsigned*)(walk_smem + 4 * (2 * S + 2 * NWARPS));
-}
-
 __device__ void block_walk(const float* xs, const int* ks, const float* __restrict__ head_tables,
                            unsigned char* walk_smem) {
     float* cost = (float*)walk_smem;                            // [2, S]

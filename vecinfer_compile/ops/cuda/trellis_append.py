@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .append import require_buffer
+from .append import require_buffer, require_counters
 from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason
-from .viterbi import (BLOCK_SMEM_LIMIT, MAX_BLOCK_STATE_BITS, MIN_ARCH, MIN_STATE_BITS, BlockViterbiVariant,
-                      with_block_walk)
+from .viterbi import MIN_ARCH, BlockViterbiVariant, block_walk_unfit_reason, with_block_walk
 
 SOURCE = Path(__file__).with_name("trellis_append.cu")
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -60,15 +59,9 @@ def unsupported_reason(kt: torch.Tensor, k_window: torch.Tensor, keys, values) -
         return f"keys of {k_states} states and values of {v_states} (the kernel walks one trellis size)"
     if int(kt.shape[-1]) % 8:
         return f"head_dim {int(kt.shape[-1])} (the window moves in 16-byte pieces: a multiple of 8)"
-    walk = variant_for(kt, keys, values).walk
-    if not MIN_STATE_BITS <= walk.state_bits <= MAX_BLOCK_STATE_BITS:
-        return f"2^{walk.state_bits} states (the kernel takes 2^{MIN_STATE_BITS} to 2^{MAX_BLOCK_STATE_BITS})"
-    if walk.smem_bytes > BLOCK_SMEM_LIMIT:
-        return (f"2^{walk.state_bits} states at head_dim {walk.head_dim}: the walk's trace needs {walk.smem_bytes} "
-                f"bytes of shared memory (at most {BLOCK_SMEM_LIMIT})")
     if k_window.dtype != kt.dtype:
         return f"the new keys are {kt.dtype} but the window holds {k_window.dtype}"
-    return None
+    return block_walk_unfit_reason(variant_for(kt, keys, values).walk)
 
 
 @functools.cache
@@ -105,11 +98,7 @@ def trellis_append_cuda(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Te
     for t, name in ((value, "value"), (v_window, "v_window")):
         if t.dtype != kt.dtype or t.shape[-1] != d:
             raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; the CUDA trellis append needs {kt.dtype} [..., {d}]")
-    for t, name in ((n_coded, "n_coded"), (n_window, "n_window")):
-        if t.dim() != 0 or t.dtype != torch.int64:
-            raise TypeError(f"{name} must be a 0-d int64 tensor, got {t.dtype} {tuple(t.shape)}")
-    if arrivals.dtype != torch.int32 or arrivals.numel() < 1:
-        raise TypeError(f"arrivals must be an int32 tensor of one element, got {arrivals.dtype} {tuple(arrivals.shape)}")
+    require_counters(n_coded, n_window, arrivals)
     for codes, name in ((k_codes, "k_codes"), (v_codes, "v_codes")):
         if codes.dtype != torch.uint8 or tuple(codes.shape[:2]) != (b, h) or codes.shape[2] != k_codes.shape[2]:
             raise ValueError(f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not [{b}, {h}, Tmax, bytes] uint8 codes")

@@ -150,7 +150,12 @@ def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
             return (f"2^{variant.state_bits} states at head_dim {variant.head_dim}: a vector's trace needs "
                     f"{variant.warp_smem} bytes of shared memory (at most {SMEM_LIMIT})")
         return None
-    block = block_variant_for(unit, tables)
+    return block_walk_unfit_reason(block_variant_for(unit, tables))
+
+
+def block_walk_unfit_reason(block: BlockViterbiVariant) -> str | None:
+    """Why ``block_walk.cuh`` cannot walk this specialisation (its states, its shared memory), or
+    None; the block kernel's and the decode-step append's check."""
     if not MIN_STATE_BITS <= block.state_bits <= MAX_BLOCK_STATE_BITS:
         return f"2^{block.state_bits} states (the CUDA encoder takes 2^{MIN_STATE_BITS} to 2^{MAX_BLOCK_STATE_BITS})"
     if block.smem_bytes > BLOCK_SMEM_LIMIT:
