@@ -10,9 +10,10 @@
 // The path costs sit in shared memory (two buffers); a step of k bits has every thread compute its
 // new states s' = j << k | new: the cheapest of the 2^k predecessors i * 2^(L-k) + j (read as
 // broadcasts: a warp's states share few prefixes j) plus the squared error against the k-bit table
-// (coalesced reads), then one barrier. The choice of each prefix goes to shared memory (a byte, two
-// for steps over 8 bits), read back by one thread's walk from the cheapest final state. A vector's
-// latency is ~D barriers, not D steps of one warp over 2^L states.
+// (each thread's entries read once for a run of steps of one width), then one barrier. The choice
+// of each prefix goes to shared memory (a byte, two for steps over 8 bits), read back by one
+// thread's walk from the cheapest final state. A vector's latency is ~D barriers, not D steps of
+// one warp over 2^L states.
 
 #define S (1 << L)
 #define SPT (S / BT)  // states a thread
@@ -25,7 +26,7 @@
 #define WALK_SMEM_BYTES (4 * (2 * S + 2 * NWARPS + STRING_WORDS) + D * S / 2)
 
 template <int K>
-__device__ __forceinline__ void block_step(const float* prev, float* next, float x, const float* __restrict__ table,
+__device__ __forceinline__ void block_step(const float* prev, float* next, float x, const float (&entry)[SPT],
                                            unsigned char* trace, int tid) {
     constexpr int M = S >> K;
 #pragma unroll
@@ -42,7 +43,7 @@ __device__ __forceinline__ void block_step(const float* prev, float* next, float
             if constexpr (K > 8) ((unsigned short*)trace)[j] = (unsigned short)arg;
             else trace[j] = (unsigned char)arg;
         }
-        const float e = x - __ldg(table + s);
+        const float e = x - entry[r];
         next[s] = m + e * e;
     }
 }
@@ -52,6 +53,25 @@ __device__ __forceinline__ int trace_bytes(int k) { return (S >> k) * (k > 8 ? 2
 // Where block_walk leaves the code string in its shared memory.
 __device__ __forceinline__ unsigned* walk_string(unsigned char* walk_smem) {
     return (unsigned*)(walk_smem + 4 * (2 * S + 2 * NWARPS));
+}
+
+// Steps t .. end of width K (components of 0 bits among them are skipped): they share one table, so
+// each thread reads its states' entries once for the run and no step branches on its width.
+template <int K>
+__device__ __forceinline__ void walk_run(float* cost, int& cur, const float* xs, const int* ks, int t, int end,
+                                         const float* __restrict__ table, unsigned char* trace, int& offset,
+                                         int& total_bits, int tid) {
+    float entry[SPT];
+#pragma unroll
+    for (int r = 0; r < SPT; ++r) entry[r] = __ldg(table + tid + r * BT);
+    for (; t < end; ++t) {
+        if (ks[t] == 0) continue;  // uniform across the CTA
+        block_step<K>(cost + cur * S, cost + (cur ^ 1) * S, xs[t], entry, trace + offset, tid);
+        __syncthreads();
+        cur ^= 1;
+        offset += trace_bytes(K);
+        total_bits += K;
+    }
 }
 
 // The walk of xs [D] (unit components) with ks [D] (bits a component, 0: not coded), both in shared
@@ -72,23 +92,22 @@ __device__ void block_walk(const float* xs, const int* ks, const float* __restri
     for (int i = tid; i < STRING_WORDS; i += BT) string[i] = 0u;
     __syncthreads();
 
+    // runs of one width (the allocation's widths come in runs: one switch a run, not a step)
     int cur = 0, offset = 0, total_bits = 0;
-    for (int t = 0; t < D; ++t) {
+    for (int t = 0; t < D;) {
         const int k = ks[t];
-        if (k == 0) continue;  // uniform across the CTA
-        const float* prev = cost + cur * S;
-        float* next = cost + (cur ^ 1) * S;
-        const float* table = head_tables + (k - 1) * S;
+        int end = t + 1;
+        while (end < D && (ks[end] == k || ks[end] == 0)) ++end;
         switch (k) {
-#define CASE(KK) case KK: if constexpr (KK <= MAXK && KK <= L) block_step<KK>(prev, next, xs[t], table, trace + offset, tid); break;
+#define CASE(KK) case KK: \
+    if constexpr (KK <= MAXK && KK <= L) \
+        walk_run<KK>(cost, cur, xs, ks, t, end, head_tables + (KK - 1) * S, trace, offset, total_bits, tid); \
+    break;
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11)
 #undef CASE
-            default: break;
+            default: break;  // a run of 0-bit components
         }
-        __syncthreads();
-        cur ^= 1;
-        offset += trace_bytes(k);
-        total_bits += k;
+        t = end;
     }
 
     // the cheapest final state (the lowest on ties)
