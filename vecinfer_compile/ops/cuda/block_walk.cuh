@@ -12,8 +12,9 @@
 // broadcasts: a warp's states share few prefixes j) plus the squared error against the k-bit table
 // (each thread's entries read once for a run of steps of one width), then one barrier. The choice
 // of each prefix goes to shared memory (a byte, two for steps over 8 bits), read back by one
-// thread's walk from the cheapest final state. A vector's latency is ~D barriers, not D steps of
-// one warp over 2^L states.
+// thread's walk from the cheapest final state, which only records each step's bits and their place;
+// the CTA then writes them into the string. A vector's latency is ~D barriers, not D steps of one
+// warp over 2^L states.
 
 #define S (1 << L)
 #define SPT (S / BT)  // states a thread
@@ -21,9 +22,9 @@
 #define INF __int_as_float(0x7f800000)
 #define STRING_WORDS ((MAXB + 3) / 4)
 // The walk's dynamic shared memory, in this order: costs [2, S] float, the final reduction
-// [NWARPS] float and [NWARPS] int, the string [STRING_WORDS] u32, the trace (at most D S / 2 bytes:
-// 2^(L-k) bytes a step of k <= 8 bits, twice that above).
-#define WALK_SMEM_BYTES (4 * (2 * S + 2 * NWARPS + STRING_WORDS) + D * S / 2)
+// [NWARPS] float and [NWARPS] int, the string [STRING_WORDS] u32, each step's bits and their place
+// [D] int, the trace (at most D S / 2 bytes: 2^(L-k) bytes a step of k <= 8 bits, twice that above).
+#define WALK_SMEM_BYTES (4 * (2 * S + 2 * NWARPS + STRING_WORDS + D) + D * S / 2)
 
 template <int K>
 __device__ __forceinline__ void block_step(const float* prev, float* next, float x, const float (&entry)[SPT],
@@ -85,7 +86,8 @@ __device__ void block_walk(const float* xs, const int* ks, const float* __restri
     float* red_cost = cost + 2 * S;                             // [NWARPS]
     int* red_state = (int*)(red_cost + NWARPS);                 // [NWARPS]
     unsigned* string = walk_string(walk_smem);                  // [STRING_WORDS]
-    unsigned char* trace = (unsigned char*)(string + STRING_WORDS);
+    int* placed = (int*)(string + STRING_WORDS);                // [D] start bit << 16 | the step's bits
+    unsigned char* trace = (unsigned char*)(placed + D);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #pragma unroll
     for (int r = 0; r < SPT; ++r) cost[tid + r * BT] = tid + r * BT == 0 ? 0.0f : INF;
@@ -136,13 +138,17 @@ __device__ void block_walk(const float* xs, const int* ks, const float* __restri
             const int kk = ks[t];
             if (kk == 0) continue;
             offset -= trace_bytes(kk);
-            const int start = end - kk;
-            put_state_bits(string, start, kk, s & ((1 << kk) - 1));
+            end -= kk;
+            placed[t] = end << 16 | (s & ((1 << kk) - 1));
             const int j = s >> kk;
             const int i = kk > 8 ? ((const unsigned short*)(trace + offset))[j] : trace[offset + j];
             s = j | (i << (L - kk));
-            end = start;
         }
+    }
+    __syncthreads();
+    for (int t = tid; t < D; t += BT) {
+        const int kk = ks[t];
+        if (kk != 0) or_state_bits(string, placed[t] >> 16, kk, placed[t] & 0xffff);
     }
     __syncthreads();
 }

@@ -98,10 +98,11 @@ class BlockViterbiVariant:
     @property
     def smem_bytes(self) -> int:
         """The walk's dynamic shared memory (``WALK_SMEM_BYTES`` of ``block_walk.cuh``): two cost
-        buffers, the final reduction, the string, and the trace: a byte for each of a step's
-        2^(L-k) prefixes (two above 8 bits), at most 2^(L-1) a step."""
+        buffers, the final reduction, the string, each step's bits, and the trace: a byte for each
+        of a step's 2^(L-k) prefixes (two above 8 bits), at most 2^(L-1) a step."""
         states = 1 << self.state_bits
-        return 4 * (2 * states + 2 * (self.threads // 32) + (self.max_bytes + 3) // 4) + self.head_dim * states // 2
+        words = 2 * states + 2 * (self.threads // 32) + (self.max_bytes + 3) // 4 + self.head_dim
+        return 4 * words + self.head_dim * states // 2
 
     def defines(self) -> list[str]:
         return [f"-DL={self.state_bits}", f"-DD={self.head_dim}", f"-DMAXK={self.widest}",
