@@ -5,7 +5,7 @@
 // CTA) and trellis_append.cu (a decode step's append). No toolkit headers. -D defines:
 //   L     state bits (2^L states, 5 <= L)        D     components a vector (head_dim)
 //   MAXK  the widest step (<= L)                  MAXB  bytes of the widest string
-//   BT    threads a CTA (min(2^L, 1024)); each owns the states tid + BT r, r < 2^L / BT
+//   BT    threads a CTA (min(2^L, 512)); each owns the states tid + BT r, r < 2^L / BT
 //
 // The path costs sit in shared memory (two buffers); a step of k bits has every thread compute its
 // new states s' = j << k | new: the cheapest of the 2^k predecessors i * 2^(L-k) + j (read as

@@ -4,9 +4,11 @@ layout (NVRTC), with :func:`..triton.trellis.viterbi_codes`' contract.
 A walk's steps are sequential, so a vector's latency is its ~100 steps. Two kernels:
 
 - ``viterbi_block.cu``, one CTA a vector (the walk itself in ``block_walk.cuh``, which the decode
-  step's append kernel shares): the 2^L path costs in shared memory, a thread a state (or a few),
-  a barrier a step. Few vectors (a decode step's one token a head) finish sooner than in a warp
-  (H200: 74 us for 1 and 8 vectors of 8 heads at 2^10 states, the warp kernel 104-107, Triton's 93).
+  step's append kernel shares): the 2^L path costs in shared memory, up to 512 threads a CTA with
+  a state or a few each (512 took 2% less than 1,024 for one vector a head and 14% less for 64 on
+  the H100), a barrier a step. Few vectors (a decode step's one token a head) finish sooner than in
+  a warp (H100: 58 us for 1 and 8 vectors of 8 heads at 2^10 states, the warp kernel ~108,
+  Triton's 96; ``benchmarks/bench_viterbi.py``).
 - ``viterbi.cu``, one warp a vector: the costs in the warp's registers, exchanged by shuffles, the
   trace as ballots in shared memory (no block barrier). A vector takes longer than in a CTA but
   uses a 32nd of its threads, so many vectors (a prefill) go faster; it holds up to 2^10 states.
@@ -89,7 +91,7 @@ class BlockViterbiVariant:
 
     @property
     def threads(self) -> int:
-        return min(1 << self.state_bits, 1024)
+        return min(1 << self.state_bits, 512)
 
     @property
     def max_bytes(self) -> int:
