@@ -55,7 +55,7 @@ def test_the_kernel_a_count_gets():
     _, _, wide = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 10, widest=10)
     assert cuda_viterbi.kernel_for(x, wide) == "block"  # a wide step's choice takes two bytes of trace
     v = cuda_viterbi.BlockViterbiVariant(10, 128, 7)
-    assert v.threads == 1024 and v.smem_bytes == 4 * (2048 + 64 + 40) + 128 * 512
+    assert v.threads == 512 and v.smem_bytes == 4 * (2048 + 32 + 40 + 128) + 128 * 512
 
 
 def test_trace_words_bound_every_step():
