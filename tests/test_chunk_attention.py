@@ -1,13 +1,17 @@
 """Chunk attention over a compressed cache (:mod:`vecinfer_compile.ops.split_attention.chunk`) against
 its oracle.
 
+Both codecs of the prefix (:mod:`vecinfer_compile.ops.split_attention.prefix`): the codebooks'
+codes and the trellis codec's (whose prefix attends in the components).
+
 - CPU: the fast path's orchestration (the varlen offsets of each row's padding, row groups of the
-  prefix workspace, the merge by log-sum-exp, empty rows) with FlashAttention-2 replaced by a
-  dense stand-in of its documented varlen contract and the Triton dequantization by the torch
-  one (the kernel itself is checked under ``TRITON_INTERPRET=1`` in ``test_ops_triton.py``); the
-  dense row-group path; the prompt NLL of a chunked prefill against the simulate path on evalmodel.
-- ``cuda``: the real path (Triton dequantization + torch's FlashAttention-2) against the oracle
-  in float32, with the rule ``err(ours) <= 2 * err(bf16 SDPA over the same keys) + atol``.
+  prefix workspace, the trellis codec's query and output transforms and its log-sum-exp offset,
+  the merge by log-sum-exp, empty rows) with FlashAttention-2 replaced by a dense stand-in of its
+  documented varlen contract and the workspace's kernels by torch (the kernels themselves are
+  checked under ``TRITON_INTERPRET=1`` in ``test_ops_triton.py``); the dense row-group path; the
+  prompt NLL of a chunked prefill against the simulate path on evalmodel.
+- ``cuda``: the real path (the workspace's kernels + torch's FlashAttention-2 / cuDNN) against the
+  oracle in float32, with the rule ``err(ours) <= 2 * err(bf16 SDPA over the same keys) + atol``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from hypothesis import strategies as st
 from vecinfer_compile.ops.split_attention import chunk as ca
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.reference import dequantize
+from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix, TrellisPrefix
+from vecinfer_compile.ops.trellis import TrellisOperands
 from vecinfer_compile.quant.packing import pack_codes
+from vecinfer_compile.testing import random_trellis_codec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,29 +74,52 @@ def dense_cudnn_prefix(q, k, v, scale):
     return out.to(q.dtype), lse.float()
 
 
-def torch_dequantize_into(codes, centroids, length, out):
-    """:func:`dequantize_triton`'s contract by the torch reference."""
-    out.copy_(dequantize(codes[:, :, :length], centroids.float()).transpose(1, 2).to(out.dtype))
-    return out
+class TorchCodebookPrefix(CodebookPrefix):
+    """The codebooks' prefix with its workspace written by the torch reference."""
+
+    def fill(self, k_codes, v_codes, length, k_out, v_out):
+        k_out.copy_(dequantize(k_codes[:, :, :length], self.key_centroids).transpose(1, 2))
+        v_out.copy_(dequantize(v_codes[:, :, :length], self.value_centroids).transpose(1, 2))
 
 
-def chunk_case(gen, *, b, hkv, group, d, chunk, n_coded, window, kbook, vbook, dtype, device="cpu", spare=7):
-    """Random codes (``spare`` slots more than ``n_coded``, garbage: must never be read), centroids,
-    full-precision window + chunk and queries. Returns ``(q, keys)``."""
+class TorchTrellisPrefix(TrellisPrefix):
+    """The trellis codec's prefix with its workspace (unit entries) written by torch."""
+
+    def fill(self, k_codes, v_codes, length, k_out, v_out):
+        k_out.copy_(self.keys.entries(k_codes[:, :, :length].transpose(1, 2)))
+        v_out.copy_(self.values.entries(v_codes[:, :, :length].transpose(1, 2)))
+
+
+def chunk_case(gen, *, b, hkv, group, d, chunk, n_coded, window, kbook, vbook, dtype, device="cpu", spare=7,
+               trellis=False):
+    """Random codes (``spare`` slots more than ``n_coded``, garbage: must never be read), their codec
+    (centroids of ``kbook``, ``vbook``; or with ``trellis`` random trellis codecs of 2 bits an element
+    and 2^8 states, any string a valid code), full-precision window + chunk and queries. Returns
+    ``(q, keys)``; the prefix's workspace is written by torch on CPU, by the kernels on CUDA."""
+    slots = n_coded + spare
+
     def codes(book):
         entries, dims = book
-        return pack_codes(torch.randint(0, entries, (b, hkv, n_coded + spare, d // dims), generator=gen), entries)
+        return pack_codes(torch.randint(0, entries, (b, hkv, slots, d // dims), generator=gen), entries).to(device)
 
     def cent(book):
-        return torch.randn(*book, generator=gen)
+        return torch.randn(*book, generator=gen).to(device)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
 
-    keys = ca.ChunkKeys(codes(kbook).to(device), codes(vbook).to(device), cent(kbook).to(device),
-                        cent(vbook).to(device), n_coded, rand(b, window + chunk, hkv, d).to(device),
-                        rand(b, window + chunk, hkv, d).to(device))
-    return rand(b, hkv * group, chunk, d).to(device), keys
+    if trellis:
+        keys_ops, values_ops = (TrellisOperands.of(random_trellis_codec(gen, hkv, d, 2.0, 8), device)
+                                for _ in range(2))
+        k_codes, v_codes = (torch.randint(0, 256, (b, hkv, slots, d // 4), generator=gen, dtype=torch.uint8).to(device)
+                            for _ in range(2))
+        prefix = (TrellisPrefix if device == "cuda" else TorchTrellisPrefix)(keys_ops, values_ops)
+    else:
+        k_codes, v_codes = codes(kbook), codes(vbook)
+        prefix = (CodebookPrefix if device == "cuda" else TorchCodebookPrefix)(cent(kbook), cent(vbook))
+    keys = ca.ChunkKeys(k_codes, v_codes, prefix, n_coded, rand(b, window + chunk, hkv, d),
+                        rand(b, window + chunk, hkv, d))
+    return rand(b, hkv * group, chunk, d), keys
 
 
 def start_of(gen, b: int, length: int, device="cpu") -> torch.Tensor:
@@ -111,23 +141,24 @@ def start_of(gen, b: int, length: int, device="cpu") -> torch.Tensor:
     padding=st.booleans(),
     rows_at_once=st.sampled_from([1, 2, None]),
     prefix_kernel=st.sampled_from(["flash", "cudnn"]),
+    trellis=st.booleans(),
 )
 def test_split_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, kbook, vbook, padding,
-                                      rows_at_once, prefix_kernel):
+                                      rows_at_once, prefix_kernel, trellis):
     """The fast path's bookkeeping: the coded prefix a few rows at a time (FlashAttention-2 varlen
     with each row's start, or cuDNN when no row is padded) plus the window and chunk through
     FlashAttention-2's varlen contract, merged: equal to the dense oracle for odd chunk and prefix
     lengths, an empty, partial or full window, left padding of any length (rows with nothing to
-    see included), GQA 1-16."""
+    see included), GQA 1-16, either codec."""
     gen = torch.Generator().manual_seed(seed)
     q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=16, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=kbook, vbook=vbook, dtype=torch.float32)
+                         kbook=kbook, vbook=vbook, dtype=torch.float32, trellis=trellis)
     kv_start = start_of(gen, b, keys.length) if padding and prefix_kernel == "flash" else None
     workspace = 1 << 30 if rows_at_once is None else rows_at_once * 2 * n_coded * hkv * 16 * 4
     with mock.patch.object(ca, "flash_varlen", dense_flash_varlen), mock.patch.object(ca, "WORKSPACE_BYTES", workspace), \
             mock.patch.object(ca, "cudnn_prefix", dense_cudnn_prefix):
-        got = ca.split_flash(q, keys, kv_start, 0.3, dequantize=torch_dequantize_into, prefix_kernel=prefix_kernel)
-    torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3), rtol=1e-5, atol=1e-5)
+        got = ca.split_flash(q, keys, kv_start, 0.3, prefix_kernel=prefix_kernel)
+    torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3), rtol=1e-4, atol=1e-4)
 
 
 @settings(max_examples=30, deadline=None)
@@ -141,13 +172,15 @@ def test_split_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, windo
     window=st.sampled_from([0, 3]),
     mask_kind=st.sampled_from(["none", "bool", "float"]),
     rows_at_once=st.sampled_from([1, None]),
+    trellis=st.booleans(),
 )
-def test_dense_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, mask_kind, rows_at_once):
+def test_dense_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, mask_kind, rows_at_once,
+                                      trellis):
     """The path off the fast kernels (CPU, float32, any mask): SDPA over the slots a few rows at a
-    time, with the standard mask from the padding or a given bool / additive mask."""
+    time, with the standard mask from the padding or a given bool / additive mask, either codec."""
     gen = torch.Generator().manual_seed(seed)
     q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=16, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=(256, 4), vbook=(4096, 8), dtype=torch.float32)
+                         kbook=(256, 4), vbook=(4096, 8), dtype=torch.float32, trellis=trellis)
     kv_start = start_of(gen, b, keys.length - 1)  # every row sees its last query's key at least
     mask = None
     if mask_kind != "none":
@@ -162,8 +195,9 @@ def test_dense_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, windo
 
 
 def op_inputs(gen, keys: ca.ChunkKeys, spare_window: int):
-    """``vecinfer::chunk_attention``'s cache arguments for ``keys``: the window buffer ``[B, H, W, D]``
-    holds the ``w + C`` full-precision slots then ``spare_window`` garbage ones (never read)."""
+    """A compiled chunk's cache buffers and counters for ``keys``: ``(k_codes, v_codes, n_coded,
+    k_window, v_window, n_window)``, the window buffers ``[B, H, W, D]`` holding the ``w + C``
+    full-precision slots then ``spare_window`` garbage ones (never read)."""
     b, length_full, h, d = keys.k_full.shape
 
     def window(full):
@@ -171,8 +205,20 @@ def op_inputs(gen, keys: ca.ChunkKeys, spare_window: int):
         return torch.cat([full.transpose(1, 2), garbage], 2)
 
     counter = lambda n: torch.tensor(n, device=keys.k_full.device)  # noqa: E731
-    return (keys.k_codes, keys.v_codes, keys.key_centroids, keys.value_centroids, counter(keys.n_coded),
-            window(keys.k_full), window(keys.v_full), counter(length_full))
+    return (keys.k_codes, keys.v_codes, counter(keys.n_coded), window(keys.k_full), window(keys.v_full),
+            counter(length_full))
+
+
+def chunk_op(gen, q, keys: ca.ChunkKeys, spare_window: int, mask, scale: float):
+    """The op a compiled chunk runs for ``keys``' codec (``vecinfer::chunk_attention`` or
+    ``vecinfer::trellis_chunk_attention``) over :func:`op_inputs`."""
+    k_codes, v_codes, n_coded, k_window, v_window, n_window = op_inputs(gen, keys, spare_window)
+    p = keys.prefix
+    if isinstance(p, TrellisPrefix):
+        return torch.ops.vecinfer.trellis_chunk_attention(q, k_codes, v_codes, n_coded, k_window, v_window,
+                                                          n_window, mask, scale, list(p.keys), list(p.values))
+    return torch.ops.vecinfer.chunk_attention(q, k_codes, v_codes, p.key_centroids, p.value_centroids, n_coded,
+                                              k_window, v_window, n_window, mask, scale)
 
 
 def hf_chunk_mask(gen, keys: ca.ChunkKeys, chunk: int, kind: str, heads: int):
@@ -205,17 +251,19 @@ def hf_chunk_mask(gen, keys: ca.ChunkKeys, chunk: int, kind: str, heads: int):
     spare_window=st.sampled_from([0, 3]),
     mask_kind=st.sampled_from(["none", "bool", "float", "holes"]),
     d=st.sampled_from([16, 64]),
+    trellis=st.booleans(),
 )
-def test_op_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, spare_window, mask_kind, d):
-    """``vecinfer::chunk_attention`` (what a compiled chunk runs) from the cache's buffers and
-    counters and HF's mask over every slot: the oracle's rule over the valid slots (garbage code
-    and window slots past the counters never read), laid out as its fake says."""
+def test_op_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, spare_window, mask_kind, d, trellis):
+    """``vecinfer::chunk_attention`` / ``trellis_chunk_attention`` (what a compiled chunk runs) from
+    the cache's buffers and counters and HF's mask over every slot: the oracle's rule over the valid
+    slots (garbage code and window slots past the counters never read), laid out as its fake says."""
     gen = torch.Generator().manual_seed(seed)
     q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=(256, 4), vbook=(256, 2), dtype=torch.float32, spare=window + chunk + 5)
+                         kbook=(256, 4), vbook=(256, 2), dtype=torch.float32, spare=window + chunk + 5,
+                         trellis=trellis)
     mask, kv_start, explicit = hf_chunk_mask(gen, keys, chunk, mask_kind, hkv * group)
-    got = torch.ops.vecinfer.chunk_attention(q, *op_inputs(gen, keys, spare_window), mask, 0.3)
-    torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3, explicit), rtol=1e-5, atol=1e-5)
+    got = chunk_op(gen, q, keys, spare_window, mask, 0.3)
+    torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3, explicit), rtol=1e-4, atol=1e-4)
     fake = ca._output_like(q)
     assert got.shape == fake.shape and got.stride() == fake.stride()
 
@@ -354,16 +402,18 @@ def test_cuda_dequantize_kernels_equal_the_reference(kernel, book, d):
     vbook=st.sampled_from(BOOKS),
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     padding=st.booleans(),
+    trellis=st.booleans(),
 )
 def test_cuda_chunk_attention_equals_the_oracle(seed, b, hkv, group, d, chunk, n_coded, window, kbook, vbook,
-                                                dtype, padding):
-    """The real fast path (Triton dequantization, torch's FlashAttention-2 varlen, the merge) against
-    the float32 oracle: ``err <= 2 * err(bf16/fp16 SDPA over the same slots) + atol``."""
+                                                dtype, padding, trellis):
+    """The real fast path (the workspace's kernel, torch's FlashAttention-2 varlen or cuDNN, the
+    merge) against the float32 oracle, either codec: ``err <= 2 * err(bf16/fp16 SDPA over the same
+    slots) + atol``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(seed)
     q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=kbook, vbook=vbook, dtype=dtype, device="cuda")
+                         kbook=kbook, vbook=vbook, dtype=dtype, device="cuda", trellis=trellis)
     kv_start = start_of(gen, b, keys.length, "cuda") if padding else None
     scale = d ** -0.5
     assert ca.fast_path_serves(q)
@@ -391,18 +441,21 @@ def test_cuda_chunk_attention_equals_the_oracle(seed, b, hkv, group, d, chunk, n
     window=st.sampled_from([0, 37]),
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     mask_kind=st.sampled_from(["none", "bool", "float", "holes"]),
+    trellis=st.booleans(),
 )
-def test_cuda_op_equals_the_oracle(seed, b, hkv, group, d, chunk, n_coded, window, dtype, mask_kind):
-    """``vecinfer::chunk_attention`` on CUDA (the fast path for HF's causal + padding masks, the
-    dense path for holes) against the float32 oracle: ``err <= 2 * err(SDPA in dtype) + atol``."""
+def test_cuda_op_equals_the_oracle(seed, b, hkv, group, d, chunk, n_coded, window, dtype, mask_kind, trellis):
+    """``vecinfer::chunk_attention`` / ``trellis_chunk_attention`` on CUDA (the fast path for HF's
+    causal + padding masks, the dense path for holes) against the float32 oracle:
+    ``err <= 2 * err(SDPA in dtype) + atol``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(seed)
     q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=(256, 4), vbook=(256, 4), dtype=dtype, device="cuda", spare=window + chunk + 9)
+                         kbook=(256, 4), vbook=(256, 4), dtype=dtype, device="cuda", spare=window + chunk + 9,
+                         trellis=trellis)
     mask, kv_start, explicit = hf_chunk_mask(gen, keys, chunk, mask_kind, hkv * group)
     scale = d ** -0.5
-    got = torch.ops.vecinfer.chunk_attention(q, *op_inputs(gen, keys, 5), mask, scale)
+    got = chunk_op(gen, q, keys, 5, mask, scale)
     assert got.dtype == dtype and got.isfinite().all()
     want = reference.chunk_attention(q.float(), keys, kv_start, scale, explicit)
     k, v = reference.chunk_kv_dense(keys, slice(None), dtype)

@@ -292,6 +292,27 @@ def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, sp
     torch.testing.assert_close(values_out(o, lse, values), want, atol=1e-4, rtol=1e-4)
 
 
+@interp_only
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), hkv=st.sampled_from([1, 3]), tmax=st.integers(1, 70),
+       d=st.sampled_from([16, 64]), lbits=st.sampled_from([4, 10]), dtype=st.sampled_from([torch.float32,
+                                                                                        torch.bfloat16]))
+def test_interp_trellis_entries_into(seed, b, hkv, tmax, d, lbits, dtype):
+    """A chunk's prefix workspace of trellis codes: the unit entries of the first ``length`` slots of a
+    row slice, position-major, as :meth:`TrellisOperands.entries` reads them (bf16 within its
+    rounding: the interpreter's cast truncates); nothing past ``length`` written."""
+    from vecinfer_compile.ops.triton.trellis import entries_into
+
+    gen = torch.Generator().manual_seed(seed)
+    _, k_codes, _, keys, _ = _trellis_decode_case(gen, b + 1, hkv, 1, tmax, d, lbits)
+    length = int(torch.randint(0, tmax + 1, (1,), generator=gen))
+    out = torch.full((b, tmax, hkv, d), float("nan"), dtype=dtype)
+    entries_into(k_codes[1:], keys, length, out[:, :length])
+    want = keys.entries(k_codes[1:, :, :length].transpose(1, 2))
+    torch.testing.assert_close(out[:, :length].float(), want, atol=0, rtol=0 if dtype == torch.float32 else 2 ** -7)
+    assert out[:, length:].isnan().all()
+
+
 # ----------------------------------------------------------------------------------- CUDA
 
 

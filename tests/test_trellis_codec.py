@@ -201,10 +201,11 @@ def test_greedy_tokens_through_the_trellis_cache_match_the_simulate_path(trellis
     counters.clear()
     assert cache_tokens(model, ids, cb, new_tokens=24, residual=8, compiled=True) == cached
     assert counters["vecinfer"]["cache_decode_trellis"] >= model.config.num_hidden_layers
-    # a chunked prefill (16-token chunks over a window of 8): compiled = eager, the chunks dense over the read
+    # a chunked prefill (16-token chunks over a window of 8): compiled = eager, the chunks through
+    # vecinfer::trellis_chunk_attention
     chunked = cache_tokens(model, ids, cb, new_tokens=6, residual=8, compiled=False, prefill_chunk=16)
     assert cache_tokens(model, ids, cb, new_tokens=6, residual=8, compiled=True, prefill_chunk=16) == chunked
-    assert counters["vecinfer"]["cache_trellis_chunk_dense"] >= model.config.num_hidden_layers
+    assert counters["vecinfer"]["cache_trellis_chunk_rewrites"] >= model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])

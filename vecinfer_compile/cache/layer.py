@@ -129,7 +129,7 @@ class VecInferLayer(CacheLayerMixin):
         held = n_coded + n_window
         if held + t > self.max_cache_len:
             raise s.overflow(held + t)
-        codes = self._codes_read(t)
+        codes = self._codes_read()
         chunk = before = None
         if t > 1 and codes:
             chunk = reads.chunk_keys(s, qz, self.transform_keys(k), v, n_coded, n_window)
@@ -194,13 +194,10 @@ class VecInferLayer(CacheLayerMixin):
             return reads.read(self.storage, self.quantizer)[index]
         return eager_decode.codes_read(self, self._full_shape(), self.dtype, self.device)[index]
 
-    def _codes_read(self, tokens: int | None = None) -> bool:
-        """Whether an eager step of ``tokens`` new tokens returns a codes read (the model attends with
-        ``"vecinfer_sdpa"``); a trellis-coded layer only for one token (:func:`.trellis_layer.attend`),
+    def _codes_read(self) -> bool:
+        """Whether an eager step returns a codes read (the model attends with ``"vecinfer_sdpa"``),
         else it reads dense K/V."""
-        if not eager_decode.is_active(self.model_config):
-            return False
-        return not self.quantizer.trellis or tokens == 1
+        return eager_decode.is_active(self.model_config)
 
     # -- sizes ---------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:

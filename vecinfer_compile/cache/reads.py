@@ -25,6 +25,7 @@ from ..ops.decode import decode_attention
 from ..ops.decode_inputs import kv_start_from_mask, mask_is_a_range, transform_queries
 from ..ops.split_attention import chunk as chunk_attention
 from ..ops.split_attention.chunk import ChunkKeys
+from ..ops.split_attention.prefix import CodebookPrefix, TrellisPrefix
 from . import trellis_layer
 from .quantizer import LayerQuantizer
 from .storage import LayerStorage
@@ -100,7 +101,14 @@ def chunk_keys(storage: LayerStorage, quantizer: LayerQuantizer, kt: torch.Tenso
     s = storage
     k_full = torch.cat([s.k_window[:, :, :n_window].transpose(1, 2), kt.transpose(1, 2)], dim=1)
     v_full = torch.cat([s.v_window[:, :, :n_window].transpose(1, 2), v.transpose(1, 2)], dim=1)
-    return ChunkKeys(s.k_codes, s.v_codes, quantizer.key_centroids, quantizer.value_centroids, n_coded, k_full, v_full)
+    return ChunkKeys(s.k_codes, s.v_codes, prefix_codec(quantizer), n_coded, k_full, v_full)
+
+
+def prefix_codec(quantizer: LayerQuantizer) -> CodebookPrefix | TrellisPrefix:
+    """How a chunk's attention reads this layer's codes (:mod:`vecinfer_compile.ops.split_attention.prefix`)."""
+    if quantizer.trellis:
+        return TrellisPrefix(quantizer.key_trellis, quantizer.value_trellis)
+    return CodebookPrefix(quantizer.key_centroids, quantizer.value_centroids)
 
 
 def chunk_window(storage: LayerStorage, kt: torch.Tensor, v: torch.Tensor) -> tuple:

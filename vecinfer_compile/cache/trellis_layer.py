@@ -10,7 +10,9 @@ encodes with ``trellis_encode`` (one Viterbi launch on CUDA), an append is
 ``trellis_append`` (one launch for a decode step's token on CUDA), the reads are
 ``trellis_cache_kv`` (:func:`.reads.read`), and a decode step attends over codes and window with
 ``trellis_decode_attention`` (eagerly under ``"vecinfer_sdpa"``, :func:`attend`; compiled, the
-backend's pass puts it in place of SDPA over the read).
+backend's pass puts it in place of SDPA over the read), a chunk with the codebooks' chunk
+attention over the codec's prefix (:class:`~vecinfer_compile.ops.split_attention.prefix.TrellisPrefix`;
+compiled, ``trellis_chunk_attention``).
 """
 
 from __future__ import annotations

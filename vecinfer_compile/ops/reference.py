@@ -192,13 +192,12 @@ def chunk_mask(batch: int, chunk: int, length: int, kv_start: torch.Tensor | Non
 
 def chunk_kv_dense(keys: ChunkKeys, rows: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``[rows, H, L, D]`` keys and values of ``rows`` of a chunk's
-    :class:`~vecinfer_compile.ops.split_attention.chunk.ChunkKeys`: the prefix dequantized, then
+    :class:`~vecinfer_compile.ops.split_attention.chunk.ChunkKeys`: the prefix decoded by its codec, then
     the full-precision part (the chunk case of :mod:`vecinfer_compile.window`)."""
     n = keys.n_coded
-    k = torch.cat([dequantize(keys.k_codes[rows, :, :n], keys.key_centroids).to(dtype),
-                   keys.k_full[rows].transpose(1, 2).to(dtype)], dim=2)
-    v = torch.cat([dequantize(keys.v_codes[rows, :, :n], keys.value_centroids).to(dtype),
-                   keys.v_full[rows].transpose(1, 2).to(dtype)], dim=2)
+    k_coded, v_coded = keys.prefix.dense(keys.k_codes[rows, :, :n], keys.v_codes[rows, :, :n])
+    k = torch.cat([k_coded.to(dtype), keys.k_full[rows].transpose(1, 2).to(dtype)], dim=2)
+    v = torch.cat([v_coded.to(dtype), keys.v_full[rows].transpose(1, 2).to(dtype)], dim=2)
     return k, v
 
 

@@ -12,6 +12,9 @@ Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list 
     vecinfer::trellis_decode_attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor n_coded,
         Tensor k_window, Tensor v_window, Tensor n_window, Tensor? kv_start, float scale,
         Tensor[] keys, Tensor[] values) -> Tensor
+    vecinfer::trellis_chunk_attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor n_coded,
+        Tensor k_window, Tensor v_window, Tensor n_window, Tensor? attn_mask, float scale,
+        Tensor[] keys, Tensor[] values) -> Tensor
 
 - ``trellis_encode``: ``x [B, H, T, D]`` -> stored codes ``[B, H, T, nbytes]`` uint8
   (:func:`.trellis.encode`; one Viterbi launch on CUDA; ``nbytes``: the codec's, given so that the
@@ -27,9 +30,13 @@ Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list 
   :mod:`vecinfer_compile.passes.cache_decode` replaces at a decode step by
 - ``trellis_decode_attention``: one query token ``q [B, Hq, 1, D]`` in ``K~``'s domain over the
   codes and the window (:func:`.trellis.decode_step`) -> ``[B, Hq, 1, D]`` in ``q``'s dtype.
+- ``trellis_chunk_attention``: ``vecinfer::chunk_attention``'s contract over trellis codes (a chunk
+  ``q [B, Hq, C, D]`` in ``K~``'s domain, its own keys the window's last filled slots; the split
+  attention of :mod:`.split_attention.chunk` with :class:`.split_attention.prefix.TrellisPrefix`).
 
-All four are opaque (Inductor calls them as extern kernels) and read the counters on the device
-only: no host sync, so CUDA graphs capture them.
+The first four are opaque (Inductor calls them as extern kernels) and read the counters on the device
+only: no host sync, so CUDA graphs capture them. The chunk's, as ``chunk_attention``, reads them on
+the host and is tagged ``cudagraph_unsafe``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import torch
 
 from .dequantize import ROW_CHUNK_ELEMENTS
 from .registry import define
+from .split_attention.chunk import attend_over_buffers
+from .split_attention.prefix import TrellisPrefix
 from .trellis import TrellisOperands, append, decode_step, encode, read
 
 
@@ -96,8 +105,23 @@ def _decode_fake(q, *args) -> torch.Tensor:
     return torch.empty_like(q)
 
 
+def trellis_chunk_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,
+                            k_window: torch.Tensor, v_window: torch.Tensor, n_window: torch.Tensor,
+                            attn_mask: torch.Tensor | None, scale: float, keys: list[torch.Tensor],
+                            values: list[torch.Tensor]) -> torch.Tensor:
+    prefix = TrellisPrefix(TrellisOperands(*keys), TrellisOperands(*values))
+    return attend_over_buffers(q, k_codes, v_codes, prefix, n_coded, k_window, v_window, n_window, attn_mask, scale)
+
+
+def _chunk_fake(q, *args) -> torch.Tensor:
+    b, hq, c, d = q.shape
+    return q.new_empty((b, c, hq, d)).transpose(1, 2)
+
+
 define("trellis_encode", trellis_encode, kind="opaque", fake=_encode_fake)
 define("trellis_append", trellis_append, kind="opaque", fake=lambda *args: None,
        mutates=("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", "arrivals"))
 define("trellis_cache_kv", trellis_cache_kv, kind="opaque", fake=_cache_kv_fake)
 define("trellis_decode_attention", trellis_decode_attention, kind="opaque", fake=_decode_fake)
+define("trellis_chunk_attention", trellis_chunk_attention, kind="opaque", fake=_chunk_fake,
+       tags=(torch.Tag.cudagraph_unsafe,))

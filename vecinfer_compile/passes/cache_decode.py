@@ -21,7 +21,8 @@ A layer the trellis codec codes (:mod:`vecinfer_compile.cache.trellis_layer`) re
 ``vecinfer::trellis_cache_kv`` instead (the same chain after it); its decode step becomes
 ``vecinfer.trellis_decode_attention(q~, k_codes, v_codes, n_coded, k_window, v_window, n_window,
 kv_start, s, keys, values)`` (``counters["vecinfer"]["cache_decode_trellis"]``), and a chunk over it
-stays SDPA over the dense read, tagged (``cache_trellis_chunk_dense``).
+``vecinfer.trellis_chunk_attention(q~, <the same six>, attn_mask, s, keys, values)``
+(``cache_trellis_chunk_rewrites``).
 
 A chunk of several query tokens reads the coded slots and the window as they were before it, with
 its own tokens after the window (:func:`vecinfer_compile.cache.reads.chunk_window`: the
@@ -262,10 +263,6 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
             continue
         a = cache.args
         trellis = is_op(cache.target, "trellis_cache_kv")
-        if trellis and not one_token:  # a chunk over trellis codes attends over the dense read
-            node.meta[CACHE_READ_META] = True
-            counters["vecinfer"]["cache_trellis_chunk_dense"] += 1
-            continue
         if trellis:
             lam, rot = a[T_LAM], a[T_ROT]
         else:
@@ -286,7 +283,11 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
                     counters["vecinfer"]["cache_decode_trellis"] += 1
                 else:
                     out = graph.call_function(_decode_op(q, a, decode_kernel), (q_t, *coded, kv_start, scale))
-            else:  # a chunk: its read's window ends with its own tokens (cache.reads.chunk_window)
+            elif trellis:  # a chunk: its read's window ends with its own tokens (cache.reads.chunk_window)
+                out = graph.call_function(torch.ops.vecinfer.trellis_chunk_attention.default,
+                                          (q_t, *a[:6], mask, scale, a[T_KEYS], a[T_VALUES]))
+                counters["vecinfer"]["cache_trellis_chunk_rewrites"] += 1
+            else:
                 out = graph.call_function(torch.ops.vecinfer.chunk_attention.default, (q_t, *coded, mask, scale))
                 counters["vecinfer"]["cache_chunk_rewrites"] += 1
         out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "example_value")})

@@ -18,9 +18,11 @@ log-sum-exp, merged by :func:`.lse_merge.merge_by_lse`:
 
 - the coded prefix: every query sees all of it (only left padding masks it), so it is a
   non-causal attention. On CUDA (fp16/bf16, FlashAttention-2 available, power-of-two head dims)
-  a few batch rows at a time (:data:`WORKSPACE_BYTES`) are dequantized into a position-major
-  workspace (:func:`..dequantize.dequantize_into`: the CUDA kernel of :mod:`..cuda.dequant`, the
-  Triton one of :mod:`..triton.dequant` where it cannot run) and read by cuDNN attention
+  a few batch rows at a time (:data:`WORKSPACE_BYTES`) are decoded into a position-major
+  workspace by the codec (:mod:`.prefix`: the codebooks' ``K~`` and ``V`` by
+  :func:`..dequantize.dequantize_into`, the CUDA kernel of :mod:`..cuda.dequant` or the Triton one
+  of :mod:`..triton.dequant` where it cannot run; the trellis codec's unit entries, with its
+  queries and outputs taken to and from the components) and read by cuDNN attention
   (``aten._scaled_dot_product_cudnn_attention``, GQA in the kernel) when no row is padded, else
   by torch's FlashAttention-2 in varlen mode (``aten._flash_attention_forward``: each row's keys
   start at its ``kv_start`` through the ``cum_seq_k`` offset and ``seqused_k``; no mask tensor).
@@ -49,7 +51,7 @@ chunked prefill runs (:mod:`vecinfer_compile.passes.cache_decode` emits it)::
         Tensor v_centroids, Tensor n_coded, Tensor k_window, Tensor v_window, Tensor n_window,
         Tensor? attn_mask, float scale) -> Tensor
 
-the decode op's arguments with ``q: [B, Hq, C, D]`` and a window ``[B, H, W, D]`` whose
+(``vecinfer::trellis_chunk_attention`` of :mod:`..trellis_ops` for trellis codes), the decode op's arguments with ``q: [B, Hq, C, D]`` and a window ``[B, H, W, D]`` whose
 ``n_window`` filled slots end with the chunk's own ``C`` keys (``K~``) and values. It reads the
 two counters on the host (one sync), so it is opaque and tagged ``cudagraph_unsafe``: Inductor runs
 a chunk's graph without CUDA graphs (a chunk of thousands of tokens gains nothing from them),
@@ -66,11 +68,11 @@ import torch.nn.functional as F
 
 from ..coded_kv import CodedKV, flat_op
 from ..decode_inputs import chunk_mask_layout, kv_start_from_mask
-from ..dequantize import dequantize_into
 from ..reference import chunk_kv_dense, chunk_mask
 from ..registry import define
 from .flash import cudnn_serves, flash_serves
 from .lse_merge import flash_lse, merge_by_lse
+from .prefix import CodebookPrefix, TrellisPrefix
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class ChunkKeys:
 
     - ``k_codes``, ``v_codes``: the layer's code buffers ``[B, H, Tmax, W]`` uint8; slots below
       ``n_coded`` are the prefix (the append writes only slots at or after it, so they stay valid).
-    - ``key_centroids``, ``value_centroids``: ``[E, d]`` float32.
+    - ``prefix``: their codec (:mod:`.prefix`).
     - ``n_coded``: coded slots before the append (an int, read on the host).
     - ``k_full``, ``v_full``: ``[B, w + C, H, D]`` position-major, the cache dtype: the window's
       ``w`` slots then the chunk's ``C`` tokens, keys transformed (``K~``), values as they are.
@@ -91,8 +93,7 @@ class ChunkKeys:
 
     k_codes: torch.Tensor
     v_codes: torch.Tensor
-    key_centroids: torch.Tensor
-    value_centroids: torch.Tensor
+    prefix: CodebookPrefix | TrellisPrefix
     n_coded: int
     k_full: torch.Tensor
     v_full: torch.Tensor
@@ -177,14 +178,12 @@ def _offsets(count: int, stride: int, start: torch.Tensor, length: int) -> tuple
 
 
 def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
-                dequantize=None, prefix_kernel: str | None = None) -> torch.Tensor:
+                prefix_kernel: str | None = None) -> torch.Tensor:
     """The fast path (see the module docstring). ``q: [B, Hq, C, D]`` (``q~``), ``kv_start``
     ``[B]`` int or None (no padding). Returns ``[B, Hq, C, D]`` in q.dtype (a transposed view of
-    a ``[B, C, Hq, D]`` tensor, the layout attention functions return). ``dequantize``:
-    :func:`dequantize_into`'s contract (default: it; the tests give a stand-in); ``prefix_kernel``:
+    a ``[B, C, Hq, D]`` tensor, the layout attention functions return). ``prefix_kernel``:
     ``"cudnn"`` or ``"flash"`` for the prefix (default: cuDNN without padding where
     :func:`cudnn_prefix_serves`, else FlashAttention-2 varlen, which takes each row's start)."""
-    dequantize = dequantize_into if dequantize is None else dequantize
     if prefix_kernel is None:
         prefix_kernel = "cudnn" if kv_start is None and cudnn_prefix_serves(q) else "flash"
     b, hq, c, d = q.shape
@@ -201,30 +200,33 @@ def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None,
     l2 = flash_lse(l2)
     if n == 0:  # nothing coded yet: the full-precision part is all (a query with no key is zeros)
         return o2.view(b, c, hq, d).transpose(1, 2)
-    o1 = torch.empty_like(qv)
+    q_prefix, lse_offset = keys.prefix.queries(q, scale)
+    qp = q_prefix.transpose(1, 2).reshape(b * c, hq, d)
+    o1 = torch.empty_like(qp)
     l1 = torch.empty((hq, b * c), dtype=torch.float32, device=dev)
     rows = max(1, WORKSPACE_BYTES // (2 * n * h * d * q.element_size()))
     rows = min(rows, b)
     k_work = torch.empty((rows, n, h, d), dtype=q.dtype, device=dev)
     v_work = torch.empty_like(k_work)
-    kc, vc = keys.key_centroids.to(q.dtype).contiguous(), keys.value_centroids.to(q.dtype).contiguous()
     for i in range(0, b, rows):
         j = min(i + rows, b)
         r = j - i
-        dequantize(keys.k_codes[i:j], kc, n, k_work[:r])
-        dequantize(keys.v_codes[i:j], vc, n, v_work[:r])
+        keys.prefix.fill(keys.k_codes[i:j], keys.v_codes[i:j], n, k_work[:r], v_work[:r])
         if prefix_kernel == "cudnn":
-            o, lse = cudnn_prefix(qv[i * c:j * c].view(r, c, hq, d).transpose(1, 2), k_work[:r].transpose(1, 2),
+            o, lse = cudnn_prefix(qp[i * c:j * c].view(r, c, hq, d).transpose(1, 2), k_work[:r].transpose(1, 2),
                                   v_work[:r].transpose(1, 2), scale)
             o1[i * c:j * c] = o.transpose(1, 2).reshape(r * c, hq, d)
             l1[:, i * c:j * c] = lse.permute(1, 0, 2).reshape(hq, r * c)
         else:
             cu_k, used = _offsets(r, n, start[i:j], n)
             o1[i * c:j * c], l1[:, i * c:j * c] = flash_varlen(
-                qv[i * c:j * c], k_work[:r].view(r * n, h, d), v_work[:r].view(r * n, h, d), cu_q[:r + 1], cu_k,
+                qp[i * c:j * c], k_work[:r].view(r * n, h, d), v_work[:r].view(r * n, h, d), cu_q[:r + 1], cu_k,
                 used, c, n, False, scale)
     del k_work, v_work
-    out = merge_by_lse(o1, flash_lse(l1).t(), o2, l2.t(), q.dtype)
+    l1 = flash_lse(l1).t()
+    if lse_offset is not None:
+        l1 = l1 + lse_offset.transpose(1, 2).reshape(b * c, hq)
+    out = merge_by_lse(keys.prefix.outputs(o1), l1, o2, l2.t(), q.dtype)
     return out.view(b, c, hq, d).transpose(1, 2)
 
 
@@ -269,10 +271,22 @@ def chunk_attention(q: torch.Tensor, kv: CodedKV, attn_mask: torch.Tensor | None
     ``n_coded`` coded slots and the ``n_window`` filled window slots ``[B, H, W, D]`` of ``kv``,
     the chunk's own keys last. Returns ``[B, Hq, C, D]`` in q.dtype, laid out as a
     ``[B, C, Hq, D]`` tensor."""
-    n, w = torch.stack([kv.n_coded.long(), kv.n_window.long()]).tolist()  # the one host sync
-    keys = ChunkKeys(kv.k_codes, kv.v_codes, kv.k_centroids, kv.v_centroids, n,
-                     kv.k_window[:, :, :w].transpose(1, 2), kv.v_window[:, :, :w].transpose(1, 2))
-    out = attend_masked(q, keys, attn_mask, scale, kv.k_codes.shape[2])
+    return attend_over_buffers(q, kv.k_codes, kv.v_codes, CodebookPrefix(kv.k_centroids, kv.v_centroids),
+                               kv.n_coded, kv.k_window, kv.v_window, kv.n_window, attn_mask, scale)
+
+
+def attend_over_buffers(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+                        prefix: CodebookPrefix | TrellisPrefix, n_coded: torch.Tensor, k_window: torch.Tensor,
+                        v_window: torch.Tensor, n_window: torch.Tensor, attn_mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """The chunk ops' body for either codec: ``q: [B, Hq, C, D]`` (``q~``) over a layer's buffers
+    (codes ``[B, H, Tmax, W]``, windows ``[B, H, R, D]`` whose ``n_window`` filled slots end with
+    the chunk's keys, 0-d counters read on the host). Returns ``[B, Hq, C, D]`` in q.dtype, laid
+    out as a ``[B, C, Hq, D]`` tensor."""
+    n, w = torch.stack([n_coded.long(), n_window.long()]).tolist()  # the one host sync
+    keys = ChunkKeys(k_codes, v_codes, prefix, n, k_window[:, :, :w].transpose(1, 2),
+                     v_window[:, :, :w].transpose(1, 2))
+    out = attend_masked(q, keys, attn_mask, scale, k_codes.shape[2])
     b, hq, c, d = q.shape
     if out.stride() == (c * hq * d, d, hq * d, 1):  # the fast path's layout
         return out

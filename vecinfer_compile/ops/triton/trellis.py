@@ -17,6 +17,11 @@ each component's state from its string's bytes, its unit table entry gathered (t
 has no shared-memory gather), scores against the group's query heads by ``tl.dot`` in float32,
 online softmax, and the values' entries accumulated the same way (docs/results/decode-speed.md:
 correct, and far slower than FP16).
+
+**Entries** (:func:`entries_into`): a chunk's coded prefix as unit table entries, position-major,
+for the split attention of :mod:`..split_attention.chunk` (its queries and outputs go to and from
+the components instead, :mod:`..split_attention.prefix`): one program per (batch row, KV head,
+block of positions) reads each string once and writes a ``[BLOCK_T, D]`` tile.
 """
 
 from __future__ import annotations
@@ -138,6 +143,54 @@ def _entries(codes_row, t_mask, first, shift, mask, rows, tables_ptr, NBYTES):
     b2 = tl.load(codes_row + f + 2, mask=t_mask & (f + 2 < NBYTES), other=0).to(tl.int32)
     state = (((b0 << 16) | (b1 << 8) | b2) >> shift[None, :]) & mask[None, :]
     return tl.load(tables_ptr + rows[None, :] + state, mask=t_mask & (mask[None, :] > 0), other=0.0)
+
+
+@triton.jit
+def _entries_kernel(codes_ptr, first_ptr, shift_ptr, mask_ptr, rows_ptr, tables_ptr, out_ptr,
+                    s_cb, s_ch, s_ct, s_ob, s_ot, s_oh, H, T, nbytes,
+                    D: tl.constexpr, BLOCK_T: tl.constexpr):
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = (t < T)[:, None]
+    c = tl.arange(0, D)
+    e = _entries(codes_ptr + b * s_cb + h * s_ch + t[:, None] * s_ct, t_mask, tl.load(first_ptr + h * D + c),
+                 tl.load(shift_ptr + h * D + c), tl.load(mask_ptr + h * D + c), tl.load(rows_ptr + h * D + c),
+                 tables_ptr, nbytes)
+    dst = out_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + c[None, :]
+    tl.store(dst, e.to(out_ptr.dtype.element_ty), mask=t_mask)
+
+
+ENTRIES_BLOCK_T = 32
+
+
+def entries_into(codes: torch.Tensor, operands, length: int, out: torch.Tensor) -> torch.Tensor:
+    """Write the unit table entries of the first ``length`` positions of ``codes`` into ``out``:
+    codes ``[B, H, Tmax, nbytes]`` uint8 (a unit last stride), ``operands`` the codec's
+    :class:`~vecinfer_compile.ops.trellis.TrellisOperands`, out ``[B, length, H, D]`` (any float
+    dtype, a unit last stride; position-major). Entry ``[b, t, h, c]`` is
+    ``operands.entries(codes)[b, h, t, c]`` (0 for a component of 0 bits). Returns ``out``; runs
+    under ``TRITON_INTERPRET=1`` on CPU tensors (the tests)."""
+    b, h, tmax, nbytes = codes.shape
+    d = out.shape[-1]
+    if tuple(out.shape) != (b, length, h, d) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [B, length, H, D] = {(b, length, h, d)} with a unit last stride, "
+                         f"got {tuple(out.shape)} strides {out.stride()}")
+    if not 0 <= length <= tmax:
+        raise ValueError(f"length {length} is outside the {tmax} code slots")
+    if d & (d - 1) or tuple(operands.first.shape) != (h, d):
+        raise ValueError(f"a power-of-two head_dim and operands of {h} heads are needed, got head_dim {d} and "
+                         f"operands for {tuple(operands.first.shape)}")
+    if length == 0 or b == 0:
+        return out
+    codes = unit_last_stride(codes)
+    launch(_entries_kernel, (triton.cdiv(length, ENTRIES_BLOCK_T), b * h), False, codes, operands.first,
+           operands.shift, operands.mask, operands.rows, operands.tables, out, codes.stride(0), codes.stride(1),
+           codes.stride(2), out.stride(0), out.stride(1), out.stride(2), h, length, nbytes, D=d,
+           BLOCK_T=ENTRIES_BLOCK_T, num_warps=4)
+    return out
 
 
 @triton.jit
