@@ -141,6 +141,7 @@ from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attenti
 from vecinfer_compile.hf.compat import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 from vecinfer_compile.codebooks import model_geometry  # noqa: E402
 from vecinfer_compile.hf.compat import forward_cache_kwargs  # noqa: E402
+from vecinfer_compile.testing import random_trellis_codec  # noqa: E402
 from vecinfer_compile.hf.deferred_stop import defer_stop_check  # noqa: E402
 from vecinfer_compile.hf.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 from vecinfer_compile.quant.score_aware import check_parallel_weight  # noqa: E402
@@ -673,6 +674,18 @@ def with_identity_metrics(codebooks) -> None:
         layer.value_metric = layer.key_metric.clone()
 
 
+def with_trellis_codecs(codebooks, states: int) -> None:
+    """Code every layer's keys and values by random trellis codecs of ``states`` states at the
+    layer's bits (:func:`vecinfer_compile.testing.random_trellis_codec`: the codec's cost, not its
+    quality)."""
+    h, d = codebooks.geometry["num_kv_heads"], codebooks.geometry["head_dim"]
+    gen = torch.Generator().manual_seed(0)
+    for i in codebooks.attention_layers():
+        layer, bits = codebooks.layer(i), codebooks.bits if codebooks.layer_bits is None else codebooks.layer_bits[i]
+        layer.key_codec, layer.value_codec = (random_trellis_codec(gen, h, d, bits, states.bit_length() - 1)
+                                              for _ in range(2))
+
+
 def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:
     """The options a child process of ``--isolate`` needs to measure the same thing."""
     out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
@@ -682,6 +695,8 @@ def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> l
            "--key-parallel-weight", str(args.key_parallel_weight)]
     if args.weighted_codes:
         out.append("--weighted-codes")
+    if args.trellis_states:
+        out += ["--trellis-states", str(args.trellis_states)]
     if args.in_run_only:
         out.append("--in-run-only")
     if args.layers:
@@ -720,6 +735,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--weighted-codes", action="store_true",
                     help="ours: error-weighted codes (identity metrics: the encode's cost, not its quality), whose "
                          "decode-step append adds the CUDA encoder's launch")
+    ap.add_argument("--trellis-states", type=int, default=0, metavar="S",
+                    help="ours: keys and values coded by random trellis codecs of S states (a power of two; "
+                         "0: the codebooks' codes)")
     ap.add_argument("--residual", type=int, default=None, help="VecInferCache window R (default 128; smoke 8)")
     ap.add_argument("--warmup-len", type=int, default=None,
                     help="prompt length of the untimed warm-up run (default 256; smoke 8)")
@@ -819,10 +837,13 @@ def main(argv=None) -> list[dict]:
         codebooks.metadata["key_parallel_weight"] = check_parallel_weight(args.key_parallel_weight)
         if args.weighted_codes:
             with_identity_metrics(codebooks)
+        if args.trellis_states:
+            with_trellis_codecs(codebooks, args.trellis_states)
     print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
           f"ours = {args.bits:g}-bit VecInferCache R={residual}"
           f"{'' if args.key_parallel_weight == 1 else f' (score-aware keys, weight {args.key_parallel_weight:g})'}"
-          f"{' (error-weighted codes, identity metrics)' if args.weighted_codes else ''}; "
+          f"{' (error-weighted codes, identity metrics)' if args.weighted_codes else ''}"
+          f"{f' (trellis codecs of {args.trellis_states} states)' if args.trellis_states else ''}; "
           f"N={new_tokens} new tokens, greedy; "
           f"stop check {args.stop_check}; "
           f"tok/s = B / (mean decode step), steps timed by CUDA events (host stamps on the CPU); "

@@ -10,7 +10,9 @@ head_dim 128, bf16), 2-bit codes by default:
   :func:`vecinfer_compile.ops.split_attention.chunk.split_flash`: the coded prefix dequantized a few rows
   at a time (the CUDA kernel, :mod:`vecinfer_compile.ops.cuda.dequant`) and read by cuDNN attention
   (non-causal, GQA in the kernel), the window and the chunk through FlashAttention-2 (causal),
-  merged by log-sum-exp.
+  merged by log-sum-exp. With ``--codec trellis`` the codes are the trellis codec's (a random codec
+  of ``2^L`` states, any string a valid code): the workspace holds their unit entries (the Triton
+  kernel ``entries_into``) and the prefix attends in the components.
 - FP16: FlashAttention-2 (``aten._flash_attention_forward``, GQA in the kernel) of the same
   queries over the same ``T + R + C`` keys in bf16, causal with the chunk's offset (bottom-right):
   what a full-precision cache's chunk attention runs (the ``fp16`` baseline of
@@ -25,8 +27,8 @@ the window attention, the merge and the query transform. ``TFLOP/s`` is the FP16
 (:func:`~vecinfer_compile.ops.split_attention.chunk.reference`).
 
     python benchmarks/bench_prefill_attention.py [--chunks 512,2048,4096] [--lengths 8192,32768,131072]
-        [--batches 1,8] [--bits 2] [--prefix-kernel auto|cudnn|flash] [--dequantize auto|cuda|triton]
-        [--json OUT.json]
+        [--batches 1,8] [--bits 2] [--codec codebooks|trellis] [--trellis-states 1024]
+        [--prefix-kernel auto|cudnn|flash] [--dequantize auto|cuda|triton] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -40,28 +42,51 @@ from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.cuda import dequant as cuda_dequant
 from vecinfer_compile.ops.dequantize import dequantize_into
 from vecinfer_compile.ops.split_attention import chunk as ca
+from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix, TrellisPrefix
+from vecinfer_compile.ops.trellis import TrellisOperands
 from vecinfer_compile.ops.triton.dequant import dequantize_triton
 from vecinfer_compile.ops.decode_inputs import transform_queries
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant import hadamard_matrix
 from vecinfer_compile.quant.packing import pack_codes
+from vecinfer_compile.quant.trellis_packing import packed_bytes
+from vecinfer_compile.testing import random_trellis_codec
 
 HQ, HKV, D, R = 32, 8, 128, 128
 CHECK_MAX_SCORES = 2**28  # the float32 oracle materialises [B, Hq, C, L] scores: checked below this
 
 
+class ChosenCodebookPrefix(CodebookPrefix):
+    """The codebooks' prefix dequantized by the kernel ``--dequantize`` names."""
+
+    def fill(self, k_codes, v_codes, length, k_out, v_out):
+        dequantize = DEQUANTIZE[CHOICE["dequantize"]]
+        dequantize(k_codes, self.key_centroids.to(k_out.dtype).contiguous(), length, k_out)
+        dequantize(v_codes, self.value_centroids.to(v_out.dtype).contiguous(), length, v_out)
+
+
 def our_inputs(b: int, t: int, c: int, bits: float, g: torch.Generator):
-    """One layer's state and a chunk: ``(q, keys, lam, rotation)`` with random codes and centroids."""
-    preset = get_preset(bits)
+    """One layer's state and a chunk: ``(q, keys, lam, rotation)`` with random codes and their codec
+    (``CHOICE["codec"]``: centroids, or random trellis codecs of ``CHOICE["states"]`` states)."""
     dev = "cuda"
+    if CHOICE["codec"] == "trellis":
+        cpu = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), device=dev, generator=g)))
+        codecs = [random_trellis_codec(cpu, HKV, D, bits, CHOICE["states"].bit_length() - 1) for _ in range(2)]
+        nbytes = packed_bytes(codecs[0].bits)
+        k_codes, v_codes = (torch.randint(0, 256, (b, HKV, t, nbytes), device=dev, generator=g, dtype=torch.uint8)
+                            for _ in range(2))
+        prefix = TrellisPrefix(*(TrellisOperands.of(codec, dev) for codec in codecs))
+    else:
+        preset = get_preset(bits)
 
-    def codes(book):
-        return pack_codes(torch.randint(0, book.entries, (b, HKV, t, D // book.dims), device=dev, generator=g),
-                          book.entries)
+        def codes(book):
+            return pack_codes(torch.randint(0, book.entries, (b, HKV, t, D // book.dims), device=dev, generator=g),
+                              book.entries)
 
-    keys = ca.ChunkKeys(codes(preset.key), codes(preset.value),
-                        torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g),
-                        torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g), t,
+        k_codes, v_codes = codes(preset.key), codes(preset.value)
+        prefix = ChosenCodebookPrefix(torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g),
+                                      torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g))
+    keys = ca.ChunkKeys(k_codes, v_codes, prefix, t,
                         torch.randn(b, R + c, HKV, D, device=dev, dtype=torch.bfloat16, generator=g),
                         torch.randn(b, R + c, HKV, D, device=dev, dtype=torch.bfloat16, generator=g))
     q = torch.randn(b, HQ, c, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -71,12 +96,12 @@ def our_inputs(b: int, t: int, c: int, bits: float, g: torch.Generator):
 
 DEQUANTIZE = {"auto": dequantize_into, "cuda": cuda_dequant.dequantize_cuda, "triton": dequantize_triton}
 PREFIX = {"auto": None, "cudnn": "cudnn", "flash": "flash"}
-CHOICE = {"dequantize": "auto", "prefix": "auto"}  # --dequantize / --prefix-kernel
+CHOICE = {"dequantize": "auto", "prefix": "auto", "codec": "codebooks", "states": 1024}  # the options
 
 
 def ours(q, keys, lam, rotation):
     return ca.split_flash(transform_queries(q, lam, rotation), keys, None, D ** -0.5,
-                          dequantize=DEQUANTIZE[CHOICE["dequantize"]], prefix_kernel=PREFIX[CHOICE["prefix"]])
+                          prefix_kernel=PREFIX[CHOICE["prefix"]])
 
 
 def fp16_inputs(b: int, t: int, c: int, g: torch.Generator):
@@ -93,22 +118,20 @@ def fp16(q, k, v):
 
 
 def parts(q, keys):
-    """Ours' two main stages alone, with the kernels ours picks: (dequantize every row's prefix,
-    the prefix attention over a ready workspace), as calls for the timer, and that kernel's name."""
+    """Ours' two main stages alone, with the kernels ours picks: (decode every row's prefix into the
+    workspace, the prefix attention over a ready workspace), as calls for the timer, and that
+    kernel's name."""
     b, t, c, dt = q.shape[0], keys.n_coded, q.shape[2], q.dtype
     work_k = torch.empty(b, t, HKV, D, dtype=dt, device="cuda")
     work_v = torch.empty_like(work_k)
-    kc, vc = keys.key_centroids.to(dt), keys.value_centroids.to(dt)
     kernel = PREFIX[CHOICE["prefix"]] or ("cudnn" if ca.cudnn_prefix_serves(q) else "flash")
-    dequantize = DEQUANTIZE[CHOICE["dequantize"]]
     qv = q.transpose(1, 2).reshape(-1, HQ, D).contiguous()
     cu_q = torch.arange(b + 1, device="cuda", dtype=torch.int32) * c
     cu_k = torch.arange(b + 1, device="cuda", dtype=torch.int32) * t
     used = torch.full((b,), t, device="cuda", dtype=torch.int32)
 
     def dequant():
-        dequantize(keys.k_codes, kc, t, work_k)
-        dequantize(keys.v_codes, vc, t, work_v)
+        keys.prefix.fill(keys.k_codes, keys.v_codes, t, work_k, work_v)
 
     def prefix():
         if kernel == "cudnn":
@@ -155,18 +178,23 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--lengths", default="8192,32768,131072", help="coded prefix lengths T")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--bits", type=float, default=2.0)
+    ap.add_argument("--codec", choices=["codebooks", "trellis"], default="codebooks",
+                    help="the codes' codec: the codebooks' (the preset's books) or the trellis codec's")
+    ap.add_argument("--trellis-states", type=int, default=1024, help="the trellis codec's states (a power of two)")
     ap.add_argument("--prefix-kernel", choices=sorted(PREFIX), default="auto",
                     help="ours' prefix attention: cuDNN, FlashAttention-2 varlen, or the product's choice (auto)")
     ap.add_argument("--dequantize", choices=sorted(DEQUANTIZE), default="auto",
                     help="ours' prefix dequantization kernel (auto: the product's choice, CUDA where it builds)")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
-    CHOICE.update(dequantize=args.dequantize, prefix=args.prefix_kernel)
+    CHOICE.update(dequantize=args.dequantize, prefix=args.prefix_kernel, codec=args.codec, states=args.trellis_states)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
+    codec = (f"trellis codec, {args.trellis_states} states" if args.codec == "trellis"
+             else f"codebooks, dequantize {args.dequantize}")
     print(f"# chunk attention over a compressed cache, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} "
-          f"R={R}, bf16, {args.bits:g}-bit codes; ours: prefix kernel {args.prefix_kernel}, dequantize "
-          f"{args.dequantize}; ms per call (one layer), CUDA-graph replay, median")
+          f"R={R}, bf16, {args.bits:g}-bit codes ({codec}); ours: prefix kernel {args.prefix_kernel}; ms per "
+          f"call (one layer), CUDA-graph replay, median")
     print("| B | T | C | FP16 flash ms | ours ms | FP16 / ours | ours: dequantize ms | ours: prefix attention ms "
           "(kernel) | FP16 TFLOP/s | max err |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
