@@ -309,12 +309,13 @@ def _prompt_nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["vecinfer", "qaware"])
-def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, calibration_text_path, method):
+@pytest.mark.parametrize("method, codec", [("vecinfer", None), ("qaware", None), ("vecinfer", "trellis")])
+def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, calibration_text_path, method, codec):
     """The rule's promise on evalmodel (float32, 2 bits): the prompt's NLL through a chunked prefill
     into the cache is at most the simulate path's at the same window R, for chunks shorter and
     longer than R (simulate: query i reads key j in full precision iff i - j < R; the cache's
-    chunks see at least that, and their whole chunk)."""
+    chunks see at least that, and their whole chunk); the codebooks' codes, and the trellis codec's
+    (2^6 states, keys and values), whose chunks attend over the codes in the components."""
     from vecinfer_compile import calibrate
     from vecinfer_compile.cache import VecInferCache
     from vecinfer_compile.hf.compat import forward_cache_kwargs
@@ -323,8 +324,9 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
 
     model, tok = load_model(evalmodel_dir, "float32", "cpu")
     text = load_text(calibration_text_path)
+    trellis = {"key_codec": "trellis", "value_codec": "trellis", "trellis_states": 64} if codec else {}
     cb = calibrate(model, tok, text[:200_000], bits=2, method=method, max_tokens=1024, seq_len=512, iters=10,
-                   progress=False)
+                   progress=False, **trellis)
     ids = tokenize(tok, text[-60_000:])[None, :600]  # the calibration file's end: not calibrated on
     with torch.no_grad():
         full = _prompt_nll(model(ids).logits, ids)
@@ -339,7 +341,7 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
                 logits.append(model(input_ids=ids[:, s:e], attention_mask=torch.ones_like(ids[:, :e]),
                                     use_cache=True, **forward_cache_kwargs(model, cache)).logits)
         chunked = _prompt_nll(torch.cat(logits, 1), ids)
-        print(f"{method} R={residual} chunk={chunk}: prompt NLL full precision {full:.4f}, simulate {simulate:.4f}, "
+        print(f"{method}{' trellis' if codec else ''} R={residual} chunk={chunk}: prompt NLL full precision {full:.4f}, simulate {simulate:.4f}, "
               f"chunked cache {chunked:.4f}")  # shown with pytest -s (docs/results.md)
         assert chunked <= simulate, (residual, chunk, chunked, simulate)
 
