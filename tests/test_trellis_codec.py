@@ -496,7 +496,8 @@ def test_the_needle_attention_diagnostic_runs_on_the_tiny_model(trellis_file, ti
 def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(tiny_model):
     """``qaware``'s centred query-aware transform (the chain the decode rewrite moves to the query
     side) under the codecs, on a model of another geometry (Qwen2, one KV head, head_dim 32, random
-    weights): the compiled cache's greedy tokens equal the eager cache's and the simulate path's."""
+    weights): the compiled cache's greedy tokens equal the eager cache's and the simulate path's;
+    a chunked prefill's too (its chunks through ``trellis_chunk_attention``)."""
     import transformers
     from torch._dynamo.utils import counters
 
@@ -518,6 +519,9 @@ def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(ti
     counters.clear()
     assert cache_tokens(model, ids, cb, new_tokens=12, residual=8, compiled=True) == eager
     assert counters["vecinfer"]["cache_decode_trellis"] >= config.num_hidden_layers
+    chunked = cache_tokens(model, ids, cb, new_tokens=4, residual=8, compiled=False, prefill_chunk=16)
+    assert cache_tokens(model, ids, cb, new_tokens=4, residual=8, compiled=True, prefill_chunk=16) == chunked
+    assert counters["vecinfer"]["cache_trellis_chunk_rewrites"] >= config.num_hidden_layers
 
 
 def test_needle_refuses_a_keys_only_file_in_one_line(tiny_model, tiny_dir, tmp_path, capsys):
