@@ -200,8 +200,7 @@ def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None,
     l2 = flash_lse(l2)
     if n == 0:  # nothing coded yet: the full-precision part is all (a query with no key is zeros)
         return o2.view(b, c, hq, d).transpose(1, 2)
-    q_prefix, lse_offset = keys.prefix.queries(q, scale)
-    qp = q_prefix.transpose(1, 2).reshape(b * c, hq, d)
+    qp, lse_offset = keys.prefix.queries(qv, scale)
     o1 = torch.empty_like(qp)
     l1 = torch.empty((hq, b * c), dtype=torch.float32, device=dev)
     rows = max(1, WORKSPACE_BYTES // (2 * n * h * d * q.element_size()))
@@ -225,7 +224,7 @@ def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None,
     del k_work, v_work
     l1 = flash_lse(l1).t()
     if lse_offset is not None:
-        l1 = l1 + lse_offset.transpose(1, 2).reshape(b * c, hq)
+        l1 = l1 + lse_offset
     out = merge_by_lse(keys.prefix.outputs(o1), l1, o2, l2.t(), q.dtype)
     return out.view(b, c, hq, d).transpose(1, 2)
 

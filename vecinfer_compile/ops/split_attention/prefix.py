@@ -38,8 +38,8 @@ class CodebookPrefix(NamedTuple):
         return dequantize(k_codes, self.key_centroids), dequantize(v_codes, self.value_centroids)
 
     def queries(self, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``q [B, Hq, C, D]`` (``q~``) -> (the prefix's queries in q.dtype, the offset its
-        log-sum-exp needs ``[B, Hq, C]`` float32, or None)."""
+        """``q [N, Hq, D]`` (``q~``, a row a query position) -> (the prefix's queries ``[N, Hq, D]``
+        in q.dtype, the offset its log-sum-exp needs ``[N, Hq]`` float32, or None)."""
         return q, None
 
     def fill(self, k_codes: torch.Tensor, v_codes: torch.Tensor, length: int, k_out: torch.Tensor,
@@ -65,11 +65,8 @@ class TrellisPrefix(NamedTuple):
         return self.keys.vectors(k_codes), self.values.vectors(v_codes)
 
     def queries(self, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, hq, c, d = q.shape
-        flat = q.transpose(1, 2).reshape(b * c, hq, d)
-        qc, bias = query_components(flat, self.keys)
-        return (qc.view(b, c, hq, d).transpose(1, 2).to(q.dtype),
-                (bias * scale).view(b, c, hq).transpose(1, 2))
+        qc, bias = query_components(q, self.keys)
+        return qc.to(q.dtype), bias * scale
 
     def fill(self, k_codes: torch.Tensor, v_codes: torch.Tensor, length: int, k_out: torch.Tensor,
              v_out: torch.Tensor) -> None:
