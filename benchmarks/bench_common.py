@@ -13,11 +13,12 @@
 - :func:`bench_setup`: device / dtype / defaults for the normal run and for ``--smoke``.
 - :func:`graph_time_ms`: median ms per call of calls captured in one CUDA graph (the attention
   benchmarks' timer), over :func:`copies_for` input copies that defeat the L2.
-- small formatting and CUDA-memory helpers.
+- small formatting and CUDA-memory helpers, and :func:`trellis_states` (an option's check).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
@@ -280,3 +281,11 @@ def write_json(path: str, rows: list[dict]) -> None:
     with open(tmp, "w") as f:
         json.dump(rows, f, indent=1)
     os.replace(tmp, path)
+
+
+def trellis_states(text: str) -> int:
+    """argparse type of a trellis size: a power of two of at least 2 states (0: none)."""
+    n = int(text)
+    if n != 0 and (n < 2 or n & (n - 1)):
+        raise argparse.ArgumentTypeError(f"{n} states: a trellis has a power of two of at least 2 states (or 0)")
+    return n

@@ -735,7 +735,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--weighted-codes", action="store_true",
                     help="ours: error-weighted codes (identity metrics: the encode's cost, not its quality), whose "
                          "decode-step append adds the CUDA encoder's launch")
-    ap.add_argument("--trellis-states", type=int, default=0, metavar="S",
+    ap.add_argument("--trellis-states", type=C.trellis_states, default=0, metavar="S",
                     help="ours: keys and values coded by random trellis codecs of S states (a power of two; "
                          "0: the codebooks' codes)")
     ap.add_argument("--residual", type=int, default=None, help="VecInferCache window R (default 128; smoke 8)")

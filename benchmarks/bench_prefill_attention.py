@@ -37,7 +37,7 @@ import argparse
 
 import torch
 
-from bench_common import copies_for, graph_time_ms, write_json  # a sibling: benchmarks/ is on sys.path
+from bench_common import copies_for, graph_time_ms, trellis_states, write_json  # a sibling: benchmarks/ is on sys.path
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.cuda import dequant as cuda_dequant
 from vecinfer_compile.ops.dequantize import dequantize_into
@@ -180,7 +180,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bits", type=float, default=2.0)
     ap.add_argument("--codec", choices=["codebooks", "trellis"], default="codebooks",
                     help="the codes' codec: the codebooks' (the preset's books) or the trellis codec's")
-    ap.add_argument("--trellis-states", type=int, default=1024, help="the trellis codec's states (a power of two)")
+    ap.add_argument("--trellis-states", type=trellis_states, default=1024, help="the trellis codec's states (a power of two)")
     ap.add_argument("--prefix-kernel", choices=sorted(PREFIX), default="auto",
                     help="ours' prefix attention: cuDNN, FlashAttention-2 varlen, or the product's choice (auto)")
     ap.add_argument("--dequantize", choices=sorted(DEQUANTIZE), default="auto",
