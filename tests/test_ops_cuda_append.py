@@ -32,7 +32,7 @@ def test_cuda_append_source_compiles_for_sm90(kspec, vspec):
     for head_dim, fp16, matrix, mean, lam in ((128, False, 1, False, True), (64, True, 2, True, False),
                                               (128, False, 0, False, False)):
         variant = cuda_append.AppendVariant(head_dim, *kspec, *vspec, fp16, matrix, mean, lam)
-        image, is_cubin = compile_source(cuda_append.SOURCE.read_text(), "vq_append", 90,
+        image, is_cubin = compile_source(cuda_append.source(), "vq_append", 90,
                                          ["--std=c++17", *variant.defines()])
         assert is_cubin and image[:4] == b"\x7fELF" and b"vq_append" in image
 

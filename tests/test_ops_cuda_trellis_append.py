@@ -22,7 +22,7 @@ from vecinfer_compile.ops import kernel_request
 from vecinfer_compile.ops.append import append_through_window
 from vecinfer_compile.ops.cuda import trellis_append as cuda_ta
 from vecinfer_compile.ops.cuda.nvrtc import compile_source
-from vecinfer_compile.ops.cuda.viterbi import BlockViterbiVariant, with_block_walk
+from vecinfer_compile.ops.cuda.viterbi import BlockViterbiVariant
 from vecinfer_compile.ops.trellis import TrellisOperands, append, choose_append, encode
 from vecinfer_compile.quant.trellis_codec import TrellisCodec
 from vecinfer_compile.quant.trellis_packing import packed_bytes
@@ -35,7 +35,7 @@ TMAX = 12
 def test_cuda_trellis_append_compiles_for_sm90(lbits, head_dim, widest, fp16):
     nvrtc_or_skip()
     variant = cuda_ta.TrellisAppendVariant(BlockViterbiVariant(lbits, head_dim, widest), fp16)
-    image, is_cubin = compile_source(with_block_walk(cuda_ta.SOURCE), "trellis_append", 90,
+    image, is_cubin = compile_source(cuda_ta.source(), "trellis_append", 90,
                                      ["--std=c++17", *variant.defines()])
     assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_append" in image
 

@@ -68,11 +68,11 @@ def test_cuda_weigh_source_compiles_for_sm90(kspec, vspec):
     for head_dim, fmt in ((128, 2), (64, 1), (256, 0)):
         variant = cuda_weigh.WeighVariant(head_dim, *kspec, *vspec, fmt)
         for name in ("vq_weigh_rows", "vq_weigh_flush"):
-            image, is_cubin = compile_source(cuda_weigh.SOURCE.read_text(), name, 90,
+            image, is_cubin = compile_source(cuda_weigh.source(), name, 90,
                                              ["--std=c++17", *variant.defines()])
             assert is_cubin and name.encode() in image
     append = cuda_append.AppendVariant(128, *kspec, *vspec, False, 1, False, True, encode=False)
-    image, _ = compile_source(cuda_append.SOURCE.read_text(), "vq_append", 90, ["--std=c++17", *append.defines()])
+    image, _ = compile_source(cuda_append.source(), "vq_append", 90, ["--std=c++17", *append.defines()])
     assert b"vq_append" in image
 
 

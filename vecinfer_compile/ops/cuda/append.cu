@@ -2,7 +2,7 @@
 // the encoding of the token that leaves the full-precision window, the code write, the window
 // shift and the two counters.
 //
-// Compiled at run time with NVRTC (see cuda_append.py); no toolkit headers, and no fast-math
+// Compiled at run time with NVRTC (see append.py); no toolkit headers, and no fast-math
 // (the key transform divides by lam exactly, as the torch reference does). -D defines:
 //   D        head_dim (a multiple of COLS)         COLS   channels per CTA (32)
 //   DK, DV   channels per key / value centroid     EK, EV key / value codebook entries
@@ -13,10 +13,10 @@
 //   MEAN, LAM  1 when the key mean / the smoothing factors are given ([H, D] float32)
 //   NTHREADS threads per CTA
 //   ENCODE   1: encode the leaving token here (nearest centroids); 0: its codes were written by
-//            vq_weigh_flush (cuda_weigh.cu) launched just before, for score-aware or error-weighted
+//            vq_weigh_flush (weigh.cu) launched just before, for score-aware or error-weighted
 //            codes, and this kernel only moves the window and the counters
 //
-// Semantics (the torch reference is append_reference in cache_append.py). Per (batch row, KV
+// Semantics (the torch reference is append_reference in ops/append.py). Per (batch row, KV
 // head), with c = n_coded, w = n_window, R the window's slots:
 //   k~ = ((key - mean) / lam) @ M, float32, rounded to the window dtype
 //   w < R:   window slot w <- (k~, value); n_window = w + 1
@@ -43,28 +43,7 @@
 #define PARTS (NTHREADS / COLS)  // threads summing one output column of the transform
 #define ROW_QUADS (COLS * 2 / 16)  // 16-byte pieces of one window row's COLS channels
 
-typedef unsigned short u16;
 struct __align__(16) vq_w4 { unsigned x, y, z, w; };
-
-__device__ __forceinline__ float to_float(u16 h) {
-#if FP16
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    return __uint_as_float(((unsigned)h) << 16);
-#endif
-}
-
-__device__ __forceinline__ u16 from_float(float f) {
-    u16 h;
-#if FP16
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
 
 __host__ __device__ constexpr int row_bytes(int s, int fmt) { return fmt == 0 ? s : s + (s + 1) / 2; }
 
@@ -243,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) vq_append(
     for (int u = 0; u < KPER; ++u) {
         const int i = tid + u * NTHREADS;
         if (i < D) {
-            float x = to_float(krow[i]);
+            float x = half_bits_to_float(krow[i], FP16);
 #if MEAN
             x = x - mean[h * D + i];
 #endif
@@ -293,11 +272,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) vq_append(
             float sum = 0.f;
 #pragma unroll
             for (int p = 0; p < PARTS; ++p) sum += partial[p][tid];
-            knew[tid] = from_float(sum);
+            knew[tid] = float_to_half_bits(sum, FP16);
         }
     }
 #else
-    if (tid < COLS) knew[tid] = from_float(xs[c0 + tid]);
+    if (tid < COLS) knew[tid] = float_to_half_bits(xs[c0 + tid], FP16);
 #endif
     __syncthreads();
 
@@ -305,8 +284,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) vq_append(
 #if ENCODE
     if (flush) {
         if (tid < COLS) {
-            kflush[tid] = to_float(R > 0 ? kold : knew[tid]);
-            vflush[tid] = to_float(R > 0 ? vold : vnew);
+            kflush[tid] = half_bits_to_float(R > 0 ? kold : knew[tid], FP16);
+            vflush[tid] = half_bits_to_float(R > 0 ? vold : vnew, FP16);
         }
         __syncthreads();
         nearest_scan<KSUB, DK, EK>(kflush, kfirst, k_book, kbest_d, kbest_i);

@@ -9,7 +9,7 @@ went from 12.38 to 9.33 ms in a same-call A/B (docs/results.md).
 
 Score-aware key codes (``key_parallel_weight > 1``) and error-weighted codes (the metrics) are a
 search over the whole head vector, which this kernel's split of a row across CTAs cannot do: for
-them :func:`.cuda_weigh.weigh_flush_cuda` encodes the leaving token first (one more launch, one
+them :func:`.weigh.weigh_flush_cuda` encodes the leaving token first (one more launch, one
 CTA per head vector) and the append kernel is built without its encode (``ENCODE=0``).
 
 Compiled with NVRTC (:mod:`.nvrtc`) once per process and variant (head_dim, both codebook
@@ -28,7 +28,7 @@ import torch
 
 from ...quant.packing import is_packed, packed_width
 from . import weigh as cuda_weigh
-from .nvrtc import CudaBuildError, build_kernel, device_index
+from .nvrtc import CudaBuildError, build_kernel, device_index, with_half_bits
 
 SOURCE = Path(__file__).with_name("append.cu")
 COLS = 32  # channels per CTA: whole sub-vectors, an even number of them (packed nibbles stay in one CTA)
@@ -37,6 +37,11 @@ CENTROID_DIMS = (2, 4, 8)
 MAX_ENTRIES = 4096
 MIN_ARCH = 80  # cvt.rn.bf16.f32
 DTYPES = (torch.bfloat16, torch.float16)
+
+
+def source() -> str:
+    """The kernel's NVRTC source: ``half_bits.cuh``, then ``append.cu``."""
+    return with_half_bits(SOURCE.read_text())
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ def variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix, search
 
 
 def is_searched(key_parallel_weight: float, key_metric, value_metric) -> bool:
-    """Whether the leaving token's codes need the whole-vector search of :mod:`.cuda_weigh`
+    """Whether the leaving token's codes need the whole-vector search of :mod:`.weigh`
     (score-aware or error-weighted codes) rather than the append kernel's nearest centroids."""
     return key_parallel_weight != 1.0 or key_metric is not None or value_metric is not None
 
@@ -108,12 +113,12 @@ def unsupported_reason(key: torch.Tensor, k_window: torch.Tensor, k_centroids: t
 
 @functools.cache
 def _build(variant: AppendVariant, device_index: int):
-    return build_kernel(SOURCE.read_text(), "vq_append", torch.device("cuda", device_index),
+    return build_kernel(source(), "vq_append", torch.device("cuda", device_index),
                         ["--std=c++17", *variant.defines()])
 
 
 def build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched: bool = False) -> str | None:
-    """None if the variant for these inputs (and, ``searched``, the encoder of :mod:`.cuda_weigh`)
+    """None if the variant for these inputs (and, ``searched``, the encoder of :mod:`.weigh`)
     compiles and loads on their device, else why not (compiles them as a side effect: call it
     before tracing, never inside a CUDA-graph capture)."""
     variant = variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched)
@@ -170,7 +175,7 @@ def cache_append_cuda(
     ``key_mean``/``lam`` float32 ``[Hkv, D]`` or None; ``key_matrix`` float32 ``[D, D]`` or
     ``[Hkv, D, D]`` or None. ``key_parallel_weight`` (score-aware key codes) and
     ``key_metric``/``value_metric`` (``[Hkv, D, D]`` float32, symmetric: error-weighted codes) add
-    the launch of :func:`.cuda_weigh.weigh_flush_cuda` before the append. Updates the buffers in
+    the launch of :func:`.weigh.weigh_flush_cuda` before the append. Updates the buffers in
     place; raises :class:`CudaBuildError` when the inputs or the machine do not fit the kernels."""
     searched = is_searched(key_parallel_weight, key_metric, value_metric)
     reason = unsupported_reason(key, k_window, k_centroids, v_centroids, searched)

@@ -1,6 +1,6 @@
 // Decode attention over VQ codes: flash-decoding with the codebooks in shared memory.
 //
-// Compiled at run time with NVRTC (see cuda_decode.py); no toolkit headers. Compile-time
+// Compiled at run time with NVRTC (see decode.py); no toolkit headers. Compile-time
 // parameters arrive as -D defines:
 //   D            head_dim (64 or 128)             G        query heads per KV head (1..16)
 //   DK, DV       channels per key / value centroid (2, 4 or 8)
@@ -31,7 +31,7 @@
 //                and merge through distributed shared memory (see the end of this header);
 //                MAX_CLUSTER, the largest cluster the launch makes
 // The codebooks arrive as 16-bit centroids in the query's dtype, or (KBYTE, VBYTE) as bytes followed
-// by the book's float32 step (cuda_decode.py prepares them once from the float32 ones).
+// by the book's float32 step (decode.py prepares them once from the float32 ones).
 //
 // vq_decode: grid (B * Hkv, splits), NWARPS warps; one launch per call. Each warp is one "unit"
 // of the flash-decoding split: the row's positions, in blocks of BLOCK_T, are the coded ones
@@ -883,7 +883,7 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     // Lane l reads copy l % COPIES of each codebook.
     const unsigned kbase = shared_address(kbook) + (lane % KCOPIES) * DK * 2;
     const unsigned vbase = shared_address(vbook) + (lane % VCOPIES) * DV * 2;
-    // A byte book's step follows its EK x DK bytes (see byte_book in cuda_decode.py).
+    // A byte book's step follows its EK x DK bytes (see byte_book in decode.py).
     const ByteStep kstep = byte_step(KBYTE ? *(const float*)((const unsigned char*)kcent + EK * DK) : 0.f);
     const ByteStep vstep = byte_step(VBYTE ? *(const float*)((const unsigned char*)vcent + EV * DV) : 0.f);
 #if STAGGER

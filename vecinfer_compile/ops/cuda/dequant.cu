@@ -1,6 +1,6 @@
 // Dequantization of stored VQ codes into a position-major workspace (the chunk attention's prefix).
 //
-// Compiled at run time with NVRTC (see cuda_dequant.py); no toolkit headers. Compile-time
+// Compiled at run time with NVRTC (see dequant.py); no toolkit headers. Compile-time
 // parameters as -D defines:
 //   D     head_dim                      DIM   channels per centroid (2, 4 or 8)
 //   E     codebook entries (<= 4096)    FMT   code format: 0 one byte per code (E <= 256), 2 packed

@@ -22,8 +22,18 @@ import glob
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+
+HALF_BITS = Path(__file__).with_name("half_bits.cuh")
+
+
+def with_half_bits(source: str) -> str:
+    """``source`` after ``half_bits.cuh``: the window dtype's conversions, for kernels that read or
+    write 16-bit floats."""
+    return HALF_BITS.read_text() + source
 
 
 class CudaBuildError(RuntimeError):

@@ -22,18 +22,7 @@
 #define PIECES (D / 8)                 // 16-byte pieces of a window row
 #define SHIFT_PER 2                    // pieces a thread moves a pass
 
-typedef unsigned short u16;
 struct __align__(16) w4 { unsigned x, y, z, w; };
-
-__device__ __forceinline__ float window_float(u16 h) {
-#if FP16
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    return __uint_as_float(((unsigned)h) << 16);
-#endif
-}
 
 extern "C" __global__ void __launch_bounds__(BT) trellis_append(
     const u16* __restrict__ knew,          // [B * H, D] the new token's K~, window dtype
@@ -77,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(BT) trellis_append(
     w4 moving[SHIFT_PER];
     if (flush) {
         for (int i = tid; i < D; i += BT) {
-            centered[i] = (double)window_float(R > 0 ? win[i] : fresh[i]) - center[i];
+            centered[i] = (double)half_bits_to_float(R > 0 ? win[i] : fresh[i], FP16) - center[i];
             ks[i] = bits[i];
         }
 #pragma unroll

@@ -18,11 +18,17 @@ from pathlib import Path
 import torch
 
 from .append import require_buffer, require_counters
-from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason
+from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason, with_half_bits
 from .viterbi import MIN_ARCH, BlockViterbiVariant, block_walk_unfit_reason, with_block_walk
 
 SOURCE = Path(__file__).with_name("trellis_append.cu")
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def source() -> str:
+    """The kernel's NVRTC source: ``half_bits.cuh``, the walk (``string_bits.cuh``,
+    ``block_walk.cuh``), then ``trellis_append.cu``."""
+    return with_half_bits(with_block_walk(SOURCE))
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ def unsupported_reason(kt: torch.Tensor, k_window: torch.Tensor, keys, values) -
 
 @functools.cache
 def _build(variant: TrellisAppendVariant, device_index: int):
-    kernel = build_kernel(with_block_walk(SOURCE), "trellis_append", torch.device("cuda", device_index),
+    kernel = build_kernel(source(), "trellis_append", torch.device("cuda", device_index),
                           ["--std=c++17", *variant.defines()])
     kernel.set_dynamic_smem(variant.walk.smem_bytes)
     return kernel

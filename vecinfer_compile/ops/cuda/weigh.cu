@@ -1,7 +1,7 @@
 // Score-aware and error-weighted codes of head vectors on the GPU (the torch references are
 // quant/score_aware.py and quant/weighted_codes.py): one CTA of NTHREADS threads per head vector.
 //
-// Compiled at run time with NVRTC (see cuda_weigh.py); no toolkit headers. -D defines:
+// Compiled at run time with NVRTC (see weigh.py); no toolkit headers. -D defines:
 //   D            head_dim
 //   DK, EK, KFMT the (key) book: channels per centroid, entries, code format (0 one byte per
 //                code, 2 packed 12-bit, see quant/packing.py); vq_weigh_rows uses this book only
@@ -36,7 +36,6 @@
 #define NWARPS (NTHREADS / 32)
 #define NSCALES 13  // score_aware.SCALES
 
-typedef unsigned short u16;
 
 __constant__ float kScales[NSCALES] = {0.9f, 0.95f, 1.0f, 1.05f, 1.1f, 1.15f, 1.2f, 1.25f, 1.3f, 1.4f, 1.5f, 1.7f, 2.0f};
 
@@ -47,15 +46,7 @@ typedef float xtype;
 __device__ __forceinline__ float to_float(float v) { return v; }
 #else
 typedef u16 xtype;
-__device__ __forceinline__ float to_float(u16 h) {
-#if XFMT == 1
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    return __uint_as_float(((unsigned)h) << 16);
-#endif
-}
+__device__ __forceinline__ float to_float(u16 h) { return half_bits_to_float(h, XFMT == 1); }
 #endif
 
 // A float's bits as an unsigned integer of the same order (-0 sorts just below +0).

@@ -1,4 +1,4 @@
-"""Score-aware and error-weighted codes on the GPU: the kernels of ``cuda_weigh.cu``.
+"""Score-aware and error-weighted codes on the GPU: the kernels of ``weigh.cu``.
 
 The torch forms (:mod:`..quant.score_aware`, :mod:`..quant.weighted_codes`) cost a decode step
 about 20x its time on an H200 (a dozen small kernels per sub-vector and sweep, docs/results.md);
@@ -7,7 +7,7 @@ here one CTA per head vector runs the whole search:
 - :func:`weigh_rows_cuda`: ``vecinfer::weigh_codes`` on CUDA (the prefill: codes of many rows
   lowered under the metric from the encoder's codes);
 - :func:`weigh_flush_cuda`: a decode step's leaving token (window slot 0), launched by
-  :func:`.cuda_append.cache_append_cuda` before the append kernel, which then skips its own
+  :func:`.append.cache_append_cuda` before the append kernel, which then skips its own
   nearest-centroid encode.
 
 Compiled with NVRTC (:mod:`.nvrtc`) once per process and variant, launched on torch's current
@@ -25,13 +25,18 @@ import torch
 
 from ...quant.packing import is_packed, packed_width
 from ...quant.weighted_codes import SWEEPS
-from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason
+from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason, with_half_bits
 
 SOURCE = Path(__file__).with_name("weigh.cu")
 CENTROID_DIMS = (2, 4, 8)
 MAX_ENTRIES = 4096
 MIN_ARCH = 80  # redux.sync, cvt.rn.bf16.f32
 INPUT_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def source() -> str:
+    """The kernel's NVRTC source: ``half_bits.cuh``, then ``weigh.cu``."""
+    return with_half_bits(SOURCE.read_text())
 
 
 def threads_for(entries: int) -> int:
@@ -82,7 +87,7 @@ def unsupported_reason(x: torch.Tensor, *books: torch.Tensor) -> str | None:
 
 @functools.cache
 def _build(variant: WeighVariant, name: str, device_index: int):
-    return build_kernel(SOURCE.read_text(), name, torch.device("cuda", device_index),
+    return build_kernel(source(), name, torch.device("cuda", device_index),
                         ["--std=c++17", *variant.defines()])
 
 
@@ -137,7 +142,7 @@ def weigh_flush_cuda(k_window: torch.Tensor, v_window: torch.Tensor, k_codes: to
     """Encode the token the next append moves out of the window (slot 0, when ``n_window`` is the
     window's ``R > 0`` slots): score-aware key codes for ``key_parallel_weight`` (1: nearest),
     nearest value codes, each lowered under its metric when given, written at code slot
-    ``n_coded`` (when below ``Tmax``). Shapes as :func:`.cuda_append.cache_append_cuda`
+    ``n_coded`` (when below ``Tmax``). Shapes as :func:`.append.cache_append_cuda`
     checks them; metrics ``[Hkv, D, D]`` float32, symmetric."""
     _require(unsupported_reason(k_window, k_centroids, v_centroids))
     b, h, r, d = k_window.shape
