@@ -1,5 +1,5 @@
-"""Shared fixtures: paths to ../shared/data (skipped with a reason when absent) and the
-embedded tiny model, loaded once per session."""
+"""Shared fixtures: paths to ../shared/data (skipped with a reason when absent), the embedded tiny
+model, loaded once per session, and a fresh Dynamo for every test."""
 
 from __future__ import annotations
 
@@ -10,6 +10,17 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles from a clean Dynamo with empty counters, as if it ran alone: the graphs an
+    earlier test compiled count toward the recompile limit of code that tests share (transformers'
+    forward wrappers), and counters would carry its rewrites."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
 
 
 def _require(path: Path) -> Path:

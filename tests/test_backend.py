@@ -26,12 +26,6 @@ def ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-
-
 def test_zero_config_dynamic_reduce_overhead(caplog, tmp_path, monkeypatch):
     """No codebooks: fits from the first call and logs one warning (visible by default: it decides
     the accuracy; it used to be an info line), once per backend, whose advice is a `vecinfer
@@ -113,7 +107,7 @@ def test_architectures_compile_and_rewrite_every_layer(family, heads, head_dim, 
     q_heads, kv_heads = heads
     model = tiny_model(family, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
                        head_dim=head_dim).requires_grad_(False)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # each example: conftest's fresh_dynamo runs once a test
     counters.clear()
     if codebooks == "given":
         layers = [random_layer_codebooks(kv_heads, head_dim, seed=i) for i in range(2)]

@@ -117,8 +117,6 @@ def test_compiled_decode_tiny_checkpoint_dynamic(shared_tiny_dir):
     model = LlamaForCausalLM.from_pretrained(shared_tiny_dir, dtype=torch.float32).eval()
     cb = random_codebooks(model.config, bits=1.5)
     ids, mask = left_padded(length=12, pad=5, vocab=model.config.vocab_size, seed=4)
-    torch._dynamo.reset()
-    counters.clear()
     eager = _generate(model, ids, mask, VecInferCache(model, cb, batch_size=2, max_cache_len=24, residual=4),
                       max_new_tokens=5)
     backend = CaptureBackend()
@@ -172,7 +170,6 @@ def test_kv_start_compiles_for_a_dynamic_mask_length(device):
     the symbolic length (a compile error on the H200), so the fill goes through the slots' dtype."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    torch._dynamo.reset()
     fn = torch.compile(kv_start_from_mask, dynamic=True, fullgraph=True)
     q = torch.zeros(3, 4, 1, 8, device=device)
     for length in (37, 70, 300):
@@ -184,7 +181,6 @@ def test_kv_start_compiles_for_a_dynamic_mask_length(device):
             got = fn(m, q)
             assert got.dtype == torch.int32 and torch.equal(got, kv_start_from_mask(m, q)), (length, m.dtype)
             assert got.tolist() == pad.tolist()
-    torch._dynamo.reset()
 
 
 def _attention_fn(q, layer, mask):
@@ -209,8 +205,6 @@ def test_pass_on_a_plain_graph(tq):
     mask[..., 8:] = False
     mask[1, ..., :3] = False
     q = torch.randn(2, 4, tq, 16)
-    torch._dynamo.reset()
-    counters.clear()
     backend = CaptureBackend(inductor=False)
     out = torch.compile(_attention_fn, backend=backend, fullgraph=True)(q, layer, mask)
     torch.testing.assert_close(out, _attention_fn(q, layer, mask), rtol=1e-4, atol=1e-5)
@@ -227,7 +221,6 @@ def test_pass_on_a_plain_graph(tq):
 
 def test_pass_ignores_sdpa_without_cache():
     backend = CaptureBackend(inductor=False)
-    torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), backend=backend, fullgraph=True)
     x = torch.randn(1, 2, 3, 8)
     fn(x, x, x)
@@ -245,8 +238,6 @@ def test_cuda_graph_trees_decode_from_fresh_codebooks():
         pytest.skip("needs CUDA")
     from vecinfer_compile.backend import vecinfer_backend
 
-    torch._dynamo.reset()
-    counters.clear()
     torch.manual_seed(0)
     cfg = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=512)
     model = LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
@@ -309,9 +300,6 @@ def test_compiled_chunked_prefill_equals_eager(method="qaware"):
     after the first run ``vecinfer::chunk_attention`` over the codes."""
     from vecinfer_compile.backend import vecinfer_backend
 
-    # the counter below counts compilations: start from no compiled frames, as if this test ran alone
-    # (on the H200, after this file's CUDA tests, torch 2.11 compiled the prefill chunk twice: 4 != 2)
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config()).eval()
     cb = random_codebooks(model.config, 2.0, method)

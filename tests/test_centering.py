@@ -206,7 +206,6 @@ def test_backend_transform_only_is_exact_and_compiled_simulate_matches_eager(met
     x = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         full = model(input_ids=x, use_cache=False).logits
-        torch._dynamo.reset()
         exact = torch.compile(model, backend=vecinfer_backend.configure(cb, method=method, quantize=False),
                               fullgraph=True)(input_ids=x, use_cache=False).logits
         torch.testing.assert_close(exact, full, atol=1e-4, rtol=1e-4)
@@ -281,7 +280,6 @@ def test_generate_through_the_cache_eager_and_compiled(method):
 def test_zero_config_backend_centres_when_asked():
     from vecinfer_compile.backend import vecinfer_backend
 
-    torch._dynamo.reset()
     model = tiny_model("llama")
     backend = vecinfer_backend.configure(method="vecinfer-center")
     x = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))

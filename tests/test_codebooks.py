@@ -313,7 +313,6 @@ def test_a_backend_checks_the_weights_among_its_graph_inputs(calibrated, other_t
     for m in (model, load_model(other_tiny, "float32", "cpu")[0]):
         torch._dynamo.reset()
         torch.compile(m, backend=backend, fullgraph=True)(ids)
-    torch._dynamo.reset()
     assert verdicts == [True, False]
     (message,) = _warnings(caplog)
     assert "used with the compiled model" in message and "--model MODEL_DIR" in message
@@ -377,10 +376,8 @@ def test_every_entry_point_warns_about_another_models_codebooks(calibrated, othe
         with vc.simulation(other, method="vecinfer", bits=cb.bits, codebooks=cb):
             pass
     else:
-        torch._dynamo.reset()
         with torch.no_grad():
             torch.compile(other, backend=vc.vecinfer_backend.configure(codebooks=cb), fullgraph=True)(
                 torch.tensor([[1, 2, 3]]))
-        torch._dynamo.reset()
     (message,) = _warnings(caplog)
     assert "vecinfer calibrate" in message

@@ -169,7 +169,6 @@ def test_greedy_generate_compile_backend_matches_eager(tiny_dir, device):
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    torch._dynamo.reset()
     model, _ = load_model(tiny_dir, "float32", device)
     cb = random_codebooks(model.config, layer_bits=[4.0, 1.0, 2.0, 1.0])
     eager = GenerationMethod("vecinfer", cb.bits, cb, residual=8)

@@ -89,18 +89,9 @@ def kv_ancestors(op: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-
-
 @pytest.mark.skipif(TestCase is None, reason="needs expecttest")
 class TestSnapshot(TestCase or object):
     def test_llama_two_layers(self):
-        torch._dynamo.reset()
-        counters.clear()
         model = tiny_model("llama")
         capture = Capture()
         ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))

@@ -294,7 +294,6 @@ def _qaware_codebooks(model, rotate=True, seed=0):
 def test_backend_transform_only_is_exact():
     from vecinfer_compile.backend import vecinfer_backend
 
-    torch._dynamo.reset()
     model = tiny_model("llama")
     cb = _qaware_codebooks(model)
     x = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -310,7 +309,6 @@ def test_compiled_simulate_matches_eager_simulate(rotate, residual):
     from vecinfer_compile.backend import vecinfer_backend
     from vecinfer_compile.simulate import enable_simulation
 
-    torch._dynamo.reset()
     model = tiny_model("llama")
     cb = _qaware_codebooks(model, rotate)
     x = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(6))

@@ -57,7 +57,6 @@ def test_random_layer_codebooks_follow_the_preset():
 
 
 def test_check_model_reports_a_model_without_sdpa(caplog):
-    torch._dynamo.reset()
     model = tiny_model("llama", attn_implementation="eager")
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.WARNING, logger="vecinfer_compile.backend"):
