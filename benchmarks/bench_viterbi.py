@@ -1,5 +1,5 @@
-"""The trellis codec's Viterbi walk on the GPU: the CUDA encoder (one CTA a vector below
-``WARP_FROM`` vectors a head, one warp a vector from there) against the Triton kernel, side by side
+"""The trellis codec's Viterbi walk on the GPU: the CUDA encoder (one CTA a vector while
+that puts at most two CTAs on an SM, one warp a vector from there: ``kernel_for``) against the Triton kernel, side by side
 in one run.
 
 One launch codes ``N`` vectors of each of 8 KV heads (head_dim 128) with tables of ``2^L`` states

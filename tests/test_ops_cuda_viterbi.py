@@ -48,8 +48,11 @@ def test_the_kernel_a_count_gets():
     """Few vectors a head (a decode step) take the block kernel, a prefill's many the warp kernel,
     which holds at most 2^10 states."""
     x, _, tables = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 10)
-    many = x.expand(cuda_viterbi.WARP_FROM, -1, -1)
+    assert cuda_viterbi.warp_from(8, 132) == 34 and cuda_viterbi.warp_from(2, 132) == 133  # two CTAs an SM
+    edge = cuda_viterbi.warp_from(2, cuda_viterbi.REFERENCE_SMS)
+    many = x.expand(edge, -1, -1)
     assert cuda_viterbi.kernel_for(x, tables) == "block" and cuda_viterbi.kernel_for(many, tables) == "warp"
+    assert cuda_viterbi.kernel_for(x.expand(edge - 1, -1, -1), tables) == "block"
     _, _, tables11 = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 11)
     assert cuda_viterbi.kernel_for(many, tables11) == "block"
     _, _, wide = _trellis_case(torch.Generator().manual_seed(0), 1, 2, 16, 10, widest=10)
@@ -106,7 +109,9 @@ def test_cuda_viterbi_dispatch_and_graph_replay():
     from vecinfer_compile.ops.triton.trellis import viterbi_codes
     from vecinfer_compile.ops.viterbi import choose_viterbi, viterbi_codes_gpu
 
-    x, bits, tables = _trellis_case(torch.Generator().manual_seed(1), cuda_viterbi.WARP_FROM, 8, 128, 10, 7)
+    x, bits, tables = _trellis_case(torch.Generator().manual_seed(1),
+                                   cuda_viterbi.warp_from(8, torch.cuda.get_device_properties(0).multi_processor_count),
+                                   8, 128, 10, 7)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
     nbytes = packed_bytes(bits)
     assert choose_viterbi(x, bits, tables) == "cuda" and choose_viterbi(x[:8], bits, tables) == "cuda"

@@ -13,8 +13,8 @@ A walk's steps are sequential, so a vector's latency is its ~100 steps. Two kern
   trace as ballots in shared memory (no block barrier). A vector takes longer than in a CTA but
   uses a 32nd of its threads, so many vectors (a prefill) go faster; it holds up to 2^10 states.
 
-:func:`viterbi_codes_cuda` runs the warp kernel from :data:`WARP_FROM` vectors a head on, the
-block kernel below. Compiled once per process and variant; launched on torch's current stream, no
+:func:`viterbi_codes_cuda` runs the block kernel while it puts at most two CTAs on an SM (a
+decode step's append, short chunks), the warp kernel from there (:func:`warp_from`). Compiled once per process and variant; launched on torch's current stream, no
 host sync (``nbytes`` given).
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ...quant.trellis_packing import packed_bytes
-from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason
+from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
 
 SOURCE = Path(__file__).with_name("viterbi.cu")
 STRING_BITS = Path(__file__).with_name("string_bits.cuh")
@@ -40,8 +40,10 @@ MAX_BLOCK_STATE_BITS = 11  # the block kernel: its trace (at most 2^(L-1) bytes 
 SMEM_LIMIT = 40 * 1024  # static shared memory of a warp kernel's block (its warps' traces and strings)
 BLOCK_SMEM_LIMIT = 200 * 1024  # dynamic shared memory of the block kernel's CTA
 MAX_WARPS = 4
-WARP_FROM = 32  # vectors a head from which the warp kernel runs (H100, 8 heads, 2^10 states: the block kernel
-# 76.5 us at 16 vectors and 123.4 at 32, the warp kernel 107.7 and 107.8)
+BLOCK_CTAS_AN_SM = 2  # the block kernel's CTAs (one a vector) an SM runs before the warp kernel is faster: its
+# time follows the CTAs on the busiest SM (H100, 8 heads, 2^10 states, bench_viterbi.py --kernel block / warp:
+# 57.9 / 87.1 / 121.0 / 154.8 us at 1 / 2 / 3 / 4 CTAs an SM; the warp kernel 106.9 up to 512 vectors)
+REFERENCE_SMS = 132  # the H100's and H200's, for a choice asked about tensors on no GPU
 
 
 def trace_words(state_bits: int, k: int) -> int:
@@ -129,11 +131,18 @@ def block_variant_for(unit: torch.Tensor, tables: torch.Tensor) -> BlockViterbiV
     return BlockViterbiVariant(int(tables.shape[-1]).bit_length() - 1, int(unit.shape[-1]), int(tables.shape[1]))
 
 
+def warp_from(heads: int, sms: int) -> int:
+    """Vectors a head from which the warp kernel runs: where the block kernel would put more than
+    :data:`BLOCK_CTAS_AN_SM` CTAs on an SM of ``sms``."""
+    return BLOCK_CTAS_AN_SM * sms // heads + 1
+
+
 def kernel_for(unit: torch.Tensor, tables: torch.Tensor) -> str:
     """``"warp"`` or ``"block"``: the kernel :func:`viterbi_codes_cuda` runs for ``unit [N, H, D]``
-    (the warp kernel from :data:`WARP_FROM` vectors a head where it takes the states)."""
+    (the warp kernel from :func:`warp_from` vectors a head where it takes the states)."""
     warp_fits = MIN_STATE_BITS <= variant_for(unit, tables).state_bits <= MAX_STATE_BITS
-    return "warp" if warp_fits and unit.shape[0] >= WARP_FROM else "block"
+    sms = sm_count(device_index(unit.device)) if unit.is_cuda else REFERENCE_SMS
+    return "warp" if warp_fits and unit.shape[0] >= warp_from(unit.shape[1], sms) else "block"
 
 
 def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
