@@ -14,8 +14,8 @@ A walk's steps are sequential, so a vector's latency is its ~100 steps. Two kern
   uses a 32nd of its threads, so many vectors (a prefill) go faster; it holds up to 2^10 states.
 
 :func:`viterbi_codes_cuda` runs the block kernel while it puts at most two CTAs on an SM (a
-decode step's append, short chunks), the warp kernel from there (:func:`warp_from`). Compiled once per process and variant; launched on torch's current stream, no
-host sync (``nbytes`` given).
+decode step's append, short chunks), the warp kernel from there (:func:`warp_from`). Compiled once
+per process and variant; launched on torch's current stream, no host sync (``nbytes`` given).
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def block_variant_for(unit: torch.Tensor, tables: torch.Tensor) -> BlockViterbiV
 
 
 def warp_from(heads: int, sms: int) -> int:
-    """Vectors a head from which the warp kernel runs: where the block kernel would put more than
-    :data:`BLOCK_CTAS_AN_SM` CTAs on an SM of ``sms``."""
+    """Vectors a head from which the warp kernel runs on a GPU of ``sms`` SMs: where the block kernel
+    (a CTA a vector) would put more than :data:`BLOCK_CTAS_AN_SM` CTAs on one of them."""
     return BLOCK_CTAS_AN_SM * sms // heads + 1
 
 
