@@ -22,8 +22,9 @@ def test_every_file_the_package_reads_is_in_its_package_data():
     import tomllib
     from pathlib import Path
 
-    root = Path(vecinfer_compile.__file__).parent
-    pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    repo = Path(__file__).resolve().parents[1]
+    root = repo / "vecinfer_compile"
+    pyproject = tomllib.loads((repo / "pyproject.toml").read_text())
     globs = pyproject["tool"]["setuptools"]["package-data"]["vecinfer_compile"]
     files = [p.relative_to(root).as_posix() for p in root.rglob("*")
              if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
