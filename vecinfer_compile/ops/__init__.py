@@ -9,7 +9,8 @@ per op family, each with its schema, fake, dispatch and kernel choice:
 - :mod:`.attention`: ``attention`` over codes (prefill, simulate);
 - :mod:`.split_attention`: chunk (``chunk_attention``) and windowed attention, merged by log-sum-exp;
 - :mod:`.trellis_ops`: ``trellis_encode``, ``trellis_append``, ``trellis_cache_kv``,
-  ``trellis_decode_attention``, ``trellis_chunk_attention``, a layer coded by the trellis codec (:mod:`.trellis`: its operands, reference and decode step).
+  ``trellis_decode_attention``, ``trellis_chunk_attention``, a layer coded by the trellis codec
+  (:mod:`.trellis`: its operands, reference and decode step).
 
 Kernels: :mod:`.cuda` (NVRTC) and :mod:`.triton`; :mod:`.reference` holds every float32 oracle;
 :mod:`.kernel_request` the user's choice of kernels; :mod:`.decode_inputs` the query-side inputs;

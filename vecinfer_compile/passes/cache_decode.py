@@ -283,13 +283,14 @@ def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None
                     counters["vecinfer"]["cache_decode_trellis"] += 1
                 else:
                     out = graph.call_function(_decode_op(q, a, decode_kernel), (q_t, *coded, kv_start, scale))
-            elif trellis:  # a chunk: its read's window ends with its own tokens (cache.reads.chunk_window)
-                out = graph.call_function(torch.ops.vecinfer.trellis_chunk_attention.default,
-                                          (q_t, *a[:6], mask, scale, a[T_KEYS], a[T_VALUES]))
-                counters["vecinfer"]["cache_trellis_chunk_rewrites"] += 1
-            else:
-                out = graph.call_function(torch.ops.vecinfer.chunk_attention.default, (q_t, *coded, mask, scale))
-                counters["vecinfer"]["cache_chunk_rewrites"] += 1
+            else:  # a chunk: its read's window ends with its own tokens (cache.reads.chunk_window)
+                if trellis:
+                    out = graph.call_function(torch.ops.vecinfer.trellis_chunk_attention.default,
+                                              (q_t, *a[:6], mask, scale, a[T_KEYS], a[T_VALUES]))
+                    counters["vecinfer"]["cache_trellis_chunk_rewrites"] += 1
+                else:
+                    out = graph.call_function(torch.ops.vecinfer.chunk_attention.default, (q_t, *coded, mask, scale))
+                    counters["vecinfer"]["cache_chunk_rewrites"] += 1
         out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "example_value")})
         node.replace_all_uses_with(out)
         graph.erase_node(node)

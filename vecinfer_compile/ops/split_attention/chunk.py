@@ -51,11 +51,12 @@ chunked prefill runs (:mod:`vecinfer_compile.passes.cache_decode` emits it)::
         Tensor v_centroids, Tensor n_coded, Tensor k_window, Tensor v_window, Tensor n_window,
         Tensor? attn_mask, float scale) -> Tensor
 
-(``vecinfer::trellis_chunk_attention`` of :mod:`..trellis_ops` for trellis codes), the decode op's arguments with ``q: [B, Hq, C, D]`` and a window ``[B, H, W, D]`` whose
-``n_window`` filled slots end with the chunk's own ``C`` keys (``K~``) and values. It reads the
-two counters on the host (one sync), so it is opaque and tagged ``cudagraph_unsafe``: Inductor runs
-a chunk's graph without CUDA graphs (a chunk of thousands of tokens gains nothing from them),
-while the decode step's graph keeps them.
+(``vecinfer::trellis_chunk_attention`` of :mod:`..trellis_ops` for trellis codes), the decode
+op's arguments with ``q: [B, Hq, C, D]`` and a window ``[B, H, W, D]`` whose ``n_window`` filled
+slots end with the chunk's own ``C`` keys (``K~``) and values. It reads the two counters on the
+host (one sync), so it is opaque and tagged ``cudagraph_unsafe``: Inductor runs a chunk's graph
+without CUDA graphs (a chunk of thousands of tokens gains nothing from them), while the decode
+step's graph keeps them.
 """
 
 from __future__ import annotations
