@@ -5,9 +5,9 @@ Rows: the CUDA append with nearest-centroid codes (one launch; the baseline), wi
 codes (``vq_weigh_flush`` then the append), with error-weighted codes (the same, the descent under
 random symmetric metrics) and the torch form of the last (what ran before the CUDA encoder: the
 ops Inductor would compile, here eager); then the append of a layer whose keys and values the
-trellis codec codes (:mod:`vecinfer_compile.cache.trellis_layer`), at ``--trellis-states``: the
+trellis codec codes (:mod:`vecinfer_compile.codecs.trellis.cache_layer`), at ``--trellis-states``: the
 cache's key transform, then ``vecinfer::trellis_append`` (one launch: each side's KLT and walk, the
-window's shift, the counters; :mod:`vecinfer_compile.ops.cuda.trellis_append`) and, over the same
+window's shift, the counters; :mod:`vecinfer_compile.codecs.trellis.cuda.append`) and, over the same
 buffers, its torch form (each side's KLT in torch ops and one Viterbi launch). Each row
 but the torch one is ``STEPS`` appends captured in one CUDA graph and replayed, timed by CUDA
 events (device time per append, launch gaps included); the window is full, so every append encodes
@@ -104,9 +104,9 @@ def trellis_appends(b: int, bits: float, states: int, gen: torch.Generator):
     kernel). Codecs of ``states`` states fitted on random keys and values with a decaying spectrum,
     a full window and room for every timed append."""
     from vecinfer_compile.ops.append import append_through_window, transform_keys
-    from vecinfer_compile.ops.trellis import TrellisOperands
-    from vecinfer_compile.quant.trellis_codec import TrellisCodec
-    from vecinfer_compile.quant.trellis_packing import packed_bytes
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands
+    from vecinfer_compile.codecs.trellis.code import TrellisCodec
+    from vecinfer_compile.codecs.trellis.packing import packed_bytes
 
     spectrum = torch.logspace(0, -1, D)
     codecs = [TrellisCodec.fit((torch.randn(HKV, 4096, D, generator=gen) * spectrum).cuda(), bits,

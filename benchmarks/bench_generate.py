@@ -141,7 +141,7 @@ from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attenti
 from vecinfer_compile.hf.compat import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 from vecinfer_compile.codebooks import model_geometry  # noqa: E402
 from vecinfer_compile.hf.compat import forward_cache_kwargs  # noqa: E402
-from vecinfer_compile.testing import random_trellis_codec  # noqa: E402
+from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec  # noqa: E402
 from vecinfer_compile.hf.deferred_stop import defer_stop_check  # noqa: E402
 from vecinfer_compile.hf.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 from vecinfer_compile.quant.score_aware import check_parallel_weight  # noqa: E402
@@ -676,7 +676,7 @@ def with_identity_metrics(codebooks) -> None:
 
 def with_trellis_codecs(codebooks, states: int) -> None:
     """Code every layer's keys and values by random trellis codecs of ``states`` states at the
-    layer's bits (:func:`vecinfer_compile.testing.random_trellis_codec`: the codec's cost, not its
+    layer's bits (:func:`vecinfer_compile.codecs.trellis.code.random_code`: the codec's cost, not its
     quality)."""
     h, d = codebooks.geometry["num_kv_heads"], codebooks.geometry["head_dim"]
     gen = torch.Generator().manual_seed(0)

@@ -43,14 +43,14 @@ from vecinfer_compile.ops.cuda import dequant as cuda_dequant
 from vecinfer_compile.ops.dequantize import dequantize_into
 from vecinfer_compile.ops.split_attention import chunk as ca
 from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix, TrellisPrefix
-from vecinfer_compile.ops.trellis import TrellisOperands
+from vecinfer_compile.codecs.trellis.operands import TrellisOperands
 from vecinfer_compile.ops.triton.dequant import dequantize_triton
 from vecinfer_compile.ops.decode_inputs import transform_queries
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant import hadamard_matrix
 from vecinfer_compile.quant.packing import pack_codes
-from vecinfer_compile.quant.trellis_packing import packed_bytes
-from vecinfer_compile.testing import random_trellis_codec
+from vecinfer_compile.codecs.trellis.packing import packed_bytes
+from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
 
 HQ, HKV, D, R = 32, 8, 128, 128
 CHECK_MAX_SCORES = 2**28  # the float32 oracle materialises [B, Hq, C, L] scores: checked below this

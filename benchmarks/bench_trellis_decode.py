@@ -4,7 +4,7 @@ Llama-3.1-8B geometry (32 query heads, 8 KV heads, head_dim 128, bf16), one new 
 2 bits an element. Rows, each timed as ``bench_decode_attention.py`` times (a CUDA graph over input
 copies that exceed the L2, median replay, the best of ``--passes`` rounds):
 
-- ``trellis``: :func:`vecinfer_compile.ops.trellis.decode_attention` over ``T`` coded tokens (the
+- ``trellis``: :func:`vecinfer_compile.codecs.trellis.operands.decode_attention` over ``T`` coded tokens (the
   query into the components, the CUDA kernel where it builds, the split merge and the values'
   synthesis; ``trellis Triton``: the same with the Triton kernel forced) with
   random codecs of ``2^L`` states (``--states``) and random codes (any string is a valid code);
@@ -33,10 +33,10 @@ import bench_decode_attention as dec  # noqa: E402  (a sibling: its inputs, SDPA
 from bench_common import copies_for, graph_time_ms  # noqa: E402
 from vecinfer_compile.ops.cuda import decode as cuda_decode  # noqa: E402
 from vecinfer_compile.ops.kernel_request import use_decode_kernel  # noqa: E402
-from vecinfer_compile.ops.trellis import (TrellisOperands, decode_attention, decode_reference,  # noqa: E402
+from vecinfer_compile.codecs.trellis.operands import (TrellisOperands, decode_attention, decode_reference,  # noqa: E402
                                           query_components)
-from vecinfer_compile.ops.triton.trellis import decode_components  # noqa: E402
-from vecinfer_compile.testing import random_trellis_codec  # noqa: E402
+from vecinfer_compile.codecs.trellis.triton_kernels import decode_components  # noqa: E402
+from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec  # noqa: E402
 
 HQ, HKV, D = dec.HQ, dec.HKV, dec.D
 

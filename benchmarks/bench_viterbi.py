@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import graph_time_ms  # noqa: E402
-from vecinfer_compile.ops.cuda.viterbi import kernel_for, viterbi_codes_cuda  # noqa: E402
-from vecinfer_compile.ops.triton.trellis import viterbi_codes  # noqa: E402
-from vecinfer_compile.quant.trellis import initial_luts  # noqa: E402
-from vecinfer_compile.quant.trellis_packing import packed_bytes  # noqa: E402
+from vecinfer_compile.codecs.trellis.cuda.viterbi import kernel_for, viterbi_codes_cuda  # noqa: E402
+from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_codes  # noqa: E402
+from vecinfer_compile.codecs.trellis.walk import initial_luts  # noqa: E402
+from vecinfer_compile.codecs.trellis.packing import packed_bytes  # noqa: E402
 
 HKV, D = 8, 128
 LAUNCHES = 20  # a CUDA graph's launches (the same inputs: a decode step's encode reads one token)

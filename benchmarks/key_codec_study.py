@@ -29,7 +29,7 @@ Rows (the section "A long-block key codec: the study" of docs/results/accuracy.m
   ``2^b x g`` per head and block.
 - ``klt_trellis{L}``: KLT, the same integer bits per component as ``klt_lloyd``, each coded
   component divided by its standard deviation and the 128-long sequence coded by a bitshift trellis
-  of ``2^L`` states (:mod:`vecinfer_compile.quant.trellis`: Viterbi, tables of ``2^L`` entries per
+  of ``2^L`` states (:mod:`vecinfer_compile.codecs.trellis.walk`: Viterbi, tables of ``2^L`` entries per
   bit width and head trained on 4,096 calibration vectors), no side information
   (``--trellis-vectors N``: scored on a seeded subset of N held-out tokens, trained on N).
 - ``..._gain8``: the same with each token's norm (per head) stored apart in 8 bits (Lloyd-Max on
@@ -59,7 +59,7 @@ from vecinfer_compile.quant.kmeans import kmeans, nearest_centroid  # noqa: E402
 from vecinfer_compile.quant.klt import (KLT, gaussian_lloyd_max_distortion, greedy_allocation,  # noqa: E402
                                         lloyd_max, scalar_quantize)
 from vecinfer_compile.quant.rate_distortion import IdealChannel, water_fill  # noqa: E402
-from vecinfer_compile.quant.trellis import reconstruct, train_luts, viterbi  # noqa: E402
+from vecinfer_compile.codecs.trellis.walk import reconstruct, train_luts, viterbi  # noqa: E402
 
 WINDOW = 1024
 BITS = 2  # a key element
@@ -185,7 +185,7 @@ def refined_books(model_dir: str, layer: int, keys: torch.Tensor, values: torch.
     settings = FitSettings(iters=20, max_vectors=262144, device="cpu", refine=RefineConfig())
     fit = fit_layer(samples, VQ_METHODS["qaware"], [float(BITS)], settings, key_seed=1000 * layer,
                     value_seed=1000 * layer + 1, module=module)
-    return fit.codebooks[float(BITS)].key_centroids
+    return fit.codebooks[float(BITS)].keys
 
 
 def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, windows: tuple[int, int, int],

@@ -1,6 +1,6 @@
 """The trellis key codec through the model, before any kernel: key error, the needle, perplexity.
 
-Keys through :class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec` (per-head KLT, integer
+Keys through :class:`~vecinfer_compile.codecs.trellis.code.TrellisCodec` (per-head KLT, integer
 bits per component, a bitshift trellis of ``2^L`` states), fitted per layer in the coded domain of
 a codebook file (its transform: for ``qaware``, centring, the query-aware matrix, Hadamard) on
 calibration keys; values through the file's own codes. Rows, side by side in one run:
@@ -60,7 +60,7 @@ from vecinfer_compile.evaluation.perplexity import perplexity  # noqa: E402
 from vecinfer_compile.hf.recording import collect_kv  # noqa: E402
 from vecinfer_compile.models import load_model, load_text, tokenize  # noqa: E402
 from vecinfer_compile.quant.codebook import quantize_dequantize  # noqa: E402
-from vecinfer_compile.quant.trellis_codec import TrellisCodec  # noqa: E402
+from vecinfer_compile.codecs.trellis.code import TrellisCodec  # noqa: E402
 from vecinfer_compile.simulate import simulation  # noqa: E402
 
 WINDOW = 1024  # calibration windows of 1,024 tokens after BOS, as `vecinfer calibrate` records them
@@ -101,7 +101,7 @@ def codes_keys(codebooks, layer: int, coded: torch.Tensor, nearest: bool = False
     ``nearest`` centroid's."""
     lc = codebooks.layer(layer)
     weight, metric = (1.0, None) if nearest else (codebooks.key_parallel_weight, lc.key_metric)
-    return quantize_dequantize(coded[None], lc.key_centroids.to(coded.device), weight, metric)[0]
+    return quantize_dequantize(coded[None], lc.keys.to(coded.device), weight, metric)[0]
 
 
 def codes_key_error(codebooks, layer: int, coded: torch.Tensor, nearest: bool = False) -> float:

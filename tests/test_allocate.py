@@ -84,7 +84,7 @@ def test_calibrate_retrieval_allocation_end_to_end(tiny, sample_text_path, tmp_p
     assert set(alloc["loss_increase"]) == {"1", "2", "4"}
     for i, b in enumerate(cb.bits_per_layer()):
         preset = cb.layer_preset(i)
-        assert preset.bits == b and tuple(cb.layer(i).key_centroids.shape) == (preset.key.entries, preset.key.dims)
+        assert preset.bits == b and tuple(cb.layer(i).keys.shape) == (preset.key.entries, preset.key.dims)
     uniform = kv_bytes("vecinfer", 2.0, model.config)
     mixed = kv_bytes("vecinfer", 2.0, model.config, layer_bits=cb.layer_bits)
     assert mixed.bytes_per_token == uniform.bytes_per_token and mixed.physical_bits_per_element == 2.0
@@ -99,7 +99,7 @@ def test_calibrate_explicit_layer_bits(tiny, sample_text_path):
     cb = calibrate(model, tokenizer, sample_text_path.read_text(), layer_bits=[4, 1, 1.5, 2],
                    max_tokens=512, seq_len=256, iters=2, progress=False)
     assert cb.layer_bits == [4.0, 1.0, 1.5, 2.0] and cb.bits == pytest.approx(8.5 / 4)
-    assert [tuple(l.value_centroids.shape) for l in cb.layers] == [(256, 2), (256, 8), (4096, 8), (256, 4)]
+    assert [tuple(l.values.shape) for l in cb.layers] == [(256, 2), (256, 8), (4096, 8), (256, 4)]
     with pytest.raises(ValueError, match="layer_bits gives 3 presets for a model of 4 layers"):
         calibrate(model, tokenizer, "text", layer_bits=[2, 2, 2], progress=False)
     with pytest.raises(ValueError, match="either layer_bits or allocate"):

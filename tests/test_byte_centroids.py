@@ -50,14 +50,14 @@ def test_layer_codebooks_hold_snapped_centroids_through_save_and_load(tmp_path):
     from vecinfer_compile.testing import random_codebooks, random_layer_codebooks
 
     layer = random_layer_codebooks(2, 64, bits=1.25, seed=4)  # keys 4096x8, values 256x8
-    assert torch.equal(layer.key_centroids, snap_centroids(layer.key_centroids))
-    k = layer.key_centroids / centroid_step(layer.key_centroids)
+    assert torch.equal(layer.keys, snap_centroids(layer.keys))
+    k = layer.keys / centroid_step(layer.keys)
     assert torch.equal(k, k.round())
-    values = random_layer_codebooks(2, 64, bits=1.25, seed=4).value_centroids
+    values = random_layer_codebooks(2, 64, bits=1.25, seed=4).values
     assert not torch.equal(values / centroid_step(values), (values / centroid_step(values)).round())
 
     geometry = dict(num_layers=2, num_kv_heads=2, num_heads=4, head_dim=64)
     books = random_codebooks(geometry, bits=3.0, seed=1)
     loaded = load_codebooks(books.save(tmp_path / "cb.safetensors"))
     for a, b in zip(books.layers, loaded.layers):
-        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferCache
-from vecinfer_compile.cache.reads import coded_kv
+from vecinfer_compile.codecs.codebooks import coded_kv
 
 from vecinfer_compile.hf.compat import cache_kwargs
 from vecinfer_compile.ops import dequantize as cache_ops
@@ -105,8 +105,8 @@ def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks
         assert torch.equal(s.k_window[:, :, :n_window], kt_all[:, :, n_coded:])
         assert torch.equal(s.v_window[:, :, :n_window], v_all[:, :, n_coded:])
         # codes == encode(all tokens but the last R), in order
-        assert_nearest(s.k_codes[:, :, :n_coded], kt_all[:, :, :n_coded], qz.key_centroids, "keys")
-        assert_nearest(s.v_codes[:, :, :n_coded], v_all[:, :, :n_coded], qz.value_centroids, "values")
+        assert_nearest(s.k_codes[:, :, :n_coded], kt_all[:, :, :n_coded], qz.operands.key_centroids, "keys")
+        assert_nearest(s.v_codes[:, :, :n_coded], v_all[:, :, :n_coded], qz.operands.value_centroids, "values")
         if i == 0:  # prefill returns the full-precision inputs
             assert rk is k and rv is v
             assert layer.get_mask_sizes(1) == (tmax, 0)
@@ -118,8 +118,8 @@ def test_property_no_token_lost_duplicated_or_reordered(b, h, r, prefill, chunks
             coded = n_coded if t == 1 else coded_before
             torch.testing.assert_close(rk[:, :, coded:total], k_all[:, :, coded:], rtol=1e-5, atol=1e-5)
             assert torch.equal(rv[:, :, coded:total], v_all[:, :, coded:])
-            v_idx = unpack_codes(s.v_codes[:, :, :n_coded], qz.value_centroids.shape[0])
-            dec_v = qz.value_centroids[v_idx].reshape(b, h, n_coded, d)
+            v_idx = unpack_codes(s.v_codes[:, :, :n_coded], qz.operands.value_centroids.shape[0])
+            dec_v = qz.operands.value_centroids[v_idx].reshape(b, h, n_coded, d)
             assert torch.equal(rv[:, :, :coded], dec_v[:, :, :coded])
             full_k, full_v = layer.dequantized()  # the static read: every slot, zeros past the valid ones
             assert full_k.shape == (b, h, tmax, d) and torch.equal(full_v[:, :, :n_coded], dec_v)

@@ -18,7 +18,7 @@ from vecinfer_compile.ops.append import append_reference
 from vecinfer_compile.ops.registry import is_op
 from vecinfer_compile.passes.cache_append import rewrite_cache_append
 from vecinfer_compile.ops.decode_inputs import kv_start_from_mask, transform_queries
-from vecinfer_compile.passes.cache_decode import rewrite_cache_attention
+from vecinfer_compile.passes.cache_attention import rewrite_cache_attention
 
 from test_cache import left_padded, make_layer, random_codebooks, tiny_config  # noqa: E402
 
@@ -153,7 +153,7 @@ def test_decode_attention_equals_sdpa_over_cache_kv():
     s, qz = layer.storage, layer.quantizer
     out = torch.ops.vecinfer.decode_attention(
         transform_queries(q, qz.lam, qz.rotation), s.k_codes, s.v_codes,
-        qz.key_centroids, qz.value_centroids, s.n_coded, s.k_window, s.v_window,
+        qz.operands.key_centroids, qz.operands.value_centroids, s.n_coded, s.k_window, s.v_window,
         s.n_window, kv_start, scale)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     float_mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -186,7 +186,7 @@ def test_kv_start_compiles_for_a_dynamic_mask_length(device):
 def _attention_fn(q, layer, mask):
     s, qz = layer.storage, layer.quantizer
     k, v = torch.ops.vecinfer.cache_kv(
-        s.k_codes, s.v_codes, qz.key_centroids, qz.value_centroids, s.n_coded,
+        s.k_codes, s.v_codes, qz.operands.key_centroids, qz.operands.value_centroids, s.n_coded,
         s.k_window, s.v_window, s.n_window, qz.lam, qz.rotation)
     k = k[:, :, None, :, :].expand(k.shape[0], k.shape[1], 2, k.shape[2], k.shape[3]).reshape(k.shape[0], -1, k.shape[2], k.shape[3])
     v = v[:, :, None, :, :].expand(v.shape[0], v.shape[1], 2, v.shape[2], v.shape[3]).reshape(v.shape[0], -1, v.shape[2], v.shape[3])

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from vecinfer_compile.cache.reads import coded_kv
+from vecinfer_compile.codecs.codebooks import coded_kv
 from vecinfer_compile.codebooks import FORMAT, LayerCodebooks, load_codebooks
 from vecinfer_compile.evaluation.kv_bytes import kv_bytes
 from vecinfer_compile.methods import SIMULATE_ONLY, VQ_METHODS

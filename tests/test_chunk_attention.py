@@ -28,9 +28,9 @@ from vecinfer_compile.ops.split_attention import chunk as ca
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.reference import dequantize
 from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix, TrellisPrefix
-from vecinfer_compile.ops.trellis import TrellisOperands
+from vecinfer_compile.codecs.trellis.operands import TrellisOperands
 from vecinfer_compile.quant.packing import pack_codes
-from vecinfer_compile.testing import random_trellis_codec
+from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

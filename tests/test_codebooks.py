@@ -32,8 +32,8 @@ def test_round_trip(tmp_path, method, bits):
     assert back.metadata["calibration_text_hash"] == "abc"
     assert back.metadata["package_version"]
     for a, b in zip(cb.layers, back.layers):
-        assert torch.equal(a.key_centroids, b.key_centroids)
-        assert torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.keys, b.keys)
+        assert torch.equal(a.values, b.values)
         assert a.transform.rotate == b.transform.rotate
         assert (a.transform.lam is None) == (b.transform.lam is None)
         if a.transform.lam is not None:
@@ -105,8 +105,8 @@ def test_per_layer_bits_round_trip(tmp_path):
     assert back.layer_bits == [4.0, 1.0] and back.bits == 2.5
     assert [back.layer_preset(i).key.dims for i in range(2)] == [2, 8]
     for a, b in zip(cb.layers, back.layers):
-        assert torch.equal(a.key_centroids, b.key_centroids)
-        assert torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.keys, b.keys)
+        assert torch.equal(a.values, b.values)
     back.check_model(CONFIG, bits=2.5)
     with pytest.raises(ValueError, match=r"for 2.5 bits \(per layer: \[4.0, 1.0\]\), not 2"):
         back.check_model(CONFIG, bits=2)
@@ -127,13 +127,13 @@ def test_format_1_files_still_load(tmp_path):
         lam = f.get_tensor("lam")
     del meta["layer_bits"]
     meta.update(format="vecinfer-codebooks/1", key_preset=[256, 4], value_preset=[256, 4])
-    tensors = {"key_centroids": torch.stack([l.key_centroids for l in cb.layers]),
-               "value_centroids": torch.stack([l.value_centroids for l in cb.layers]), "lam": lam}
+    tensors = {"key_centroids": torch.stack([l.keys for l in cb.layers]),
+               "value_centroids": torch.stack([l.values for l in cb.layers]), "lam": lam}
     save_file(tensors, str(tmp_path / "v1.safetensors"), metadata={"vecinfer": json.dumps(meta)})
     back = load_codebooks(tmp_path / "v1.safetensors")
     assert back.metadata["converted_from"] == "vecinfer-codebooks/1" and back.layer_bits is None and back.bits == 2.0
     for a, b in zip(cb.layers, back.layers):
-        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 @pytest.mark.parametrize("version", [2, 3, 4, 5])
@@ -148,7 +148,7 @@ def test_older_formats_convert_to_the_same_codebooks(tmp_path, version):
     back = load_codebooks(tmp_path / "old.safetensors")
     assert back.metadata["converted_from"] == meta["format"] and back.layer_bits == [4.0, 1.0]
     for a, b in zip(cb.layers, back.layers):
-        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.transform.lam, b.transform.lam)
 
 
@@ -176,7 +176,7 @@ def test_shipped_codebooks_are_the_current_format_and_equal_their_format_1_origi
     old, new = load_codebooks(FORMAT_1_FIXTURE), load_codebooks(default_codebooks_dir() / "vecinfer-2bit.safetensors")
     assert (old.method, old.bits, old.layer_bits, old.geometry) == (new.method, new.bits, new.layer_bits, new.geometry)
     for a, b in zip(old.layers, new.layers):
-        assert torch.equal(a.key_centroids, b.key_centroids) and torch.equal(a.value_centroids, b.value_centroids)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.transform.lam, b.transform.lam) and a.transform.rotate == b.transform.rotate
 
 
@@ -184,7 +184,7 @@ def test_the_strict_reader_takes_only_the_current_format_and_old_files_name_thei
     from vecinfer_compile.codebooks.file_format import read_codebooks
 
     meta, tensors = _read(FORMAT_1_FIXTURE)
-    with pytest.raises(ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/7: read it with load_codebooks"):
+    with pytest.raises(ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/8: read it with load_codebooks"):
         read_codebooks(meta, tensors, FORMAT_1_FIXTURE)
     tensors["key_centroids"] = tensors["key_centroids"][:3]  # three layers stacked, the geometry says four
     save_file(tensors, str(tmp_path / "short.safetensors"), metadata={"vecinfer": json.dumps(meta)})

@@ -106,7 +106,7 @@ def test_compiled_step_records_the_window_before_an_opaque_append(monkeypatch):
     append = _opaque_append()
     monkeypatch.setattr(LayerStorage, "append", lambda self, k, v, q: append(
         k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-        self.append_arrivals, q.key_centroids, q.value_centroids, q.key_mean, q.lam, q.key_transform_matrix))
+        self.append_arrivals, q.operands.key_centroids, q.operands.value_centroids, q.key_mean, q.lam, q.key_transform_matrix))
     layer = make_layer(1, 2, 16, 4, 16)
     gen = torch.Generator().manual_seed(0)
     layer.update(torch.randn(1, 2, 6, 16, generator=gen), torch.randn(1, 2, 6, 16, generator=gen))  # window full

@@ -319,8 +319,8 @@ def test_layers_without_attention_get_no_codebooks(tmp_path):
     cb = calibrate(model, IDS, "ids", bits=2, max_tokens=96, seq_len=48, iters=2, progress=False)
     assert cb.layers[0] is None and cb.attention_layers() == [1]
     back = load_codebooks(cb.save(tmp_path / "cb.safetensors"))
-    assert back.layers[0] is None and torch.equal(back.layer(1).key_centroids, cb.layer(1).key_centroids)
-    assert back.nbytes() == cb.nbytes() == cb.layer(1).key_centroids.nbytes * 2 + 2 * 16 * 4  # + lam [H_kv, D]
+    assert back.layers[0] is None and torch.equal(back.layer(1).keys, cb.layer(1).keys)
+    assert back.nbytes() == cb.nbytes() == cb.layer(1).keys.nbytes * 2 + 2 * 16 * 4  # + lam [H_kv, D]
     with pytest.raises(ValueError, match="layer 0 has no attention"):
         back.layer(0)
     cache = VecInferCache(model, back, batch_size=1, max_cache_len=52, residual=6)

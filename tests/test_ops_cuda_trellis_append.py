@@ -1,4 +1,4 @@
-"""The decode step's append to a trellis-coded layer in one CUDA launch (``ops/cuda/trellis_append.cu``)
+"""The decode step's append to a trellis-coded layer in one CUDA launch (``codecs/trellis/cuda/append.cu``)
 against its torch form (``append_through_window`` with the codec's encode).
 
 - CPU: the kernel compiles with NVRTC to sm_90 cubins (2^5 to 2^11 states, head_dim 64/128, bf16
@@ -22,10 +22,10 @@ from vecinfer_compile.ops import kernel_request
 from vecinfer_compile.ops.append import append_through_window
 from vecinfer_compile.ops.cuda import trellis_append as cuda_ta
 from vecinfer_compile.ops.cuda.nvrtc import compile_source
-from vecinfer_compile.ops.cuda.viterbi import BlockViterbiVariant
-from vecinfer_compile.ops.trellis import TrellisOperands, append, choose_append, encode
-from vecinfer_compile.quant.trellis_codec import TrellisCodec
-from vecinfer_compile.quant.trellis_packing import packed_bytes
+from vecinfer_compile.codecs.trellis.cuda.viterbi import BlockViterbiVariant
+from vecinfer_compile.codecs.trellis.operands import TrellisOperands, append, choose_append, encode
+from vecinfer_compile.codecs.trellis.code import TrellisCodec
+from vecinfer_compile.codecs.trellis.packing import packed_bytes
 
 TMAX = 12
 

@@ -1,5 +1,5 @@
-"""The CUDA decode attention over trellis codes (``ops/cuda/trellis_decode.cu``) against the oracle
-:func:`vecinfer_compile.ops.trellis.decode_reference`.
+"""The CUDA decode attention over trellis codes (``codecs/trellis/cuda/decode.cu``) against the oracle
+:func:`vecinfer_compile.codecs.trellis.operands.decode_reference`.
 
 - CPU: the kernel compiles with NVRTC to an sm_90 cubin (head_dim 64/128, GQA 1/4/16, 2^8 and
   2^10 states, 1.5- and 2-bit rows); what it refuses, with the reason.
@@ -20,7 +20,7 @@ from test_ops_triton import _trellis_decode_case
 from vecinfer_compile.ops import kernel_request
 from vecinfer_compile.ops.cuda import trellis_decode as cuda_td
 from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
-from vecinfer_compile.ops.trellis import (TrellisOperands, choose_decode, decode_attention, decode_reference,
+from vecinfer_compile.codecs.trellis.operands import (TrellisOperands, choose_decode, decode_attention, decode_reference,
                                           query_components, values_out)
 
 

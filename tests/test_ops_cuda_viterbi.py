@@ -1,4 +1,4 @@
-"""The CUDA trellis encoders (``ops/cuda/viterbi.cu``, one warp a vector; ``viterbi_block.cu``, one
+"""The CUDA trellis encoders (``codecs/trellis/cuda/viterbi.cu``, one warp a vector; ``viterbi_block.cu``, one
 CTA a vector) against the torch Viterbi.
 
 - CPU: both kernels compile with NVRTC to sm_90 cubins at every state count they take (2^5 to 2^10
@@ -20,7 +20,7 @@ from test_ops_triton import _assert_optimal_walks, _trellis_case
 from vecinfer_compile.ops import kernel_request
 from vecinfer_compile.ops.cuda import viterbi as cuda_viterbi
 from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
-from vecinfer_compile.quant.trellis_packing import component_states, packed_bytes
+from vecinfer_compile.codecs.trellis.packing import component_states, packed_bytes
 
 
 @pytest.mark.parametrize("lbits, widest, head_dim", [(5, 5, 64), (8, 4, 128), (10, 7, 128), (10, 10, 64),
@@ -106,8 +106,8 @@ def test_cuda_viterbi_codes_are_least_cost_walks(seed, n, h, d, lbits, widest, k
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_viterbi_dispatch_and_graph_replay():
-    from vecinfer_compile.ops.triton.trellis import viterbi_codes
-    from vecinfer_compile.ops.viterbi import choose_viterbi, viterbi_codes_gpu
+    from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_codes
+    from vecinfer_compile.codecs.trellis.viterbi import choose_viterbi, viterbi_codes_gpu
 
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(1),
                                    cuda_viterbi.warp_from(8, torch.cuda.get_device_properties(0).multi_processor_count),

@@ -204,7 +204,7 @@ def test_interp_encode_score_aware(spec):
 def _trellis_case(gen: torch.Generator, n: int, h: int, d: int, lbits: int, widest: int = 4):
     """Unit-scale components ``[n, h, d]``, per-head bits ``[h, d]`` (0..min(widest, L), decreasing like
     an allocation's, at least one coded) and tables ``[h, W, 2^L]`` of one codec."""
-    from vecinfer_compile.quant.trellis import initial_luts
+    from vecinfer_compile.codecs.trellis.walk import initial_luts
 
     bits = torch.randint(0, min(widest, lbits) + 1, (h, d), generator=gen).sort(1, descending=True).values
     bits[:, 0] = bits[:, 0].clamp_min(1)
@@ -217,7 +217,7 @@ def _trellis_case(gen: torch.Generator, n: int, h: int, d: int, lbits: int, wide
 
 def _assert_optimal_walks(x, bits, tables, walks):
     """Each head's walk costs what the torch Viterbi's costs (ties may pick other states)."""
-    from vecinfer_compile.quant.trellis import reconstruct, viterbi
+    from vecinfer_compile.codecs.trellis.walk import reconstruct, viterbi
 
     for i in range(bits.shape[0]):
         cols = bits[i].nonzero()[:, 0].to(x.device)
@@ -236,8 +236,8 @@ def _assert_optimal_walks(x, bits, tables, walks):
 def test_interp_trellis_viterbi(seed, n, h, d, lbits):
     """The Viterbi kernel finds walks as cheap as the reference's: KV heads 1/2/8, widths 1..4; its
     packed output is those walks in the stored layout."""
-    from vecinfer_compile.ops.triton.trellis import viterbi_codes, viterbi_walks
-    from vecinfer_compile.quant.trellis_packing import pack_walks
+    from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_codes, viterbi_walks
+    from vecinfer_compile.codecs.trellis.packing import pack_walks
 
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(seed), n, h, d, lbits)
     walks = viterbi_walks(x, bits, tables)
@@ -248,7 +248,7 @@ def test_interp_trellis_viterbi(seed, n, h, d, lbits):
 @interp_only
 def test_interp_trellis_viterbi_steps_wider_than_a_byte():
     """Steps of 9 and 10 bits (more than a trace byte holds) at 2^10 states: walks as cheap as the reference's."""
-    from vecinfer_compile.ops.triton.trellis import viterbi_walks
+    from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_walks
 
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(3), 3, 2, 12, 10, widest=10)
     assert int(bits.max()) > 8
@@ -258,8 +258,8 @@ def test_interp_trellis_viterbi_steps_wider_than_a_byte():
 def _trellis_decode_case(gen: torch.Generator, b: int, hkv: int, group: int, tmax: int, d: int, lbits: int):
     """Random key and value codecs of 2 bits an element (:func:`random_trellis_codec`), random
     stored codes ``[b, hkv, tmax, 2d/8]`` (any string is a valid code) and queries ``[b, hkv*group, d]``."""
-    from vecinfer_compile.ops.trellis import TrellisOperands
-    from vecinfer_compile.testing import random_trellis_codec
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands
+    from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
 
     keys, values = (TrellisOperands.of(random_trellis_codec(gen, hkv, d, 2.0, lbits), "cpu") for _ in range(2))
     k_codes, v_codes = (torch.randint(0, 256, (b, hkv, tmax, d // 4), generator=gen, dtype=torch.uint8)
@@ -277,8 +277,8 @@ def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, sp
     """Decode attention over trellis codes in the components = the reference (decode every key and
     value, then softmax): GQA 1-16, odd lengths, left padding (a row may have nothing to attend),
     the coded count as an int or as a tensor the kernel reads (a compiled step's)."""
-    from vecinfer_compile.ops.trellis import decode_reference, query_components, values_out
-    from vecinfer_compile.ops.triton.trellis import decode_components
+    from vecinfer_compile.codecs.trellis.operands import decode_reference, query_components, values_out
+    from vecinfer_compile.codecs.trellis.triton_kernels import decode_components
 
     gen = torch.Generator().manual_seed(seed)
     q, k_codes, v_codes, keys, values = _trellis_decode_case(gen, b, hkv, group, tmax, d, lbits)
@@ -301,7 +301,7 @@ def test_interp_trellis_entries_into(seed, b, hkv, tmax, d, lbits, dtype):
     """A chunk's prefix workspace of trellis codes: the unit entries of the first ``length`` slots of a
     row slice, position-major, as :meth:`TrellisOperands.entries` reads them (bf16 within its
     rounding: the interpreter's cast truncates); nothing past ``length`` written."""
-    from vecinfer_compile.ops.triton.trellis import entries_into
+    from vecinfer_compile.codecs.trellis.triton_kernels import entries_into
 
     gen = torch.Generator().manual_seed(seed)
     _, k_codes, _, keys, _ = _trellis_decode_case(gen, b + 1, hkv, 1, tmax, d, lbits)
@@ -526,7 +526,7 @@ def test_cuda_trellis_viterbi(lbits, widest):
     steps up to 10 bits: wider than a trace byte)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vecinfer_compile.ops.triton.trellis import viterbi_walks
+    from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_walks
 
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(lbits + widest), 33, 8, 128, lbits, widest)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
@@ -539,7 +539,7 @@ def test_cuda_trellis_decode(group):
     """Decode attention over trellis codes on the GPU, head_dim 128, 2^10 states, left padding."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vecinfer_compile.ops.trellis import TrellisOperands, decode_attention, decode_reference
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_attention, decode_reference
 
     gen = torch.Generator().manual_seed(group)
     q, k_codes, v_codes, keys, values = _trellis_decode_case(gen, 3, 2, group, 1000, 128, 10)

@@ -171,8 +171,8 @@ def sdpa_positional_repeat(q, k, v, attn_mask, is_causal):
 def eager_dequantized(q, k, v, attn_mask, is_causal, layer, scale=None):
     """SDPA over K/V quantized with quant.codebook encode/decode in the transformed domain."""
     t = layer.transform
-    k_hat = t.keys_inverse(decode(encode(t.keys(k), layer.key_centroids), layer.key_centroids.float()))
-    v_hat = decode(encode(v, layer.value_centroids), layer.value_centroids.float())
+    k_hat = t.keys_inverse(decode(encode(t.keys(k), layer.keys), layer.keys.float()))
+    v_hat = decode(encode(v, layer.values), layer.values.float())
     return F.scaled_dot_product_attention(q, k_hat.to(q.dtype), v_hat.to(q.dtype), attn_mask=attn_mask,
                                           is_causal=is_causal, scale=scale, enable_gqa=True)
 
@@ -257,7 +257,7 @@ def test_graph_without_sdpa_warns_once(caplog):
 def test_sdpa_left_over_a_cache_read_is_not_rewritten():
     """cache_decode tags the SDPA calls over VecInferCache reads it cannot fuse: their K/V are
     already dequantized codes, so the generic rewrite must skip them."""
-    from vecinfer_compile.passes.cache_decode import CACHE_READ_META
+    from vecinfer_compile.passes.cache_attention import CACHE_READ_META
 
     graphs = []
 

@@ -126,14 +126,14 @@ def test_simulate_is_the_oracle_built_from_transformers_rope(method, kv_heads, h
     k_pre, _ = apply_rotary_pos_emb(k, k, cos.float(), -sin.float())
     h = hadamard_matrix(head_dim, torch.float32, "cpu")
     kt = ((k_pre - t.mean[None, :, None]) / t.lam[None, :, None]) @ h
-    kt_hat = quantize_dequantize(kt, layer.key_centroids)
+    kt_hat = quantize_dequantize(kt, layer.keys)
     k_pre_hat = (kt_hat @ h.T) * t.lam[None, :, None] + t.mean[None, :, None]
     k_expected, _ = apply_rotary_pos_emb(k_pre_hat, k_pre_hat, cos.float(), sin.float())
     if layer.value_predictor is None:
-        v_expected = quantize_dequantize(v, layer.value_centroids)
+        v_expected = quantize_dequantize(v, layer.values)
     else:
         pred = kt_hat @ layer.value_predictor.matrix + layer.value_predictor.bias[None, :, None]
-        v_expected = pred + quantize_dequantize(v - pred, layer.value_centroids)
+        v_expected = pred + quantize_dequantize(v - pred, layer.values)
     sim = LayerSimulator(method, 2.0, 0, cb, layer_idx=1)
     k_hat, v_hat = sim.quantize_kv(k, v, positions[:, -1:])
     torch.testing.assert_close(k_hat, k_expected, atol=1e-4, rtol=1e-4)
@@ -162,7 +162,7 @@ def test_calibration_stores_the_models_rope_and_a_predictor_that_helps(calibrate
     keys, values = collect_kv(model, ids, 256, progress=False)
     pos = recorded_positions(model, ids, 256)
     assert pos.shape[0] == keys[0].shape[1]
-    kt_hat = quantize_dequantize(layer.transform.keys(keys[0][None], pos), layer.key_centroids)
+    kt_hat = quantize_dequantize(layer.transform.keys(keys[0][None], pos), layer.keys)
     residual = values[0] - layer.value_predictor(kt_hat)[0]
     centred = values[0] - values[0].mean(1, keepdim=True)
     assert residual.pow(2).sum() < 0.9 * centred.pow(2).sum()

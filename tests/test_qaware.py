@@ -235,7 +235,7 @@ def test_broken_query_aware_files_name_the_fix(tmp_path):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "qaware2"}))
     with pytest.raises(ValueError, match="takes no query-aware matrices"):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "hadamard"}))
-    with pytest.raises(ValueError, match="reads vecinfer-codebooks/7, vecinfer-codebooks/6, vecinfer-codebooks/5, vecinfer-codebooks/4"):
+    with pytest.raises(ValueError, match="reads vecinfer-codebooks/8, vecinfer-codebooks/7, vecinfer-codebooks/6, vecinfer-codebooks/5, vecinfer-codebooks/4"):
         load_codebooks(_rewrite(path, tmp_path, meta={"format": "vecinfer-codebooks/9"}))
 
 
@@ -429,7 +429,7 @@ def test_the_file_stores_the_state_in_the_precision_the_cache_uses(tmp_path):
         stored = {k: f.get_tensor(k) for k in f.keys()}
     assert {t.dtype for t in stored.values()} == {torch.float32}
     qz = layer.quantizer
-    assert qz.key_matrix.dtype == qz.key_read.dtype == qz.key_centroids.dtype == torch.float32
+    assert qz.key_matrix.dtype == qz.key_read.dtype == qz.operands.key_centroids.dtype == torch.float32
     assert cb.nbytes() == sum(t.numel() * t.element_size() for t in stored.values())
 
 

@@ -123,7 +123,7 @@ def test_calibration_refines_qaware_only(tiny_model, sample_text_path, tmp_path)
     assert "refine" not in plain.metadata
     for a, b in zip(refined.layers, plain.layers):
         assert torch.equal(a.transform.key_matrix, b.transform.key_matrix)  # only the centroids move
-    assert any(not torch.equal(a.key_centroids, b.key_centroids) for a, b in zip(refined.layers, plain.layers))
+    assert any(not torch.equal(a.keys, b.keys) for a, b in zip(refined.layers, plain.layers))
     # a file knows its recipe: a codebook cache must not hand back k-means qaware files as refined
     assert recipe_mismatch(refined, "qaware", SMALL) is None and recipe_mismatch(plain, "qaware-norefine") is None
     assert recipe_mismatch(refined, "qaware").startswith("its centroids were refined with")  # other settings

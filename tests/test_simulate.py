@@ -114,7 +114,7 @@ def test_calibrate_tiny_model(tiny_model, sample_text_path, tmp_path):
     cb = vc.calibrate(model, tok, text, bits=2, max_tokens=1024, seq_len=256, iters=5, progress=False)
     geo = cb.geometry
     assert len(cb.layers) == geo["num_layers"] == model.config.num_hidden_layers
-    assert cb.layer(0).key_centroids.shape == (256, 4)
+    assert cb.layer(0).keys.shape == (256, 4)
     lam = cb.layer(0).transform.lam
     assert lam.shape == (geo["num_kv_heads"], geo["head_dim"]) and (lam > 0).all()
     assert cb.metadata["calibration_tokens"] == 1024

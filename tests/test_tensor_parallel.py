@@ -37,7 +37,7 @@ def test_local_layer_cuts_per_head_state_and_keeps_codebooks_whole():
     layer = vc.load_codebooks(CODEBOOKS).layer(1)
     local = local_layer(layer, TPShard(1, 2).kv_heads(2))
     assert torch.equal(local.transform.lam, layer.transform.lam[1:2])
-    assert local.key_centroids is layer.key_centroids and local.value_centroids is layer.value_centroids
+    assert local.keys is layer.keys and local.values is layer.values
     qa = LayerCodebooks(KeyTransform(4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)),
                         torch.zeros(256, 4), torch.zeros(256, 4),
                         key_metric=torch.randn(2, 4, 4), value_metric=torch.randn(2, 4, 4))

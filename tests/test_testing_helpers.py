@@ -51,7 +51,7 @@ def test_tiny_models_have_the_documented_geometry(family):
 
 def test_random_layer_codebooks_follow_the_preset():
     layer = random_layer_codebooks(2, 16, bits=1.25, seed=0)
-    assert layer.key_centroids.shape == (4096, 8) and layer.value_centroids.shape == (256, 8)
+    assert layer.keys.shape == (4096, 8) and layer.values.shape == (256, 8)
     assert layer.transform.lam.shape == (2, 16) and (layer.transform.lam > 0).all()
     assert random_layer_codebooks(2, 16, smooth=False).transform.lam is None
 

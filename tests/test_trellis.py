@@ -1,4 +1,4 @@
-"""Bitshift-trellis quantization (quant/trellis.py): Viterbi against brute force, exact walks,
+"""Bitshift-trellis quantization (codecs/trellis/walk.py): Viterbi against brute force, exact walks,
 table training."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vecinfer_compile.quant.trellis import initial_luts, reconstruct, train_luts, viterbi
+from vecinfer_compile.codecs.trellis.walk import initial_luts, reconstruct, train_luts, viterbi
 
 
 def _walk_of(codes: list[int], bits: list[int], lbits: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The trellis codec of keys and values (quant/trellis_codec.py): exact bit budget, the KLT round
+"""The trellis codec of keys and values (codecs/trellis/code.py): exact bit budget, the KLT round
 trip, an error near the study's on vectors with a skewed spectrum; calibration, the file, the
 simulate path, the cache eager and compiled, and the needle diagnostic."""
 
@@ -12,8 +12,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from vecinfer_compile.quant.trellis import reconstruct
-from vecinfer_compile.quant.trellis_codec import TrellisCodec
+from vecinfer_compile.codecs.trellis.walk import reconstruct
+from vecinfer_compile.codecs.trellis.code import TrellisCodec
 
 
 def skewed_keys(h: int, n: int, d: int, seed: int = 0) -> torch.Tensor:
@@ -120,7 +120,7 @@ def test_the_fixed_bytes_count_the_codecs_state(trellis_file, tiny_model):
     state = cb.state_bytes()
     codecs = state["key codec"] + state["value codec"]
     rotation = 4 * 64 * 64  # vecinfer's Hadamard, which the cache holds
-    assert all(layer.quantizer.key_centroids.numel() == layer.quantizer.value_centroids.numel() == 0
+    assert all(layer.quantizer.operands.key_centroids.numel() == layer.quantizer.operands.value_centroids.numel() == 0
                for layer in cache.coded_layers())
     assert cache_bytes(cache).fixed == cb.nbytes() - codecs - state["codebooks"] + operands + rotation
     fixed = kv_bytes(cb.method, cb.bits, cb.geometry, weighted_codes=cb.weighted_codes).fixed_bytes
@@ -205,7 +205,7 @@ def test_greedy_tokens_through_the_trellis_cache_match_the_simulate_path(trellis
     # vecinfer::trellis_chunk_attention
     chunked = cache_tokens(model, ids, cb, new_tokens=6, residual=8, compiled=False, prefill_chunk=16)
     assert cache_tokens(model, ids, cb, new_tokens=6, residual=8, compiled=True, prefill_chunk=16) == chunked
-    assert counters["vecinfer"]["cache_trellis_chunk_rewrites"] >= model.config.num_hidden_layers
+    assert counters["vecinfer"]["cache_chunk_trellis"] >= model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])
@@ -306,7 +306,7 @@ def test_cuda_codec_codes_as_well_as_the_reference():
     to the input as the CPU reference's (ties may pick other states), for 8 KV heads at 2^10 states."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vecinfer_compile.quant.trellis_packing import pack_walks
+    from vecinfer_compile.codecs.trellis.packing import pack_walks
 
     keys = skewed_keys(8, 1200, 128, seed=5)
     codec = TrellisCodec.fit(keys[:, :1000], 2.0, 10, train_vectors=512, rounds=1)
@@ -343,7 +343,7 @@ def test_cuda_compiled_trellis_cache_gives_the_eager_cache_tokens(trellis_file, 
 def test_property_packed_codes_take_the_budget_and_give_back_every_state(h, d, bits, lbits, n, seed):
     """The stored string is exactly ``bits * D`` bits a token and head, and every component's state
     read from its window equals the Viterbi walk's (KV heads 1/2/8, head_dim 16/64/128, 1-3 bits)."""
-    from vecinfer_compile.quant.trellis_packing import component_states, pack_walks, packed_bytes
+    from vecinfer_compile.codecs.trellis.packing import component_states, pack_walks, packed_bytes
 
     assume(bits <= lbits)
     keys = skewed_keys(h, 150, d, seed)
@@ -358,7 +358,7 @@ def test_property_packed_codes_take_the_budget_and_give_back_every_state(h, d, b
 
 
 def test_packed_codes_refuse_misshapen_input():
-    from vecinfer_compile.quant.trellis_packing import component_states, pack_walks
+    from vecinfer_compile.codecs.trellis.packing import component_states, pack_walks
 
     bits = torch.tensor([[2, 1, 1, 0]])
     with pytest.raises(ValueError, match=r"need \[\.\.\., 1, 4\]"):
@@ -380,8 +380,8 @@ def test_calibration_refuses_a_trellis_too_small_for_the_bits(tiny_model):
 def test_the_kernels_operands_decode_stored_codes_as_the_codec_decodes_its_walks():
     """The stored string read through :class:`TrellisOperands` (windows, tables, the scale folded
     into the synthesis) gives the codec's own decoding of the walk, for keys of a fitted codec."""
-    from vecinfer_compile.ops.trellis import TrellisOperands
-    from vecinfer_compile.quant.trellis_packing import pack_walks
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands
+    from vecinfer_compile.codecs.trellis.packing import pack_walks
 
     keys = skewed_keys(2, 400, 64, seed=6)
     codec = TrellisCodec.fit(keys[:, :300], 2.0, 8, train_vectors=256, rounds=1)
@@ -400,7 +400,8 @@ def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(
     codec on one side only is refused by name."""
     import dataclasses
 
-    from vecinfer_compile.testing import cache_layer, random_layer_codebooks, random_trellis_codec
+    from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
+    from vecinfer_compile.testing import cache_layer, random_layer_codebooks
 
     gen = torch.Generator().manual_seed(d + hkv)
     base = random_layer_codebooks(hkv, d, query_aware=True, smooth=False, center=True, seed=hkv)
@@ -440,8 +441,8 @@ def test_property_a_decode_step_attends_as_sdpa_over_the_read(seed, b, hkv, grou
     """``decode_step`` (the codes in the components, the window exactly, merged by log-sum-exp) = SDPA
     over what ``read`` gives for the same slots: GQA 1-16, head_dim 64/128, float32/bf16/fp16, odd
     lengths, the window empty, partial or full, left padding (a padded row still attends something)."""
-    from vecinfer_compile.ops.trellis import TrellisOperands, decode_step, read
-    from vecinfer_compile.testing import random_trellis_codec
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_step, read
+    from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
 
     gen = torch.Generator().manual_seed(seed)
     n_window = {"empty": 0, "partial": (residual + 1) // 2, "full": residual}[fill]
@@ -521,7 +522,7 @@ def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(ti
     assert counters["vecinfer"]["cache_decode_trellis"] >= config.num_hidden_layers
     chunked = cache_tokens(model, ids, cb, new_tokens=4, residual=8, compiled=False, prefill_chunk=16)
     assert cache_tokens(model, ids, cb, new_tokens=4, residual=8, compiled=True, prefill_chunk=16) == chunked
-    assert counters["vecinfer"]["cache_trellis_chunk_rewrites"] >= config.num_hidden_layers
+    assert counters["vecinfer"]["cache_chunk_trellis"] >= config.num_hidden_layers
 
 
 def test_needle_refuses_a_keys_only_file_in_one_line(tiny_model, tiny_dir, tmp_path, capsys):

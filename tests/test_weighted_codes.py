@@ -207,8 +207,8 @@ def test_property_the_cache_stores_the_codebooks_codes(r, sizes, weighted, seed)
     n = int(layer.storage.n_coded)
     identity = torch.eye(32).expand(2, 32, 32)
     s, qz = layer.storage, layer.quantizer
-    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.key_centroids, lc.key_metric, 8.0),
-                               (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.value_centroids, lc.value_metric, 1.0)):
+    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.operands.key_centroids, lc.key_metric, 8.0),
+                               (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.operands.value_centroids, lc.value_metric, 1.0)):
         got = dequant(unpack_codes(stored[:, :, :n], c.shape[0]), c)
         expected = dequant(codebook.encode(x, c, w, m).long(), c)
         loss_metric = identity if m is None else m
@@ -219,7 +219,7 @@ def test_property_the_cache_stores_the_codebooks_codes(r, sizes, weighted, seed)
 def test_the_cache_refuses_a_metric_of_the_wrong_shape():
     lc = random_codebooks(tiny_config(), bits=2.0, method="qaware").layer(0)
     with pytest.raises(ValueError, match="error metric must be a float"):
-        quantizer = LayerQuantizer(lc.key_centroids, lc.value_centroids, key_metric=torch.eye(32)[None],
+        quantizer = LayerQuantizer(lc.keys, lc.values, key_metric=torch.eye(32)[None],
                                    value_metric=torch.eye(32)[None])
         VecInferLayer(quantizer, batch_size=1, num_kv_heads=2, head_dim=32, max_cache_len=8, residual=2,
                       dtype=torch.float32, device="cpu")
@@ -383,8 +383,8 @@ def test_cuda_cache_stores_weighted_codes(dtype):
     n = int(layer.storage.n_coded)
     assert n == 304 - 8
     s, qz = layer.storage, layer.quantizer
-    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.key_centroids, lc.key_metric, 8.0),
-                               (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.value_centroids, lc.value_metric, 1.0)):
+    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.operands.key_centroids, lc.key_metric, 8.0),
+                               (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.operands.value_centroids, lc.value_metric, 1.0)):
         m = m.cuda()
         got = dequant(unpack_codes(stored[:, :, :n], c.shape[0]), c)
         expected = dequant(codebook.encode(x.float(), c, w, m).long(), c)

@@ -7,9 +7,9 @@
 Each Dynamo graph goes through the choice of each VecInferCache append's implementation
 (:func:`vecinfer_compile.passes.cache_append.rewrite_cache_append`), the attention over an empty
 VecInferCache's prefill kept in full precision
-(:func:`vecinfer_compile.passes.cache_decode.keep_prefill_in_full_precision`: transformers compiles
+(:func:`vecinfer_compile.passes.cache_attention.keep_prefill_in_full_precision`: transformers compiles
 a chunked prefill's forwards), the decode rewrite over a VecInferCache
-(:func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention`), then
+(:func:`vecinfer_compile.passes.cache_attention.rewrite_cache_attention`), then
 :func:`vecinfer_compile.passes.rewrite_sdpa` for every other SDPA, then Inductor's ``compile_fx``
 (``mode``/``options`` become Inductor config patches, per call).
 
@@ -45,7 +45,7 @@ from .methods import VQ_METHODS, check_runs_over_codes
 from .ops.kernel_request import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
 from .passes.cache_append import rewrite_cache_append
-from .passes.cache_decode import (CACHE_READ_META, keep_prefill_in_full_precision, rewrite_cache_attention,
+from .passes.cache_attention import (CACHE_READ_META, keep_prefill_in_full_precision, rewrite_cache_attention,
                                    updates_a_cache)
 from .presets import get_preset
 from .hf.tensor_parallel import TPShard, graph_shard, local_kv_heads, local_layer

@@ -10,16 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_TRELLIS_STATES = 4096  # the trellis key codec's (quant/trellis_codec.py): 2^12, the study's best measured
-
-
-def check_trellis_states(bits: float, states: int, fix: str = "raise --trellis-states") -> None:
-    """Raise a ValueError naming ``fix`` unless a trellis of ``states`` states can code ``bits`` bits
-    an element (a component takes at most ``log2(states)`` bits)."""
-    if bits > states.bit_length() - 1:
-        raise ValueError(f"the trellis codec takes at most log2(states) bits a component: {bits:g} bits need more "
-                         f"than {states} trellis states: {fix}")
-
 
 @dataclass(frozen=True)
 class VQSpec:

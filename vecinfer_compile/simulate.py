@@ -38,7 +38,6 @@ from .hf.attention_support import check_attention_call, needs_unskipped_masks, u
 from .codebooks import VecInferCodebooks
 from .hf.layer_kinds import kv_producers, some_coded_layers
 from .methods import VQ_METHODS, check_method
-from .quant.codebook import quantize_dequantize
 from .quant.kivi import kivi_keys, kivi_values
 from .window import simulate_mask
 
@@ -77,29 +76,22 @@ class LayerSimulator:
         """``k, v: [B, H_kv, T, D]`` -> dequantized ``(k_hat, v_hat)`` in the original domain and
         dtype. Pre-RoPE keys (:mod:`.quant.rope`) take their positions from the call's queries'
         ``position_ids: [B|1, Tq]`` (:func:`key_positions`); predicted values are
-        ``P(k~_hat) + Q(v - P(k~_hat))`` (:mod:`.quant.value_prediction`). Codes are the
-        codebooks' kind: nearest-centroid, score-aware and/or error-weighted; keys and values through
-        the layer's codecs instead where it has them (:mod:`.quant.trellis_codec`)."""
+        ``P(k~_hat) + Q(v - P(k~_hat))`` (:mod:`.quant.value_prediction`). Each side is coded by its
+        codec (:mod:`.codecs`; the codebooks' codes: nearest-centroid, score-aware and/or error-weighted)."""
         if self.method == "kivi":
             return kivi_keys(k, int(self.bits)), kivi_values(v, int(self.bits))
         layer = self.codebooks.layer(self.layer_idx)
-        kc = layer.key_centroids.to(k.device)
-        vc = layer.value_centroids.to(v.device)
         positions = None
         if layer.transform.rope_inv_freq is not None:
             positions = key_positions(position_ids, k.shape[2], k.device)
         kt = layer.transform.keys(k, positions)
-        if layer.key_codec is not None:
-            kt_hat = layer.key_codec.quantize_dequantize(kt)
-        else:
-            kt_hat = quantize_dequantize(kt, kc, self.codebooks.key_parallel_weight, layer.key_metric)
+        kt_hat = layer.key_codec.quantize_dequantize(layer.keys, kt, metric=layer.key_metric,
+                                                     parallel_weight=self.codebooks.key_parallel_weight)
         k_hat = layer.transform.keys_inverse(kt_hat, positions).to(k.dtype)
-        if layer.value_codec is not None:
-            return k_hat, layer.value_codec.quantize_dequantize(v)
         if layer.value_predictor is None:
-            return k_hat, quantize_dequantize(v, vc, metric=layer.value_metric)
+            return k_hat, layer.value_codec.quantize_dequantize(layer.values, v, metric=layer.value_metric)
         predicted = layer.value_predictor(kt_hat)
-        v_hat = predicted + quantize_dequantize(v.to(predicted.dtype) - predicted, vc)
+        v_hat = predicted + layer.value_codec.quantize_dequantize(layer.values, v.to(predicted.dtype) - predicted)
         return k_hat, v_hat.to(v.dtype)
 
 

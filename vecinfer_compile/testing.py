@@ -4,7 +4,7 @@
   dtype, mask kind); :func:`make_attention_inputs` turns one into tensors.
 - :func:`check_model`: compile a model with the exact key transform (no quantization) and check
   that it matches eager and that every SDPA was rewritten.
-- :func:`tiny_model`, :func:`random_layer_codebooks`, :func:`random_trellis_codec`: small random
+- :func:`tiny_model`, :func:`random_layer_codebooks`: small random
   models and quantizers (no downloads) for fast CPU tests; :class:`FixedIds`: a tokenizer stand-in
   for :func:`calibrate`.
 """
@@ -160,31 +160,6 @@ def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, s
         torch.randn(preset.value.entries, preset.value.dims, generator=gen),
         predictor,
     )
-
-
-def random_trellis_codec(gen: torch.Generator, kv_heads: int, head_dim: int, bits: float, state_bits: int):
-    """A random :class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec` without fitting: a
-    Gaussian mean, a random well-conditioned analysis (its inverse the synthesis), decreasing
-    variances, a scale near 1, each head's ``bits * head_dim`` bits at random over its components
-    (at most ``min(4, L)`` a component; sorted, larger first) and Gaussian tables."""
-    from .quant.trellis_codec import TrellisCodec
-
-    h, d = kv_heads, head_dim
-    budget, widest = round(bits * d), min(4, state_bits)
-    if budget > widest * d:
-        raise ValueError(f"{bits:g} bits an element do not fit components of at most {widest} bits")
-    alloc = torch.zeros(h, d, dtype=torch.long)
-    for i in range(h):
-        for _ in range(budget):  # one bit at a time to a random component with room
-            room = (alloc[i] < widest).nonzero()[:, 0]
-            alloc[i, room[int(torch.randint(len(room), (1,), generator=gen))]] += 1
-    alloc = alloc.sort(1, descending=True).values
-    analysis = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0] * \
-        (0.5 + torch.rand(h, 1, d, generator=gen, dtype=torch.float64))
-    return TrellisCodec(torch.randn(h, d, generator=gen, dtype=torch.float64), analysis, torch.linalg.inv(analysis),
-                        torch.logspace(0, -1, d, dtype=torch.float64).expand(h, d).clone(),
-                        1 + 0.05 * torch.rand(h, generator=gen, dtype=torch.float64), alloc,
-                        torch.randn(h, int(alloc.max()), 1 << state_bits, generator=gen))
 
 
 def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecinfer",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cache_mask", "chunk_full_start", "in_window", "simulate_mask"]
+__all__ = ["cache_mask", "chunk_full_start", "in_window", "simulate_mask", "split_prefill"]
 
 
 def in_window(i, j, residual: int):
@@ -63,3 +63,11 @@ def cache_mask(tq: int, tk: int, residual: int, *, prefill: bool = False, device
         return simulate_mask(1, tk, residual, device)
     j = torch.arange(tk, device=device)
     return (j >= chunk_full_start(tk, tq, residual))[None, :].expand(tq, tk).clone()
+
+
+def split_prefill(tokens: int, residual: int) -> tuple[int, int]:
+    """``(coded, window)``: how the prefill of ``tokens`` into an empty cache layer is stored: all but
+    the newest ``residual`` as codes, those (or all, for a shorter prompt) in the window, so that the
+    next token reads its last ``R`` keys in full precision (:func:`in_window`)."""
+    coded = max(tokens - residual, 0)
+    return coded, tokens - coded

@@ -14,7 +14,7 @@ This module picks each decoder layer's cache layer (:mod:`vecinfer_compile.hf.la
 :class:`~.layer.VecInferLayer` s, hybrid ones, transformers' own static layers elsewhere), cuts the
 quantizer state to the rank's KV heads under tensor parallelism, fills a batch a few rows at a time
 (:meth:`VecInferCache.filling_rows`) and counts bytes. See :class:`VecInferCache` for the exact
-semantics and :mod:`vecinfer_compile.passes.cache_decode` for the compiled decode rewrite.
+semantics and :mod:`vecinfer_compile.passes.cache_attention` for the compiled decode rewrite.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class VecInferCache(Cache):
       (original domain) and V, zero beyond the valid length; HF's mask (``get_mask_sizes`` ->
       ``max_cache_len``, padding, cache position) makes attention exact over them. Compiled,
       that is ``vecinfer::cache_kv`` over every slot, which
-      :func:`vecinfer_compile.passes.cache_decode.rewrite_cache_attention` replaces, with the
+      :func:`vecinfer_compile.passes.cache_attention.rewrite_cache_attention` replaces, with the
       SDPA that reads it, by ``vecinfer::decode_attention`` over the codes. Eagerly too, one token
       or a chunk gets every slot (generate() may build a step's mask eagerly and run the step
       compiled): as a *codes read* when the model attends with ``"vecinfer_sdpa"`` (which

@@ -1,8 +1,9 @@
 """One coded layer's quantizer as the cache holds it: codebooks and key transform, float32, on the
 cache's device, frozen (built once from a :class:`~vecinfer_compile.codebooks.LayerCodebooks`).
 
-- ``key_centroids [Ek, dk]``, ``value_centroids [Ev, dv]``; ``[0, dk]``, ``[0, dv]`` (no entries, the
-  sub-vector sizes kept) where a trellis codec codes the layer, which reads no centroids.
+- ``codec``: the codec of the layer's keys and values (:mod:`vecinfer_compile.codecs`; both sides
+  one codec) and ``operands``: what its cache operations read, one bundle on the cache's device
+  (:meth:`~vecinfer_compile.codecs.base.Codec.operands`).
 - ``lam [H, D]`` smoothing factors, or None.
 - ``rotation [D, D]`` the normalized Hadamard matrix, or None; one tensor shared by all layers of
   a cache (:meth:`LayerQuantizer.from_codebooks`'s ``rotations``).
@@ -12,10 +13,6 @@ cache's device, frozen (built once from a :class:`~vecinfer_compile.codebooks.La
 - centring methods: ``key_mean [H, D]``, ``mu``, subtracted before the rest of the transform.
 - ``key_parallel_weight`` (score-aware key codes, 1: nearest centroid) and the error metrics
   ``key_metric``, ``value_metric [H, D, D]`` of error-weighted codes (both or neither).
-- ``key_codec`` / ``value_codec``: the trellis codec (:mod:`vecinfer_compile.quant.trellis_codec`)
-  that codes keys (in the ``K~`` domain) / values in place of the centroids, with its decode
-  operands ``key_trellis`` / ``value_trellis`` (:class:`~vecinfer_compile.ops.trellis.TrellisOperands`),
-  or None: both or neither (:mod:`.trellis_layer`).
 
 The key transform: ``K~ = ((K - mu) / lam) @ H``, or ``(K - mu) @ key_matrix``.
 """
@@ -26,12 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import Any
+
 from ..codebooks import LayerCodebooks
+from ..codecs.base import Codec
 from ..ops.append import transform_keys
-from ..ops.trellis import TrellisOperands
-from ..quant.packing import packed_width
-from ..quant.trellis_codec import TrellisCodec, check_both_sides
-from ..quant.trellis_packing import packed_bytes
 from ..quant.score_aware import check_parallel_weight
 from ..quant.weighted_codes import check_metric
 
@@ -40,8 +36,9 @@ from ..quant.weighted_codes import check_metric
 class LayerQuantizer:
     """What a coded layer encodes and reads with (the module docstring gives the shapes)."""
 
-    key_centroids: torch.Tensor
-    value_centroids: torch.Tensor
+    codec: Codec
+    operands: Any
+    codes: tuple[Any, Any]
     lam: torch.Tensor | None = None
     rotation: torch.Tensor | None = None
     key_matrix: torch.Tensor | None = None
@@ -50,16 +47,11 @@ class LayerQuantizer:
     key_parallel_weight: float = 1.0
     key_metric: torch.Tensor | None = None
     value_metric: torch.Tensor | None = None
-    key_codec: TrellisCodec | None = None
-    value_codec: TrellisCodec | None = None
-    key_trellis: TrellisOperands | None = None
-    value_trellis: TrellisOperands | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_parallel_weight", check_parallel_weight(self.key_parallel_weight))
         if (self.key_metric is None) != (self.value_metric is None):
             raise ValueError("key_metric and value_metric go together (error-weighted codes of keys and values)")
-        check_both_sides(self.key_codec, self.value_codec)
 
     @classmethod
     def from_codebooks(cls, layer: LayerCodebooks, *, device, key_parallel_weight: float = 1.0,
@@ -80,32 +72,22 @@ class LayerQuantizer:
             key_matrix = fold(_on(t.key_matrix, device)).contiguous()
             key_read = fold(_on(t.query_matrix, device)).transpose(-1, -2).contiguous()
             rotation = None
-        unread = layer.key_codec is not None  # a trellis layer (both sides) reads no centroids
-        key_centroids, value_centroids = (_on(c[:0] if unread else c, device)
-                                          for c in (layer.key_centroids, layer.value_centroids))
+        codec = layer.key_codec
+        if layer.value_codec is not codec:
+            raise ValueError(
+                f"these codebooks code the keys with the {codec.name} codec and the values with the "
+                f"{layer.value_codec.name} codec: a VecInferCache codes both sides with one codec (calibrate with "
+                "the same codec for both); such a file runs in the simulate path (eval-ppl, ablation)")
         return cls(
-            key_centroids=key_centroids, value_centroids=value_centroids,
+            codec=codec, operands=codec.operands(layer, device), codes=(layer.keys, layer.values),
             lam=_on(t.lam, device), rotation=rotation, key_matrix=key_matrix, key_read=key_read,
             key_mean=_on(t.mean, device), key_parallel_weight=key_parallel_weight,
             key_metric=_on(layer.key_metric, device), value_metric=_on(layer.value_metric, device),
-            key_codec=layer.key_codec, value_codec=layer.value_codec,
-            key_trellis=None if layer.key_codec is None else TrellisOperands.of(layer.key_codec, device),
-            value_trellis=None if layer.value_codec is None else TrellisOperands.of(layer.value_codec, device),
         )
-
-    @property
-    def trellis(self) -> bool:
-        """Whether a trellis codec codes this layer's keys or values."""
-        return self.key_codec is not None or self.value_codec is not None
 
     def check_fits(self, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
         """Raise a ValueError unless this quantizer codes ``[B, num_kv_heads, T, head_dim]`` K/V."""
-        for centroids, what in ((self.key_centroids, "key"), (self.value_centroids, "value")):
-            if head_dim % centroids.shape[1]:
-                raise ValueError(
-                    f"head_dim {head_dim} is not divisible by the {what} sub-vector size {centroids.shape[1]}: "
-                    "these codebooks do not fit this model"
-                )
+        self.code_widths(head_dim)  # the codec's own check of head_dim
         # Calibration records the K/V attention receives: more heads there than the model caches
         # means its attention reads K/V built from the cache's after the update (JetMoE repeats
         # them per expert), whose per-head transform the cached heads cannot take.
@@ -121,9 +103,8 @@ class LayerQuantizer:
                 check_metric(metric, num_kv_heads, head_dim)
 
     def code_widths(self, head_dim: int) -> tuple[int, int]:
-        """Bytes per token and head of the stored key and value codes (:mod:`..quant.packing`)."""
-        return tuple(packed_width(head_dim // books.shape[1], books.shape[0]) if codec is None else packed_bytes(codec.bits)
-                     for books, codec in ((self.key_centroids, self.key_codec), (self.value_centroids, self.value_codec)))
+        """Bytes per token and head of the stored key and value codes (the codec's)."""
+        return self.codec.code_bytes(self.codes[0], head_dim), self.codec.code_bytes(self.codes[1], head_dim)
 
     @property
     def key_transform_matrix(self) -> torch.Tensor | None:
@@ -135,10 +116,10 @@ class LayerQuantizer:
         return transform_keys(k, self.key_mean, self.lam, self.key_transform_matrix).to(dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The codebooks, key transform and trellis operands, as the layer's bytes count them (the
-        error metrics are left out)."""
-        ts = [self.key_centroids, self.value_centroids, self.lam, self.rotation, self.key_matrix, self.key_read,
-              self.key_mean, *(self.key_trellis or ()), *(self.value_trellis or ())]
+        """The codec's operands and the key transform, as the layer's bytes count them (the error
+        metrics are left out)."""
+        ts = [*self.codec.operand_tensors(self.operands), self.lam, self.rotation, self.key_matrix, self.key_read,
+              self.key_mean]
         return [t for t in ts if t is not None]
 
     def inverse_keys(self, kt: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..ops.coded_kv import CodedKV
-from ..ops.decode import decode_attention
 from ..ops.decode_inputs import kv_start_from_mask, mask_is_a_range, transform_queries
 from ..ops.split_attention import chunk as chunk_attention
 from ..ops.split_attention.chunk import ChunkKeys
-from ..ops.split_attention.prefix import CodebookPrefix, TrellisPrefix
-from . import trellis_layer
 from .quantizer import LayerQuantizer
 from .storage import LayerStorage
 
@@ -38,10 +34,10 @@ DECODE_READ_BYTES = 1 << 30  # dequantized + repeated K/V of one row group of an
 
 def read(storage: LayerStorage, quantizer: LayerQuantizer, length: int | None = None, rows: slice = slice(None),
          window: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``vecinfer::cache_kv`` (``trellis_cache_kv`` for a layer the trellis codec codes: K in the
-    original domain, V), then, for the query-aware methods,
+    """The codec's read op (:meth:`~vecinfer_compile.codecs.base.Codec.read_kv`: K in the original
+    domain, V), then, for the query-aware methods,
     ``K = (K~.float() @ key_read).to(dtype)`` (a plain matmul that
-    :mod:`~vecinfer_compile.passes.cache_decode` recognises and moves to the query side), and for
+    :mod:`~vecinfer_compile.passes.cache_attention` recognises and moves to the query side), and for
     the centring methods ``+ key_mean`` before the cast (which that pass drops). Slots beyond the
     valid length then hold ``mu`` rather than zeros; the mask hides them.
 
@@ -54,13 +50,7 @@ def read(storage: LayerStorage, quantizer: LayerQuantizer, length: int | None = 
     if length is not None:
         k_codes, v_codes = k_codes[:, :, :length], v_codes[:, :, :length]
     n_coded, k_window, v_window, n_window = window or (s.n_coded, s.k_window, s.v_window, s.n_window)
-    if q.trellis:
-        k, v = trellis_layer.cache_kv(k_codes, v_codes, n_coded, k_window[rows], v_window[rows], n_window, q)
-    else:
-        k, v = torch.ops.vecinfer.cache_kv(
-            k_codes, v_codes, q.key_centroids, q.value_centroids, n_coded,
-            k_window[rows], v_window[rows], n_window, q.lam, q.rotation,
-        )
+    k, v = q.codec.read_kv(k_codes, v_codes, n_coded, k_window[rows], v_window[rows], n_window, q)
     if q.key_read is None and q.key_mean is None:
         return k, v
     k = k.float()
@@ -101,14 +91,7 @@ def chunk_keys(storage: LayerStorage, quantizer: LayerQuantizer, kt: torch.Tenso
     s = storage
     k_full = torch.cat([s.k_window[:, :, :n_window].transpose(1, 2), kt.transpose(1, 2)], dim=1)
     v_full = torch.cat([s.v_window[:, :, :n_window].transpose(1, 2), v.transpose(1, 2)], dim=1)
-    return ChunkKeys(s.k_codes, s.v_codes, prefix_codec(quantizer), n_coded, k_full, v_full)
-
-
-def prefix_codec(quantizer: LayerQuantizer) -> CodebookPrefix | TrellisPrefix:
-    """How a chunk's attention reads this layer's codes (:mod:`vecinfer_compile.ops.split_attention.prefix`)."""
-    if quantizer.trellis:
-        return TrellisPrefix(quantizer.key_trellis, quantizer.value_trellis)
-    return CodebookPrefix(quantizer.key_centroids, quantizer.value_centroids)
+    return ChunkKeys(s.k_codes, s.v_codes, quantizer.codec.prefix(quantizer), n_coded, k_full, v_full)
 
 
 def chunk_window(storage: LayerStorage, kt: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -142,7 +125,7 @@ def dense(storage: LayerStorage, quantizer: LayerQuantizer, chunk: ChunkKeys | N
 def attend(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, attn_mask: torch.Tensor | None,
            scale: float | None) -> torch.Tensor:
     """Decode attention of one query token ``q: [B, Hq, 1, D]`` over the codes and window:
-    ``vecinfer::decode_attention`` (the compiled decode step's op). ``attn_mask``: None or HF's
+    the codec's decode (:meth:`~vecinfer_compile.codecs.base.Codec.decode`, the compiled decode step's op). ``attn_mask``: None or HF's
     ``[B|1, 1|Hq, 1, L]`` (bool True = attend, or additive float): left padding, the first
     attended slot of each row, is all the op reads, so a mask that is more than that (holes,
     per-head differences, a bias: checked, one host sync) gets SDPA over the dequantized cache
@@ -159,15 +142,7 @@ def attend(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, at
             return sdpa_by_rows(s, qz, q, attn_mask, scale, attn_mask.shape[-1])
     q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
     scale = s.head_dim ** -0.5 if scale is None else float(scale)
-    if qz.trellis:
-        return trellis_layer.attend(s, qz, q_t, kv_start, scale)
-    return decode_attention(q_t, coded_kv(s, qz), kv_start, scale)
-
-
-def coded_kv(s: LayerStorage, qz: LayerQuantizer) -> CodedKV:
-    """The layer's codes, window and counters with its codebooks: what the decode kernels read."""
-    return CodedKV(s.k_codes, s.v_codes, qz.key_centroids, qz.value_centroids, s.n_coded, s.k_window, s.v_window,
-                   s.n_window)
+    return qz.codec.decode(s, qz, q_t, kv_start, scale)
 
 
 def attend_chunk(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, attn_mask: torch.Tensor | None,

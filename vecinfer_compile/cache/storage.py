@@ -26,8 +26,7 @@ import copy
 
 import torch
 
-from ..ops.append import weigh_codes
-from . import trellis_layer
+from ..window import split_prefill
 from .quantizer import LayerQuantizer
 
 
@@ -123,20 +122,18 @@ class LayerStorage:
     # -- writes --------------------------------------------------------------------------------
     def fill(self, kt: torch.Tensor, v: torch.Tensor, quantizer: LayerQuantizer) -> None:
         """The first update of an empty layer: ``kt`` (``K~``), ``v``: ``[B, H, T, D]`` in the cache
-        dtype, ``T <= max_cache_len``. All but the last ``R`` tokens become codes, those ``R`` the window."""
-        if quantizer.trellis:
-            return trellis_layer.fill(self, kt, v, quantizer)
-        ops, q = torch.ops.vecinfer, quantizer
+        dtype, ``T <= max_cache_len``, coded by the layer's codec (:meth:`fill_by_window`)."""
+        quantizer.codec.fill(self, kt, v, quantizer)
+
+    def fill_by_window(self, kt: torch.Tensor, v: torch.Tensor, encode_keys, encode_values) -> None:
+        """:meth:`fill` with a codec's encoders (``[B, H, n, D] -> [B, H, n, W]`` uint8): all but the
+        last ``R`` tokens become codes, those ``R`` the window (:mod:`vecinfer_compile.window`'s rule
+        at the prefill)."""
         t = kt.shape[2]
-        n_code = max(t - self.residual, 0)
-        n_win = t - n_code
+        n_code, n_win = split_prefill(t, self.residual)
         if n_code > 0:
-            k_code, v_code = kt[:, :, :n_code], v[:, :, :n_code]
-            k_stored = ops.encode(k_code, None, None, q.key_centroids, q.key_parallel_weight)
-            v_stored = ops.encode(v_code, None, None, q.value_centroids)
-            self.k_codes[:, :, :n_code].copy_(weigh_codes(k_code, k_stored, q.key_centroids, q.key_metric,
-                                                          q.key_parallel_weight))
-            self.v_codes[:, :, :n_code].copy_(weigh_codes(v_code, v_stored, q.value_centroids, q.value_metric))
+            self.k_codes[:, :, :n_code].copy_(encode_keys(kt[:, :, :n_code]))
+            self.v_codes[:, :, :n_code].copy_(encode_values(v[:, :, :n_code]))
         if n_win > 0:
             self.k_window[:, :, :n_win].copy_(kt[:, :, n_code:])
             self.v_window[:, :, :n_win].copy_(v[:, :, n_code:])
@@ -145,18 +142,10 @@ class LayerStorage:
         self.empty = False
 
     def append(self, k: torch.Tensor, v: torch.Tensor, quantizer: LayerQuantizer) -> None:
-        """Append ``k``, ``v``: ``[B, H, T, D]`` with ``vecinfer::cache_append``
-        (:mod:`vecinfer_compile.ops.append`: no data-dependent Python, so it compiles with
-        fullgraph=True; one CUDA launch per decode step where the kernel runs); a trellis-coded layer
-        by the same window rule with the codec's codes (:mod:`.trellis_layer`)."""
-        q = quantizer
-        if q.trellis:
-            return trellis_layer.append(self, k, v, q)
-        torch.ops.vecinfer.cache_append(
-            k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-            self.append_arrivals, q.key_centroids, q.value_centroids, q.key_mean, q.lam,
-            q.key_transform_matrix, q.key_parallel_weight, q.key_metric, q.value_metric,
-        )
+        """Append ``k``, ``v``: ``[B, H, T, D]`` by the layer's codec's one registered op (no
+        data-dependent Python, so it compiles with fullgraph=True; one CUDA launch per decode step
+        where the kernel runs), by the window rule."""
+        quantizer.codec.append(self, k, v, quantizer)
 
     def reset(self) -> None:
         if self.batch_size is not None:

@@ -1,6 +1,6 @@
-"""The fit of one attention layer: its key transform, then key and value k-means codebooks at each
-preset asked for (and, for the methods that have them, a value predictor, refined centroids and
-error metrics). :func:`~vecinfer_compile.calibrate.calibrate` fits every layer with it, and so
+"""The fit of one attention layer: its key transform, then each side's codes by its codec at each
+preset asked for (:meth:`vecinfer_compile.codecs.base.Codec.fit`; by default k-means codebooks), and,
+for the methods that have them, a value predictor, refined codes and error metrics. :func:`~vecinfer_compile.calibrate.calibrate` fits every layer with it, and so
 does the backend's zero-config path (:mod:`vecinfer_compile.backend`) from the keys and values of
 the call it compiles."""
 
@@ -12,16 +12,14 @@ from typing import Sequence
 import torch
 
 from ..codebooks import LayerCodebooks
+from ..codecs import registry
+from ..codecs.base import FitContext
 from ..methods import KeyTransformSpec
 from ..hf.output_projection import NAMES as OUTPUT_PROJECTION_NAMES, output_projection_weight
-from ..presets import get_preset
-from ..quant.codebook import quantize_dequantize, subvectors
-from ..quant.kmeans import kmeans
 from ..quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
-from ..quant.refine import LayerAttention, RefineConfig, refine_codebooks
+from ..quant.refine import LayerAttention, RefineConfig
 from ..quant.rope import rotate
 from ..quant.transform import KeyTransform, centre_keys, smoothing_factors
-from ..quant.trellis_codec import TrellisCodec
 from ..quant.value_prediction import fit_value_predictor
 from ..quant.weighted_codes import key_metric, value_metric
 
@@ -51,11 +49,10 @@ class FitSettings:
     (:mod:`vecinfer_compile.quant.query_aware`); ``rope_inv_freq [r/2]``: the model's RoPE
     frequencies, for the pre-RoPE methods; ``refine``: how refining methods move their centroids
     (:mod:`vecinfer_compile.quant.refine`; None: they keep k-means'); ``weighted_codes``: store the
-    layer's error metrics (:mod:`vecinfer_compile.quant.weighted_codes`); ``key_codec_states``: ``L``
-    to code keys by the trellis codec of ``2^L`` states (:mod:`vecinfer_compile.quant.trellis_codec`),
-    fitted on the layer's keys in the transform's domain under the key error metric when
-    ``weighted_codes`` (None: the key codebooks' codes); ``value_codec_states``: the same for the
-    values, under the value error metric."""
+    layer's error metrics (:mod:`vecinfer_compile.quant.weighted_codes`); ``key_codec``,
+    ``value_codec``: the registered codec of each side (:mod:`vecinfer_compile.codecs`), fitted on
+    the layer's keys in the transform's domain / its values, under the side's error metric when
+    ``weighted_codes``, with the codecs' ``codec_options`` (e.g. ``{"states": 4096}``)."""
 
     iters: int
     max_vectors: int | None = None
@@ -64,8 +61,14 @@ class FitSettings:
     rope_inv_freq: torch.Tensor | None = None
     refine: RefineConfig | None = None
     weighted_codes: bool = False
-    key_codec_states: int | None = None
-    value_codec_states: int | None = None
+    key_codec: str = registry.DEFAULT
+    value_codec: str = registry.DEFAULT
+    codec_options: dict | None = None
+
+    def context(self, bits: float, metric: torch.Tensor | None, seed: int) -> FitContext:
+        """What a codec's fit of one side at ``bits`` gets (:class:`~vecinfer_compile.codecs.base.FitContext`)."""
+        return FitContext(bits=bits, metric=metric, seed=seed, iters=self.iters, max_vectors=self.max_vectors,
+                          device=self.device, options=self.codec_options or {})
 
 
 @dataclass
@@ -76,18 +79,6 @@ class LayerFit:
 
     codebooks: dict[float, LayerCodebooks]
     loss_ratio: dict[float, float] = field(default_factory=dict)
-
-
-def fit_codebook(vectors: torch.Tensor, entries: int, dims: int, settings: FitSettings, seed: int) -> torch.Tensor:
-    """k-means codebook ``[entries, dims]`` float32 over the sub-vectors of ``vectors [..., D]``, on
-    ``vectors``' device (a short prompt may give fewer sub-vectors than entries: k-means then
-    reuses points)."""
-    sub = subvectors(vectors, dims).reshape(-1, dims)
-    if settings.max_vectors is not None and sub.shape[0] > settings.max_vectors:
-        gen = torch.Generator().manual_seed(seed)
-        sub = sub[torch.randperm(sub.shape[0], generator=gen)[:settings.max_vectors]]
-    device = settings.device or sub.device
-    return kmeans(sub.to(device), entries, iters=settings.iters, seed=seed).centroids.to(vectors.device)
 
 
 def fit_key_transform(samples: LayerSamples, spec: KeyTransformSpec, settings: FitSettings) -> KeyTransform:
@@ -129,50 +120,42 @@ def fit_layer(samples: LayerSamples, spec: KeyTransformSpec, bits: Sequence[floa
     """Fit one attention layer at each preset of ``bits`` (one key transform for all of them).
 
     Keys are coded in the transform's domain; for the methods that predict values, the value
-    codebook is fitted to the residuals of a linear prediction from the dequantized keys (what the
+    side is fitted to the residuals of a linear prediction from the dequantized keys (what the
     cache reads, not the exact keys). The refining methods (with ``settings.refine``) then move
     both codebooks to lower the attention-output error of ``module`` (the layer's transformers
     attention module: its output projection, scaling and sliding window); with
     ``settings.weighted_codes`` the layer stores its error metrics. ``key_seed`` seeds the key
-    codebook, refinement and the key codec's tables, ``value_seed`` the value codebook. With
-    ``settings.key_codec_states`` / ``value_codec_states`` the keys / values get the trellis codec
-    (the codebooks are fitted and refined as without and stay in the file; the codec codes in their
-    place; the value codec's tables are seeded by ``value_seed``)."""
+    side's fit and refinement, ``value_seed`` the value side's. Each side is fitted by its codec
+    (``settings.key_codec`` / ``value_codec``); refinement applies where both sides share a codec
+    that refines (:meth:`~vecinfer_compile.codecs.base.Codec.refine`)."""
     keys, values, queries = samples.keys, samples.values, samples.queries
     num_kv_heads, head_dim = keys.shape[0], keys.shape[-1]
+    key_codec, value_codec = registry.get(settings.key_codec), registry.get(settings.value_codec)
     transform = fit_key_transform(samples, spec, settings)
-    k_t = transform.keys(keys[None], samples.positions)  # [1, H_kv, N, D]
+    k_t = transform.keys(keys[None], samples.positions)[0]  # [H_kv, N, D]
     refine = settings.refine if spec.refine else None
     out_weight = None
     if refine is not None or settings.weighted_codes:
         out_weight = output_projection_weight(module, queries.shape[0], head_dim)
-    metrics = error_metrics(module, out_weight, transform, queries, num_kv_heads,
-                            head_dim) if settings.weighted_codes else ()
+    key_w, value_w = error_metrics(module, out_weight, transform, queries, num_kv_heads,
+                                   head_dim) if settings.weighted_codes else (None, None)
+    device = settings.device or k_t.device
     fit = LayerFit({})
     for b in bits:
-        preset = get_preset(b)
-        key_cb = fit_codebook(k_t, preset.key.entries, preset.key.dims, settings, key_seed)
+        key_code = key_codec.fit(k_t, "key", settings.context(b, key_w, key_seed))
         predictor, v_fit = None, values
         if spec.predict_values:
-            device = settings.device or k_t.device
-            kt_hat = quantize_dequantize(k_t.to(device), key_cb.to(device)).to(k_t.device)
+            kt_hat = key_codec.quantize_dequantize(key_code, k_t[None].to(device)).to(k_t.device)
             predictor = fit_value_predictor(kt_hat[0], values)
             v_fit = values - predictor(kt_hat)[0]
-        value_cb = fit_codebook(v_fit, preset.value.entries, preset.value.dims, settings, value_seed)
-        if refine is not None:
+        value_code = value_codec.fit(v_fit, "value", settings.context(b, value_w, value_seed))
+        refined = None
+        if refine is not None and key_codec is value_codec:
             attn = LayerAttention.of(module, out_weight, head_dim)
-            key_cb, value_cb, before, after = refine_codebooks(queries, keys, values, samples.lengths, transform,
-                                                               key_cb, value_cb, attn, refine, seed=key_seed,
-                                                               device=settings.device)
+            refined = key_codec.refine(queries, keys, values, samples.lengths, transform, key_code, value_code,
+                                       attn, refine, seed=key_seed, device=settings.device)
+        if refined is not None:
+            key_code, value_code, before, after = refined
             fit.loss_ratio[b] = round(after / before, 4) if before > 0 else 1.0
-        device = settings.device or k_t.device
-        key_codec = value_codec = None
-        if settings.key_codec_states is not None:
-            key_codec = TrellisCodec.fit(k_t[0].to(device), b, settings.key_codec_states,
-                                         metric=metrics[0] if metrics else None, seed=key_seed)
-        if settings.value_codec_states is not None:
-            value_codec = TrellisCodec.fit(values.to(device), b, settings.value_codec_states,
-                                           metric=metrics[1] if metrics else None, seed=value_seed)
-        fit.codebooks[b] = LayerCodebooks(transform, key_cb, value_cb, predictor, *(metrics or (None, None)),
-                                          key_codec, value_codec)
+        fit.codebooks[b] = LayerCodebooks(transform, key_code, value_code, predictor, key_w, value_w)
     return fit

@@ -13,7 +13,6 @@ from ..heartbeat import reporting
 from ..hf.layer_kinds import kv_producers
 from ..quant.query_aware import DEFAULT_RIDGE
 from ..quant.refine import RefineConfig
-from ..presets import DEFAULT_TRELLIS_STATES
 from ..simulate import attention_modules
 from .fit import FitSettings, fit_layer
 from .metadata import calibration_metadata
@@ -44,7 +43,7 @@ def calibrate(
     weighted_codes: bool | None = None,
     key_codec: str | None = None,
     value_codec: str | None = None,
-    trellis_states: int = DEFAULT_TRELLIS_STATES,
+    codec_options: dict | None = None,
     device=None,
     progress: bool = True,
 ) -> VecInferCodebooks:
@@ -68,11 +67,10 @@ def calibrate(
     for keys, ``o_proj``'s Gram matrix for values) and every path then chooses codes under them
     (:mod:`vecinfer_compile.quant.weighted_codes`; the codebooks are fitted as without). Both
     default to the method's (:data:`~vecinfer_compile.methods.VQ_METHODS`: ``qaware`` 8 and
-    True, the others 1 and False). ``key_codec="trellis"`` codes keys with a long-block code instead
-    of the key codebooks (per-head KLT, integer bits per component, a bitshift trellis of
-    ``trellis_states`` states: :mod:`vecinfer_compile.quant.trellis_codec`), ``value_codec="trellis"``
-    the values; such files run in the simulate path, and in VecInferCache (eager or compiled) when
-    both are set.
+    True, the others 1 and False). ``key_codec`` / ``value_codec`` name the registered
+    codec of each side (:mod:`vecinfer_compile.codecs`; None: the default codebooks), with
+    ``codec_options`` for them (e.g. ``{"states": 4096}``); files whose sides differ run in the
+    simulate path, and in VecInferCache (eager or compiled) when one codec codes both.
     By default every layer uses the preset of ``bits``;
     ``layer_bits`` gives one preset per layer instead (``bits`` is then ignored: their average
     is the file's bits), and ``allocate="retrieval"`` chooses them at an average of exactly
@@ -84,13 +82,13 @@ def calibrate(
     """
     plan = plan_calibration(model, bits, method, layer_bits=layer_bits, allocate=allocate, ridge=ridge,
                             refine=refine, key_parallel_weight=key_parallel_weight, weighted_codes=weighted_codes,
-                            key_codec=key_codec, value_codec=value_codec, trellis_states=trellis_states)
+                            key_codec=key_codec, value_codec=value_codec, codec_options=codec_options)
     device = device or next(model.parameters()).device
     token_ids = calibration_token_ids(tokenizer, texts, max_tokens)
     recording = record(model, token_ids, plan, seq_len, progress)
     settings = FitSettings(iters=iters, max_vectors=max_fit_vectors, device=device, ridge=ridge,
                            rope_inv_freq=plan.rope_inv_freq, refine=plan.refine, weighted_codes=plan.weighted_codes,
-                           key_codec_states=plan.key_codec_states, value_codec_states=plan.value_codec_states)
+                           key_codec=plan.key_codec, value_codec=plan.value_codec, codec_options=plan.codec_options)
     needs_modules = plan.refine is not None or plan.weighted_codes
     modules = {m.layer_idx: m for m in attention_modules(model)} if needs_modules else {}
     fitted: dict[int, dict[float, LayerCodebooks]] = {}

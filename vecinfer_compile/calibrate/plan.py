@@ -3,7 +3,7 @@ each layer is fitted at, and what the recording needs (queries, positions, windo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,7 +11,8 @@ from ..allocate import allocation_choices
 from ..codebooks import model_geometry
 from ..hf.layer_kinds import coded_layers
 from ..methods import VQ_METHODS, KeyTransformSpec, check_method
-from ..presets import DEFAULT_TRELLIS_STATES, check_trellis_states, get_preset
+from ..codecs import registry
+from ..presets import get_preset
 from ..quant.refine import RefineConfig
 from ..quant.rope import model_rope_frequencies
 from ..quant.score_aware import check_parallel_weight
@@ -25,9 +26,9 @@ class CalibrationPlan:
     presets (every layer must then be recorded); ``coded``: per decoder layer, whether a
     VecInferCache codes it (:func:`~vecinfer_compile.hf.layer_kinds.coded_layers`); ``refine``: how
     centroids are refined (None: the method does not refine); ``rope_inv_freq [r/2]``: the
-    model's RoPE frequencies for the pre-RoPE methods (else None); ``key_codec_states`` /
-    ``value_codec_states``: ``L`` when keys / values are coded by the trellis codec of ``2^L``
-    states (:mod:`vecinfer_compile.quant.trellis_codec`), None for the codebooks' own codes."""
+    model's RoPE frequencies for the pre-RoPE methods (else None); ``key_codec`` /
+    ``value_codec``: the registered codec of each side (:mod:`vecinfer_compile.codecs`) and
+    ``codec_options`` their options."""
 
     method: str
     spec: KeyTransformSpec
@@ -40,8 +41,9 @@ class CalibrationPlan:
     ridge: float
     refine: RefineConfig | None
     rope_inv_freq: torch.Tensor | None
-    key_codec_states: int | None = None
-    value_codec_states: int | None = None
+    key_codec: str = registry.DEFAULT
+    value_codec: str = registry.DEFAULT
+    codec_options: dict = field(default_factory=dict)
 
     @property
     def with_queries(self) -> bool:
@@ -59,7 +61,7 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
                      allocate: str | None, ridge: float, refine: RefineConfig | None,
                      key_parallel_weight: float | None, weighted_codes: bool | None,
                      key_codec: str | None = None, value_codec: str | None = None,
-                     trellis_states: int = DEFAULT_TRELLIS_STATES) -> CalibrationPlan:
+                     codec_options: dict | None = None) -> CalibrationPlan:
     """The plan of :func:`~vecinfer_compile.calibrate.calibrate` for ``model`` (its arguments of
     the same names), or a ValueError naming the fix for arguments it cannot run."""
     if layer_bits is not None and allocate is not None:
@@ -96,9 +98,10 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
     if weighted_codes and (spec.pre_rope or spec.predict_values):
         raise ValueError(f"weighted codes need keys whose scores the query transform keeps exact and plain value "
                          f"codes; method {method!r} has neither: use --method qaware (or vecinfer)")
-    key_codec_states, value_codec_states = (_check_codec(kind, codec, trellis_states, spec, method, candidates,
-                                                         head_dim)
-                                            for kind, codec in (("key", key_codec), ("value", value_codec)))
+    key_codec, value_codec = key_codec or registry.DEFAULT, value_codec or registry.DEFAULT
+    codec_options = dict(codec_options or {})
+    for side, name in (("key", key_codec), ("value", value_codec)):
+        _check_codec(side, name, codec_options, spec, method, candidates, head_dim)
     return CalibrationPlan(
         method=method,
         spec=spec,
@@ -111,28 +114,18 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
         ridge=ridge,
         refine=refine if spec.refine else None,
         rope_inv_freq=model_rope_frequencies(model, head_dim) if spec.pre_rope else None,
-        key_codec_states=key_codec_states,
-        value_codec_states=value_codec_states,
+        key_codec=key_codec,
+        value_codec=value_codec,
+        codec_options=codec_options,
     )
 
 
-def _check_codec(kind: str, codec: str | None, states: int, spec: KeyTransformSpec, method: str,
-                 candidates: list[tuple[float, ...]], head_dim: int) -> int | None:
-    """``L`` for a ``"trellis"`` codec of ``kind`` (``"key"`` or ``"value"``) with ``2^L = states``
-    trellis states, None for no codec; a ValueError naming the fix for a codec, state count, method
-    or bits it cannot run."""
-    if codec is None:
-        return None
-    if codec != "trellis":
-        raise ValueError(f"{kind}_codec must be 'trellis' or None, got {codec!r}")
-    if states < 2 or states & (states - 1) or states > 1 << 16:
-        raise ValueError(f"trellis_states must be a power of two in 2..65536, got {states}")
-    if spec.predict_values:
-        raise ValueError(f"method {method!r} predicts values from the key codebooks' codes; the trellis {kind} codec "
-                         "needs plain key and value codes: use --method qaware (or vecinfer)")
-    for b in {b for c in candidates for b in c}:
-        check_trellis_states(b, states, "raise trellis_states")
-        if abs(b * head_dim - round(b * head_dim)) > 1e-9:
-            raise ValueError(f"the trellis {kind} codec spends a whole number of bits a vector: {b:g} bits x "
-                             f"head_dim {head_dim} is not one; choose other bits")
-    return states.bit_length() - 1
+def _check_codec(side: str, name: str, options: dict, spec: KeyTransformSpec, method: str,
+                 candidates: list[tuple[float, ...]], head_dim: int) -> None:
+    """A ValueError naming the fix for a codec of ``side`` (``"key"`` or ``"value"``), its options, the
+    method or the bits it cannot run."""
+    codec = registry.get(name)
+    if name != registry.DEFAULT and spec.predict_values:
+        raise ValueError(f"method {method!r} predicts values from the default codec's key codes; the {name} {side} "
+                         "codec needs plain key and value codes: use --method qaware (or vecinfer)")
+    codec.check_plan(sorted({b for c in candidates for b in c}), head_dim, options)

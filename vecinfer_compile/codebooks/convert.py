@@ -10,7 +10,9 @@ returns them as the current format lays them out, each older format one step fro
   codebooks were fitted to uncentred keys, ``mu = 0``);
 - format 4: key means; every layer has attention (no ``attention_layers``);
 - format 5: no key codec (keys coded by the key codebooks);
-- format 6: no value codec (values coded by the value codebooks).
+- format 6: no value codec (values coded by the value codebooks);
+- format 7: the codebooks' centroids of both sides in every file, also where a codec codes that
+  side in their place; metadata names a side's codec only when it is not the codebooks.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from pathlib import Path
 import torch
 
 from ..methods import VQ_METHODS
+from ..codecs.registry import DEFAULT as DEFAULT_CODEC
 from .file_format import FORMAT
 
-FORMAT_V1, FORMAT_V2, FORMAT_V3, FORMAT_V4, FORMAT_V5, FORMAT_V6 = (f"vecinfer-codebooks/{n}" for n in range(1, 7))
-OLDER_FORMATS = (FORMAT_V6, FORMAT_V5, FORMAT_V4, FORMAT_V3, FORMAT_V2, FORMAT_V1)
+FORMAT_V1, FORMAT_V2, FORMAT_V3, FORMAT_V4, FORMAT_V5, FORMAT_V6, FORMAT_V7 = (f"vecinfer-codebooks/{n}" for n in range(1, 8))
+OLDER_FORMATS = (FORMAT_V7, FORMAT_V6, FORMAT_V5, FORMAT_V4, FORMAT_V3, FORMAT_V2, FORMAT_V1)
 
 
 def upgrade(meta: dict, tensors: dict[str, torch.Tensor], source: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -39,7 +42,7 @@ def upgrade(meta: dict, tensors: dict[str, torch.Tensor], source: str | Path) ->
         )
     meta, tensors = dict(meta), dict(tensors)
     steps = {FORMAT_V1: _v1_to_v2, FORMAT_V2: _v2_to_v3, FORMAT_V3: _v3_to_v4, FORMAT_V4: _v4_to_v5,
-             FORMAT_V5: _v5_to_v6, FORMAT_V6: _v6_to_v7}
+             FORMAT_V5: _v5_to_v6, FORMAT_V6: _v6_to_v7, FORMAT_V7: _v7_to_v8}
     for fmt in reversed(OLDER_FORMATS[:OLDER_FORMATS.index(old) + 1]):
         steps[fmt](meta, tensors, source)
     meta.update(format=FORMAT, converted_from=old)
@@ -94,3 +97,13 @@ def _v5_to_v6(meta: dict, tensors: dict, source) -> None:
 
 def _v6_to_v7(meta: dict, tensors: dict, source) -> None:
     """Nothing to change: format 7 added the value codec, which a format 6 file cannot have."""
+
+
+def _v7_to_v8(meta: dict, tensors: dict, source) -> None:
+    """Every side names its codec (the codebooks where format 7 named none), and a side another
+    codec codes keeps no centroids (format 7 stored them unread)."""
+    for side in ("key", "value"):
+        meta.setdefault(f"{side}_codec", DEFAULT_CODEC)
+        if meta[f"{side}_codec"] != DEFAULT_CODEC:
+            for name in [n for n in tensors if n.startswith("layers.") and n.endswith(f".{side}_centroids")]:
+                del tensors[name]

@@ -1,27 +1,23 @@
-"""The codebook file, format ``vecinfer-codebooks/7``: writing it, and the one strict reader of it
+"""The codebook file, format ``vecinfer-codebooks/8``: writing it, and the one strict reader of it
 (:mod:`.load` opens a file and converts an older format first, :mod:`.convert`).
 
-One safetensors file. Tensors ``layers.{i}.key_centroids [E_k, d_k]`` and
-``layers.{i}.value_centroids [E_v, d_v]`` (float32; each layer has its own preset) for every
-layer ``i`` of ``attention_layers`` (metadata: the decoder layers that have attention; a
-hybrid model's linear-attention, convolution or state-space layers hold no K/V and have no
-codebooks) and, stacked over those ``A`` layers: when the method smooths, ``lam [A, H_kv, D]``;
-for the query-aware methods ``key_matrix [A, H_kv, D, D]`` and ``query_matrix [A, H_kv, D, D]``
-(``A`` and ``A^(-T)``, see :mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` and
-``qaware_ridge_form`` they were made with; for the centring methods ``key_mean [A, H_kv, D]``
-(``mu``, subtracted from the keys before the rest of the transform,
-:mod:`vecinfer_compile.quant.transform`), absent only when the metadata says
-``uncentred_keys: true`` (codebooks of a centring method fitted before centring existed:
-``mu = 0``); for the pre-RoPE methods ``rope_inv_freq [r/2]`` (the model's RoPE frequencies,
-:mod:`vecinfer_compile.quant.rope`) and, when values are predicted from keys, ``value_matrix
-[A, H_kv, D, D]`` and ``value_bias [A, H_kv, D]`` (:mod:`vecinfer_compile.quant.value_prediction`);
-with error-weighted codes ``key_metric`` and ``value_metric [A, H_kv, D, D]``
-(:mod:`vecinfer_compile.quant.weighted_codes`); with the trellis codec of the keys (metadata
-``key_codec: "trellis"``, :mod:`vecinfer_compile.quant.trellis_codec`), ``key_codec.analysis`` and
-``key_codec.synthesis [A, H_kv, D, D]`` (inverses), ``key_codec.scale [A, H_kv]``,
-``key_codec.mean``, ``key_codec.variance`` and ``key_codec.bits [A, H_kv, D]`` (whole numbers,
-each head's summing to its layer's bits times ``D``) and ``key_codec.tables [A, H_kv, W, 2^L]``;
-with the trellis codec of the values (``value_codec: "trellis"``) the same as ``value_codec.*``. The safetensors metadata key ``"vecinfer"`` holds a
+One safetensors file. Each side's codes, keys and values, in the section of its codec (metadata
+``key_codec``, ``value_codec``: a registered codec's name, :mod:`vecinfer_compile.codecs`; the
+default codebooks' section is ``layers.{i}.key_centroids [E_k, d_k]`` and
+``layers.{i}.value_centroids [E_v, d_v]``, float32, each layer its own preset) for every layer ``i``
+of ``attention_layers`` (metadata: the decoder layers that have attention; a hybrid model's
+linear-attention, convolution or state-space layers hold no K/V and have no codes) and, stacked
+over those ``A`` layers: when the method smooths, ``lam [A, H_kv, D]``; for the query-aware methods
+``key_matrix [A, H_kv, D, D]`` and ``query_matrix [A, H_kv, D, D]`` (``A`` and ``A^(-T)``, see
+:mod:`vecinfer_compile.quant.query_aware`) and the ``qaware_ridge`` and ``qaware_ridge_form`` they
+were made with; for the centring methods ``key_mean [A, H_kv, D]`` (``mu``, subtracted from the
+keys before the rest of the transform, :mod:`vecinfer_compile.quant.transform`), absent only when
+the metadata says ``uncentred_keys: true`` (codebooks of a centring method fitted before centring
+existed: ``mu = 0``); for the pre-RoPE methods ``rope_inv_freq [r/2]`` (the model's RoPE
+frequencies, :mod:`vecinfer_compile.quant.rope`) and, when values are predicted from keys,
+``value_matrix [A, H_kv, D, D]`` and ``value_bias [A, H_kv, D]``
+(:mod:`vecinfer_compile.quant.value_prediction`); with error-weighted codes ``key_metric`` and
+``value_metric [A, H_kv, D, D]`` (:mod:`vecinfer_compile.quant.weighted_codes`). The safetensors metadata key ``"vecinfer"`` holds a
 JSON object: format, method, bits (the average over layers), ``layer_bits`` (one preset per
 layer), ``attention_layers``, the model geometry and a hash of it (``fingerprint``), the package
 version and the calibration's metadata (:mod:`vecinfer_compile.calibrate.metadata`: the model's
@@ -38,20 +34,19 @@ import torch
 from safetensors.torch import save_file
 
 from ..methods import VQ_METHODS
-from ..presets import get_preset
+from ..codecs import registry
+from ..codecs.base import SIDES
 from ..quant.transform import KeyTransform
-from ..quant.trellis_codec import PARTS as TRELLIS_PARTS, TrellisCodec
 from ..quant.value_prediction import ValuePredictor
 from ..hf.weight_fingerprint import check_fingerprint
 from .model import LayerCodebooks, VecInferCodebooks, geometry_fingerprint
 
-FORMAT = "vecinfer-codebooks/7"
+FORMAT = "vecinfer-codebooks/8"
 MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of a ridge-conditioned S)
-FILE_FIELDS = ("format", "method", "bits", "layer_bits", "attention_layers", "geometry", "fingerprint")
+FILE_FIELDS = ("format", "method", "bits", "layer_bits", "attention_layers", "geometry", "fingerprint",
+               "key_codec", "value_codec")
 READ_FIELDS = ("method", "bits", "geometry", "layer_bits", "attention_layers", "uncentred_keys",
                "key_codec", "value_codec")  # not kept as metadata
-CODEC = "trellis"  # the one codec of keys or values besides the codebooks' own codes
-CODED = ("key", "value")  # what a codec may code: tensors "{kind}_codec.*", metadata "{kind}_codec"
 
 
 def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
@@ -63,9 +58,12 @@ def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
     tensors = {}
     present = codebooks.attention_layers()
     layers = [codebooks.layers[i] for i in present]
-    for i, layer in zip(present, layers):
-        tensors[f"layers.{i}.key_centroids"] = layer.key_centroids.float().cpu()
-        tensors[f"layers.{i}.value_centroids"] = layer.value_centroids.float().cpu()
+    codec_names = {}
+    for side in SIDES:
+        codes = [getattr(l, f"{side}s") for l in layers]
+        codec = registry.of(codes[0])
+        codec_names[f"{side}_codec"] = codec.name
+        tensors.update(codec.write(side, codes, present))
     if layers[0].transform.lam is not None:
         tensors["lam"] = torch.stack([l.transform.lam.float().cpu() for l in layers])
     if layers[0].transform.key_matrix is not None:
@@ -78,9 +76,6 @@ def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
     if layers[0].key_metric is not None:
         tensors["key_metric"] = torch.stack([l.key_metric.float().cpu() for l in layers])
         tensors["value_metric"] = torch.stack([l.value_metric.float().cpu() for l in layers])
-    for kind in CODED:
-        if getattr(layers[0], f"{kind}_codec") is not None:
-            tensors.update(_codec_tensors(kind, [getattr(l, f"{kind}_codec") for l in layers]))
     if layers[0].value_predictor is not None:
         tensors["value_matrix"] = torch.stack([l.value_predictor.matrix.float().cpu() for l in layers])
         tensors["value_bias"] = torch.stack([l.value_predictor.bias.float().cpu() for l in layers])
@@ -93,7 +88,7 @@ def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
         "layer_bits": codebooks.bits_per_layer(),
         "attention_layers": present,
         **({"uncentred_keys": True} if uncentred else {}),
-        **{f"{kind}_codec": CODEC for kind in CODED if getattr(layers[0], f"{kind}_codec") is not None},
+        **codec_names,
         "rotate": layers[0].transform.rotate,
         "geometry": codebooks.geometry,
         "fingerprint": geometry_fingerprint(codebooks.geometry),
@@ -134,28 +129,12 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
     spec = VQ_METHODS[method]
     num_layers = geometry["num_layers"]
 
-    def tensor(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ValueError(f"{path}: tensor {name!r} is missing (corrupt file)")
-        return tensors[name]
-
     present = _attention_layers(path, meta, num_layers)
     layer_bits = [float(b) for b in meta["layer_bits"]]
-    key_c = [tensor(f"layers.{i}.key_centroids") for i in present]
-    value_c = [tensor(f"layers.{i}.value_centroids") for i in present]
     if len(layer_bits) != num_layers:
         raise ValueError(f"{path}: layer_bits has {len(layer_bits)} entries, its geometry says {num_layers} layers "
                          "(corrupt file)")
-    for i, kc, vc in zip(present, key_c, value_c):
-        b = layer_bits[i]
-        preset = get_preset(b)
-        expect_k = (preset.key.entries, preset.key.dims)
-        expect_v = (preset.value.entries, preset.value.dims)
-        if tuple(kc.shape) != expect_k or tuple(vc.shape) != expect_v:
-            raise ValueError(
-                f"{path}: layer {i} codebook shapes {tuple(kc.shape)}/{tuple(vc.shape)} do not match "
-                f"its {b:g}-bit preset {expect_k}/{expect_v} (corrupt file)"
-            )
+    codes = {side: _side_codes(path, side, meta, tensors, present, layer_bits, geometry) for side in SIDES}
     lam = tensors.get("lam")
     if spec.smooth and lam is None:
         raise ValueError(f"{path}: method {method!r} needs smoothing factors but the file has none")
@@ -170,82 +149,38 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
     mean = _key_mean(path, tensors, method, spec.center and not uncentred, geometry, len(present))
     inv_freq, value_m, value_b = _pre_rope_state(path, tensors, method, spec, geometry, len(present))
     key_w, value_w = _error_metrics(path, tensors, geometry, len(present))
-    key_codecs, value_codecs = (_codecs(path, kind, meta, tensors, geometry, [layer_bits[i] for i in present])
-                                for kind in CODED)
     layers: list[LayerCodebooks | None] = [None] * num_layers
     for n, i in enumerate(present):  # n: the layer's row in the stacked tensors
         layers[i] = LayerCodebooks(
             KeyTransform(geometry["head_dim"], lam[n] if lam is not None else None, spec.rotate,
                          None if key_m is None else key_m[n], None if query_m is None else query_m[n],
                          mean=None if mean is None else mean[n], rope_inv_freq=inv_freq),
-            key_c[n],
-            value_c[n],
+            codes["key"][n],
+            codes["value"][n],
             None if value_m is None else ValuePredictor(value_m[n], value_b[n]),
             None if key_w is None else key_w[n],
             None if value_w is None else value_w[n],
-            None if key_codecs is None else key_codecs[n],
-            None if value_codecs is None else value_codecs[n],
         )
     keep = {k: v for k, v in meta.items() if k not in READ_FIELDS}
     return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
 
-def _codec_tensors(kind: str, codecs: list) -> dict[str, torch.Tensor]:
-    """``{kind}_codec.*`` tensors stacked over the attention layers' ``codecs``
-    (:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec`); tables padded to the widest."""
-    parts = [c.to_tensors() for c in codecs]
-    width = max(p["tables"].shape[1] for p in parts)
-    out = {f"{kind}_codec.{name}": torch.stack([p[name] for p in parts]) for name in TRELLIS_PARTS if name != "tables"}
-    out[f"{kind}_codec.tables"] = torch.stack([torch.nn.functional.pad(p["tables"], (0, 0, 0, width - p["tables"].shape[1]))
-                                           for p in parts])
-    return out
 
-
-def _codecs(path: Path, kind: str, meta: dict, tensors: dict, geometry: dict, layer_bits: list[float]):
-    """One :class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec` per attention layer of a
-    file whose metadata names a codec of ``kind`` (``"key"`` or ``"value"``; None for the others), checked: every part present,
-    shaped for the geometry, finite, analysis and synthesis inverses, each head's bits summing to its
-    layer's."""
-    names = [f"{kind}_codec.{p}" for p in TRELLIS_PARTS]
-    codec = meta.get(f"{kind}_codec")
-    label, fix = f"the {kind} codec", f"`vecinfer calibrate --{kind}-codec trellis`"
-    if codec is None:
-        stray = [n for n in names if n in tensors]
+def _side_codes(path: Path, side: str, meta: dict, tensors: dict, present: list[int], layer_bits: list[float],
+               geometry: dict) -> list:
+    """The codes of ``side`` (``"key"`` or ``"value"``) of every attention layer, read by the codec the
+    metadata names (checked strictly by it); a file holding another registered codec's section of
+    ``side`` is refused as corrupt."""
+    name = meta.get(f"{side}_codec")
+    if name not in registry.names():
+        raise ValueError(f"{path}: {side} codec {name!r} is unknown to this version (it knows "
+                         f"{', '.join(registry.names())}): install the version that wrote it")
+    codec = registry.get(name)
+    for other in registry.all_codecs():
+        stray = [] if other is codec else other.tensor_names(side, tensors)
         if stray:
-            raise ValueError(f"{path}: it has {stray} but its metadata names no {kind} codec (corrupt file): "
-                             "recalibrate with `vecinfer calibrate`")
-        return None
-    if codec != CODEC:
-        raise ValueError(f"{path}: {kind} codec {codec!r} is unknown to this version (it knows {CODEC!r}): "
-                         "install the version that wrote it")
-    missing = [n for n in names if n not in tensors]
-    if missing:
-        raise ValueError(f"{path}: {label} needs {missing} (corrupt file): recalibrate with {fix}")
-    a, h, d = len(layer_bits), geometry["num_kv_heads"], geometry["head_dim"]
-    t = {p: tensors[f"{kind}_codec.{p}"].float() for p in TRELLIS_PARTS}
-    tables = t["tables"]
-    expect = {"analysis": (a, h, d, d), "synthesis": (a, h, d, d), "mean": (a, h, d), "variance": (a, h, d),
-              "scale": (a, h), "bits": (a, h, d)}
-    bad = [f"{p} {tuple(t[p].shape)} (needs {e})" for p, e in expect.items() if tuple(t[p].shape) != e]
-    states = tables.shape[-1] if tables.dim() == 4 else 0
-    if tables.dim() != 4 or tables.shape[:2] != (a, h) or states < 2 or states & (states - 1):
-        bad.append(f"tables {tuple(tables.shape)} (needs [{a}, {h}, widths, 2^L])")
-    if bad:
-        raise ValueError(f"{path}: {kind} codec tensors misshapen: {'; '.join(bad)} (corrupt file)")
-    if not all(torch.isfinite(x).all() for x in t.values()):
-        raise ValueError(f"{path}: {label} holds NaN or inf (corrupt file): recalibrate with {fix}")
-    bits = t["bits"]
-    budgets = [round(b * d) for b in layer_bits]
-    ok = (bits == bits.round()).all() and bits.min() >= 0 and bits.max() <= tables.shape[2] \
-        and all((bits[n].sum(-1) == budgets[n]).all() for n in range(a))
-    if not ok:
-        raise ValueError(f"{path}: {label}'s bits are not whole numbers in [0, {tables.shape[2]}] that sum to "
-                         f"each layer's bits times {d} (corrupt file)")
-    eye = torch.eye(d, dtype=torch.float64)
-    err = (t["analysis"].double() @ t["synthesis"].double() - eye).abs().amax().item()
-    if not err <= MATRIX_TOLERANCE:
-        raise ValueError(f"{path}: {label}'s synthesis is not the inverse of its analysis (max error "
-                         f"{err:.3g}; corrupt file)")
-    return [TrellisCodec.from_tensors({p: x[n] for p, x in t.items()}) for n in range(a)]
+            raise ValueError(f"{path}: it has {stray[:3]} of the {other.name} codec but its metadata names the "
+                             f"{name} codec for the {side}s (corrupt file): recalibrate with `vecinfer calibrate`")
+    return codec.read(side, tensors, path=path, present=present, layer_bits=layer_bits, geometry=geometry)
 
 
 def _error_metrics(path: Path, tensors: dict, geometry: dict, layers: int):

@@ -14,14 +14,15 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..codecs.base import Codec
+from ..codecs.registry import DEFAULT as DEFAULT_CODEC, of as codec_of
 from ..presets import Preset, get_preset
-from ..quant.byte_centroids import snap_centroids
 from ..quant.score_aware import check_parallel_weight
 from ..quant.transform import KeyTransform
-from ..quant.trellis_codec import TrellisCodec
 from ..quant.value_prediction import ValuePredictor
 from ..hf.weight_fingerprint import TOLERANCE, fingerprint_distance, graph_weights, weight_fingerprint
 
@@ -65,36 +66,37 @@ def geometry_fingerprint(geometry: dict) -> str:
 
 @dataclass
 class LayerCodebooks:
-    """One attention layer's quantizer. key_centroids: ``[E_k, d_k]``; value_centroids: ``[E_v, d_v]``
-    (float32); transform: smoothing factors ``[H_kv, D]`` or query-aware matrices
-    ``[H_kv, D, D]``, and/or rotation, after an optional key mean ``[H_kv, D]`` (and RoPE undone
-    first for the pre-RoPE methods); value_predictor: the methods that code values as the residual
-    of a prediction from the dequantized key, None otherwise (value_centroids then quantize that
-    residual). Books of more than 256 entries hold 7-bit centroids, snapped here (the CUDA decode
-    kernel's byte books: :mod:`vecinfer_compile.quant.byte_centroids`), so that every path reads
-    the same values. key_metric / value_metric: ``[H_kv, D, D]`` float32, the error metrics that
-    error-weighted codes are chosen under (:mod:`vecinfer_compile.quant.weighted_codes`), or both
-    None (nearest-centroid or score-aware codes). key_codec: a long-block code of the keys in the
-    transform's domain (:class:`~vecinfer_compile.quant.trellis_codec.TrellisCodec`) that codes
-    them in place of key_centroids, or None; value_codec: the same for the values (in place of
-    value_centroids), or None; the simulate path and VecInferCache (eager or compiled) run them,
-    the compiled backend's rewrite of attention without a cache not
-    (:meth:`VecInferCodebooks.check_compiled_simulate`)."""
+    """One attention layer's quantizer. ``transform``: the key transform (smoothing factors
+    ``[H_kv, D]`` or query-aware matrices ``[H_kv, D, D]``, and/or rotation, after an optional key
+    mean ``[H_kv, D]``, RoPE undone first for the pre-RoPE methods); ``keys``, ``values``: each
+    side's code, keys in the transform's domain, of a registered codec
+    (:mod:`vecinfer_compile.codecs`: the codebooks' centroids ``[E, d]`` float32 by default);
+    ``value_predictor``: the methods that code values as the residual of a prediction from the
+    dequantized key, None otherwise (``values`` then code that residual); ``key_metric`` /
+    ``value_metric``: ``[H_kv, D, D]`` float32, the error metrics that error-weighted codes are
+    chosen under (:mod:`vecinfer_compile.quant.weighted_codes`), or both None."""
 
     transform: KeyTransform
-    key_centroids: torch.Tensor
-    value_centroids: torch.Tensor
+    keys: Any
+    values: Any
     value_predictor: ValuePredictor | None = None
     key_metric: torch.Tensor | None = None
     value_metric: torch.Tensor | None = None
-    key_codec: TrellisCodec | None = None
-    value_codec: TrellisCodec | None = None
 
     def __post_init__(self) -> None:
-        self.key_centroids = snap_centroids(self.key_centroids)
-        self.value_centroids = snap_centroids(self.value_centroids)
+        self.keys = self.key_codec.normalize(self.keys)
+        self.values = self.value_codec.normalize(self.values)
         if (self.key_metric is None) != (self.value_metric is None):
             raise ValueError("key_metric and value_metric go together (error-weighted codes of keys and values)")
+
+    @property
+    def key_codec(self) -> Codec:
+        """The codec of the keys' code (:mod:`vecinfer_compile.codecs.registry`)."""
+        return codec_of(self.keys)
+
+    @property
+    def value_codec(self) -> Codec:
+        return codec_of(self.values)
 
 
 def average_bits(layer_bits: list[float]) -> float:
@@ -160,28 +162,23 @@ class VecInferCodebooks:
         return self.layer(self.attention_layers()[0]).key_metric is not None
 
     @property
-    def key_codec(self) -> str | None:
-        """The long-block codec that codes keys in place of the key codebooks
-        (:mod:`vecinfer_compile.quant.trellis_codec`: ``"trellis"``), or None."""
-        return "trellis" if self.layer(self.attention_layers()[0]).key_codec is not None else None
-
-    @property
-    def value_codec(self) -> str | None:
-        """The long-block codec that codes values in place of the value codebooks (``"trellis"``), or None."""
-        return "trellis" if self.layer(self.attention_layers()[0]).value_codec is not None else None
+    def codecs(self) -> tuple[str, str]:
+        """The names of the codecs of the keys and of the values (every layer's)."""
+        layer = self.layer(self.attention_layers()[0])
+        return layer.key_codec.name, layer.value_codec.name
 
     def check_compiled_simulate(self) -> None:
-        """Raise a ValueError naming the fix if these codebooks code keys or values with a codec that
-        the compiled backend's rewrite of attention without a VecInferCache (the compiled simulate
-        path, which codes with the codebooks) cannot run: the trellis codec runs compiled over a
+        """Raise a ValueError naming the fix if these codebooks code keys or values with a codec other
+        than the default: the compiled backend's rewrite of attention without a VecInferCache (the
+        compiled simulate path) codes with the codebooks; the others run compiled over a
         VecInferCache, and in the eager simulate path."""
-        coded = [f"{kind} with the {codec} codec" for kind, codec in (("keys", self.key_codec),
-                                                                      ("values", self.value_codec)) if codec]
+        coded = [f"{kind} with the {name} codec" for kind, name in zip(("keys", "values"), self.codecs)
+                 if name != DEFAULT_CODEC]
         if coded:
             raise ValueError(
                 f"these codebooks code {' and '.join(coded)}, which vecinfer_backend runs over a VecInferCache "
                 "only (generate with cache=VecInferCache(...)); this graph attends without one: run it uncompiled "
-                "(the simulate path: vecinfer eval-ppl), or calibrate without --key-codec / --value-codec")
+                "(the simulate path: vecinfer eval-ppl), or calibrate with the default codec")
 
     @property
     def key_parallel_weight(self) -> float:
@@ -220,13 +217,13 @@ class VecInferCodebooks:
         counts: dict[str, int] = {}
         for layer in filter(None, self.layers):
             t = layer.transform
-            parts = (("codebooks", layer.key_centroids), ("codebooks", layer.value_centroids),
-                     ("smoothing factors", t.lam), ("query-aware matrices", t.key_matrix),
+            parts = (("smoothing factors", t.lam), ("query-aware matrices", t.key_matrix),
                      ("query-aware matrices", t.query_matrix), ("key means", t.mean),
                      ("error metrics", layer.key_metric), ("error metrics", layer.value_metric))
-            for kind, codec in (("key codec", layer.key_codec), ("value codec", layer.value_codec)):
-                if codec is not None:
-                    parts += tuple((kind, t) for t in codec.to_tensors().values())
+            for side, code in (("key", layer.keys), ("value", layer.values)):
+                codec = codec_of(code)
+                kind = "codebooks" if codec.name == DEFAULT_CODEC else f"{side} codec"
+                parts += tuple((kind, t) for t in codec.state_tensors(code))
             if layer.value_predictor is not None:
                 parts += (("value predictors", layer.value_predictor.matrix),
                           ("value predictors", layer.value_predictor.bias))

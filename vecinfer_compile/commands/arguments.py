@@ -37,7 +37,7 @@ def count(minimum: int):
 
 
 def power_of_two(text: str) -> int:
-    """A power of two from 2 to 65536 (trellis states)."""
+    """A power of two from 2 to 65536 (a state count)."""
     value = count(2)(text)
     if value & (value - 1) or value > 1 << 16:
         raise argparse.ArgumentTypeError(f"must be a power of two from 2 to 65536, got {value}")

@@ -8,10 +8,12 @@ import sys
 import time
 
 from ..methods import VQ_METHODS, normalize_bits
-from ..presets import DEFAULT_TRELLIS_STATES, allocation_choices, check_trellis_states
+from ..codecs import registry
+from ..presets import allocation_choices
 from . import add_calib_args, add_model_args, add_progress_arg
 from .arguments import bits_arg, check_positions, layer_bits_arg, new_file, power_of_two, real, text_file
 
+TRELLIS_STATES = 4096  # the trellis codec's default (vecinfer_compile/codecs/trellis)
 HELP = "fit VecInfer (or ablation) codebooks on a text and save them"
 REFINED = [m for m, spec in VQ_METHODS.items() if spec.refine]
 # Said in --help and when such a run starts: these methods refine their centroids against the
@@ -57,17 +59,17 @@ def register(subparsers) -> None:
                         "and choose codes under them in every path, same bytes and decode kernels "
                         "(docs/results.md; default: on for qaware, off for the other methods; with 4096-entry books "
                         "(3, 1.5, 1.25 bits) it makes a decode step's append about 12x the nearest codes' at 1.5 bits)")
-    p.add_argument("--key-codec", choices=["trellis"], default=None,
+    p.add_argument("--key-codec", choices=registry.names(), default=None,
                    help="code keys with a long-block code instead of the key codebooks: per-head KLT, integer bits "
                         "per component, a bitshift trellis (docs/results/accuracy.md); same bits a key. "
                         "VecInferCache (eager or compiled) runs it with --value-codec trellis too; keys alone run in "
                         "simulate mode")
-    p.add_argument("--value-codec", choices=["trellis"], default=None,
+    p.add_argument("--value-codec", choices=registry.names(), default=None,
                    help="code values with the same long-block code, under o_proj's error metric with "
                         "--weighted-codes; same bits a value, as --key-codec runs")
     p.add_argument("--trellis-states", type=power_of_two, default=None, metavar="S",
                    help=f"with --key-codec or --value-codec trellis: trellis states, a power of two (default "
-                        f"{DEFAULT_TRELLIS_STATES}; more: closer to the bound, slower to encode)")
+                        f"{TRELLIS_STATES}; more: closer to the bound, slower to encode)")
     add_calib_args(p)
     p.add_argument("--out", required=True, metavar="FILE", type=new_file,
                    help="output .safetensors file (a new path: an existing file is not overwritten)")
@@ -83,9 +85,8 @@ def memory_summary(cb) -> str:
 
     state = cb.state_bytes()
     parts = ", ".join(f"{kind} {n:,}" for kind, n in state.items())
-    codecs = state.get("key codec", 0) + state.get("value codec", 0)  # the method's formula knows no codec
-    if cb.key_codec and cb.value_codec:  # a trellis cache holds no centroids
-        codecs -= state["codebooks"]
+    # the method's formula counts the codebooks' books: another codec's state in place of a side's
+    codecs = state.get("key codec", 0) + state.get("value codec", 0) - _books_of_other_codecs(cb)
     acc, windowed = (dataclasses.replace(b, fixed_bytes=b.fixed_bytes + codecs) for b in (
         kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, weighted_codes=cb.weighted_codes),
         kv_bytes(cb.method, cb.bits, cb.geometry, layer_bits=cb.layer_bits, residual=DEFAULT_RESIDUAL,
@@ -98,14 +99,29 @@ def memory_summary(cb) -> str:
             + _uncoded_note(cb) + _where_it_runs_note(cb))
 
 
+def _books_of_other_codecs(cb) -> int:
+    """Float32 bytes of the books the method's formula counts for the sides another codec codes."""
+    from ..codecs.registry import DEFAULT
+    from ..presets import get_preset
+
+    total = 0
+    for side, name in zip(("key", "value"), cb.codecs):
+        if name != DEFAULT:
+            for i in cb.attention_layers():
+                spec = getattr(cb.layer_preset(i), side)
+                total += 4 * spec.entries * spec.dims
+    return total
+
+
 def _where_it_runs_note(cb) -> str:
-    """For codebooks that do not run everywhere (simulate-only methods, a trellis codec on one side): where they run."""
+    """For codebooks that do not run everywhere (simulate-only methods, sides of two codecs): where they run."""
     from ..methods import SIMULATE_ONLY
 
-    coded = [kind for kind, codec in (("keys", cb.key_codec), ("values", cb.value_codec)) if codec]
-    if len(coded) == 1:
-        return (f"\n(only the {coded[0]} coded by the trellis codec: these codebooks run in simulate mode "
-                "(vecinfer eval-ppl, ablation); VecInferCache needs --key-codec and --value-codec trellis together)")
+    key_codec, value_codec = cb.codecs
+    if key_codec != value_codec:
+        return (f"\n(keys coded by the {key_codec} codec, values by the {value_codec} codec: these codebooks run in "
+                "simulate mode (vecinfer eval-ppl, ablation); VecInferCache needs one codec for both "
+                "(--key-codec and --value-codec alike))")
     if cb.method not in SIMULATE_ONLY:
         return ""
     return (f"\n({cb.method} has no VecInferCache yet: the figures above are what one would hold; its codebooks "
@@ -123,6 +139,11 @@ def _uncoded_note(cb) -> str:
             "layer as coded)")
 
 
+def codec_options(args) -> dict:
+    """The codecs' options from the command line (:meth:`vecinfer_compile.codecs.base.Codec.check_plan`)."""
+    return {} if args.trellis_states is None else {"states": args.trellis_states}
+
+
 def check_args(args) -> float | None:
     """The checks that need no model; returns the preset bits (None with --layer-bits)."""
     if (args.bits is None) == (args.layer_bits is None):
@@ -135,12 +156,11 @@ def check_args(args) -> float | None:
         allocation_choices(bits)
     for b in args.layer_bits or ():
         normalize_bits(args.method, b)
-    if args.trellis_states is not None and args.key_codec is None and args.value_codec is None:
+    if args.trellis_states is not None and "trellis" not in (args.key_codec, args.value_codec):
         raise ValueError("--trellis-states is for --key-codec / --value-codec trellis: add one, or drop "
                          "--trellis-states")
-    states = args.trellis_states or DEFAULT_TRELLIS_STATES
-    for b in ((args.layer_bits or [bits]) if args.key_codec or args.value_codec else ()):
-        check_trellis_states(b, states)
+    for name in {args.key_codec, args.value_codec} - {None}:
+        registry.get(name).check_plan(list(args.layer_bits or [bits]), None, codec_options(args))
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
         raise ValueError(f"--ridge is for the query-aware methods "
                          f"({', '.join(m for m, spec in VQ_METHODS.items() if spec.query_aware)}), not {args.method!r}")
@@ -175,7 +195,7 @@ def run(args) -> int:
                    max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters,
                    seed=args.seed, progress=args.progress, key_parallel_weight=args.key_parallel_weight,
                    weighted_codes=args.weighted_codes, key_codec=args.key_codec, value_codec=args.value_codec,
-                   trellis_states=args.trellis_states or DEFAULT_TRELLIS_STATES,
+                   codec_options=codec_options(args),
                    **({} if args.ridge is None else {"ridge": args.ridge}))
     path = cb.save(args.out)
     per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"

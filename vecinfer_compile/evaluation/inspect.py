@@ -85,7 +85,10 @@ def codebook_usage(qkv: dict[int, tuple[torch.Tensor, ...]], codebooks, score_to
     per_layer, all_counts = [], []
     for layer, (q, k, _) in qkv.items():
         lc = codebooks.layer(layer)
-        cent = lc.key_centroids.float()
+        if not isinstance(lc.keys, torch.Tensor):
+            raise ValueError(f"codebook usage reads key codebooks; these keys are coded by the {lc.key_codec.name} "
+                             "codec, which has none: inspect a file calibrated with the default codec")
+        cent = lc.keys.float()
         kt = lc.transform.keys(k[None])  # [1, H, N, D]
         codes = encode(kt, cent)
         counts = torch.bincount(codes.reshape(-1).long(), minlength=cent.shape[0])

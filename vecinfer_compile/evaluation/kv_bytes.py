@@ -156,9 +156,9 @@ class CacheBytes:
     """The bytes a :class:`~vecinfer_compile.cache.VecInferCache` holds on its device (this rank's
     under tensor parallelism), by how they grow; ``total`` equals ``cache.kv_bytes()``.
 
-    - ``fixed``: codebooks, smoothing factors, rotation, query-aware matrices, key means, error
-      metrics (float32) and the trellis codecs' operands (:class:`~vecinfer_compile.ops.trellis.TrellisOperands`,
-      their encode parts in float64): the same whatever the length and batch.
+    - ``fixed``: the codec's operands (:meth:`~vecinfer_compile.codecs.base.Codec.operands`: the
+      codebooks, or another codec's state), smoothing factors, rotation, query-aware matrices, key
+      means and error metrics (float32): the same whatever the length and batch.
     - ``codes``: the code slots ``[B, H, max_cache_len, W]`` uint8, keys and values, every layer:
       allocated for every slot up front.
     - ``window``: the full-precision window ``[B, H, R, D]`` in the cache dtype and the counters.
@@ -179,8 +179,7 @@ class CacheBytes:
         return self.fixed + self.codes + self.window + self.full_precision_layers
 
 
-_FIXED_STATE = ("key_centroids", "value_centroids", "lam", "rotation", "key_matrix", "key_read", "key_mean",
-                "key_metric", "value_metric", "key_trellis", "value_trellis")
+_FIXED_STATE = ("operands", "lam", "rotation", "key_matrix", "key_read", "key_mean", "key_metric", "value_metric")
 _CODE_SLOTS = ("k_codes", "v_codes")
 _WINDOW_STATE = ("k_window", "v_window", "n_coded", "n_window")
 
@@ -197,8 +196,11 @@ def cache_bytes(cache) -> CacheBytes:
         total = 0
         for layer in coded:
             for name in names:
-                held_state = getattr(getattr(layer, part), name)
-                for t in held_state if isinstance(held_state, tuple) else (held_state,):  # a codec's operands
+                holder = getattr(layer, part)
+                held_state = getattr(holder, name)
+                if name == "operands":
+                    held_state = holder.codec.operand_tensors(held_state)
+                for t in held_state if isinstance(held_state, (tuple, list)) else (held_state,):
                     if t is not None and (t.data_ptr(), t.numel()) not in seen:
                         seen.add((t.data_ptr(), t.numel()))
                         total += t.numel() * t.element_size()

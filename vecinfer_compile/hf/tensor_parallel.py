@@ -75,13 +75,15 @@ def local_kv_heads(shard: TPShard | None, total: int) -> tuple[slice, int]:
 
 def local_layer(layer: LayerCodebooks, heads: slice) -> LayerCodebooks:
     """``layer`` with its per-KV-head transform state (``lam [Hkv, D]``, ``key_matrix`` /
-    ``query_matrix [Hkv, D, D]``, key ``mean [Hkv, D]``, error metrics ``[Hkv, D, D]``, float32) cut
-    to ``heads``; the codebooks are shared, unchanged."""
+    ``query_matrix [Hkv, D, D]``, key ``mean [Hkv, D]``, error metrics ``[Hkv, D, D]``, float32) and
+    each side's code (:meth:`~vecinfer_compile.codecs.base.Codec.select_heads`: the codebooks are
+    shared, unchanged) cut to ``heads``."""
     t = layer.transform
     cut = (lambda x: None if x is None else x[heads].contiguous())
     transform = replace(t, lam=cut(t.lam), key_matrix=cut(t.key_matrix), query_matrix=cut(t.query_matrix),
                         mean=cut(t.mean))
-    return LayerCodebooks(transform, layer.key_centroids, layer.value_centroids,
+    return LayerCodebooks(transform, layer.key_codec.select_heads(layer.keys, heads),
+                          layer.value_codec.select_heads(layer.values, heads),
                           key_metric=cut(layer.key_metric), value_metric=cut(layer.value_metric))
 
 

@@ -7,10 +7,10 @@ per op family, each with its schema, fake, dispatch and kernel choice:
 - :mod:`.encode`: ``encode``, ``quantize``, ``weigh_codes``;
 - :mod:`.dequantize`: ``cache_kv`` (the cache's eager read), ``prefill_read``, a chunk's prefix;
 - :mod:`.attention`: ``attention`` over codes (prefill, simulate);
-- :mod:`.split_attention`: chunk (``chunk_attention``) and windowed attention, merged by log-sum-exp;
-- :mod:`.trellis_ops`: ``trellis_encode``, ``trellis_append``, ``trellis_cache_kv``,
-  ``trellis_decode_attention``, ``trellis_chunk_attention``, a layer coded by the trellis codec
-  (:mod:`.trellis`: its operands, reference and decode step).
+- :mod:`.split_attention`: chunk (``chunk_attention``) and windowed attention, merged by log-sum-exp.
+
+These are the default codec's ops and the ones every codec shares (the split attention, the
+window's append rule); another codec's ops live in its package (:mod:`vecinfer_compile.codecs`).
 
 Kernels: :mod:`.cuda` (NVRTC) and :mod:`.triton`; :mod:`.reference` holds every float32 oracle;
 :mod:`.kernel_request` the user's choice of kernels; :mod:`.decode_inputs` the query-side inputs;
@@ -18,7 +18,7 @@ Kernels: :mod:`.cuda` (NVRTC) and :mod:`.triton`; :mod:`.reference` holds every 
 ``cache_kv`` implementations take, and their flat op functions.
 """
 
-from . import append, attention, decode, dequantize, encode, reference, trellis_ops
+from . import append, attention, decode, dequantize, encode, reference
 from .split_attention import chunk
 from .cuda.decode import decode_attention_cuda
 from .triton.attention import attention_triton
@@ -26,4 +26,4 @@ from .triton.decode import decode_attention_triton
 from .triton.encode import encode_triton
 
 __all__ = ["append", "attention", "attention_triton", "chunk", "decode", "decode_attention_cuda", "decode_attention_triton",
-           "dequantize", "encode", "encode_triton", "reference", "trellis_ops"]
+           "dequantize", "encode", "encode_triton", "reference"]

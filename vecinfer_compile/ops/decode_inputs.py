@@ -1,7 +1,7 @@
 """The inputs of ``vecinfer::decode_attention`` that come from outside the cache: the query-side
 transform (the exact inverse of the cache's key transform, so scores do not change) and the
 first attended slot of each batch row from HF's mask. Shared by the compiled rewrite
-(:mod:`vecinfer_compile.passes.cache_decode`, which emits these functions into the graph) and the
+(:mod:`vecinfer_compile.passes.cache_attention`, which emits these functions into the graph) and the
 eager one-token step (:mod:`vecinfer_compile.hf.eager_decode`)."""
 
 from __future__ import annotations

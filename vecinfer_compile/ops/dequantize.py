@@ -14,7 +14,7 @@ cache's *eager* read: ``K[b, h, t] = keys_inverse(decode(k_codes))[t]`` for
 ``t < n_coded``, ``keys_inverse(k_window[t - n_coded])`` for ``n_coded <= t < n_coded + n_window``,
 zero beyond; ``V`` likewise without the inverse transform. Both ``[B, Hkv, Tmax, D]`` in the
 window's dtype. The op is pure (no mutation) and opaque, so in a Dynamo graph it is one node whose
-arguments are exactly the cache state: :mod:`vecinfer_compile.passes.cache_decode` finds
+arguments are exactly the cache state: :mod:`vecinfer_compile.passes.cache_attention` finds
 ``scaled_dot_product_attention(q, <cache_kv>[0], <cache_kv>[1], mask)`` and replaces it with
 ``vecinfer::decode_attention`` over the codes, after which this node is dead and removed.
 """
@@ -117,7 +117,7 @@ def cache_kv(kv: CodedKV, lam: torch.Tensor | None, rotation: torch.Tensor | Non
 
 def prefill_read(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the prefill of an empty cache layer returns when compiled: its own K/V (copies: an op
-    cannot return its inputs), marked so that :mod:`vecinfer_compile.passes.cache_decode` keeps
+    cannot return its inputs), marked so that :mod:`vecinfer_compile.passes.cache_attention` keeps
     the attention over them in full precision, as the eager prefill does, instead of the generic
     rewrite quantizing it (the pass then reads the inputs directly and this node is dead).
     transformers compiles a chunked prefill's forwards when the cache is compileable, the first

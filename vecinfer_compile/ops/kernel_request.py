@@ -6,8 +6,7 @@ it while it compiles), the environment variable ``VECINFER_DECODE_KERNEL`` (benc
 ``"auto"``. ``"auto"`` runs a CUDA kernel where it supports the inputs and builds on this machine;
 ``"triton"`` runs none (Triton kernels and torch ops); an explicit ``"cuda"`` that cannot run
 raises instead of falling back. Each op family applies it in its own ``choose`` function
-(:mod:`.decode`, :mod:`.append`, :mod:`.encode`, and the trellis codec's :mod:`.trellis` and
-:mod:`.viterbi`).
+(:mod:`.decode`, :mod:`.append`, :mod:`.encode`, and each codec's own, :mod:`vecinfer_compile.codecs`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 from ..ops import append, kernel_request
 from ..ops.append import append_reference
 from ..ops.registry import is_op
-from .cache_decode import _example
+from .cache_attention import _example
 
 
 def rewrite_cache_append(gm: fx.GraphModule, decode_kernel: str | None = None) -> int:

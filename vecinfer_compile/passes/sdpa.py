@@ -58,7 +58,7 @@ from torch._dynamo.utils import counters
 
 from ..codebooks import LayerCodebooks
 from ..ops.encode import quantize_weighted
-from .cache_decode import CACHE_READ_META
+from .cache_attention import CACHE_READ_META
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 from ..ops.split_attention.windowed import window_plan, windowed_attention
 
@@ -108,7 +108,7 @@ class SdpaSite:
 
 
 def is_sdpa(node: fx.Node) -> bool:
-    """An SDPA call to rewrite: not one that :mod:`.cache_decode` left over a VecInferCache read
+    """An SDPA call to rewrite: not one that :mod:`.cache_attention` left over a VecInferCache read
     (its K/V are already dequantized codes)."""
     return node.op == "call_function" and node.target is SDPA and not node.meta.get(CACHE_READ_META)
 
@@ -323,8 +323,8 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
         k_t = emit.transform(site.key, lam, rotation, torch.div, "lam", key_m, transform.mean)
         k_in, v_in = k_t, site.value
         if quantize:
-            kc = emit.constant("key_centroids", layer.key_centroids.float())
-            vc = emit.constant("value_centroids", layer.value_centroids.float())
+            kc = emit.constant("key_centroids", layer.keys.float())  # the default codec's books
+            vc = emit.constant("value_centroids", layer.values.float())  # (check_compiled_simulate)
             weight = () if key_parallel_weight == 1.0 else (key_parallel_weight,)  # the schema's default: left out
             if layer.key_metric is not None:
                 km = emit.constant("key_metric", layer.key_metric.float())

@@ -21,8 +21,8 @@ log-sum-exp, merged by :func:`.lse_merge.merge_by_lse`:
   a few batch rows at a time (:data:`WORKSPACE_BYTES`) are decoded into a position-major
   workspace by the codec (:mod:`.prefix`: the codebooks' ``K~`` and ``V`` by
   :func:`..dequantize.dequantize_into`, the CUDA kernel of :mod:`..cuda.dequant` or the Triton one
-  of :mod:`..triton.dequant` where it cannot run; the trellis codec's unit entries, with its
-  queries and outputs taken to and from the components) and read by cuDNN attention
+  of :mod:`..triton.dequant` where it cannot run; another codec's own workspace, with its
+  queries and outputs taken to and from it) and read by cuDNN attention
   (``aten._scaled_dot_product_cudnn_attention``, GQA in the kernel) when no row is padded, else
   by torch's FlashAttention-2 in varlen mode (``aten._flash_attention_forward``: each row's keys
   start at its ``kv_start`` through the ``cum_seq_k`` offset and ``seqused_k``; no mask tensor).
@@ -45,13 +45,13 @@ Elsewhere (CPU, float32, other head dims, or a mask that is not causal + left pa
 :func:`..reference.chunk_attention` is the oracle the tests compare both with.
 
 **The op.** ``vecinfer::chunk_attention`` is the same attention as one graph node, what a compiled
-chunked prefill runs (:mod:`vecinfer_compile.passes.cache_decode` emits it)::
+chunked prefill runs (:mod:`vecinfer_compile.passes.cache_attention` emits it)::
 
     vecinfer::chunk_attention(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_centroids,
         Tensor v_centroids, Tensor n_coded, Tensor k_window, Tensor v_window, Tensor n_window,
         Tensor? attn_mask, float scale) -> Tensor
 
-(``vecinfer::trellis_chunk_attention`` of :mod:`..trellis_ops` for trellis codes), the decode
+(another codec's chunk op takes its own operands in place of the centroids), the decode
 op's arguments with ``q: [B, Hq, C, D]`` and a window ``[B, H, W, D]`` whose ``n_window`` filled
 slots end with the chunk's own ``C`` keys (``K~``) and values. It reads the two counters on the
 host (one sync), so it is opaque and tagged ``cudagraph_unsafe``: Inductor runs a chunk's graph
@@ -73,7 +73,7 @@ from ..reference import chunk_kv_dense, chunk_mask
 from ..registry import define
 from .flash import cudnn_serves, flash_serves
 from .lse_merge import flash_lse, merge_by_lse
-from .prefix import CodebookPrefix, TrellisPrefix
+from .prefix import CodebookPrefix
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ChunkKeys:
 
     k_codes: torch.Tensor
     v_codes: torch.Tensor
-    prefix: CodebookPrefix | TrellisPrefix
+    prefix: object  # a codec's prefix (:mod:`.prefix`'s protocol)
     n_coded: int
     k_full: torch.Tensor
     v_full: torch.Tensor
@@ -276,7 +276,7 @@ def chunk_attention(q: torch.Tensor, kv: CodedKV, attn_mask: torch.Tensor | None
 
 
 def attend_over_buffers(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                        prefix: CodebookPrefix | TrellisPrefix, n_coded: torch.Tensor, k_window: torch.Tensor,
+                        prefix, n_coded: torch.Tensor, k_window: torch.Tensor,
                         v_window: torch.Tensor, n_window: torch.Tensor, attn_mask: torch.Tensor | None,
                         scale: float) -> torch.Tensor:
     """The chunk ops' body for either codec: ``q: [B, Hq, C, D]`` (``q~``) over a layer's buffers

@@ -9,7 +9,7 @@ A row with no key in a set has ``L = -inf`` there; a row with none in either is 
 the windowed simulate attention (:mod:`.windowed`: quantized keys + the
 full-precision band) and the chunk attention over a compressed cache (:mod:`.chunk`:
 the coded prefix + the full-precision window and chunk). :func:`merge_splits` is the same merge
-over the splits of a flash-decoding kernel (the trellis decode kernels).
+over the splits of a flash-decoding kernel (a codec's split decode kernels).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import logging
 import torch
 
 from .cuda import viterbi as cuda_viterbi
-from .kernel_request import fall_back, requested
-from .triton.trellis import viterbi_codes
+from ...ops.kernel_request import fall_back, requested
+from .triton_kernels import viterbi_codes
 
 
 def choose_viterbi(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> str:

@@ -25,7 +25,7 @@ One layer's vectors ``x`` (keys in a method's coded domain, after
    the output).
 
 The simulate path runs it, and VecInferCache, eager or compiled, with keys and values both coded
-(:mod:`vecinfer_compile.cache.trellis_layer`; docs/results/accuracy.md, "A long-block key codec").
+(:mod:`vecinfer_compile.codecs.trellis.cache_layer`; docs/results/accuracy.md, "A long-block key codec").
 """
 
 from __future__ import annotations
@@ -34,24 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .klt import KLT, gaussian_lloyd_max_distortion, greedy_allocation
-from .trellis import train_luts, viterbi
-from .trellis_packing import pack_walks
+from ...quant.klt import KLT, gaussian_lloyd_max_distortion, greedy_allocation
+from .walk import train_luts, viterbi
+from .packing import pack_walks
 
 MAX_COMPONENT_BITS = 12  # the allocation's curve reaches this far; it never gives a component more than L
 PARTS = ("mean", "analysis", "synthesis", "variance", "scale", "bits", "tables")  # to_tensors' names
 SCALE_SAMPLE = 4096  # calibration vectors a head that the norm-matching scale is fitted on
-
-
-def check_both_sides(key_codec, value_codec) -> None:
-    """Raise a ValueError naming the fix unless both or neither of keys and values are coded by the
-    codec (anything truthy: a codec, or its name): a VecInferCache codes them together."""
-    if bool(key_codec) != bool(value_codec):
-        coded = "keys" if key_codec else "values"
-        raise ValueError(
-            f"these codebooks code only the {coded} with the trellis codec: a VecInferCache codes keys and values "
-            "with it together (calibrate with both --key-codec trellis and --value-codec trellis); a file with one "
-            "of them runs in the simulate path (eval-ppl, ablation)")
 
 
 def metric_sqrt(metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,6 +201,29 @@ class TrellisCodec:
         return self.decode(self.encode(vectors), vectors.shape, vectors.dtype)
 
 
+def random_code(gen: torch.Generator, kv_heads: int, head_dim: int, bits: float, state_bits: int) -> TrellisCodec:
+    """A random :class:`TrellisCodec` without fitting (tests, speed benchmarks): a
+    Gaussian mean, a random well-conditioned analysis (its inverse the synthesis), decreasing
+    variances, a scale near 1, each head's ``bits * head_dim`` bits at random over its components
+    (at most ``min(4, L)`` a component; sorted, larger first) and Gaussian tables."""
+    h, d = kv_heads, head_dim
+    budget, widest = round(bits * d), min(4, state_bits)
+    if budget > widest * d:
+        raise ValueError(f"{bits:g} bits an element do not fit components of at most {widest} bits")
+    alloc = torch.zeros(h, d, dtype=torch.long)
+    for i in range(h):
+        for _ in range(budget):  # one bit at a time to a random component with room
+            room = (alloc[i] < widest).nonzero()[:, 0]
+            alloc[i, room[int(torch.randint(len(room), (1,), generator=gen))]] += 1
+    alloc = alloc.sort(1, descending=True).values
+    analysis = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0] * \
+        (0.5 + torch.rand(h, 1, d, generator=gen, dtype=torch.float64))
+    return TrellisCodec(torch.randn(h, d, generator=gen, dtype=torch.float64), analysis, torch.linalg.inv(analysis),
+                        torch.logspace(0, -1, d, dtype=torch.float64).expand(h, d).clone(),
+                        1 + 0.05 * torch.rand(h, generator=gen, dtype=torch.float64), alloc,
+                        torch.randn(h, int(alloc.max()), 1 << state_bits, generator=gen))
+
+
 def components(vectors: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor,
                inverse_sd: torch.Tensor) -> torch.Tensor:
     """What the trellis codes: ``vectors [..., H, T, D]`` -> ``((x - mean) @ analysis) * inverse_sd``
@@ -226,9 +238,9 @@ def walks(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> torch
     """Least-squared-error trellis walks of the components ``unit [N, H, D]`` (``bits [H, D]``
     int32, ``tables [H, W, 2^L]`` float32 on their device) -> states ``[N, H, D]`` int32 (0 where a
     component has 0 bits). On CUDA (up to 2^13 states) one Triton launch
-    (:mod:`vecinfer_compile.ops.triton.trellis`), elsewhere the torch reference per head."""
+    (:mod:`vecinfer_compile.codecs.trellis.triton_kernels`), elsewhere the torch reference per head."""
     if unit.is_cuda:
-        from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
+        from .triton_kernels import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
         if tables.shape[-1].bit_length() - 1 <= MAX_STATE_BITS:
             return viterbi_walks(unit, bits, tables)
     out = torch.zeros(unit.shape, dtype=torch.int32, device=unit.device)
@@ -244,11 +256,11 @@ def walks(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> torch
 def packed_codes(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
                  nbytes: int | None = None) -> torch.Tensor:
     """:func:`walks` in the stored layout, ``[N, H, nbytes]`` uint8 (:mod:`.trellis_packing`); on
-    CUDA the Viterbi launch writes them (:mod:`vecinfer_compile.ops.viterbi`: the CUDA kernel, else
+    CUDA the Viterbi launch writes them (:mod:`vecinfer_compile.codecs.trellis.viterbi`: the CUDA kernel, else
     Triton's; ``nbytes`` given: no host sync there)."""
     if unit.is_cuda:
-        from ..ops.triton.trellis import MAX_STATE_BITS  # imports triton: only where it runs
-        from ..ops.viterbi import viterbi_codes_gpu
+        from .triton_kernels import MAX_STATE_BITS  # imports triton: only where it runs
+        from .viterbi import viterbi_codes_gpu
         if tables.shape[-1].bit_length() - 1 <= MAX_STATE_BITS:
             return viterbi_codes_gpu(unit, bits, tables, nbytes)
     return pack_walks(walks(unit, bits, tables), bits)

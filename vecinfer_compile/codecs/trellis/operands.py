@@ -1,10 +1,10 @@
-"""A cache layer coded by the trellis codec (:mod:`vecinfer_compile.quant.trellis_codec`): the operands
+"""A cache layer coded by the trellis codec (:mod:`vecinfer_compile.codecs.trellis.code`): the operands
 the kernels read, the encode of new tokens, the dense read, decode attention (the pure-torch oracle
 and the kernel's entry point) and a decode step over codes and window. The registered ops over
 them are :mod:`.trellis_ops`'.
 
 A coded key is ``k~ = mean + (e * sd) @ synthesis`` (``e``: each component's unit table entry at
-its state, read from the stored string, :mod:`vecinfer_compile.quant.trellis_packing`; the scale
+its state, read from the stored string, :mod:`vecinfer_compile.codecs.trellis.packing`; the scale
 folded into ``synthesis``), so its score against a query ``q~`` (in the codec's domain) is
 ``q~ . mean + q'' . e`` with ``q'' = sd * (synthesis @ q~)``: the query goes to the components once
 per step and the kernel never forms a key. Values likewise: attention over the values' entries,
@@ -19,20 +19,20 @@ from typing import NamedTuple
 
 import torch
 
-from ..quant.trellis_codec import TrellisCodec, components, packed_codes
-from ..quant.trellis_packing import read_states, state_windows
-from .append import append_through_window
-from .cuda import trellis_append as cuda_trellis_append
-from .cuda import trellis_decode as cuda_trellis_decode
-from .kernel_request import fall_back, requested
-from .split_attention.lse_merge import merge_by_lse
+from .code import TrellisCodec, components, packed_codes
+from .packing import read_states, state_windows
+from ...ops.append import append_through_window
+from .cuda import append as cuda_trellis_append
+from .cuda import decode as cuda_trellis_decode
+from ...ops.kernel_request import fall_back, requested
+from ...ops.split_attention.lse_merge import merge_by_lse
 
 
 class TrellisOperands(NamedTuple):
     """One codec (keys or values of a layer) as the kernels and ops read it, on one device.
 
     Decoding: ``first, shift, mask [H, D]`` int32, each component's window
-    (:func:`~vecinfer_compile.quant.trellis_packing.state_windows`); ``rows [H, D]`` int32, the offset
+    (:func:`~vecinfer_compile.codecs.trellis.packing.state_windows`); ``rows [H, D]`` int32, the offset
     of its table in ``tables`` (``[H, W, 2^L]`` float32, read flattened); ``sd [H, D]`` float32 (0 for
     a component of 0 bits); ``synthesis [H, D, D]`` float32, the scale folded in; ``mean [H, D]``
     float32. Encoding (:func:`encode`, float64 as the codec's own): ``center [H, D]`` (the mean),
@@ -54,7 +54,7 @@ class TrellisOperands(NamedTuple):
     @classmethod
     def of(cls, codec: TrellisCodec, device) -> TrellisOperands:
         """``codec``'s operands on ``device``, from the parts its own coding reads
-        (:meth:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.on_device`)."""
+        (:meth:`~vecinfer_compile.codecs.trellis.code.TrellisCodec.on_device`)."""
         on = codec.on_device(device)
         windows = (t.to(on["rows"].device) for t in state_windows(codec.bits, codec.state_bits))
         parts = (*windows, on["rows"].int(), on["tables"], on["sd"].float(), on["synthesis"].float(),
@@ -75,7 +75,7 @@ class TrellisOperands(NamedTuple):
 
 def encode(x: torch.Tensor, operands: TrellisOperands, nbytes: int) -> torch.Tensor:
     """``x [B, H, T, D]`` (keys in the codec's domain, or values; any float dtype) -> the stored codes
-    ``[B, H, T, nbytes]`` uint8, as :meth:`~vecinfer_compile.quant.trellis_codec.TrellisCodec.encode_packed`
+    ``[B, H, T, nbytes]`` uint8, as :meth:`~vecinfer_compile.codecs.trellis.code.TrellisCodec.encode_packed`
     codes them (one Viterbi launch on CUDA, no host sync)."""
     b, h, t, _ = x.shape
     unit = components(x, operands.center, operands.analysis, operands.inverse_sd)
@@ -190,7 +190,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     if choose_decode(qc, k_codes, v_codes, keys, values) == "cuda":
         decode_components = cuda_trellis_decode.decode_components_cuda
     else:
-        from .triton.trellis import decode_components  # imports triton: only where it runs
+        from .triton_kernels import decode_components  # imports triton: only where it runs
     o, lse = decode_components(qc, bias, k_codes, v_codes, keys, values, n_coded, kv_start, scale)
     return values_out(o, lse, values), lse
 

@@ -1,7 +1,7 @@
 """CUDA decode attention over trellis codes, in the components (NVRTC; ``trellis_decode.cu``).
 
 Same contract as :func:`..triton.trellis.decode_components`, which it replaces on CUDA where it
-supports the inputs and builds (:func:`vecinfer_compile.ops.trellis.decode_attention` chooses).
+supports the inputs and builds (:func:`vecinfer_compile.codecs.trellis.operands.decode_attention` chooses).
 Triton cannot put the codec's tables in shared memory, so its kernel gathers every component's
 entry through L1; this one loads a KV head's key and value tables into shared memory once a CTA
 and gathers from there, reading each key row's string front to back through a sliding window.
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..split_attention.lse_merge import LOG2E, merge_splits
-from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
+from ....ops.split_attention.lse_merge import LOG2E, merge_splits
+from ....ops.cuda.nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
 
-SOURCE = Path(__file__).with_name("trellis_decode.cu")
+SOURCE = Path(__file__).with_name("decode.cu")
 MIN_ARCH = 80
 THREADS = 256  # tokens a tile and threads a CTA
 MAX_GROUP = 16  # query heads a KV head (registers: a thread holds each head's score and accumulators)

@@ -4,7 +4,7 @@ then the CTA-a-vector walk), the window shift, the new token, the counters; the 
 values' walks side by side, one CTA each a (row, KV head).
 
 The contract is :func:`vecinfer_compile.ops.append.append_through_window`'s for one new token with
-the codec's encode (:func:`vecinfer_compile.ops.trellis.encode`): the same codes, window and
+the codec's encode (:func:`vecinfer_compile.codecs.trellis.operands.encode`): the same codes, window and
 counters (slots at or past ``Tmax`` are not written). Compiled once per process and variant;
 launched on torch's current stream; reads the counters on the device only (CUDA graphs capture it).
 """
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .append import require_buffer, require_counters
-from .nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason, with_half_bits
+from ....ops.cuda.append import require_buffer, require_counters
+from ....ops.cuda.nvrtc import CudaBuildError, build_kernel, device_index, unfit_device_reason, with_half_bits
 from .viterbi import MIN_ARCH, BlockViterbiVariant, block_walk_unfit_reason, with_block_walk
 
-SOURCE = Path(__file__).with_name("trellis_append.cu")
+SOURCE = Path(__file__).with_name("append.cu")
 WINDOW_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -45,7 +45,7 @@ class TrellisAppendVariant:
 
 def variant_for(kt: torch.Tensor, keys, values) -> TrellisAppendVariant:
     """The variant for the new keys ``kt [B, H, 1, D]`` and the two codecs' operands
-    (:class:`~vecinfer_compile.ops.trellis.TrellisOperands`)."""
+    (:class:`~vecinfer_compile.codecs.trellis.operands.TrellisOperands`)."""
     widest = max(int(keys.tables.shape[1]), int(values.tables.shape[1]))
     state_bits = int(keys.tables.shape[-1]).bit_length() - 1
     return TrellisAppendVariant(BlockViterbiVariant(state_bits, int(kt.shape[-1]), widest), kt.dtype == torch.float16)
@@ -95,7 +95,7 @@ def trellis_append_cuda(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Te
     dtype (bf16/fp16); ``k_codes [B, H, Tmax, Wk]``, ``v_codes [B, H, Tmax, Wv]`` uint8 (each
     codec's string bytes); windows ``[B, H, R, D]``; ``n_coded``/``n_window`` 0-d int64;
     ``arrivals`` int32 ``[1]``, zero (left zero); ``keys``/``values`` the codecs'
-    :class:`~vecinfer_compile.ops.trellis.TrellisOperands` on this device. Updates the buffers in
+    :class:`~vecinfer_compile.codecs.trellis.operands.TrellisOperands` on this device. Updates the buffers in
     place; raises :class:`CudaBuildError` when the inputs or the machine do not fit the kernel."""
     reason = unsupported_reason(kt, k_window, keys, values)
     if reason is not None:

@@ -1,6 +1,6 @@
 """Triton kernels of the trellis codec: its encoder (the Viterbi walk) and decode attention over its codes.
 
-**Encode** (:func:`viterbi_walks`): the encoder of :mod:`vecinfer_compile.quant.trellis` in one launch.
+**Encode** (:func:`viterbi_walks`): the encoder of :mod:`vecinfer_compile.codecs.trellis.walk` in one launch.
 
 One program codes one vector (a token's components of one KV head): the ``2^L`` path costs live in
 registers, and each step is the reference's move, a min over the high bits of the cost vector
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant.trellis_packing import bit_ends, packed_bytes
-from ..split_attention.lse_merge import LOG2E, merge_splits
-from .common import launch, unit_last_stride
+from .packing import bit_ends, packed_bytes
+from ...ops.split_attention.lse_merge import LOG2E, merge_splits
+from ...ops.triton.common import launch, unit_last_stride
 
 SCRATCH_BYTES = 1 << 30  # trace-back bytes one launch may use; larger calls go in row chunks
 MAX_STATE_BITS = 13  # 2^13 path costs a program: 64 float32 registers a thread at 4 warps
@@ -86,7 +86,7 @@ def viterbi_walks(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wra
     """Least-squared-error walks of every row and head: ``x: [N, H, D]`` float32 components (unit
     scale), ``bits: [H, D]`` integer bits of each component (0: not coded), ``tables: [H, W, 2^L]``
     float32 (row ``k - 1``: the ``k``-bit table) -> states ``[N, H, D]`` int32 (0 where a component
-    has 0 bits). The same walks as :func:`vecinfer_compile.quant.trellis.viterbi` on each head's
+    has 0 bits). The same walks as :func:`vecinfer_compile.codecs.trellis.walk.viterbi` on each head's
     coded components, up to ties in cost."""
     return _viterbi(x, bits, tables, walks=True, codes=False, wrap=wrap)[0]
 
@@ -94,7 +94,7 @@ def viterbi_walks(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wra
 def viterbi_codes(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wrap: bool = False,
                   nbytes: int | None = None) -> torch.Tensor:
     """:func:`viterbi_walks`' walks in the stored layout, written by the same launch:
-    ``[N, H, nbytes]`` uint8 (:func:`vecinfer_compile.quant.trellis_packing.pack_walks`). ``nbytes``:
+    ``[N, H, nbytes]`` uint8 (:func:`vecinfer_compile.codecs.trellis.packing.pack_walks`). ``nbytes``:
     the string's bytes when the caller knows them (reading them off ``bits`` on the GPU is a host
     sync, which a CUDA graph's capture refuses)."""
     return _viterbi(x, bits, tables, walks=False, codes=True, wrap=wrap, nbytes=nbytes)[1]
@@ -169,7 +169,7 @@ ENTRIES_BLOCK_T = 32
 def entries_into(codes: torch.Tensor, operands, length: int, out: torch.Tensor) -> torch.Tensor:
     """Write the unit table entries of the first ``length`` positions of ``codes`` into ``out``:
     codes ``[B, H, Tmax, nbytes]`` uint8 (a unit last stride), ``operands`` the codec's
-    :class:`~vecinfer_compile.ops.trellis.TrellisOperands`, out ``[B, length, H, D]`` (any float
+    :class:`~vecinfer_compile.codecs.trellis.operands.TrellisOperands`, out ``[B, length, H, D]`` (any float
     dtype, a unit last stride; position-major). Entry ``[b, t, h, c]`` is
     ``operands.entries(codes)[b, h, t, c]`` (0 for a component of 0 bits). Returns ``out``; runs
     under ``TRITON_INTERPRET=1`` on CPU tensors (the tests)."""
@@ -255,10 +255,10 @@ def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tenso
                       values, n_coded, kv_start: torch.Tensor | None, scale: float, *, block_t: int = 32,
                       splits: int | None = None, num_warps: int = 4,
                       wrap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over trellis codes in the components (:mod:`vecinfer_compile.ops.trellis`):
-    ``qc [B, Hq, D]`` and ``bias [B, Hq]`` float32 (:func:`~vecinfer_compile.ops.trellis.query_components`),
+    """Attention over trellis codes in the components (:mod:`vecinfer_compile.codecs.trellis.operands`):
+    ``qc [B, Hq, D]`` and ``bias [B, Hq]`` float32 (:func:`~vecinfer_compile.codecs.trellis.operands.query_components`),
     ``k_codes, v_codes [B, Hkv, Tmax, nbytes]`` uint8, ``keys, values``:
-    :class:`~vecinfer_compile.ops.trellis.TrellisOperands`; slots ``[kv_start[b], n_coded)``
+    :class:`~vecinfer_compile.codecs.trellis.operands.TrellisOperands`; slots ``[kv_start[b], n_coded)``
     (``n_coded``: an int, or a 0-d integer tensor the kernel reads on the device, no host sync; the
     splits then cover every slot). The coded prefix is cut into ``splits`` (default: enough programs
     to fill a GPU), each a program per KV head, merged here by log-sum-exp. Returns ``(o [B, Hq, D], lse [B, Hq])`` float32: the

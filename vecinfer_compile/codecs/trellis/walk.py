@@ -61,10 +61,10 @@ def viterbi(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor], chu
 
 def best_walks(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor]) -> torch.Tensor:
     """:func:`viterbi`'s walks ``[N, T]`` int64, by the Triton kernel on CUDA
-    (:func:`vecinfer_compile.ops.triton.trellis.viterbi_walks`, one launch) where the trellis fits it."""
+    (:func:`vecinfer_compile.codecs.trellis.triton_kernels.viterbi_walks`, one launch) where the trellis fits it."""
     states = next(iter(luts.values())).numel()
     if x.is_cuda:
-        from ..ops.triton.trellis import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
+        from .triton_kernels import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
         if states <= 1 << MAX_STATE_BITS:
             tables = torch.zeros(1, max(bits), states, device=x.device)
             for k in set(bits):

@@ -27,7 +27,7 @@ Schemas (``keys``, ``values``: a :class:`~.trellis.TrellisOperands` as its list 
   ``[B, H, S, D]`` in the window's dtype, keys back through ``rotation^T`` and ``lam`` where given
   (the query-aware matrix and the mean follow as plain ops, as for ``cache_kv``), zeros past the
   valid slots. What a compiled chunk attends densely, and what
-  :mod:`vecinfer_compile.passes.cache_decode` replaces at a decode step by
+  :mod:`vecinfer_compile.passes.cache_attention` replaces at a decode step by
 - ``trellis_decode_attention``: one query token ``q [B, Hq, 1, D]`` in ``K~``'s domain over the
   codes and the window (:func:`.trellis.decode_step`) -> ``[B, Hq, 1, D]`` in ``q``'s dtype.
 - ``trellis_chunk_attention``: ``vecinfer::chunk_attention``'s contract over trellis codes (a chunk
@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import torch
 
-from .dequantize import ROW_CHUNK_ELEMENTS
-from .registry import define
-from .split_attention.chunk import attend_over_buffers
-from .split_attention.prefix import TrellisPrefix
-from .trellis import TrellisOperands, append, decode_step, encode, read
+from ...ops.dequantize import ROW_CHUNK_ELEMENTS
+from ...ops.registry import define
+from ...ops.split_attention.chunk import attend_over_buffers
+from .prefix import TrellisPrefix
+from .operands import TrellisOperands, append, decode_step, encode, read
 
 
 def trellis_encode(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> torch.Tensor:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ...quant.trellis_packing import packed_bytes
-from .nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
+from ..packing import packed_bytes
+from ....ops.cuda.nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
 
 SOURCE = Path(__file__).with_name("viterbi.cu")
 STRING_BITS = Path(__file__).with_name("string_bits.cuh")
