@@ -42,7 +42,8 @@ from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.cuda import dequant as cuda_dequant
 from vecinfer_compile.ops.dequantize import dequantize_into
 from vecinfer_compile.ops.split_attention import chunk as ca
-from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix, TrellisPrefix
+from vecinfer_compile.codecs.trellis.prefix import TrellisPrefix
+from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix
 from vecinfer_compile.codecs.trellis.operands import TrellisOperands
 from vecinfer_compile.ops.triton.dequant import dequantize_triton
 from vecinfer_compile.ops.decode_inputs import transform_queries

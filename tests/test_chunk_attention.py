@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from vecinfer_compile.ops.split_attention import chunk as ca
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.reference import dequantize
-from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix, TrellisPrefix
+from vecinfer_compile.codecs.trellis.prefix import TrellisPrefix
+from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix
 from vecinfer_compile.codecs.trellis.operands import TrellisOperands
 from vecinfer_compile.quant.packing import pack_codes
 from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
