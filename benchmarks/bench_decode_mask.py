@@ -69,7 +69,7 @@ def main(argv=None) -> list[dict]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from vecinfer_compile.hf.decode_mask import decode_sdpa_mask
-    from vecinfer_compile.hf.eager_decode import ATTN_NAME
+    from vecinfer_compile.hf.attention_over_codes import ATTN_NAME
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")

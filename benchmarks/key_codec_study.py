@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vecinfer_compile.calibrate.fit import FitSettings, LayerSamples, fit_key_transform  # noqa: E402
+from vecinfer_compile.calibration.fit import FitSettings, LayerSamples, fit_key_transform  # noqa: E402
 from vecinfer_compile.hf.recording import collect_kv  # noqa: E402
 from vecinfer_compile.methods import VQ_METHODS  # noqa: E402
 from vecinfer_compile.models import load_model, load_text  # noqa: E402
@@ -174,7 +174,7 @@ def refined_books(model_dir: str, layer: int, keys: torch.Tensor, values: torch.
                   n_fit: int) -> torch.Tensor:
     """``qaware``'s refined 2-bit key books ``[256, 4]`` of ``layer``, fitted on the first ``n_fit``
     recorded tokens (whole windows) as calibration fits them (k-means, then refinement)."""
-    from vecinfer_compile.calibrate.fit import fit_layer
+    from vecinfer_compile.calibration.fit import fit_layer
     from vecinfer_compile.quant.refine import RefineConfig
     from vecinfer_compile.simulate import attention_modules
 

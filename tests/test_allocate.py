@@ -73,7 +73,7 @@ def test_retrieval_scores_are_attention_masses(tiny, sample_text_path):
 def test_calibrate_retrieval_allocation_end_to_end(tiny, sample_text_path, tmp_path):
     """The tiny model cannot retrieve, so no layer is pinned; the allocation still averages
     exactly 2 bits, costs the bytes of uniform 2-bit, and survives a save/load round trip."""
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
 
     model, tokenizer = tiny
     cb = calibrate(model, tokenizer, sample_text_path.read_text(), bits=2, allocate="retrieval",
@@ -93,7 +93,7 @@ def test_calibrate_retrieval_allocation_end_to_end(tiny, sample_text_path, tmp_p
 
 
 def test_calibrate_explicit_layer_bits(tiny, sample_text_path):
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
 
     model, tokenizer = tiny
     cb = calibrate(model, tokenizer, sample_text_path.read_text(), layer_bits=[4, 1, 1.5, 2],

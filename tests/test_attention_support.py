@@ -17,7 +17,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from vecinfer_compile.hf.attention_support import UNSUPPORTED_KWARGS, check_attention_call
-from vecinfer_compile.calibrate import calibrate
+from vecinfer_compile.calibration import calibrate
 from vecinfer_compile.codebooks import model_geometry
 from vecinfer_compile.evaluation.outcomes import REFUSED, outcome_of
 from vecinfer_compile.hf.recording import bos_token_id, collect_kv

@@ -171,7 +171,7 @@ def test_centre_keys_fits_the_rest_to_centred_keys():
 
 @pytest.mark.parametrize("method", CENTRED)
 def test_calibrate_stores_the_key_mean(tiny_model_and_tokenizer, sample_text_path, method):
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
     from vecinfer_compile.hf.recording import collect_kv
 
     model, tokenizer = tiny_model_and_tokenizer

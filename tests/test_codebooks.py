@@ -216,7 +216,7 @@ CODEBOOKS_LOG = "vecinfer_compile.codebooks"
 @pytest.fixture(scope="module")
 def calibrated(shared_tiny_dir, tmp_path_factory):
     """``(model, path)``: the shared tiny model (float32) and 2-bit codebooks calibrated on it."""
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
     from vecinfer_compile.models import default_text_path, load_model
 
     model, tokenizer = load_model(shared_tiny_dir, "float32", "cpu")

@@ -27,7 +27,15 @@ from vecinfer_compile.cache import reads
 from vecinfer_compile.codecs import registry
 from vecinfer_compile.testing import cache_layer, random_layer_codebooks
 
-CODECS = registry.names()
+import scalar_codec
+
+CODECS = (*registry.names(), scalar_codec.NAME)  # the registered ones, and the minimal one of the tests
+
+
+@pytest.fixture(autouse=True, scope="module")
+def with_test_codecs():
+    with scalar_codec.registered():
+        yield
 SHAPES = [(1, 4, 128), (2, 2, 64), (4, 1, 64)]  # (KV heads, query heads a KV head, head_dim): MQA, GQA, MHA
 
 

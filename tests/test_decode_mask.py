@@ -79,7 +79,7 @@ def test_model_decode_step_takes_the_fast_path(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.masking_utils import AttentionMaskInterface
 
-    from vecinfer_compile.hf.eager_decode import ATTN_NAME
+    from vecinfer_compile.hf.attention_over_codes import ATTN_NAME
     from vecinfer_compile.testing import random_codebooks
 
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ from transformers.cache_utils import StaticSlidingWindowLayer
 from vecinfer_compile.cache import VecInferCache, VecInferLayer
 
 from vecinfer_compile.hf.compat import cache_kwargs
-from vecinfer_compile.calibrate import calibrate
+from vecinfer_compile.calibration import calibrate
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.evaluation.kv_bytes import cache_bytes
 from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens

@@ -25,7 +25,7 @@ from transformers.cache_utils import DummyLayer
 from vecinfer_compile.backend import vecinfer_backend
 from vecinfer_compile.cache import VecInferCache, VecInferHybridLayer, VecInferLayer
 from vecinfer_compile.hf.compat import cache_kwargs
-from vecinfer_compile.hf import eager_decode
+from vecinfer_compile.hf import attention_over_codes as eager_decode
 from vecinfer_compile.hf.compat import forward_cache_kwargs
 from vecinfer_compile.hf.layer_kinds import coded_layers, kv_producers
 from vecinfer_compile.simulate import simulation
@@ -87,7 +87,7 @@ def layer_with_tokens(tokens: int = 10, heads: int = 2, dim: int = 16) -> VecInf
     ``vecinfer_sdpa`` (its updates return codes reads)."""
     layer = cache_layer(random_layer_codebooks(heads, dim, seed=0), num_kv_heads=heads, head_dim=dim,
                         max_cache_len=24, residual=4)
-    layer.model_config = mock.Mock(_attn_implementation=eager_decode.ATTN_NAME)
+    layer.model_config = mock.Mock(_attn_implementation=attention_over_codes.ATTN_NAME)
     layer.update(torch.randn(1, heads, tokens, dim), torch.randn(1, heads, tokens, dim))
     return layer
 
@@ -119,7 +119,7 @@ def test_a_chunks_codes_read_is_dequantized_by_the_chunk_rule():
     before_k, before_v = layer.dequantized()
     k_new, v_new = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
     k, v = layer.update(k_new, v_new)
-    got_k, got_v = eager_decode.dense(k), eager_decode.dense(v)
+    got_k, got_v = attention_over_codes.dense(k), attention_over_codes.dense(v)
     torch.testing.assert_close(got_k[:, :, :10], before_k[:, :, :10], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_v[:, :, :10], before_v[:, :, :10])
     torch.testing.assert_close(got_k[:, :, 10:13], k_new, atol=1e-5, rtol=1e-5)
@@ -135,7 +135,7 @@ def test_a_position_bias_attends_over_the_dequantized_read():
     q, bias = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 1, 24)
     mask = torch.arange(24)[None, None, None, :] < 11
     module = mock.Mock(num_key_value_groups=2, is_causal=True)
-    got, _ = eager_decode.codes_attention_forward(module, q, k, v, mask, position_bias=bias)
+    got, _ = attention_over_codes.codes_attention_forward(module, q, k, v, mask, position_bias=bias)
     dk, dv = (t.repeat_interleave(2, dim=1) for t in layer.dequantized())
     want = F.scaled_dot_product_attention(q, dk, dv, attn_mask=bias.masked_fill(~mask, torch.finfo(q.dtype).min))
     torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)

@@ -121,7 +121,7 @@ def test_needle_cli_kivi_says_simulate(haystack, tiny_dir, capsys):
 def test_needle_cli_prerope_runs_in_simulate_mode(haystack, tiny_dir, sample_text_path, tmp_path, capsys):
     """A method without a cache yet (keys before RoPE) generates in simulate mode, with its
     codebooks, and says so."""
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
     from vecinfer_compile.models import load_model
 
     model, tok = load_model(tiny_dir, "float32", "cpu")

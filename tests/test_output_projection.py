@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from vecinfer_compile.calibrate import calibrate
+from vecinfer_compile.calibration import calibrate
 from vecinfer_compile.hf.output_projection import output_projection_weight
 from vecinfer_compile.quant.weighted_codes import value_metric
 from vecinfer_compile.simulate import attention_modules

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from vecinfer_compile.calibrate import calibrate
+from vecinfer_compile.calibration import calibrate
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.evaluation.generation import method_note
 from vecinfer_compile.quant.codebook import quantize_dequantize
@@ -151,7 +151,7 @@ def test_calibration_stores_the_models_rope_and_a_predictor_that_helps(calibrate
     """The file holds the model's own RoPE frequencies and a value predictor, round-trips, and the
     predictor explains part of the values it was fitted to (keys and values are two projections of
     one hidden state)."""
-    from vecinfer_compile.calibrate import calibration_token_ids
+    from vecinfer_compile.calibration import calibration_token_ids
     from vecinfer_compile.hf.recording import collect_kv, recorded_positions
 
     model, tok = tiny_model

@@ -241,7 +241,7 @@ def test_broken_query_aware_files_name_the_fix(tmp_path):
 
 # -- calibration -----------------------------------------------------------------------------------
 def test_calibrate_collects_queries_and_stores_the_matrices(tiny, sample_text_path, tmp_path):
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
     from vecinfer_compile.hf.recording import collect_kv
 
     model, tokenizer = tiny
@@ -265,7 +265,7 @@ def test_calibrate_collects_queries_and_stores_the_matrices(tiny, sample_text_pa
 def test_calibrate_retrieval_allocation(tiny, sample_text_path):
     """``--allocate retrieval`` fits the query-aware transform once per layer and keeps it for
     every candidate preset."""
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
 
     model, tokenizer = tiny
     cb = calibrate(model, tokenizer, sample_text_path.read_text(), bits=2, method="qaware",

@@ -109,7 +109,7 @@ def test_layer_attention_reads_the_module():
 
 
 def test_calibration_refines_qaware_only(tiny_model, sample_text_path, tmp_path):
-    from vecinfer_compile.calibrate import calibrate, recipe_mismatch
+    from vecinfer_compile.calibration import calibrate, recipe_mismatch
     from vecinfer_compile.evaluation.ablation import codebook_filename, get_codebooks
 
     model, tokenizer = tiny_model

@@ -81,7 +81,7 @@ def test_bad_budgets_and_shapes_are_refused():
 def trellis_file(tiny_model, tmp_path_factory):
     """2-bit ``vecinfer`` codebooks of the embedded tiny model with the trellis codec (16 states) for
     keys and values."""
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
     from vecinfer_compile.models import default_text_path
 
     model, tokenizer = tiny_model
@@ -370,7 +370,7 @@ def test_packed_codes_refuse_misshapen_input():
 
 
 def test_calibration_refuses_a_trellis_too_small_for_the_bits(tiny_model):
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
 
     model, tokenizer = tiny_model
     with pytest.raises(ValueError, match="2 bits need more than 2 trellis states: raise trellis_states"):
@@ -502,7 +502,7 @@ def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(ti
     import transformers
     from torch._dynamo.utils import counters
 
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
     from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
     from vecinfer_compile.models import default_text_path
 
@@ -528,7 +528,7 @@ def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(ti
 def test_needle_refuses_a_keys_only_file_in_one_line(tiny_model, tiny_dir, tmp_path, capsys):
     """A file whose keys alone the codec codes runs in the simulate path only: ``vecinfer needle``
     (through the cache) exits 2 with one line naming the fix."""
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
     from vecinfer_compile.cli import main
     from vecinfer_compile.models import default_text_path
 

@@ -229,7 +229,7 @@ def test_calibration_stores_the_metrics_the_model_gives(tmp_path):
     """calibrate(weighted_codes=True): the value metric is the layer's o_proj Gram, the key metric
     ``I + S / mean diag S`` of the calibration queries (symmetric, positive definite); the
     methods whose keys are quantized before RoPE refuse it."""
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(2)).eval()
@@ -286,7 +286,7 @@ def test_the_cache_follows_simulate_with_qaware_defaults_across_attention_kinds(
     from vecinfer_compile.cache import VecInferCache
 
     from vecinfer_compile.hf.compat import cache_kwargs
-    from vecinfer_compile.calibrate import calibrate
+    from vecinfer_compile.calibration import calibrate
     from vecinfer_compile.simulate import simulation
 
     model_cls, config_cls, overrides = KINDS[kind]

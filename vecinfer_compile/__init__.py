@@ -18,9 +18,6 @@ Every name loads on first use (the backend, the cache and the testing helpers im
 and Triton), so ``import vecinfer_compile`` and the command line's argument checks do not load torch.
 """
 
-import sys
-import types
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -46,7 +43,7 @@ _LAZY = {
     "load_codebooks": ("codebooks", "load_codebooks"),
     "PRESETS": ("presets", "PRESETS"),
     "get_preset": ("presets", "get_preset"),
-    "calibrate": ("calibrate", "calibrate"),
+    "calibrate": ("calibration", "calibrate"),
     "enable_simulation": ("simulate", "enable_simulation"),
     "disable_simulation": ("simulate", "disable_simulation"),
     "simulation": ("simulate", "simulation"),
@@ -72,16 +69,3 @@ def __getattr__(name):
     module_name, attr = _LAZY[name]
     module = importlib.import_module(f".{module_name}", __name__)
     return module if attr is None else getattr(module, attr)
-
-
-class _Package(types.ModuleType):
-    """The package module: importing the submodule ``calibrate`` does not replace the public
-    function of the same name (Python sets a submodule as an attribute of its package)."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _LAZY.get(name, (None, None))[1] == name:
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

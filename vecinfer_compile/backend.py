@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
-from .calibrate.fit import FitSettings, LayerSamples, fit_layer
+from .calibration.fit import FitSettings, LayerSamples, fit_layer
 from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
 from .methods import VQ_METHODS, check_runs_over_codes
 from .ops.kernel_request import check_kernel_name
@@ -131,7 +131,7 @@ def _config_patches(mode: str | None, options: dict | None) -> dict:
 def _fit_layer(keys: list[torch.Tensor], values: list[torch.Tensor], config: BackendConfig,
                layer: int) -> LayerCodebooks:
     """Smoothing factors and codebooks from recorded ``[B, Hkv, T, D]`` keys/values
-    (:func:`~vecinfer_compile.calibrate.fit.fit_layer`, seeded by the layer index)."""
+    (:func:`~vecinfer_compile.calibration.fit.fit_layer`, seeded by the layer index)."""
     head_dim = keys[0].shape[-1]
     k = torch.cat([x.float().transpose(0, 1).reshape(x.shape[1], -1, head_dim) for x in keys], 1)
     v = torch.cat([x.float().reshape(-1, head_dim) for x in values], 0)

@@ -10,7 +10,7 @@
   K/V for every slot: one token reads the layer after the append, a chunk of several what the
   rule of :mod:`vecinfer_compile.ops.split_attention.chunk` says (:mod:`.reads`). Compiled, that is
   ``vecinfer::cache_kv``; eagerly, when the model attends with ``"vecinfer_sdpa"``, a codes read
-  (:mod:`vecinfer_compile.hf.eager_decode`) that holds no memory and attends through
+  (:mod:`vecinfer_compile.hf.attention_over_codes`) that holds no memory and attends through
   :meth:`VecInferLayer.attend` / :meth:`VecInferLayer.attend_chunk`; otherwise dequantized.
 """
 
@@ -21,7 +21,7 @@ import copy
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
-from ..hf import eager_decode
+from ..hf import attention_over_codes
 from ..hf.layer_kinds import SLIDING, attention_kinds
 from ..ops.split_attention.chunk import ChunkKeys
 from . import reads
@@ -139,7 +139,7 @@ class VecInferLayer(CacheLayerMixin):
         # every slot, as the compiled step's read (generate() may build the step's mask before it
         # knows whether the step runs compiled: get_mask_sizes)
         if codes:
-            return eager_decode.codes_read(self, self._full_shape(), self.dtype, self.device, chunk)
+            return attention_over_codes.codes_read(self, self._full_shape(), self.dtype, self.device, chunk)
         if before is not None:
             return reads.with_chunk(s, before, k, v)
         return reads.read(s, qz)
@@ -169,7 +169,7 @@ class VecInferLayer(CacheLayerMixin):
     def keys(self) -> torch.Tensor | None:
         """What transformers code that reads a cache layer's K directly gets (Mllama asks whether a
         layer holds anything; compiled, it reads nothing): eagerly a codes read
-        (:mod:`vecinfer_compile.hf.eager_decode`: no memory; any op on it reads the layer
+        (:mod:`vecinfer_compile.hf.attention_over_codes`: no memory; any op on it reads the layer
         dequantized), compiled the dequantized K of every slot; None before the first update."""
         return self._direct_read(0)
 
@@ -192,12 +192,12 @@ class VecInferLayer(CacheLayerMixin):
             return None
         if _is_compiling() or not self._codes_read():
             return reads.read(self.storage, self.quantizer)[index]
-        return eager_decode.codes_read(self, self._full_shape(), self.dtype, self.device)[index]
+        return attention_over_codes.codes_read(self, self._full_shape(), self.dtype, self.device)[index]
 
     def _codes_read(self) -> bool:
         """Whether an eager step returns a codes read (the model attends with ``"vecinfer_sdpa"``),
         else it reads dense K/V."""
-        return eager_decode.is_active(self.model_config)
+        return attention_over_codes.is_active(self.model_config)
 
     # -- sizes ---------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:

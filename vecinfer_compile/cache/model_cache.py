@@ -25,7 +25,7 @@ import copy
 import torch
 from transformers.cache_utils import Cache, StaticCache
 
-from ..hf import eager_decode
+from ..hf import attention_over_codes
 from ..codebooks import VecInferCodebooks, model_geometry
 from ..hf.layer_kinds import HYBRID_KINDS, SLIDING, check_codable, kv_producers, layer_kinds
 from ..methods import check_runs_over_codes
@@ -170,7 +170,7 @@ class VecInferCache(Cache):
       compiled): as a *codes read* when the model attends with ``"vecinfer_sdpa"`` (which
       ``VecInferCache(model, ...)`` switches an SDPA model to), which holds no memory and makes the
       attention run the same decode op, or for a chunk the chunk attention over the codes
-      (:mod:`vecinfer_compile.hf.eager_decode`); otherwise dequantized (a chunk's with its own tokens
+      (:mod:`vecinfer_compile.hf.attention_over_codes`); otherwise dequantized (a chunk's with its own tokens
       in place, by the same rule; compiled too).
     - Codes of a token are ``encode(K~ rounded to the cache dtype)``: identical to the simulate
       path in float32; in bf16/fp16 the simulate path encodes the float32 ``K~`` (argmin may
@@ -246,7 +246,7 @@ class VecInferCache(Cache):
         # use get_max_length())
         self.residual, self.dtype, self.device = residual, dtype, device
         if isinstance(model_or_config, torch.nn.Module):
-            eager_decode.use_codes_attention(model_or_config)
+            attention_over_codes.use_codes_attention(model_or_config)
 
     @contextlib.contextmanager
     def filling_rows(self, start: int, stop: int):

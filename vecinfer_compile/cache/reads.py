@@ -20,6 +20,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..log_once import log_once
 from ..ops.decode_inputs import kv_start_from_mask, mask_is_a_range, transform_queries
 from ..ops.split_attention import chunk as chunk_attention
 from ..ops.split_attention.chunk import ChunkKeys
@@ -27,7 +28,6 @@ from .quantizer import LayerQuantizer
 from .storage import LayerStorage
 
 log = logging.getLogger(__name__)
-_logged: set[str] = set()
 
 DECODE_READ_BYTES = 1 << 30  # dequantized + repeated K/V of one row group of an eager step whose mask the op cannot read
 
@@ -110,7 +110,7 @@ def chunk_window(storage: LayerStorage, kt: torch.Tensor, v: torch.Tensor) -> tu
 
 def dense(storage: LayerStorage, quantizer: LayerQuantizer, chunk: ChunkKeys | None = None):
     """Eager: the ``[B, H, S, D]`` K and V that an eager step's codes read stands for
-    (:mod:`vecinfer_compile.hf.eager_decode`): after one token, every slot (:func:`dequantized`);
+    (:mod:`vecinfer_compile.hf.attention_over_codes`): after one token, every slot (:func:`dequantized`);
     after a chunk (``chunk``: :func:`chunk_keys` before its append), the coded slots before it,
     then the old window and the chunk in full precision."""
     if chunk is None:
@@ -137,7 +137,7 @@ def attend(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, at
             raise ValueError(f"attn_mask must be 4-d [B, H, 1, L], got {tuple(attn_mask.shape)}")
         kv_start = kv_start_from_mask(attn_mask, q)
         if not bool(mask_is_a_range(attn_mask, kv_start, s.n_coded + s.n_window)):  # host sync
-            _log_once("mask", "vecinfer: an eager decode mask is not left padding over the valid slots (holes, "
+            log_once(log, logging.INFO, "mask", "vecinfer: an eager decode mask is not left padding over the valid slots (holes, "
                               "per-head differences or a bias): that step attends over the dequantized cache")
             return sdpa_by_rows(s, qz, q, attn_mask, scale, attn_mask.shape[-1])
     q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
@@ -174,9 +174,3 @@ def sdpa_by_rows(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tens
         out[i:j] = F.scaled_dot_product_attention(q[i:j], k, v, attn_mask=mask, scale=scale)
         del k, v
     return out
-
-
-def _log_once(key: str, message: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.info(message)

@@ -20,7 +20,7 @@ frequencies, :mod:`vecinfer_compile.quant.rope`) and, when values are predicted 
 ``value_metric [A, H_kv, D, D]`` (:mod:`vecinfer_compile.quant.weighted_codes`). The safetensors metadata key ``"vecinfer"`` holds a
 JSON object: format, method, bits (the average over layers), ``layer_bits`` (one preset per
 layer), ``attention_layers``, the model geometry and a hash of it (``fingerprint``), the package
-version and the calibration's metadata (:mod:`vecinfer_compile.calibrate.metadata`: the model's
+version and the calibration's metadata (:mod:`vecinfer_compile.calibration.metadata`: the model's
 name and ``weight_fingerprint``, the calibration text's hash, ...).
 """
 

@@ -7,6 +7,7 @@ the command line and ``import vecinfer_compile`` stay light.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import TYPE_CHECKING
 
@@ -21,22 +22,39 @@ _PACKAGES = {
 _loaded: dict[str, Codec] = {}
 
 
+_extra: dict[str, Codec] = {}
+
+
 def names() -> tuple[str, ...]:
     """Every registered codec's name, the default first."""
-    return tuple(_PACKAGES)
+    return (*_PACKAGES, *_extra)
 
 
 def get(name: str) -> Codec:
     """The codec named ``name``; a ValueError naming the registered ones for any other."""
+    if name in _extra:
+        return _extra[name]
     if name not in _PACKAGES:
-        raise ValueError(f"unknown codec {name!r}: this version has {', '.join(_PACKAGES)}")
+        raise ValueError(f"unknown codec {name!r}: this version has {', '.join(names())}")
     if name not in _loaded:
         _loaded[name] = importlib.import_module(_PACKAGES[name]).CODEC
     return _loaded[name]
 
 
 def all_codecs() -> list[Codec]:
-    return [get(name) for name in _PACKAGES]
+    return [get(name) for name in names()]
+
+
+@contextlib.contextmanager
+def extra(name: str, codec: Codec):
+    """``codec`` registered as ``name`` within the block (a codec outside the package: tests)."""
+    if name in names():
+        raise ValueError(f"a codec named {name!r} is registered already")
+    _extra[name] = codec
+    try:
+        yield codec
+    finally:
+        del _extra[name]
 
 
 def of(code) -> Codec:

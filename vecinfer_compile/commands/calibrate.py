@@ -187,7 +187,7 @@ def run(args) -> int:
     check_positions(model, args.seq_len, "--seq-len")
     text = load_text(args.text)
     check_text_length(len(tokenize(tokenizer, text)), args)
-    from ..calibrate import calibrate
+    from ..calibration import calibrate
 
     cb = calibrate(model, tokenizer, text, bits=bits, method=args.method,
                    layer_bits=args.layer_bits,

@@ -66,7 +66,7 @@ def _codebooks_for(model, tokenizer, method, bits, cb_dir: Path, calib_text, arg
         return cb, str(path)
     if calib_text is None:
         raise ValueError(f"no codebooks {path} for method {method!r}: pass --calib-text FILE to calibrate them")
-    from ..calibrate import calibrate
+    from ..calibration import calibrate
 
     cb = calibrate(model, tokenizer, calib_text, bits=bits, method=method, max_tokens=args.max_tokens,
                    seq_len=args.seq_len, iters=args.iters, seed=args.seed, max_fit_vectors=args.fit_vectors,

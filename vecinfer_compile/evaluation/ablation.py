@@ -105,7 +105,7 @@ def get_codebooks(
         if codebooks_path is not None:
             raise ValueError(f"--codebooks is only for VQ methods ({', '.join(VQ_METHODS)}), not {method!r}")
         return None
-    from ..calibrate import calibrate, recipe_mismatch
+    from ..calibration import calibrate, recipe_mismatch
     from ..codebooks import load_codebooks
 
     path = Path(codebooks_path) if codebooks_path is not None else None

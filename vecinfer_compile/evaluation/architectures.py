@@ -322,7 +322,7 @@ def check_cache(model, ids: torch.Tensor, codebooks, notes: list[str], seconds: 
 def calibrate_tiny(model, seed: int = 0, seconds: float | None = None):
     """``(codebooks, None)`` fitted by :func:`vecinfer_compile.calibrate` on random token ids, or
     ``(None, outcome)`` when calibration fails (the simulate and cache paths need it)."""
-    from ..calibrate import calibrate
+    from ..calibration import calibrate
 
     ids = _token_ids(CALIBRATION_TOKENS, seed).tolist()
     try:

@@ -3,7 +3,7 @@
 Codebooks fit one model's keys, values and queries. Another model of the same shape runs with
 them without complaint (the geometry check cannot tell them apart) and quantizes much worse
 (perplexity 534, against 339 with codebooks of its own).
-So :func:`vecinfer_compile.calibrate.calibrate` stores this fingerprint in the file's metadata and
+So :func:`vecinfer_compile.calibrate` stores this fingerprint in the file's metadata and
 :meth:`vecinfer_compile.codebooks.VecInferCodebooks.check_weights` compares it with the model's.
 
 What is fingerprinted: the query, key and value projection weights (``q_proj``, ``k_proj``,

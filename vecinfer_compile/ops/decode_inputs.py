@@ -2,7 +2,7 @@
 transform (the exact inverse of the cache's key transform, so scores do not change) and the
 first attended slot of each batch row from HF's mask. Shared by the compiled rewrite
 (:mod:`vecinfer_compile.passes.cache_attention`, which emits these functions into the graph) and the
-eager one-token step (:mod:`vecinfer_compile.hf.eager_decode`)."""
+eager one-token step (:mod:`vecinfer_compile.hf.attention_over_codes`)."""
 
 from __future__ import annotations
 

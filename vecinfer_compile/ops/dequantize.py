@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from ..log_once import log_once
 from ..quant.packing import packed_width, unpack_codes
 from .coded_kv import CodedKV, flat_op
 from .cuda import dequant as cuda_dequant
@@ -32,7 +33,6 @@ from .registry import define
 from .triton.dequant import dequantize_triton
 
 log = logging.getLogger(__name__)
-_logged: set[str] = set()
 
 
 def _check(kv: CodedKV, lam: torch.Tensor | None, rotation: torch.Tensor | None) -> None:
@@ -132,9 +132,7 @@ def dequantize_into(codes: torch.Tensor, centroids: torch.Tensor, length: int, o
     reason = cuda_dequant.unsupported_reason(codes, centroids, out) or cuda_dequant.build_error(codes, centroids, out)
     if reason is None:
         return cuda_dequant.dequantize_cuda(codes, centroids, length, out)
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("vecinfer: a chunk's prefix is dequantized by the Triton kernel: %s", reason)
+    log_once(log, logging.INFO, reason, "vecinfer: a chunk's prefix is dequantized by the Triton kernel: %s", reason)
     return dequantize_triton(codes, centroids, length, out)
 
 

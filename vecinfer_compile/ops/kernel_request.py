@@ -16,12 +16,13 @@ import contextvars
 import logging
 import os
 
+from ..log_once import log_once
+
 log = logging.getLogger("vecinfer_compile.ops")
 
 KERNELS = ("auto", "cuda", "triton")
 ENV = "VECINFER_DECODE_KERNEL"
 _requested: contextvars.ContextVar[str | None] = contextvars.ContextVar("vecinfer_decode_kernel", default=None)
-_logged: set[str] = set()
 
 
 def check_kernel_name(name: str) -> str:
@@ -56,6 +57,4 @@ def fall_back(reason: str, level: int, what: str, explicit: str) -> None:
     (``explicit`` names what could not run), else log ``what: reason`` once per reason."""
     if requested() == "cuda":
         raise RuntimeError(f"decode_kernel='cuda' was requested but {explicit}: {reason}; request 'auto' or 'triton'")
-    if reason not in _logged:
-        _logged.add(reason)
-        log.log(level, "vecinfer: %s: %s", what, reason)
+    log_once(log, level, reason, "vecinfer: %s: %s", what, reason)

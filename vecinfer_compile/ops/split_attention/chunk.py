@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...log_once import log_once
 from ..coded_kv import CodedKV, flat_op
 from ..decode_inputs import chunk_mask_layout, kv_start_from_mask
 from ..reference import chunk_kv_dense, chunk_mask
@@ -261,7 +262,7 @@ def attend_masked(q: torch.Tensor, keys: ChunkKeys, attn_mask: torch.Tensor | No
             kv_start = None  # the fast path's prefix then runs cuDNN (no per-row key start)
         if not standard:
             explicit = attn_mask
-            _log_once("vecinfer: a chunk's mask is more than causal + left padding: that chunk attends by the "
+            log_once(log, logging.INFO, "mask", "vecinfer: a chunk's mask is more than causal + left padding: that chunk attends by the "
                       "dense path (SDPA over its slots dequantized, a few rows at a time)")
     return attend(q, keys, kv_start, scale, explicit)
 
@@ -298,15 +299,6 @@ def _output_like(q: torch.Tensor, *unused) -> torch.Tensor:
     the op's fake, which ignores the other arguments)."""
     b, hq, c, d = q.shape
     return q.new_empty((b, c, hq, d)).transpose(1, 2)
-
-
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
 
 
 _ARGS = ({"q": torch.Tensor}, {"attn_mask": torch.Tensor | None, "scale": float}, torch.Tensor)

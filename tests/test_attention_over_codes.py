@@ -1,4 +1,4 @@
-"""The eager one-token step over codes (``"vecinfer_sdpa"``, :mod:`vecinfer_compile.hf.eager_decode`):
+"""The eager one-token step over codes (``"vecinfer_sdpa"``, :mod:`vecinfer_compile.hf.attention_over_codes`):
 the codes read, the layer's ``attend`` against SDPA over the dequantized cache (property test),
 generate() through it, and the models it leaves alone."""
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from vecinfer_compile.hf import eager_decode
+from vecinfer_compile.hf import attention_over_codes as eager_decode
 from vecinfer_compile.cache import VecInferCache, VecInferLayer
 from vecinfer_compile.cache import reads as cache_reads
 from vecinfer_compile.testing import cache_layer, random_codebooks
@@ -88,12 +88,12 @@ def _chunk_case(method, group, hkv, d, batch, residual, prompt, chunk, seed):
     returns ``(layer, keys, before_k, before_v, k, v, q)``."""
     torch.manual_seed(seed)
     layer = _layer(batch, hkv, d, residual, 24, method, 2.0, seed)
-    layer.model_config = mock.Mock(_attn_implementation=eager_decode.ATTN_NAME)
+    layer.model_config = mock.Mock(_attn_implementation=attention_over_codes.ATTN_NAME)
     layer.update(torch.randn(batch, hkv, prompt, d), torch.randn(batch, hkv, prompt, d))
     before_k, before_v = (x[:, :, :prompt] for x in layer.dequantized())
     k, v = torch.randn(batch, hkv, chunk, d), torch.randn(batch, hkv, chunk, d)
     read_k, _ = layer.update(k, v)
-    keys = getattr(read_k, eager_decode._CHUNK)
+    keys = getattr(read_k, attention_over_codes._CHUNK)
     return layer, keys, before_k, before_v, k, v, torch.randn(batch, hkv * group, chunk, d)
 
 
@@ -192,9 +192,9 @@ def test_attend_checks_what_the_decode_op_can_read_of_a_mask(change):
 
 def test_codes_read_holds_no_memory_and_is_dequantized_for_other_consumers():
     layer = _layer(2, 2, 16, 4, 24, "vecinfer", 2.0, 0)
-    k, v = eager_decode.codes_read(layer, (2, 2, 24, 16), torch.float32, torch.device("cpu"))
+    k, v = attention_over_codes.codes_read(layer, (2, 2, 24, 16), torch.float32, torch.device("cpu"))
     assert k.stride() == (0, 0, 0, 0) and k.untyped_storage().nbytes() == 4
-    assert getattr(k, eager_decode._LAYER) is layer and getattr(v, eager_decode._LAYER) is layer
+    assert getattr(k, attention_over_codes._LAYER) is layer and getattr(v, attention_over_codes._LAYER) is layer
     q = torch.randn(2, 2, 1, 16)
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v),
                                F.scaled_dot_product_attention(q, *layer.dequantized()))
@@ -241,22 +241,22 @@ def test_other_attention_implementations_are_left_alone():
 def test_codes_read_refuses_what_the_decode_op_cannot_do():
     layer = _layer(1, 2, 16, 4, 24, "vecinfer", 2.0, 0)
     layer.update(torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16))
-    k, v = eager_decode.codes_read(layer, (1, 2, 24, 16), torch.float32, torch.device("cpu"))
+    k, v = attention_over_codes.codes_read(layer, (1, 2, 24, 16), torch.float32, torch.device("cpu"))
     q = torch.randn(1, 4, 1, 16)
     with pytest.raises(ValueError, match="model.eval"):
-        eager_decode.codes_attention_forward(None, q, k, v, None, dropout=0.1)
+        attention_over_codes.codes_attention_forward(None, q, k, v, None, dropout=0.1)
     for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(4)), ("sinks", torch.zeros(4)),
                         ("indices", torch.zeros(1, 4, 1, 2, dtype=torch.long)), ("block_indices", torch.zeros(1, 1))):
         with pytest.raises(NotImplementedError, match=f"\\({name}\\).*run this model without VecInfer"):
-            eager_decode.codes_attention_forward(None, q, k, v, None, **{name: value})
+            attention_over_codes.codes_attention_forward(None, q, k, v, None, **{name: value})
     with pytest.raises(ValueError, match="4-d"):
-        eager_decode.codes_attention_forward(None, q, k, v, torch.ones(1, 24, dtype=torch.bool))
+        attention_over_codes.codes_attention_forward(None, q, k, v, torch.ones(1, 24, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="one-token codes read"):
-        eager_decode.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, None)
-    layer.model_config = mock.Mock(_attn_implementation=eager_decode.ATTN_NAME)
+        attention_over_codes.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, None)
+    layer.model_config = mock.Mock(_attn_implementation=attention_over_codes.ATTN_NAME)
     k, v = layer.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))  # a chunk's read: 9 valid slots of 24
     with pytest.raises(ValueError, match="cache's slots"):
-        eager_decode.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, torch.ones(1, 1, 3, 23, dtype=torch.bool))
+        attention_over_codes.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, torch.ones(1, 1, 3, 23, dtype=torch.bool))
 
 
 @pytest.mark.cuda
@@ -299,10 +299,10 @@ def test_attend_chunk_on_cuda_takes_the_fast_path(method):
     torch.manual_seed(0)
     b, hkv, group, d, prompt, chunk = 3, 2, 4, 128, 301, 77
     layer = _layer(b, hkv, d, 16, 512, method, 2.0, 0, device="cuda", dtype=torch.bfloat16)
-    layer.model_config = mock.Mock(_attn_implementation=eager_decode.ATTN_NAME)
+    layer.model_config = mock.Mock(_attn_implementation=attention_over_codes.ATTN_NAME)
     layer.update(*(torch.randn(b, hkv, prompt, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
     k, _ = layer.update(*(torch.randn(b, hkv, chunk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
-    keys = getattr(k, eager_decode._CHUNK)
+    keys = getattr(k, attention_over_codes._CHUNK)
     start = torch.tensor([0, 5, 200], device="cuda")
     mask = reference.chunk_mask(b, chunk, prompt + chunk, start, "cuda")
     q = torch.randn(b, hkv * group, chunk, d, device="cuda", dtype=torch.bfloat16)

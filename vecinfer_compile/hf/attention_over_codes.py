@@ -1,18 +1,18 @@
-"""Eager steps over a VecInferCache without its dequantized copy: the attention implementation ``"vecinfer_sdpa"``.
+"""Attention over a VecInferCache's codes in eager steps, decode and chunk alike, without its
+dequantized copy: the attention implementation ``"vecinfer_sdpa"``.
 
 ``generate()`` runs its first step (the prompt's last token) eagerly, and every step when it is
-given no compile config. An eager one-token update of a :class:`~vecinfer_compile.cache.VecInferCache`
-used to hand HF's attention the whole cache dequantized (``[B, H_kv, max_cache_len, D]`` in the
-model dtype per layer), which transformers 5.17's SDPA path then repeats per query head: at the
-8B geometry, 32k slots and 176 rows one repeated K asked for 44 GiB, so that step, not the cache,
-bounded the batch on an H200.
+given no compile config. Handing HF's attention the whole cache dequantized at such a step
+(``[B, H_kv, max_cache_len, D]`` in the model dtype per layer), which transformers 5.17's SDPA path
+then repeats per query head, would take 44 GiB for one repeated K at the 8B geometry, 32k slots
+and 176 rows: that step, not the cache, would bound the batch.
 
 ``"vecinfer_sdpa"`` is transformers' SDPA attention with one exception. A VecInferCache layer whose
 model runs this implementation answers an eager update of a non-empty cache with a *codes read*:
 K and V of the usual shape that hold no memory (a 0-d NaN expanded) and name their layer. When this
 attention function receives one it asks the layer instead: for one query token
-:meth:`VecInferLayer.attend <vecinfer_compile.cache.VecInferLayer.attend>` runs
-``vecinfer::decode_attention`` over the codes and window (the query-side transform and ``kv_start``
+:meth:`VecInferLayer.attend <vecinfer_compile.cache.VecInferLayer.attend>` runs its codec's decode
+op over the codes and window (the query-side transform and ``kv_start``
 of :mod:`~vecinfer_compile.ops.decode_inputs`), the op the compiled decode step runs (a mask that is
 more than left padding over the valid slots gets SDPA over the dequantized cache instead); for a
 chunk of several, :meth:`VecInferLayer.attend_chunk <vecinfer_compile.cache.VecInferLayer.attend_chunk>`
@@ -44,6 +44,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..log_once import log_once
 from .attention_support import check_attention_call
 
 ATTN_NAME = "vecinfer_sdpa"
@@ -55,7 +56,6 @@ _CHUNK = "_vecinfer_chunk_keys"  # and, for a chunk, what its attention reads (o
 # attention_support.check_attention_call, as the backend and the simulate path refuse it)
 
 log = logging.getLogger(__name__)
-_logged: set[str] = set()
 
 
 def is_active(config) -> bool:
@@ -171,14 +171,10 @@ def use_codes_attention(model: torch.nn.Module) -> bool:
         return True
     if current == "sdpa":
         model.set_attn_implementation(ATTN_NAME)
-        if "switched" not in _logged:
-            _logged.add("switched")
-            log.info("vecinfer: attention 'sdpa' -> '%s' (SDPA, but eager steps over a VecInferCache "
-                     "read its codes instead of the whole batch dequantized)", ATTN_NAME)
+        log_once(log, logging.INFO, "switched", "vecinfer: attention 'sdpa' -> '%s' (SDPA, but eager steps over a "
+                 "VecInferCache read its codes instead of the whole batch dequantized)", ATTN_NAME)
         return True
-    if current not in _logged:
-        _logged.add(current)
-        log.info("vecinfer: the model attends with %r, so eager steps over a VecInferCache get the "
-                 "whole batch dequantized (load it with attn_implementation='sdpa' to read codes)",
-                 current)
+    log_once(log, logging.INFO, str(current), "vecinfer: the model attends with %r, so eager steps over a "
+             "VecInferCache get the whole batch dequantized (load it with attn_implementation='sdpa' to read codes)",
+             current)
     return False

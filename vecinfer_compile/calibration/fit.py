@@ -1,6 +1,6 @@
 """The fit of one attention layer: its key transform, then each side's codes by its codec at each
 preset asked for (:meth:`vecinfer_compile.codecs.base.Codec.fit`; by default k-means codebooks), and,
-for the methods that have them, a value predictor, refined codes and error metrics. :func:`~vecinfer_compile.calibrate.calibrate` fits every layer with it, and so
+for the methods that have them, a value predictor, refined codes and error metrics. :func:`~vecinfer_compile.calibrate` fits every layer with it, and so
 does the backend's zero-config path (:mod:`vecinfer_compile.backend`) from the keys and values of
 the call it compiles."""
 

@@ -42,7 +42,7 @@ class Recording:
     lengths: list[int] | None = None
 
     def layer(self, index: int) -> LayerSamples:
-        """The samples of layer ``index``, as :func:`~vecinfer_compile.calibrate.fit.fit_layer` takes them."""
+        """The samples of layer ``index``, as :func:`~vecinfer_compile.calibration.fit.fit_layer` takes them."""
         queries = None if self.queries is None else self.queries[index]
         return LayerSamples(self.keys[index], self.values[index], queries, self.positions, self.lengths)
 

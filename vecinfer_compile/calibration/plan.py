@@ -62,7 +62,7 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
                      key_parallel_weight: float | None, weighted_codes: bool | None,
                      key_codec: str | None = None, value_codec: str | None = None,
                      codec_options: dict | None = None) -> CalibrationPlan:
-    """The plan of :func:`~vecinfer_compile.calibrate.calibrate` for ``model`` (its arguments of
+    """The plan of :func:`~vecinfer_compile.calibrate` for ``model`` (its arguments of
     the same names), or a ValueError naming the fix for arguments it cannot run."""
     if layer_bits is not None and allocate is not None:
         raise ValueError("give either layer_bits or allocate, not both")

@@ -1,6 +1,6 @@
 """What a calibrated file records of its calibration (the model's name, its coded layers and
 weight fingerprint, a hash of the text, the settings of the fit), and whether a file's recipe is
-the one :func:`~vecinfer_compile.calibrate.calibrate` fits today. The file itself adds the
+the one :func:`~vecinfer_compile.calibrate` fits today. The file itself adds the
 method, bits, presets, geometry (layer count, KV heads, head_dim) and package version
 (:mod:`vecinfer_compile.codebooks.file_format`)."""
 
