@@ -682,8 +682,8 @@ def with_trellis_codecs(codebooks, states: int) -> None:
     gen = torch.Generator().manual_seed(0)
     for i in codebooks.attention_layers():
         layer, bits = codebooks.layer(i), codebooks.bits if codebooks.layer_bits is None else codebooks.layer_bits[i]
-        layer.key_codec, layer.value_codec = (random_trellis_codec(gen, h, d, bits, states.bit_length() - 1)
-                                              for _ in range(2))
+        layer.keys, layer.values = (random_trellis_codec(gen, h, d, bits, states.bit_length() - 1)
+                                    for _ in range(2))
 
 
 def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from vecinfer_compile.hf import attention_over_codes as eager_decode
+from vecinfer_compile.hf import attention_over_codes
 from vecinfer_compile.cache import VecInferCache, VecInferLayer
 from vecinfer_compile.cache import reads as cache_reads
 from vecinfer_compile.testing import cache_layer, random_codebooks

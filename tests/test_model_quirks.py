@@ -25,7 +25,7 @@ from transformers.cache_utils import DummyLayer
 from vecinfer_compile.backend import vecinfer_backend
 from vecinfer_compile.cache import VecInferCache, VecInferHybridLayer, VecInferLayer
 from vecinfer_compile.hf.compat import cache_kwargs
-from vecinfer_compile.hf import attention_over_codes as eager_decode
+from vecinfer_compile.hf import attention_over_codes
 from vecinfer_compile.hf.compat import forward_cache_kwargs
 from vecinfer_compile.hf.layer_kinds import coded_layers, kv_producers
 from vecinfer_compile.simulate import simulation

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from test_ops_cuda_decode import needs_cuda, nvrtc_or_skip
 from vecinfer_compile.ops import kernel_request
 from vecinfer_compile.ops.append import append_through_window
-from vecinfer_compile.ops.cuda import trellis_append as cuda_ta
+from vecinfer_compile.codecs.trellis.cuda import append as cuda_ta
 from vecinfer_compile.ops.cuda.nvrtc import compile_source
 from vecinfer_compile.codecs.trellis.cuda.viterbi import BlockViterbiVariant
 from vecinfer_compile.codecs.trellis.operands import TrellisOperands, append, choose_append, encode

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_ops_cuda_decode import needs_cuda, nvrtc_or_skip
 from test_ops_triton import _trellis_decode_case
 from vecinfer_compile.ops import kernel_request
-from vecinfer_compile.ops.cuda import trellis_decode as cuda_td
+from vecinfer_compile.codecs.trellis.cuda import decode as cuda_td
 from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
 from vecinfer_compile.codecs.trellis.operands import (TrellisOperands, choose_decode, decode_attention, decode_reference,
                                           query_components, values_out)

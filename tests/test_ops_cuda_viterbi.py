@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_ops_cuda_decode import needs_cuda, nvrtc_or_skip
 from test_ops_triton import _assert_optimal_walks, _trellis_case
 from vecinfer_compile.ops import kernel_request
-from vecinfer_compile.ops.cuda import viterbi as cuda_viterbi
+from vecinfer_compile.codecs.trellis.cuda import viterbi as cuda_viterbi
 from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
 from vecinfer_compile.codecs.trellis.packing import component_states, packed_bytes
 

@@ -86,7 +86,7 @@ def trellis_file(tiny_model, tmp_path_factory):
 
     model, tokenizer = tiny_model
     cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=512, seq_len=128, iters=1,
-                   key_codec="trellis", value_codec="trellis", trellis_states=16, progress=False)
+                   key_codec="trellis", value_codec="trellis", codec_options={"states": 16}, progress=False)
     return cb, cb.save(tmp_path_factory.mktemp("trellis") / "tiny-trellis.safetensors")
 
 
@@ -95,14 +95,14 @@ def test_a_trellis_file_round_trips_and_names_its_codecs(trellis_file):
 
     cb, path = trellis_file
     back = load_codebooks(path)
-    assert back.key_codec == cb.key_codec == back.value_codec == cb.value_codec == "trellis"
+    assert back.codecs == cb.codecs == ("trellis", "trellis")
     assert {"key codec", "value codec"} <= set(back.state_bytes())
     for a, b in zip(cb.layers, back.layers):
-        for kind in ("key_codec", "value_codec"):
+        for kind in ("keys", "values"):
             ca, cb_ = getattr(a, kind), getattr(b, kind)
             assert cb_.state_bits == 4 and torch.equal(ca.bits, cb_.bits) and torch.equal(ca.tables, cb_.tables)
             assert cb_.bits.sum(1).tolist() == [2 * 64] * 2
-        assert not torch.equal(b.key_codec.analysis, b.value_codec.analysis)
+        assert not torch.equal(b.keys.analysis, b.values.analysis)
 
 
 def test_the_fixed_bytes_count_the_codecs_state(trellis_file, tiny_model):
@@ -116,15 +116,15 @@ def test_the_fixed_bytes_count_the_codecs_state(trellis_file, tiny_model):
     model, _ = tiny_model
     cache = VecInferCache(model, cb, batch_size=1, max_cache_len=8, residual=2)
     operands = sum(t.numel() * t.element_size() for layer in cache.coded_layers()
-                   for ops in (layer.quantizer.key_trellis, layer.quantizer.value_trellis) for t in ops)
+                   for t in layer.quantizer.codec.operand_tensors(layer.quantizer.operands))
     state = cb.state_bytes()
     codecs = state["key codec"] + state["value codec"]
     rotation = 4 * 64 * 64  # vecinfer's Hadamard, which the cache holds
-    assert all(layer.quantizer.operands.key_centroids.numel() == layer.quantizer.operands.value_centroids.numel() == 0
-               for layer in cache.coded_layers())
-    assert cache_bytes(cache).fixed == cb.nbytes() - codecs - state["codebooks"] + operands + rotation
+    assert "codebooks" not in state  # a trellis file stores no books, and its cache reads none
+    assert cache_bytes(cache).fixed == cb.nbytes() - codecs + operands + rotation
     fixed = kv_bytes(cb.method, cb.bits, cb.geometry, weighted_codes=cb.weighted_codes).fixed_bytes
-    assert f"{fixed + codecs - state['codebooks']:,} bytes fixed" in memory_summary(cb)
+    books = 4 * 2 * 256 * 4 * len(cb.attention_layers())  # the 2-bit preset's two books, which the formula counts
+    assert f"{fixed + codecs - books:,} bytes fixed" in memory_summary(cb)
 
 
 def test_simulate_codes_keys_and_values_by_the_codecs_and_the_compiled_simulate_path_refuses_them(trellis_file,
@@ -139,9 +139,9 @@ def test_simulate_codes_keys_and_values_by_the_codecs_and_the_compiled_simulate_
     sim = LayerSimulator("vecinfer", 2.0, codebooks=cb, layer_idx=1)
     k_hat, v_hat = sim.quantize_kv(k, v)
     layer = cb.layer(1)
-    expected = layer.transform.keys_inverse(layer.key_codec.quantize_dequantize(layer.transform.keys(k)))
+    expected = layer.transform.keys_inverse(layer.keys.quantize_dequantize(layer.transform.keys(k)))
     torch.testing.assert_close(k_hat, expected)
-    torch.testing.assert_close(v_hat, layer.value_codec.quantize_dequantize(v))
+    torch.testing.assert_close(v_hat, layer.values.quantize_dequantize(v))
     compiled = torch.compile(model, backend=vecinfer_backend.configure(codebooks=cb), fullgraph=True)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="code keys with the trellis codec and values with the trellis codec, which "
@@ -168,9 +168,9 @@ def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(tre
     assert int(layer.storage.n_coded) == 8 and int(layer.storage.n_window) == 4
     k_read, v_read = layer.dequantized()
     kt = codebooks.transform.keys(k[:, :, :8])
-    want_k = codebooks.transform.keys_inverse(codebooks.key_codec.quantize_dequantize(kt))
+    want_k = codebooks.transform.keys_inverse(codebooks.keys.quantize_dequantize(kt))
     torch.testing.assert_close(k_read[:, :, :8], want_k, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(v_read[:, :, :8], codebooks.value_codec.quantize_dequantize(v[:, :, :8]),
+    torch.testing.assert_close(v_read[:, :, :8], codebooks.values.quantize_dequantize(v[:, :, :8]),
                                atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(k_read[:, :, 8:12], k[:, :, 8:12], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v_read[:, :, 8:12], v[:, :, 8:12])
@@ -295,7 +295,7 @@ def test_the_trial_script_runs_its_rows_on_the_tiny_model(tmp_path, tiny_dir, sa
     from vecinfer_compile.codebooks import load_codebooks
 
     saved = load_codebooks(tmp_path / "trellis-4.safetensors")  # the row's codecs, as calibrate writes them
-    assert saved.key_codec == "trellis" and saved.value_codec is None
+    assert saved.codecs == ("trellis", "codebooks")
     assert all(s == 1.0 for layer in rows["trellis-unscaled@4"]["scale"] for s in layer)
     assert "trellis@4 |" in capsys.readouterr().out
 
@@ -373,8 +373,8 @@ def test_calibration_refuses_a_trellis_too_small_for_the_bits(tiny_model):
     from vecinfer_compile.calibration import calibrate
 
     model, tokenizer = tiny_model
-    with pytest.raises(ValueError, match="2 bits need more than 2 trellis states: raise trellis_states"):
-        calibrate(model, tokenizer, "text " * 50, bits=2, value_codec="trellis", trellis_states=2, progress=False)
+    with pytest.raises(ValueError, match="2 bits need more than 2 trellis states: raise --trellis-states"):
+        calibrate(model, tokenizer, "text " * 50, bits=2, value_codec="trellis", codec_options={"states": 2}, progress=False)
 
 
 def test_the_kernels_operands_decode_stored_codes_as_the_codec_decodes_its_walks():
@@ -405,9 +405,9 @@ def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(
 
     gen = torch.Generator().manual_seed(d + hkv)
     base = random_layer_codebooks(hkv, d, query_aware=True, smooth=False, center=True, seed=hkv)
-    codecs = {f"{kind}_codec": random_trellis_codec(gen, hkv, d, 2.0, 8) for kind in ("key", "value")}
-    with pytest.raises(ValueError, match="code only the keys with the trellis codec.*--value-codec trellis"):
-        cache_layer(dataclasses.replace(base, key_codec=codecs["key_codec"]), num_kv_heads=hkv, head_dim=d,
+    codecs = {side: random_trellis_codec(gen, hkv, d, 2.0, 8) for side in ("keys", "values")}
+    with pytest.raises(ValueError, match="keys with the trellis codec and the values with the codebooks codec.*one codec"):
+        cache_layer(dataclasses.replace(base, keys=codecs["keys"]), num_kv_heads=hkv, head_dim=d,
                     max_cache_len=20, residual=3, batch_size=2)
     layer = dataclasses.replace(base, **codecs)
     cached = cache_layer(layer, num_kv_heads=hkv, head_dim=d, max_cache_len=20, residual=3, batch_size=2)
@@ -417,9 +417,9 @@ def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(
         cached.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
     k_read, v_read = cached.dequantized()
     kt = layer.transform.keys(k[:, :, :10])
-    want_k = layer.transform.keys_inverse(layer.key_codec.quantize_dequantize(kt))
+    want_k = layer.transform.keys_inverse(layer.keys.quantize_dequantize(kt))
     torch.testing.assert_close(k_read[:, :, :10], want_k, atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(v_read[:, :, :10], layer.value_codec.quantize_dequantize(v[:, :, :10]), atol=2e-4,
+    torch.testing.assert_close(v_read[:, :, :10], layer.values.quantize_dequantize(v[:, :, :10]), atol=2e-4,
                                rtol=2e-4)
     torch.testing.assert_close(k_read[:, :, 10:13], k[:, :, 10:13], atol=2e-4, rtol=2e-4)
     q = torch.randn(2, hkv * group, 1, d, generator=gen)
@@ -513,7 +513,7 @@ def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(ti
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, method="qaware", max_tokens=512,
-                   seq_len=128, iters=1, key_codec="trellis", value_codec="trellis", trellis_states=16, progress=False)
+                   seq_len=128, iters=1, key_codec="trellis", value_codec="trellis", codec_options={"states": 16}, progress=False)
     ids = torch.arange(3, 43) % config.vocab_size
     eager = cache_tokens(model, ids, cb, new_tokens=12, residual=8, compiled=False)
     assert eager == simulate_tokens(model, ids, cb, new_tokens=12, residual=8)
@@ -534,7 +534,7 @@ def test_needle_refuses_a_keys_only_file_in_one_line(tiny_model, tiny_dir, tmp_p
 
     model, tokenizer = tiny_model
     path = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=256, seq_len=128, iters=1,
-                     key_codec="trellis", trellis_states=16, progress=False).save(tmp_path / "keys-only.safetensors")
+                     key_codec="trellis", codec_options={"states": 16}, progress=False).save(tmp_path / "keys-only.safetensors")
     haystack = tmp_path / "haystack"
     haystack.mkdir()
     (haystack / "filler.txt").write_text(default_text_path().read_text())

@@ -5,6 +5,8 @@ append."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -219,8 +221,8 @@ def test_property_the_cache_stores_the_codebooks_codes(r, sizes, weighted, seed)
 def test_the_cache_refuses_a_metric_of_the_wrong_shape():
     lc = random_codebooks(tiny_config(), bits=2.0, method="qaware").layer(0)
     with pytest.raises(ValueError, match="error metric must be a float"):
-        quantizer = LayerQuantizer(lc.keys, lc.values, key_metric=torch.eye(32)[None],
-                                   value_metric=torch.eye(32)[None])
+        quantizer = LayerQuantizer.from_codebooks(
+            dataclasses.replace(lc, key_metric=torch.eye(32)[None], value_metric=torch.eye(32)[None]), device="cpu")
         VecInferLayer(quantizer, batch_size=1, num_kv_heads=2, head_dim=32, max_cache_len=8, residual=2,
                       dtype=torch.float32, device="cpu")
 
