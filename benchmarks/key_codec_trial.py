@@ -90,8 +90,8 @@ def with_codecs(codebooks, key_codecs: dict | None, value_codecs: dict | None = 
     None: the file's codes), as ``vecinfer calibrate --key-codec / --value-codec trellis`` writes
     them: the simulate path then runs them as it runs such a file."""
     layers = [None if layer is None else dataclasses.replace(
-        layer, key_codec=None if key_codecs is None else key_codecs[i],
-        value_codec=None if value_codecs is None else value_codecs[i]) for i, layer in enumerate(codebooks.layers)]
+        layer, keys=layer.keys if key_codecs is None else key_codecs[i],
+        values=layer.values if value_codecs is None else value_codecs[i]) for i, layer in enumerate(codebooks.layers)]
     return dataclasses.replace(codebooks, layers=layers)
 
 

@@ -233,7 +233,7 @@ def test_a_corrupt_codec_is_refused_on_loading(trellis_file, tmp_path, kind):
     unnamed = json.loads(meta["vecinfer"])
     del unnamed[f"{kind}_codec"]
     save_file(tensors, str(tmp_path / "unnamed.safetensors"), metadata={"vecinfer": json.dumps(unnamed)})
-    with pytest.raises(ValueError, match=f"names no {kind} codec"):
+    with pytest.raises(ValueError, match=f"metadata lacks {kind}_codec"):
         load_codebooks(tmp_path / "unnamed.safetensors")
 
 
@@ -543,4 +543,5 @@ def test_needle_refuses_a_keys_only_file_in_one_line(tiny_model, tiny_dir, tmp_p
                "--residual", "8", "--device", "cpu", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
-    assert "code only the keys with the trellis codec" in err[0] and "--value-codec trellis" in err[0]
+    assert "keys with the trellis codec and the values with the codebooks codec" in err[0]
+    assert "--value-codec trellis" in err[0]

@@ -77,7 +77,8 @@ class LayerQuantizer:
             raise ValueError(
                 f"these codebooks code the keys with the {codec.name} codec and the values with the "
                 f"{layer.value_codec.name} codec: a VecInferCache codes both sides with one codec (calibrate with "
-                "the same codec for both); such a file runs in the simulate path (eval-ppl, ablation)")
+                f"--key-codec {codec.name} --value-codec {codec.name}); such a file runs in the simulate path "
+                "(eval-ppl, ablation)")
         return cls(
             codec=codec, operands=codec.operands(layer, device), codes=(layer.keys, layer.values),
             lam=_on(t.lam, device), rotation=rotation, key_matrix=key_matrix, key_read=key_read,
