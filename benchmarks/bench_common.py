@@ -115,7 +115,7 @@ def bench_setup(smoke: bool, device: str | None = None, geometry: str = "8b", la
 
 def build_model(setup: Setup):
     """Random-weight causal LM allocated and initialised on ``setup.device`` (for the 8B
-    geometry on an H200 this takes seconds: ``normal_`` runs on the GPU)."""
+    geometry this is quick: ``normal_`` runs on the GPU)."""
     t0 = time.perf_counter()
     with torch.device(setup.device):
         model = AutoModelForCausalLM.from_config(setup.config, dtype=setup.dtype, attn_implementation="sdpa")

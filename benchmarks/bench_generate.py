@@ -27,7 +27,7 @@ and next to it the **time to first token** (``prefill s``: the request's start t
 the prefill, chunked or not, included). Two cross-checks, labelled: ``in-run tok/s`` from the host
 timestamps, and ``tok/s by subtraction`` = ``B x (N - 1) / (time(N new tokens) - time(1 new
 token))``, which divides a few decode steps by the difference of two prefills and is noise when a
-prefill is long (at B=1/T=128k it printed 7.2 tok/s for steps of 8.9 ms); ``--in-run-only`` skips
+prefill is long (at B=1/T=128k it reads far below the device-timed rate); ``--in-run-only`` skips
 its 1-token run. Each row is printed as soon as it is measured; a method that fails (e.g. out of
 memory) gets its error in its row and the run goes on.
 
@@ -48,7 +48,7 @@ prefill column shows it, starred, under ``--in-run-only``).
 ``--stop-check deferred`` runs every method's ``generate`` under
 ``vecinfer_compile.defer_stop_check()``: transformers' loop then reads its stop flag one step
 late, so the host queues step n+1 while the GPU runs step n instead of idling the GPU for its
-~2 ms of per-step Python; the device-timed steps show it, the in-run host stamps are not taken
+per-step Python (docs/studies/decode-step-time.md); the device-timed steps show it, the in-run host stamps are not taken
 (the timer syncs at the first token only). transformers defers only when a cache handed back to
 the caller can undo a step: ours and fp16 can; HF's ``StaticCache`` only where transformers marks
 its layers croppable (5.25 does, 5.17 does not: it then runs with the sync). Compare both in one call:

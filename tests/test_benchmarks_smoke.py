@@ -417,7 +417,7 @@ _SASS = """
 
 
 def test_sass_loop_finder_keeps_the_innermost_loops_with_products():
-    """benchmarks/sass_decode_loop.py on a hand-written listing: the inner loop (3 instructions, one
+    """studies/sass_decode_loop.py on a hand-written listing: the inner loop (3 instructions, one
     HMMA) is kept, the loop around it and the loop without a product are not; opcodes lose their
     predicates and modifiers."""
     sass = load_script_path("sass_decode_loop.py")
@@ -463,12 +463,14 @@ def test_sass_resources_reads_registers_and_stack_from_nv_info():
 
 
 def load_script_path(name: str):
-    """A benchmarks/ script that `vecinfer bench` does not run, imported as a module (registered in
+    """A studies/ script (`vecinfer bench` does not run it), imported as a module (registered in
     sys.modules, as its dataclasses need)."""
     import importlib.util
     import sys
+    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(f"vecinfer_bench_{name.removesuffix('.py')}", benchmarks_dir() / name)
+    studies = Path(__file__).resolve().parents[1] / "studies"
+    spec = importlib.util.spec_from_file_location(f"vecinfer_study_{name.removesuffix('.py')}", studies / name)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,5 +1,5 @@
 """Per-head KLT and integer bit allocation (quant/klt.py): exact reconstruction, budgets, known
-Lloyd-Max figures; and benchmarks/key_codec_study.py's codecs on synthetic keys."""
+Lloyd-Max figures; and studies/key_codec_study.py's codecs on synthetic keys."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_lloyd_max_of_samples_and_nearest_levels():
 
 
 def _study():
-    spec = importlib.util.spec_from_file_location("key_codec_study", REPO / "benchmarks" / "key_codec_study.py")
+    spec = importlib.util.spec_from_file_location("key_codec_study", REPO / "studies" / "key_codec_study.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,5 +1,5 @@
 """The Gaussian rate-distortion test channel (quant/rate_distortion.py) against its closed forms, and
-benchmarks/needle_ideal_quantizer.py end to end on the embedded tiny model."""
+studies/needle_ideal_quantizer.py end to end on the embedded tiny model."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_channel_refuses_samples_without_a_head_axis():
 
 
 def _script():
-    path = REPO / "benchmarks" / "needle_ideal_quantizer.py"
+    path = REPO / "studies" / "needle_ideal_quantizer.py"
     spec = importlib.util.spec_from_file_location("needle_ideal_quantizer", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -270,14 +270,13 @@ def test_decoded_keys_keep_the_calibration_keys_spread():
 
 
 def test_the_trial_script_runs_its_rows_on_the_tiny_model(tmp_path, tiny_dir, sample_text_path, capsys):
-    """``benchmarks/key_codec_trial.py`` end to end on the embedded model and text: every row's key
+    """``studies/key_codec_trial.py`` end to end on the embedded model and text: every row's key
     error and perplexity, the scale on in ``trellis@L`` and off in ``trellis-unscaled@L``."""
     import json
 
-    from vecinfer_compile.commands.bench import benchmarks_dir
     from vecinfer_compile.models import default_codebooks_dir
 
-    sys.path.insert(0, str(benchmarks_dir()))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
     import key_codec_trial
 
     out = tmp_path / "trial.json"
@@ -470,10 +469,10 @@ def test_property_a_decode_step_attends_as_sdpa_over_the_read(seed, b, hkv, grou
 
 
 def test_the_needle_attention_diagnostic_runs_on_the_tiny_model(trellis_file, tiny_dir, tmp_path):
-    """``benchmarks/needle_attention_mass.py`` on the tiny model: the shipped 2-bit file and a
+    """``studies/needle_attention_mass.py`` on the tiny model: the shipped 2-bit file and a
     trellis file, every layer; with every token coded the outputs move, with a window longer than
     the prompt nothing is coded and nothing moves."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
     import needle_attention_mass
 
     from vecinfer_compile.models import default_text_path

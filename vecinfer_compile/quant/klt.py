@@ -13,7 +13,7 @@ error (:mod:`.query_aware`), so the KLT of coded keys is the query-weighted one.
 - :func:`lloyd_max`, :func:`gaussian_lloyd_max_distortion`: scalar Lloyd-Max levels of data and
   of a unit Gaussian.
 
-The study that uses them: ``benchmarks/key_codec_study.py``.
+The study that uses them: ``studies/key_codec_study.py``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The forward test channel realizes that error: per principal component ``y_i = u_
 independent of ``x``; then ``E (y_i - y_hat_i)^2 = d_i``. A component below the water level
 (``l_i <= theta``) is sent as its mean.
 
-Used by ``benchmarks/needle_ideal_quantizer.py`` to ask how far the needle's retrieval bar is
+Used by ``studies/needle_ideal_quantizer.py`` to ask how far the needle's retrieval bar is
 from any 2-bit code, not only from ours.
 """
 

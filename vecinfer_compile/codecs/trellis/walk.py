@@ -1,6 +1,6 @@
 """Bitshift-trellis quantization: a long-block code of a sequence, found by the Viterbi algorithm.
 
-The code under the trellis codec (:mod:`.trellis_codec`; studied in ``benchmarks/key_codec_study.py``),
+The code under the trellis codec (:mod:`.trellis_codec`; studied in ``studies/key_codec_study.py``),
 in the family QTIP uses for weights. A sequence ``x: [T]`` is coded as
 the walk of an ``L``-bit state: step ``t`` shifts the state left by ``bits[t]`` (1..L) and takes
 that many new bits, ``s_t = ((s_{t-1} << k_t) | c_t) mod 2^L``, and reconstructs

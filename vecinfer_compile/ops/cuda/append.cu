@@ -32,7 +32,7 @@
 // them first, and the CTA that arrives last on `arrivals` (zero between launches: that CTA resets
 // it) writes them. Every global read that does not depend on another (the token, the transform's
 // inputs, the window rows that move, the first centroids) is issued at the start, so that a launch
-// waits for about one round trip rather than one per step (H200, 2-bit, B=1: 9.3 -> 7.0 us).
+// waits for about one round trip rather than one per step (docs/results/decode-speed.md times the append).
 
 #define KSUB (COLS / DK)  // key sub-vectors per CTA
 #define VSUB (COLS / DV)

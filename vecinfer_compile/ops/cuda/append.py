@@ -3,9 +3,9 @@
 The kernel is in ``append.cu`` (its header states the semantics and the work split). In the
 compiled decode step the same update as torch ops (:func:`.cache_append.append_reference`) becomes
 about a dozen small Inductor kernels per layer (key transform, flush encode, code write, window
-shift, counters), each a dependent launch of 1-5 us. This kernel does all of it in one launch of
-``B * Hkv * D / 32`` CTAs: on the H200 at B=1, T=128k (8B geometry, 32 layers) a generate() step
-went from 12.38 to 9.33 ms in a same-call A/B (docs/results.md).
+shift, counters), each a dependent launch in the step's chain. This kernel does all of it in one
+launch of ``B * Hkv * D / 32`` CTAs, which shortens a whole generate() step, not only the append
+(see docs/studies/decode-step-time.md).
 
 Score-aware key codes (``key_parallel_weight > 1``) and error-weighted codes (the metrics) are a
 search over the whole head vector, which this kernel's split of a row across CTAs cannot do: for

@@ -295,8 +295,9 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
 // (load_task), then store k writes slots 32 k + lane of the task's 32 x COPIES (entry
 // (32 k + lane) / COPIES, fetched from its lane by a shuffle), so that every store covers
 // consecutive addresses (store_task). (A lane writing its own entry's COPIES slots puts all 32
-// lanes of a store on the same banks: a 32-way conflict that took 6 us of an 18 us call at B=1,
-// T=4k; a flat thread-per-slot loop avoids it but reloads centroids once per slot.)
+// lanes of a store on the same banks: a 32-way conflict, a third of a short call; a flat
+// thread-per-slot loop avoids it but reloads centroids once per slot. See
+// docs/studies/decode-kernel-bounds.md.)
 template <int DIM>
 __device__ __forceinline__ void load_task(const unsigned short* __restrict__ cent, int entries, int task, int lane,
                                           unsigned* w) {
@@ -375,8 +376,8 @@ __device__ __forceinline__ void fill_books(const unsigned short* __restrict__ kc
 // Single-copy books (KCOPIES or VCOPIES 1: the 4096-entry ones, 32-64 KiB each) have the same
 // layout in shared memory as in global memory, so they are copied with cp.async, issued at the
 // kernel's start (every 16-byte piece in flight at once, no registers held) and awaited before the
-// fill's barrier. (A fill of float32 centroids converted in registers was 15 us of a 27 us call at
-// 3 bits, B=1, T=4k on the H200; staging the floats and converting them in shared memory, 4 us.)
+// fill's barrier. (A fill of float32 centroids converted in registers was over half of a short
+// 3-bit call; see docs/studies/large-codebook-formats.md.)
 #define KCOPIED (KCOPIES == 1 ? EK * DK * KELEM : 0)  // bytes
 #define VCOPIED (VCOPIES == 1 ? EV * DV * VELEM : 0)
 
@@ -1047,7 +1048,7 @@ vq_decode(const unsigned short* __restrict__ q,       // [B, Hkv * G, D]
     if (!last_arrival) return;
     // Online log-sum-exp over the partials, 4 channels per thread: every load of a batch of
     // MERGE_BATCH partials is issued before any is combined (one round trip per batch; a loop that
-    // loaded a partial per step paid one per partial, 1.5 us of a 12 us call at B=1, T=4k).
+    // loaded a partial per step paid one per partial: docs/studies/decode-kernel-bounds.md).
     const int parts = gridDim.y;
     const long long row0 = (long long)bh * parts * G;
     unsigned short* orow = out + ((long long)b * hkv + kvh) * G * D;

@@ -73,10 +73,9 @@ SOURCE = Path(__file__).with_name("decode.cu")
 
 _log = logging.getLogger(__name__)
 # (resident CTAs per SM, warps per CTA), in order of preference: twelve warps per SM, in one CTA
-# first (measured at 2 bits on the H200: 0.279 vs 0.398 ms at B=32/T=32k, 0.257 vs 0.286 at
-# B=8/T=128k against three CTAs of four), then fewer warps where registers spill, one CTA of 8
-# before several of 4 (H200, 3-bit, B=1/T=4k 26 vs 40 us against two CTAs of 4, B=8/T=128k 0.54 vs
-# 0.57 ms; 4-bit 11 vs 14 us and 0.37 vs 0.42 ms: docs/results).
+# first (faster than three CTAs of four at every shape measured), then fewer warps where registers
+# spill, one CTA of 8 before several of 4 (faster for the presets that spill at 12); the
+# measurements are in docs/studies/decode-kernel-bounds.md.
 LAUNCHES = ((1, 12), (1, 8), (3, 4), (2, 4), (1, 4))
 INTERLEAVED_BOOK_BYTES = 2 * 65536  # 64 KiB of rows at the first 64 KiB boundary of the allocation
 BLOCK_T = 64  # positions per warp iteration (BLOCK_T in the source)
@@ -284,7 +283,8 @@ def kernels_for(variant: Variant, device: torch.device) -> Built:
     return _build(variant, device_index(device))
 
 
-LEAN_MIN_BLOCKS_PER_WARP = 24  # 3-bit, H200: 31 blocks a warp and more gain 1-5%, 15.5 and fewer lose 0-14%
+LEAN_MIN_BLOCKS_PER_WARP = 24  # the measured crossover: longer calls gain from the lean build, shorter ones lose
+# (3-bit; docs/studies/decode-kernel-bounds.md)
 
 
 def lean_may_gain(variant: Variant, plain: Built) -> bool:

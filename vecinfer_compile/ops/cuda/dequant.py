@@ -1,9 +1,10 @@
 """CUDA dequantization of stored codes into a position-major workspace (NVRTC).
 
 Same contract as :func:`.triton_dequant.dequantize_triton`, which it replaces on CUDA where it
-builds: on the H200 the Triton kernel wrote the workspace at ~0.54 TB/s (its centroid gathers go
-through L1 one small load at a time; ``bench_prefill_attention.py``'s dequantize column), which
-at small chunks and large batches made the dequantization a large share of a chunk's attention.
+builds: the Triton kernel writes the workspace far below the memory bandwidth (its centroid
+gathers go through L1 one small load at a time; ``bench_prefill_attention.py``'s dequantize
+column), which at small chunks and large batches made the dequantization a large share of a
+chunk's attention (docs/studies/chunk-attention.md).
 This kernel (``dequant.cu``: the codebook in shared memory, 32 bytes of output per thread in
 two 16-byte stores) is bound by the output's write bandwidth. Compiled once per process and
 variant (head_dim, codebook geometry); launched on torch's current stream, no host sync.

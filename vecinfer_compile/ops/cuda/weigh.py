@@ -1,7 +1,7 @@
 """Score-aware and error-weighted codes on the GPU: the kernels of ``weigh.cu``.
 
-The torch forms (:mod:`..quant.score_aware`, :mod:`..quant.weighted_codes`) cost a decode step
-about 20x its time on an H200 (a dozen small kernels per sub-vector and sweep, docs/results.md);
+The torch forms (:mod:`..quant.score_aware`, :mod:`..quant.weighted_codes`) make a decode step
+many times slower (a dozen small kernels per sub-vector and sweep; docs/studies/code-choice.md);
 here one CTA per head vector runs the whole search:
 
 - :func:`weigh_rows_cuda`: ``vecinfer::weigh_codes`` on CUDA (the prefill: codes of many rows

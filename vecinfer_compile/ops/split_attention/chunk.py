@@ -31,12 +31,12 @@ log-sum-exp, merged by :func:`.lse_merge.merge_by_lse`:
   ``<= w + i``).
 
 Why a workspace and library kernels rather than a kernel that gathers codes inside the attention
-loop (measured on the H200, docs/results.md): the prefix attention of a chunk is compute-bound
-(``4 * G * C * T * D`` FLOPs per KV head against ``T`` positions of codes), and the Triton kernel
-that gathers K/V tiles from the codebook inside its loop (``vecinfer::attention``) ran at a
-quarter of cuDNN's rate (0.744 ms vs 0.180 ms at B=1/T=8192, ``bench_simulate_attention.py``):
-the gathers, not the matrix units, bound it. cuDNN ran this non-causal shape at 596-686 TFLOP/s
-against FlashAttention-2's 343-363. The workspace costs one write of the prefix in the cache
+loop (docs/studies/chunk-attention.md has the measurements): the prefix attention of a chunk is
+compute-bound (``4 * G * C * T * D`` FLOPs per KV head against ``T`` positions of codes), and the
+Triton kernel that gathers K/V tiles from the codebook inside its loop (``vecinfer::attention``)
+ran at a quarter of cuDNN's rate (``bench_simulate_attention.py``): the gathers, not the matrix
+units, bound it. cuDNN ran this non-causal shape well above FlashAttention-2's rate. The workspace
+costs one write of the prefix in the cache
 dtype per chunk and layer (``benchmarks/bench_prefill_attention.py`` times ours against FP16
 flash, and the alternatives with ``--prefix-kernel`` / ``--dequantize``).
 
@@ -154,8 +154,8 @@ def cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 def cudnn_prefix_serves(q: torch.Tensor) -> bool:
     """cuDNN runs the prefix (rows without padding): sm90+, cuDNN on, fp16/bf16, head dim <= 128.
-    Measured on the H200 at 8B geometry: 1.9x FlashAttention-2 for this non-causal shape (684 vs
-    362 TFLOP/s at B=1/T=32k/C=2048), GQA read in the kernel."""
+    It runs this non-causal shape faster than FlashAttention-2, GQA read in the kernel
+    (docs/studies/chunk-attention.md)."""
     d = q.shape[-1]
     return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 128 and cudnn_serves(q.device)
 

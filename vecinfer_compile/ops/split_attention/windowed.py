@@ -16,8 +16,8 @@ the softmax over all visible keys splits into two attentions merged by their log
   over ``K^[:, :, :Tq - shift]``, a square problem, so the kernel's causal alignment (top-left on
   CPU, bottom-right in the CUDA flash kernel) does not matter; rows ``i < shift`` have no
   quantized key. CUDA fp16/bf16: cuDNN attention (``aten._scaled_dot_product_cudnn_attention``)
-  on sm90 and newer, SDPA's own first choice there (on an H200 twice as fast as FlashAttention-2
-  at B=1/T=32k: 1.75 vs 3.70 ms), else FlashAttention-2 (``aten._flash_attention_forward``, GQA
+  on sm90 and newer, SDPA's own first choice there (about twice as fast as FlashAttention-2 on
+  Hopper: docs/studies/windowed-simulate-attention.md), else FlashAttention-2 (``aten._flash_attention_forward``, GQA
   without copies); CUDA fp32: ``aten._scaled_dot_product_efficient_attention(is_causal=True)``; CPU:
   ``aten._scaled_dot_product_flash_attention_for_cpu``. Otherwise (a bool or float mask, no
   causality, ``Tk < Tq``) the rule and the model's mask are composed into one additive bias
@@ -58,9 +58,8 @@ H200 with torch 2.11 its Inductor lowering failed on the graphs this backend mak
 convert FlexibleLayout to FixedLayout first`` (the mask_mod captured HF's attention mask, a tensor
 computed inside the graph); the benchmark's second shape crashed under dynamic shapes with
 ``AttributeError: 'ShapeAsConstantBuffer' object has no attribute 'dtype'`` (symbolic ints
-captured by the mask_mod); and where it ran, its first call took 169 s to compile (the previous
-``vecinfer::attention`` form 2.4 s, the no-window form 6.1 s) and it was slower than the
-no-window form (B=1, T=8192: 0.533 ms vs 0.399 ms, bf16 SDPA 0.180 ms). Its CPU stand-in
+captured by the mask_mod); and where it ran, its first call took minutes to compile and it was
+slower than the no-window form (docs/studies/windowed-simulate-attention.md). Its CPU stand-in
 materialised the ``[Tq, 2 Tk]`` mask.
 """
 

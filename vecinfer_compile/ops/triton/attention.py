@@ -30,7 +30,7 @@ class AttentionConfig:
     """Launch shape: ``block_m`` rows (query position x group member) per program, ``block_n``
     keys per loop step. The default was the fastest of the shapes that
     ``benchmarks/bench_simulate_attention.py --sweep`` times on the H200, at both of its cases
-    and in two sessions (8-12% ahead of ``(64, 64, 4, 2)``)."""
+    and in repeated runs (ahead of ``(64, 64, 4, 2)``)."""
 
     block_m: int = 128
     block_n: int = 64

@@ -16,8 +16,9 @@ Codes are read in their stored layout (:mod:`vecinfer_compile.quant.packing`: 12
 in three bytes, the high nibbles after the low bytes). Centroids are gathered from global memory
 (a 256 x 4 bf16 codebook is 2 KiB and stays in L1), one vectorised centroid row per code. The
 split kernel runs unpipelined (``num_stages=1``): with software pipelining Triton turns the
-gathers into 8-byte ``cp.async`` copies through shared memory, which made the kernel 3x slower on
-the H200 at B=8..32, T >= 32k (``bench_decode_attention.py --sweep``). Holding the codebook as a
+gathers into 8-byte ``cp.async`` copies through shared memory, which made the kernel several
+times slower at large batches and long contexts (``bench_decode_attention.py --sweep``; see
+docs/results/decode-speed.md). Holding the codebook as a
 register tensor and gathering with ``tl.gather`` fails to compile on Triton 3.6 for these shapes
 (an assertion that the gather be warp-local), so that variant is not offered.
 

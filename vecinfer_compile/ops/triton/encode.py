@@ -11,12 +11,12 @@ size:
   tile on the tensor cores (``tf32x3``: float32-accurate), then a row argmin per tile; at 4096
   centroids the scan's per-centroid loop costs more than the reductions.
 
-Measured on the H200 (``benchmarks/bench_encode.py``), 524k sub-vectors x 256 centroids: a tiled
-``tl.argmin`` spent its time in warp shuffles and spilled registers (0.61 ms); the scan takes
-0.06 ms. A tensor-core variant for small codebooks (distances as one bf16 product of split
-operands, argmin as an integer min over distance bits packed with the index) took 0.075-0.094 ms
-at its best launch shapes: building the split operands and reducing 256 columns per row cost
-more than the scan's arithmetic.
+Why a scan (``benchmarks/bench_encode.py`` times it; docs/studies/simulated-prefill-cost.md has
+the measurements): a tiled ``tl.argmin`` spent its time in warp shuffles and spilled registers,
+several times slower than the scan. A tensor-core variant for small codebooks (distances as one
+bf16 product of split operands, argmin as an integer min over distance bits packed with the index)
+was slower too at its best launch shapes: building the split operands and reducing 256 columns per
+row cost more than the scan's arithmetic.
 
 Both write the stored layout of :mod:`vecinfer_compile.quant.packing`: a program owns whole head
 vectors (rows of ``D // d`` sub-vectors, padded to a power of two), so the two 12-bit codes that

@@ -5,10 +5,9 @@ A walk's steps are sequential, so a vector's latency is its ~100 steps. Two kern
 
 - ``viterbi_block.cu``, one CTA a vector (the walk itself in ``block_walk.cuh``, which the decode
   step's append kernel shares): the 2^L path costs in shared memory, up to 512 threads a CTA with
-  a state or a few each (512 took 2% less than 1,024 for one vector a head and 14% less for 64 on
-  the H100), a barrier a step. Few vectors (a decode step's one token a head) finish sooner than in
-  a warp (H100: 58 us for 1 and 8 vectors of 8 heads at 2^10 states, the warp kernel ~108,
-  Triton's 96; ``benchmarks/bench_viterbi.py``).
+  a state or a few each (512 measured faster than 1,024), a barrier a step. Few vectors (a decode
+  step's one token a head) finish sooner than in a warp or in Triton's kernel
+  (``benchmarks/bench_viterbi.py``; see docs/results/decode-speed.md).
 - ``viterbi.cu``, one warp a vector: the costs in the warp's registers, exchanged by shuffles, the
   trace as ballots in shared memory (no block barrier). A vector takes longer than in a CTA but
   uses a 32nd of its threads, so many vectors (a prefill) go faster; it holds up to 2^10 states.
@@ -41,8 +40,8 @@ SMEM_LIMIT = 40 * 1024  # static shared memory of a warp kernel's block (its war
 BLOCK_SMEM_LIMIT = 200 * 1024  # dynamic shared memory of the block kernel's CTA
 MAX_WARPS = 4
 BLOCK_CTAS_AN_SM = 2  # the block kernel's CTAs (one a vector) an SM runs before the warp kernel is faster: its
-# time follows the CTAs on the busiest SM (H100, 8 heads, 2^10 states, bench_viterbi.py --kernel block / warp:
-# 57.9 / 87.1 / 121.0 / 154.8 us at 1 / 2 / 3 / 4 CTAs an SM; the warp kernel 106.9 up to 512 vectors)
+# time grows with the CTAs on the busiest SM while the warp kernel's stays flat up to 512 vectors
+# (bench_viterbi.py --kernel block / warp; see docs/studies/trellis-kernels.md)
 REFERENCE_SMS = 132  # the H100's and H200's, for a choice asked about tensors on no GPU
 
 

@@ -6,9 +6,9 @@ score error). Every row is the held-out relative key error at 2 bits a key eleme
 128-dim head vector, per-token side information counted): squared error over the squared
 deviation from the held-out mean, per KV head, averaged over the heads, on calibration tokens
 32k-40k (never fitted on). Codecs are fitted on tokens 0-32k (the documented ideal channel on
-0-16k, as ``benchmarks/needle_ideal_quantizer.py`` fits it).
+0-16k, as ``studies/needle_ideal_quantizer.py`` fits it).
 
-Rows (the section "A long-block key codec: the study" of docs/results/accuracy.md reads them):
+Rows (docs/studies/key-codec-study.md reads them):
 
 - ``bound_wf_klt``: Gaussian rate-distortion bound, reverse water-filling over the per-head KLT
   spectrum (the ideal channel's expected error; ``_heldout``: that channel applied to held-out keys).
@@ -35,7 +35,7 @@ Rows (the section "A long-block key codec: the study" of docs/results/accuracy.m
 - ``..._gain8``: the same with each token's norm (per head) stored apart in 8 bits (Lloyd-Max on
   its log) and the components quantized after dividing by it, with 248 bits left for them.
 
-    python benchmarks/key_codec_study.py --model evalmodel --calib-text calibration.txt \\
+    python studies/key_codec_study.py --model evalmodel --calib-text calibration.txt \\
         --json key_codec_study.json
 """
 

@@ -20,13 +20,13 @@ calibration keys; values through the file's own codes. Rows, side by side in one
   ``trellis-kv@L``: ``trellis@L`` keys and those values.
 
 For each row: the held-out key error per layer (squared error over the squared deviation from the
-mean, per KV head, in the coded domain: the measure of docs/results/accuracy.md; fitted on
+mean, per KV head, in the coded domain: the measure of docs/studies/key-codec-study.md; fitted on
 calibration tokens ``[0, --calib-tokens)``, scored on the next ``--heldout-tokens``), the needle
 (``vecinfer needle``'s protocol through the simulate path with the cache's window semantics, each
-token encoded once, as ``benchmarks/needle_ideal_quantizer.py`` runs it), and the perplexity with
+token encoded once, as ``studies/needle_ideal_quantizer.py`` runs it), and the perplexity with
 every token quantized (``--ppl-text``; ``--ppl-residual`` R, default 0, as ``vecinfer eval-ppl --residual``).
 
-    python benchmarks/key_codec_trial.py --model evalmodel --haystack text/haystack \\
+    python studies/key_codec_trial.py --model evalmodel --haystack text/haystack \\
         --calib-text calibration.txt --codebooks cb-qw-2.safetensors --ppl-text wikitext2_test.raw \\
         --rows fp,codes,trellis@12 --device cuda
 

@@ -13,7 +13,7 @@ tokens quantized), for these rows:
   element (:mod:`vecinfer_compile.quant.rate_distortion`), fitted per layer and KV head on
   calibration text. Each token keeps one noise draw across decode steps, as it keeps its codes.
 
-    python benchmarks/needle_ideal_quantizer.py --model evalmodel --haystack text/haystack \\
+    python studies/needle_ideal_quantizer.py --model evalmodel --haystack text/haystack \\
         --calib-text calibration.txt --codebooks cb.safetensors --rows fp,codes,ideal@2,ideal@1.5
 
 A research script: it swaps the simulate path's quantizer (``LayerSimulator.quantize_kv``) and

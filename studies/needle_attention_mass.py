@@ -14,7 +14,7 @@ prompts: the head's mass on the needle (exact, and with the file's keys), how of
 attended needle token stays the same with the file's keys (which digit it reads), and the relative
 error of its output with the file's keys, its values, or both coded.
 
-    python benchmarks/needle_attention_mass.py --model evalmodel --haystack text/haystack \\
+    python studies/needle_attention_mass.py --model evalmodel --haystack text/haystack \\
         --codebooks cb-qw-2.safetensors,cb-qw-2-tkv.safetensors --lengths 2048 --trials 3 --layers 5
 
 (A diagnostic of the needle through the cache; the grid itself is ``vecinfer needle``'s.)

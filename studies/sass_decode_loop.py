@@ -11,7 +11,7 @@ full-precision window's. A static count, not a timing: it says where a change mo
 instructions (the 2-bit kernel is issue-bound), and ``bench_decode_attention.py`` on the GPU
 says whether that is time. Run it from two checkouts to compare a kernel change.
 
-    python benchmarks/sass_decode_loop.py --bits 2 [--head-dim 128 --group 4]
+    python studies/sass_decode_loop.py --bits 2 [--head-dim 128 --group 4]
 """
 
 from __future__ import annotations
