@@ -31,9 +31,9 @@ V="python -m vecinfer_compile"
 declare -A TEST_GROUP=(
     [decode]="tests/test_ops_cuda_decode.py tests/test_ops_cuda_append.py tests/test_ops_cuda_weigh.py tests/test_weighted_codes.py tests/test_ops_cuda_trellis_decode.py tests/test_ops_cuda_viterbi.py tests/test_ops_cuda_trellis_append.py"
     [triton]="tests/test_ops_triton.py tests/test_trellis_codec.py"
-    [cache]="tests/test_eager_decode.py tests/test_cache_compile.py tests/test_deferred_stop.py tests/test_qaware.py tests/test_needle.py tests/test_ops_library.py tests/test_benchmarks_smoke.py"
+    [cache]="tests/test_attention_over_codes.py tests/test_cache_compile.py tests/test_deferred_stop.py tests/test_qaware.py tests/test_needle.py tests/test_ops_library.py tests/test_benchmarks_smoke.py"
     [windowed]="tests/test_windowed.py"
-    [chunk]="tests/test_chunk_attention.py"
+    [chunk]="tests/test_chunk_attention.py tests/test_codec_conformance.py"
     [hybrid]="tests/test_hybrid_cache.py"
 )
 

@@ -11,7 +11,7 @@
 //            1..R-1 move to 0..R-2; slot R-1 <- the new token; n_coded = c + 1
 //            (R == 0: codes at slot c <- the walk of the new token)
 // A token's components: ((x - center) @ analysis) * inverse_sd in float64, rounded to float32,
-// as quant/trellis_codec.components computes them.
+// as codecs/trellis/code.components computes them.
 //
 // grid (B * H, 2): blockIdx.y 0 codes the keys, 1 the values; a CTA owns its side of one row: the
 // walk, the code write, the window shift. Only the counters are shared: every CTA reads them

@@ -1,6 +1,6 @@
 // The least-squared-error trellis walk of one vector by one CTA, as a device function: the walks of
 // viterbi.cu's warp kernel (the same ties: the lowest predecessor, the lowest final state), its
-// string in the stored layout (vecinfer_compile/quant/trellis_packing.py). Prepended by the
+// string in the stored layout (vecinfer_compile/codecs/trellis/packing.py). Prepended by the
 // launchers (viterbi.py, trellis_append.py) to the kernels that walk: viterbi_block.cu (a vector a
 // CTA) and trellis_append.cu (a decode step's append). No toolkit headers. -D defines:
 //   L     state bits (2^L states, 5 <= L)        D     components a vector (head_dim)

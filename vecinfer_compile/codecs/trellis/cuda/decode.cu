@@ -1,6 +1,6 @@
-// Decode attention over trellis codes (vecinfer_compile/ops/trellis.py): one query token per query
+// Decode attention over trellis codes (vecinfer_compile/codecs/trellis/operands.py): one query token per query
 // head against a layer's coded prefix, in the components, with the codec's tables in shared memory.
-// Same partial outputs as the Triton kernel (ops/triton/trellis.py): acc [B*Hkv, splits*VG, BG, D],
+// Same partial outputs as the Triton kernel (codecs/trellis/triton_kernels.py): acc [B*Hkv, splits*VG, BG, D],
 // m and l [B*Hkv, splits*VG, BG] (log2 units), merged by ops/split_attention/lse_merge.py.
 // Compiled at run time with NVRTC (trellis_decode.py); no toolkit headers.
 //
@@ -39,7 +39,7 @@ __device__ __forceinline__ unsigned state_at(unsigned hi, unsigned lo, int shift
 }
 
 __device__ __forceinline__ int string_end(const int* first, const int* shift, int i) {
-    // where component i's new bits end in the string (ops/../quant/trellis_packing.state_windows)
+    // where component i's new bits end in the string (codecs/trellis/packing.state_windows)
     return 8 * first[i] + 24 - shift[i];
 }
 

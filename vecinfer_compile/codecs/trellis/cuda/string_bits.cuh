@@ -1,7 +1,7 @@
 // Writing a trellis walk's code string in shared memory, shared by the walks of viterbi.cu and
 // block_walk.cuh (prepended by viterbi.py). The string is big-endian by bit: bit p is bit
 // 7 - (p & 7) of byte p >> 3, the bytes little-endian in its 32-bit words
-// (vecinfer_compile/quant/trellis_packing.py); it starts zeroed.
+// (vecinfer_compile/codecs/trellis/packing.py); it starts zeroed.
 
 // The word mask of bit p.
 __device__ __forceinline__ unsigned string_bit(int p) { return (0x80u >> (p & 7)) << (8 * ((p >> 3) & 3)); }

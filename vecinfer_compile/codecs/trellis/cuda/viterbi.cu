@@ -1,6 +1,6 @@
 // The trellis codec's encoder, one warp a vector: least-squared-error walks of a bitshift trellis
-// (vecinfer_compile/quant/trellis.py), written in the stored layout
-// (vecinfer_compile/quant/trellis_packing.py; by string_bits.cuh, prepended). Compiled at run time
+// (vecinfer_compile/codecs/trellis/walk.py), written in the stored layout
+// (vecinfer_compile/codecs/trellis/packing.py; by string_bits.cuh, prepended). Compiled at run time
 // with NVRTC (viterbi.py); no toolkit headers. Compile-time parameters as -D defines:
 //   L     state bits (2^L states, 5 <= L)        D     components a vector (head_dim)
 //   MAXK  the widest step (<= L)                  MAXB  bytes of the widest string
