@@ -33,8 +33,8 @@ import bench_decode_attention as dec  # noqa: E402  (a sibling: its inputs, SDPA
 from bench_common import copies_for, graph_time_ms  # noqa: E402
 from vecinfer_compile.ops.cuda import decode as cuda_decode  # noqa: E402
 from vecinfer_compile.ops.kernel_request import use_decode_kernel  # noqa: E402
-from vecinfer_compile.codecs.trellis.operands import (TrellisOperands, decode_attention, decode_reference,  # noqa: E402
-                                          query_components)
+from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_attention, query_components  # noqa: E402
+from vecinfer_compile.codecs.trellis.reference import decode_reference  # noqa: E402
 from vecinfer_compile.codecs.trellis.triton_kernels import decode_components  # noqa: E402
 from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec  # noqa: E402
 

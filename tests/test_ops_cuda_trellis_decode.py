@@ -20,8 +20,9 @@ from test_ops_triton import _trellis_decode_case
 from vecinfer_compile.ops import kernel_request
 from vecinfer_compile.codecs.trellis.cuda import decode as cuda_td
 from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
-from vecinfer_compile.codecs.trellis.operands import (TrellisOperands, choose_decode, decode_attention, decode_reference,
-                                          query_components, values_out)
+from vecinfer_compile.codecs.trellis.operands import (TrellisOperands, choose_decode, decode_attention,
+                                                      query_components, values_out)
+from vecinfer_compile.codecs.trellis.reference import decode_reference
 
 
 @pytest.mark.parametrize("head_dim, group, lbits, widths, nbytes", [(128, 4, 10, 4, 32), (64, 16, 10, 7, 12),

@@ -277,7 +277,8 @@ def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, sp
     """Decode attention over trellis codes in the components = the reference (decode every key and
     value, then softmax): GQA 1-16, odd lengths, left padding (a row may have nothing to attend),
     the coded count as an int or as a tensor the kernel reads (a compiled step's)."""
-    from vecinfer_compile.codecs.trellis.operands import decode_reference, query_components, values_out
+    from vecinfer_compile.codecs.trellis.operands import query_components, values_out
+    from vecinfer_compile.codecs.trellis.reference import decode_reference
     from vecinfer_compile.codecs.trellis.triton_kernels import decode_components
 
     gen = torch.Generator().manual_seed(seed)
@@ -539,7 +540,8 @@ def test_cuda_trellis_decode(group):
     """Decode attention over trellis codes on the GPU, head_dim 128, 2^10 states, left padding."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_attention, decode_reference
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_attention
+    from vecinfer_compile.codecs.trellis.reference import decode_reference
 
     gen = torch.Generator().manual_seed(group)
     q, k_codes, v_codes, keys, values = _trellis_decode_case(gen, 3, 2, group, 1000, 128, 10)

@@ -440,7 +440,8 @@ def test_property_a_decode_step_attends_as_sdpa_over_the_read(seed, b, hkv, grou
     """``decode_step`` (the codes in the components, the window exactly, merged by log-sum-exp) = SDPA
     over what ``read`` gives for the same slots: GQA 1-16, head_dim 64/128, float32/bf16/fp16, odd
     lengths, the window empty, partial or full, left padding (a padded row still attends something)."""
-    from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_step, read
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_step
+    from vecinfer_compile.codecs.trellis.reference import read
     from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
 
     gen = torch.Generator().manual_seed(seed)

@@ -47,7 +47,8 @@ from ...ops.dequantize import ROW_CHUNK_ELEMENTS
 from ...ops.registry import define
 from ...ops.split_attention.chunk import attend_over_buffers
 from .prefix import TrellisPrefix
-from .operands import TrellisOperands, append, decode_step, encode, read
+from .operands import TrellisOperands, append, decode_step, encode
+from .reference import read
 
 
 def trellis_encode(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> torch.Tensor:
