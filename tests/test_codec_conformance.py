@@ -281,3 +281,18 @@ def test_the_compiled_decode_graph_holds_the_codecs_decode_op_and_no_read(name):
     read_op, decode_op = qz.codec.rewrite.read_op, qz.codec.rewrite.decode(q, (None,) * 10, None, 1.0, None)[0]
     assert str(decode_op).split(".")[-2] in graphs[1] and f"vecinfer.{read_op}" not in graphs[1]
     torch.testing.assert_close(got, step(*args), atol=3e-4, rtol=3e-4)
+
+
+@pytest.mark.parametrize("name", [n for n in registry.names() if n != registry.DEFAULT])
+def test_no_core_module_names_a_codec(name):
+    """The core asks the registry: outside its own package a codec's name appears only in the
+    registry and in the command line's options for it."""
+    import pathlib
+
+    import vecinfer_compile
+
+    root = pathlib.Path(vecinfer_compile.__file__).parent
+    allowed = {root / "codecs" / "registry.py", root / "commands" / "calibrate.py"}
+    naming = [str(path.relative_to(root)) for path in root.rglob("*.py")
+              if name in path.read_text().lower() and path not in allowed and (root / "codecs" / name) not in path.parents]
+    assert naming == []

@@ -6,7 +6,7 @@ that any code of ``R * D`` bits a vector reaches (at infinite block length) when
 Gaussian is ``sum_i d_i`` with ``d_i = min(l_i, theta)``, ``theta`` set by reverse water-filling:
 ``sum_i max(0, 1/2 log2(l_i / theta)) = R * D`` (Cover & Thomas, thm. 10.3.3). Gaussian is the
 hardest source of a given covariance, so for a real source this error is reachable in principle
-(an upper bound on the optimum), and the practical codes that come closest (trellis-coded and lattice
+(an upper bound on the optimum), and the practical codes that come closest (lattice and other long-block
 quantizers) stay a little above it.
 
 The forward test channel realizes that error: per principal component ``y_i = u_i . (x - mu)``,
