@@ -60,13 +60,13 @@ def register(subparsers) -> None:
                         "(docs/results.md; default: on for qaware, off for the other methods; with 4096-entry books "
                         "(3, 1.5, 1.25 bits) it makes a decode step's append about 12x the nearest codes' at 1.5 bits)")
     p.add_argument("--key-codec", choices=registry.names(), default=None,
-                   help="code keys with a long-block code instead of the key codebooks: per-head KLT, integer bits "
-                        "per component, a bitshift trellis (docs/results/accuracy.md); same bits a key. "
-                        "VecInferCache (eager or compiled) runs it with --value-codec trellis too; keys alone run in "
-                        "simulate mode")
+                   help="the codec of the keys (docs/codecs.md; default codebooks): trellis is a long-block code "
+                        "(per-head KLT, whole bits a component, a bitshift trellis; docs/results/accuracy.md), same "
+                        "bits a key. VecInferCache (eager or compiled) needs one codec for keys and values; keys and "
+                        "values of two codecs run in simulate mode")
     p.add_argument("--value-codec", choices=registry.names(), default=None,
-                   help="code values with the same long-block code, under o_proj's error metric with "
-                        "--weighted-codes; same bits a value, as --key-codec runs")
+                   help="the codec of the values (default codebooks); trellis codes them under o_proj's error metric "
+                        "with --weighted-codes, same bits a value")
     p.add_argument("--trellis-states", type=power_of_two, default=None, metavar="S",
                    help=f"with --key-codec or --value-codec trellis: trellis states, a power of two (default "
                         f"{TRELLIS_STATES}; more: closer to the bound, slower to encode)")
