@@ -237,3 +237,35 @@ def test_progress_bars_for_logs(monkeypatch):
     monkeypatch.setattr(os, "environ", {"TQDM_MININTERVAL": "60"})  # a value the user set stays
     log_friendly_progress()
     assert os.environ == {"TQDM_POSITION": "0", "TQDM_MININTERVAL": "60"}
+
+
+def _probe(argv: list[str], cwd: Path, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True,
+                          cwd=cwd, env={**ENV, **env}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"VECINFER_KERNEL": "bogus"}, "VECINFER_KERNEL='bogus' is not a kernel choice: use one of auto, cuda, triton"),
+    ({"VECINFER_DECODE_KERNEL": "fast"}, "VECINFER_DECODE_KERNEL='fast' is not a kernel choice"),
+    ({"VECINFER_KERNEL": "Bogus", "VECINFER_DECODE_KERNEL": "triton"}, "VECINFER_KERNEL='Bogus'"),
+])
+def test_a_bad_kernel_variable_is_refused_at_start(workspace, env, match):
+    """It was read only when a CUDA op asked (never on a CPU run): now the command line refuses it
+    before torch is imported, whatever the command."""
+    result = _probe(EVAL + ["--windows", "1"], workspace, **env)
+    assert result["code"] == 2, result
+    assert match in one_line_error(result["err"])
+    assert not result["torch"]
+
+
+def test_the_old_kernel_variable_still_works_with_a_one_line_warning(workspace):
+    env = {k: v for k, v in ENV.items() if k != "VECINFER_KERNEL"}
+    proc = subprocess.run([sys.executable, "-m", "vecinfer_compile", *EVAL, "--windows", "1", "--window-len", "16",
+                           "--no-progress", "--device", "cpu"], capture_output=True, text=True, cwd=workspace,
+                          env={**env, "VECINFER_DECODE_KERNEL": "triton"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "vecinfer: warning: VECINFER_DECODE_KERNEL is renamed VECINFER_KERNEL (it chooses the append, encode and "
+        "Viterbi kernels too, not only decode): set VECINFER_KERNEL=triton"]

@@ -212,7 +212,7 @@ def _decode_op(q, cache_args, decode_kernel: str):
 
 def rewrite_cache_attention(gm: fx.GraphModule, decode_kernel: str | None = None) -> int:
     """Replace every SDPA over ``vecinfer::cache_kv`` by a decode-attention op over the codes (see
-    the module docstring); ``decode_kernel`` (auto / cuda / triton; None: ``$VECINFER_DECODE_KERNEL``
+    the module docstring); ``decode_kernel`` (auto / cuda / triton; None: ``$VECINFER_KERNEL``
     or auto) picks the CUDA implementation.
     Returns the number of rewrites; recompiles ``gm`` if any."""
     rewrites = 0
