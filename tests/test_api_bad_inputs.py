@@ -1,11 +1,14 @@
 """The Python API refuses what the command line refuses, with an error naming the fix before any work:
-a bad ``$VECINFER_KERNEL``."""
+damaged codebook files, a bad ``$VECINFER_KERNEL``."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import vecinfer_compile as vc
 from vecinfer_compile import kernel_env
@@ -13,6 +16,31 @@ from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.models import default_codebooks_dir
 
 CODEBOOKS = default_codebooks_dir() / "vecinfer-2bit.safetensors"
+
+
+def _broken(tmp_path: Path, name: str, value: float) -> Path:
+    with safe_open(str(CODEBOOKS), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(CODEBOOKS))
+    tensors[name].view(-1)[5] = value
+    path = tmp_path / "broken.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+@pytest.mark.parametrize("name, value", [("layers.2.value_centroids", float("nan")), ("lam", float("inf"))])
+def test_load_codebooks_checks_every_tensor(tmp_path, name, value):
+    """A NaN or inf in any tensor used to load, then fail 45 s later in a traceback blaming the text."""
+    path = _broken(tmp_path, name, value)
+    with pytest.raises(ValueError, match=rf"{path}: tensor '{name}' \(1 of [\d,]+ values\) holds NaN or inf"):
+        load_codebooks(path)
+
+
+def test_load_codebooks_names_a_truncated_file(tmp_path):
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(CODEBOOKS.read_bytes()[:-1])
+    with pytest.raises(ValueError, match=f"{path} is truncated: its header describes"):
+        load_codebooks(path)
 
 
 @pytest.fixture

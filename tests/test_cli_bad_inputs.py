@@ -33,7 +33,8 @@ ABLATION = ["ablation", "--model", TINY, "--text", TEXT, "--calib-text", TEXT]
 
 # (command line, a piece of the one-line error); {ws} is a folder holding dir/, existing.txt,
 # empty.txt, latin1.txt, gsm8k.jsonl (two problems), no-bits.safetensors (a safetensors file whose
-# vecinfer metadata lacks the bits) and nothing else.
+# vecinfer metadata lacks the bits), nan.safetensors (the shipped 2-bit codebooks with a NaN in
+# layer 1's key centroids), truncated.safetensors (them less their last 100 bytes) and nothing else.
 NO_MODEL_NEEDED = [
     (CALIBRATE + ["--device", "gpu0"], "unknown device 'gpu0'"),
     (CALIBRATE + ["--out", "{ws}/dir"], "is a directory: give a file path"),
@@ -121,6 +122,12 @@ NO_MODEL_NEEDED = [
     (ABLATION + ["--out", "{ws}/existing.txt"], "exists: give a new path"),
     (ABLATION + ["--residual", "-1"], "--residual: must be at least 0"),
     (ABLATION + ["--window-len", "64", "--residual", "64"], "nothing would be quantized"),
+    # Decided by a file header or config.json: refused before the model loads.
+    (EVAL[:-2] + ["--codebooks", "{ws}/nan.safetensors"],
+     "{ws}/nan.safetensors: tensor 'layers.1.key_centroids' (1 of 1,024 values) holds NaN or inf"),
+    (MATCH[:-1] + ["{ws}/nan.safetensors"], "holds NaN or inf"),
+    (EVAL[:-2] + ["--codebooks", "{ws}/truncated.safetensors"],
+     "{ws}/truncated.safetensors is truncated: its header describes 36,264 bytes, the file holds 36,164"),
 ]
 
 # Runs main(argv) in a fresh interpreter and reports its exit code, stderr and whether torch was
@@ -145,7 +152,22 @@ def workspace(tmp_path) -> Path:
     (tmp_path / "gsm8k.jsonl").write_text(f"{problem}\n{problem}\n")
     header = json.dumps({"__metadata__": {"vecinfer": json.dumps({"method": "vecinfer"})}}).encode()
     (tmp_path / "no-bits.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    _write_broken_codebooks(tmp_path)
     return tmp_path
+
+
+def _write_broken_codebooks(folder: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(CODEBOOKS, "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(CODEBOOKS)
+    tensors["layers.1.key_centroids"][3, 1] = float("nan")
+    save_file(tensors, str(folder / "nan.safetensors"), metadata=meta)
+    data = Path(CODEBOOKS).read_bytes()
+    assert len(data) == 36264  # the messages above count its bytes
+    (folder / "truncated.safetensors").write_bytes(data[:-100])
 
 
 def files_in(folder: Path) -> dict[str, int]:

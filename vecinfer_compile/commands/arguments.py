@@ -13,10 +13,10 @@ import json
 import math
 import os
 import re
-import struct
 from pathlib import Path
 
 from ..methods import METHODS, VQ_METHODS, normalize_bits
+from ..safetensors_file import DamagedFile, TruncatedFile, describe_nonfinite, nonfinite_tensors, read_header
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -206,20 +206,27 @@ def output_dir(text: str) -> str:
 
 
 def codebook_file(text: str) -> str:
-    """A file written by ``vecinfer calibrate`` (its header read without torch)."""
-    codebook_header(input_file("codebook file")(text))
+    """A file written by ``vecinfer calibrate``: its header read and every tensor checked finite
+    without torch (a file holding NaN or inf used to load, then fail in the model's forward)."""
+    path = input_file("codebook file")(text)
+    codebook_header(path)
+    bad = nonfinite_tensors(path)
+    if bad:
+        raise argparse.ArgumentTypeError(describe_nonfinite(path, bad))
     return text
 
 
 def codebook_header(path: str) -> dict:
     """The ``vecinfer`` metadata of a codebook file (method, bits, ...), read from its safetensors
-    header; ArgumentTypeError when the file is not one."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        raw = f.read(size) if 0 < size <= 100_000_000 else b""
+    header; ArgumentTypeError when the file is not one, or is truncated."""
     try:
-        meta = json.loads(json.loads(raw)["__metadata__"]["vecinfer"])
+        header, _ = read_header(path)
+    except TruncatedFile as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except DamagedFile:
+        header = {}
+    try:
+        meta = json.loads(header["__metadata__"]["vecinfer"])
         meta["bits"] = float(meta["bits"])
         if not isinstance(meta["method"], str):
             raise TypeError("method is not a name")
