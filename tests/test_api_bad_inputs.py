@@ -1,5 +1,5 @@
 """The Python API refuses what the command line refuses, with an error naming the fix before any work:
-damaged codebook files, a bad ``$VECINFER_KERNEL``."""
+damaged codebook files, an existing or folderless output, a bad ``$VECINFER_KERNEL``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import vecinfer_compile as vc
 from vecinfer_compile import kernel_env
+from vecinfer_compile.atomic_file import write_new
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.models import default_codebooks_dir
 
@@ -41,6 +42,48 @@ def test_load_codebooks_names_a_truncated_file(tmp_path):
     path.write_bytes(CODEBOOKS.read_bytes()[:-1])
     with pytest.raises(ValueError, match=f"{path} is truncated: its header describes"):
         load_codebooks(path)
+
+
+def test_save_refuses_an_existing_file_unless_asked(tmp_path):
+    cb = load_codebooks(CODEBOOKS)
+    path = tmp_path / "cb.safetensors"
+    path.write_bytes(b"kept")
+    with pytest.raises(FileExistsError, match="exists: give a new path, or pass overwrite=True"):
+        cb.save(path)
+    assert path.read_bytes() == b"kept"
+    assert cb.save(path, overwrite=True) == path
+    assert load_codebooks(path).bits == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cb.safetensors"]
+
+
+def test_save_refuses_a_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"its folder {tmp_path / 'nope'} does not exist: create it first"):
+        load_codebooks(CODEBOOKS).save(tmp_path / "nope" / "cb.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_created_while_writing_is_kept(tmp_path):
+    """Two writers of one path: the one that ends second moves nothing in and says so."""
+    path = tmp_path / "cb.safetensors"
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(b"mine")
+        path.write_bytes(b"the other writer's")
+
+    with pytest.raises(FileExistsError, match="was created by something else while this was being written"):
+        write_new(path, write)
+    assert path.read_bytes() == b"the other writer's"
+    assert [p.name for p in tmp_path.iterdir()] == ["cb.safetensors"]  # the temporary file is gone
+
+
+def test_an_interrupted_save_leaves_nothing(tmp_path):
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_new(tmp_path / "cb.safetensors", write)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture

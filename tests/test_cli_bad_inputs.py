@@ -128,6 +128,7 @@ NO_MODEL_NEEDED = [
     (MATCH[:-1] + ["{ws}/nan.safetensors"], "holds NaN or inf"),
     (EVAL[:-2] + ["--codebooks", "{ws}/truncated.safetensors"],
      "{ws}/truncated.safetensors is truncated: its header describes 36,264 bytes, the file holds 36,164"),
+    (CALIBRATE[:-1] + ["{ws}/missing/cb.safetensors"], "its folder {ws}/missing does not exist: create it first"),
 ]
 
 # Runs main(argv) in a fresh interpreter and reports its exit code, stderr and whether torch was
@@ -291,3 +292,27 @@ def test_the_old_kernel_variable_still_works_with_a_one_line_warning(workspace):
     assert proc.stderr.strip().splitlines() == [
         "vecinfer: warning: VECINFER_DECODE_KERNEL is renamed VECINFER_KERNEL (it chooses the append, encode and "
         "Viterbi kernels too, not only decode): set VECINFER_KERNEL=triton"]
+
+
+def test_a_codebook_file_written_meanwhile_is_kept(capsys, workspace, monkeypatch):
+    """Two `calibrate --out X` at once: the one that ends second used to replace the first's file
+    and report success too; now it keeps that file, writes nothing and says so."""
+    import importlib
+
+    from vecinfer_compile.codebooks import load_codebooks
+
+    pipeline = importlib.import_module("vecinfer_compile.calibrate")
+    out = workspace / "race.safetensors"
+
+    def the_other_run_ends_first(*args, **kwargs):
+        out.write_bytes(b"the other run's codebooks")
+        return load_codebooks(CODEBOOKS)
+
+    monkeypatch.setattr(pipeline, "calibrate", the_other_run_ends_first)
+    argv = CALIBRATE[:-1] + [str(out), "--device", "cpu", "--seq-len", "64", "--no-progress"]
+    before = files_in(workspace)
+    assert main([a.format(ws=workspace) for a in argv]) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert f"{out} was created by something else while this calibration ran" in err
+    assert out.read_bytes() == b"the other run's codebooks"
+    assert set(files_in(workspace)) == set(before) | {"race.safetensors"}  # no temporary file left

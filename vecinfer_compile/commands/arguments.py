@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from ..methods import METHODS, VQ_METHODS, normalize_bits
@@ -190,6 +191,23 @@ def new_file(text: str) -> str:
     if path.exists():
         raise argparse.ArgumentTypeError(f"{text} exists: give a new path, or delete it first")
     _check_writable_parent(path, text)
+    return text
+
+
+def new_file_in_folder(text: str) -> str:
+    """:func:`new_file` in a folder that exists already: a codebook file, written after a long fit
+    (a mistyped folder used to be created silently once the fit was done)."""
+    new_file(text)
+    parent = _path(text).parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: its folder {parent} does not exist: create it "
+                                         f"first (mkdir -p {parent})")
+    try:  # a file written there for real: os.access says yes to root on a read-only file system
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: cannot create a file in {parent} "
+                                         f"({exc.strerror or exc})") from None
     return text
 
 

@@ -10,7 +10,7 @@ import time
 from ..methods import VQ_METHODS, normalize_bits
 from ..presets import DEFAULT_TRELLIS_STATES, allocation_choices, check_trellis_states
 from . import add_calib_args, add_model_args, add_progress_arg
-from .arguments import bits_arg, check_positions, layer_bits_arg, new_file, power_of_two, real, text_file
+from .arguments import bits_arg, check_positions, layer_bits_arg, new_file_in_folder, power_of_two, real, text_file
 
 HELP = "fit VecInfer (or ablation) codebooks on a text and save them"
 REFINED = [m for m, spec in VQ_METHODS.items() if spec.refine]
@@ -69,8 +69,9 @@ def register(subparsers) -> None:
                    help=f"with --key-codec or --value-codec trellis: trellis states, a power of two (default "
                         f"{DEFAULT_TRELLIS_STATES}; more: closer to the bound, slower to encode)")
     add_calib_args(p)
-    p.add_argument("--out", required=True, metavar="FILE", type=new_file,
-                   help="output .safetensors file (a new path: an existing file is not overwritten)")
+    p.add_argument("--out", required=True, metavar="FILE", type=new_file_in_folder,
+                   help="output .safetensors file (a new path in an existing folder: an existing file is not "
+                        "overwritten)")
     add_progress_arg(p)
     p.set_defaults(func=run)
 
@@ -177,7 +178,12 @@ def run(args) -> int:
                    weighted_codes=args.weighted_codes, key_codec=args.key_codec, value_codec=args.value_codec,
                    trellis_states=args.trellis_states or DEFAULT_TRELLIS_STATES,
                    **({} if args.ridge is None else {"ridge": args.ridge}))
-    path = cb.save(args.out)
+    try:
+        path = cb.save(args.out)
+    except FileExistsError:  # new when the arguments were checked: another run wrote it meanwhile
+        raise FileExistsError(f"{args.out} was created by something else while this calibration ran (another "
+                              f"`vecinfer calibrate --out {args.out}`?): it is kept as it is and nothing was "
+                              "written; run again with a new --out") from None
     per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"
     print(f"wrote {path}: {args.method} {cb.bits:g}-bit codebooks for {cb.geometry['num_layers']} layers"
           f"{per_layer} in {time.perf_counter() - t0:.1f} s")

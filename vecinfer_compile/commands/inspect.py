@@ -71,6 +71,7 @@ def _codebooks_for(model, tokenizer, method, bits, cb_dir: Path, calib_text, arg
     cb = calibrate(model, tokenizer, calib_text, bits=bits, method=method, max_tokens=args.max_tokens,
                    seq_len=args.seq_len, iters=args.iters, seed=args.seed, max_fit_vectors=args.fit_vectors,
                    progress=args.progress)
+    cb_dir.mkdir(parents=True, exist_ok=True)
     cb.save(path)
     return cb, f"calibrated now, saved to {path}"
 

@@ -136,8 +136,9 @@ def get_codebooks(
         model, tokenizer, calib_text, bits=bits, method=method, max_tokens=max_tokens,
         seq_len=seq_len, iters=iters, seed=seed, progress=progress,
     )
-    if cache_dir is not None:
-        cb.save(Path(cache_dir) / codebook_filename(method, bits))
+    if cache_dir is not None:  # a stale cached file (above) is replaced
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        cb.save(Path(cache_dir) / codebook_filename(method, bits), overwrite=True)
     return cb
 
 
