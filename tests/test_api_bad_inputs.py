@@ -1,8 +1,10 @@
 """The Python API refuses what the command line refuses, with an error naming the fix before any work:
-damaged codebook files, an existing or folderless output, a bad ``$VECINFER_KERNEL``."""
+damaged codebook files, an existing or folderless output, a folder without its tokenizer, a bad
+``$VECINFER_KERNEL``."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -118,3 +120,17 @@ def test_the_old_kernel_variable_warns_once(kernel_variables):
                         "Viterbi kernels too, not only decode)")]
     kernel_variables.setenv("VECINFER_KERNEL", "cuda")  # the new name wins
     assert kernel_request.requested() == "cuda"
+
+
+def test_load_model_names_a_folder_without_its_tokenizer(tmp_path, tiny_dir):
+    """Some model types build an empty tokenizer from such a folder: refused by name."""
+    import json
+
+    from vecinfer_compile.models import load_model
+
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2",
+                                                      "architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(ValueError, match=f"the tokenizer of {tmp_path} turns .* into no tokens: it has no vocabulary"):
+        load_model(tmp_path, "float32", "cpu")
+    assert os.listdir(tmp_path) == ["config.json"]

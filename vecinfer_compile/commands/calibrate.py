@@ -10,7 +10,8 @@ import time
 from ..methods import VQ_METHODS, normalize_bits
 from ..presets import DEFAULT_TRELLIS_STATES, allocation_choices, check_trellis_states
 from . import add_calib_args, add_model_args, add_progress_arg
-from .arguments import bits_arg, check_positions, layer_bits_arg, new_file_in_folder, power_of_two, real, text_file
+from .arguments import (bits_arg, check_layer_count, check_positions, layer_bits_arg, new_file_in_folder,
+                        power_of_two, real, text_file)
 
 HELP = "fit VecInfer (or ablation) codebooks on a text and save them"
 REFINED = [m for m, spec in VQ_METHODS.items() if spec.refine]
@@ -159,15 +160,18 @@ def check_text_length(tokens: int, args) -> None:
 
 def run(args) -> int:
     bits = check_args(args)
-    from ..models import load_model, load_text, tokenize
+    check_positions(args.model, args.seq_len, "--seq-len")  # from config.json, before the model loads
+    check_layer_count(args.model, args.layer_bits)
+    from ..models import load_model, load_text, load_tokenizer, tokenize
 
     if VQ_METHODS[args.method].refine:
         print(f"vecinfer: calibrate --method {args.method}: {QAWARE_COST}", file=sys.stderr)
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, args.dtype, args.device)
-    check_positions(model, args.seq_len, "--seq-len")
+    tokenizer = load_tokenizer(args.model)  # the text's length checked before the model loads
     text = load_text(args.text)
     check_text_length(len(tokenize(tokenizer, text)), args)
+    model, tokenizer = load_model(args.model, args.dtype, args.device, tokenizer=tokenizer)
+    check_positions(model, args.seq_len, "--seq-len")
     from ..calibrate import calibrate
 
     cb = calibrate(model, tokenizer, text, bits=bits, method=args.method,
