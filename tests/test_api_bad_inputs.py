@@ -1,6 +1,7 @@
-"""The Python API refuses what the command line refuses, with an error naming the fix before any work:
-damaged codebook files, an existing or folderless output, a folder without its tokenizer, a bad
-``$VECINFER_KERNEL``."""
+"""The Python API refuses what the command line refuses, with a TypeError or ValueError naming the
+fix before any work: damaged codebook files, an existing or folderless output, a missing or empty
+tokenizer, counts below their minimum, a bad ``$VECINFER_KERNEL``; and the calibration's progress
+bar counts layers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -16,7 +18,7 @@ import vecinfer_compile as vc
 from vecinfer_compile import kernel_env
 from vecinfer_compile.atomic_file import write_new
 from vecinfer_compile.codebooks import load_codebooks
-from vecinfer_compile.models import default_codebooks_dir
+from vecinfer_compile.models import default_codebooks_dir, load_text
 
 CODEBOOKS = default_codebooks_dir() / "vecinfer-2bit.safetensors"
 
@@ -86,6 +88,62 @@ def test_an_interrupted_save_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_new(tmp_path / "cb.safetensors", write)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def text(sample_text_path) -> str:
+    return load_text(sample_text_path)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"max_tokens": 0}, ValueError, "max_tokens must be at least 1, got 0"),
+    ({"seq_len": 1}, ValueError, "seq_len must be at least 2"),
+    ({"iters": 0}, ValueError, "iters must be at least 1"),
+    ({"seed": -1}, ValueError, "seed must be at least 0"),
+    ({"residual": -3}, ValueError, "residual must be at least 0"),
+    ({"max_tokens": 1e3}, TypeError, "max_tokens must be a whole number, got 1000.0"),
+])
+def test_calibrate_counts(tiny_model, text, kwargs, error, match):
+    model, tokenizer = tiny_model
+    with pytest.raises(error, match=match):
+        vc.calibrate(model, tokenizer, text, **kwargs)
+
+
+def test_calibrate_names_a_missing_tokenizer(tiny_model, text):
+    with pytest.raises(TypeError, match="calibrate needs the model's tokenizer, got None: pass transformers"):
+        vc.calibrate(tiny_model[0], None, text)
+
+
+def test_calibrate_names_an_empty_tokenizer(tiny_model, text, tmp_path):
+    """AutoTokenizer on a folder without tokenizer files builds a tokenizer with no vocabulary for
+    some model types (here Qwen2's): the text was then reported as having 0 tokens."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    AutoConfig.for_model("qwen2").save_pretrained(tmp_path)
+    empty = AutoTokenizer.from_pretrained(str(tmp_path))
+    match = f"the tokenizer of {tmp_path} turns 2,000 characters of text into no tokens"
+    with pytest.raises(ValueError, match=match):
+        vc.calibrate(tiny_model[0], empty, text)
+
+
+def test_calibrate_names_a_model_given_by_path(tiny_model, text, tiny_dir):
+    with pytest.raises(TypeError, match="calibrate needs a loaded model, got the path"):
+        vc.calibrate(str(tiny_dir), tiny_model[1], text)
+
+
+def test_simulation_takes_a_path_and_refuses_a_negative_window(tiny_model):
+    model = tiny_model[0]
+    with pytest.raises(ValueError, match="residual must be at least 0, got -3"):
+        with vc.simulation(model, "vecinfer", bits=2, codebooks=load_codebooks(CODEBOOKS), residual=-3):
+            pass
+    ids = torch.tensor([[1, 40, 50, 60, 70, 80]])
+    with vc.simulation(model, "vecinfer", bits=2, codebooks=str(CODEBOOKS)):  # was an AttributeError
+        by_path = model(ids).logits
+    with vc.simulation(model, "vecinfer", bits=2, codebooks=load_codebooks(CODEBOOKS)):
+        loaded = model(ids).logits
+    torch.testing.assert_close(by_path, loaded)
+    with pytest.raises(TypeError, match="codebooks must be a path, a VecInferCodebooks"):
+        vc.enable_simulation(model, "vecinfer", bits=2, codebooks=2)
 
 
 @pytest.fixture
