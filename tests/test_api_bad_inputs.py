@@ -5,6 +5,7 @@ bar counts layers."""
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from pathlib import Path
@@ -178,6 +179,48 @@ def test_the_old_kernel_variable_warns_once(kernel_variables):
                         "Viterbi kernels too, not only decode)")]
     kernel_variables.setenv("VECINFER_KERNEL", "cuda")  # the new name wins
     assert kernel_request.requested() == "cuda"
+
+
+def test_heartbeats_leave_the_count_to_the_bar():
+    """Beats within an iterated bar used to go through update(0), which moved tqdm's bookkeeping:
+    the calibration bar counted past its layers ("7" of 6) and timed a layer from the last beat."""
+    from tqdm import tqdm
+
+    from vecinfer_compile.heartbeat import beat, reporting
+
+    now = [0.0]
+    bar = tqdm(range(6), file=io.StringIO(), mininterval=10, unit="layer")
+    bar._time = lambda: now[0]
+    bar.start_t = bar.last_print_t = 0.0
+    seen = []
+    with reporting(bar):
+        for _ in bar:
+            for step in (9, 0.05, 2):  # a beat at each step of a layer's fit
+                now[0] += step
+                beat("k-means")
+                seen.append(bar.n)
+    assert max(seen) <= 6 and bar.n == 6
+    assert "k-means" in bar.fp.getvalue()
+
+
+def test_the_calibration_bar_counts_layers(tiny_model, text, monkeypatch):
+    from vecinfer_compile.calibrate import pipeline
+
+    bars = []
+
+    class Recorded(pipeline.tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(pipeline, "tqdm", Recorded)
+    model, tokenizer = tiny_model
+    vc.calibrate(model, tokenizer, text, bits=2, max_tokens=256, seq_len=128, iters=1, progress=True)
+    (bar,) = bars
+    layers = model.config.num_hidden_layers
+    assert (bar.total, bar.n, bar.unit) == (layers, layers, "layer")
+    assert f"{layers}/{layers} [" in bar.fp.getvalue()
 
 
 def test_load_model_names_a_folder_without_its_tokenizer(tmp_path, tiny_dir):

@@ -98,7 +98,7 @@ def calibrate(
     modules = {m.layer_idx: m for m in attention_modules(model)} if needs_modules else {}
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
     loss_ratio: dict[str, float] = {}  # "layer/bits" -> attention-output loss after / before refinement
-    bar = tqdm(sorted(recording.keys), desc="fitting codebooks", disable=not progress)
+    bar = tqdm(sorted(recording.keys), desc="fitting codebooks", unit="layer", disable=not progress)
     with reporting(bar):  # k-means and refinement say where they are within a layer
         for layer in bar:
             samples = recording.layer(layer)
