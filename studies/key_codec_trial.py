@@ -220,7 +220,8 @@ def main(argv=None) -> None:
             raise ValueError(f"unknown row {row!r}: fp, codes, exact-keys, exact-values, trellis@L, "
                              "trellis-unscaled@L, trellis-mse@L, trellis-values@L or trellis-kv@L")
         if args.save_dir and row.startswith("trellis"):
-            path = gm.codebooks.save(Path(args.save_dir) / f"{row.replace('@', '-')}.safetensors")
+            Path(args.save_dir).mkdir(parents=True, exist_ok=True)
+            path = gm.codebooks.save(Path(args.save_dir) / f"{row.replace('@', '-')}.safetensors", overwrite=True)
             print(f"{row}: wrote {path}", flush=True)
         if "key_error" in entry:
             print(f"{row}: held-out key error per layer {[round(e, 4) for e in entry['key_error']]}", flush=True)

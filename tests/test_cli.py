@@ -298,7 +298,8 @@ def _inputs_for(argv: list[str], folder) -> None:
     given = dict(zip(argv, argv[1:]))
     if "--model" in given:
         (folder / given["--model"]).mkdir()
-        (folder / given["--model"] / "config.json").write_text("{}")
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):  # what a model folder holds
+            (folder / given["--model"] / name).write_text("{}")
     for option in ("--text", "--calib-text", "--data"):
         if option in given:
             (folder / given[option]).write_text("some text\n")

@@ -33,7 +33,10 @@ ABLATION = ["ablation", "--model", TINY, "--text", TEXT, "--calib-text", TEXT]
 
 # (command line, a piece of the one-line error); {ws} is a folder holding dir/, existing.txt,
 # empty.txt, latin1.txt, gsm8k.jsonl (two problems), no-bits.safetensors (a safetensors file whose
-# vecinfer metadata lacks the bits) and nothing else.
+# vecinfer metadata lacks the bits), nan.safetensors (the shipped 2-bit codebooks with a NaN in
+# layer 1's key centroids), truncated.safetensors (them less their last 100 bytes), model folders
+# made from the tiny model (no-tokenizer/, six-layers/, no-weights/, bad-config/: see
+# _write_model_dirs) and nothing else.
 NO_MODEL_NEEDED = [
     (CALIBRATE + ["--device", "gpu0"], "unknown device 'gpu0'"),
     (CALIBRATE + ["--out", "{ws}/dir"], "is a directory: give a file path"),
@@ -121,6 +124,30 @@ NO_MODEL_NEEDED = [
     (ABLATION + ["--out", "{ws}/existing.txt"], "exists: give a new path"),
     (ABLATION + ["--residual", "-1"], "--residual: must be at least 0"),
     (ABLATION + ["--window-len", "64", "--residual", "64"], "nothing would be quantized"),
+    # Decided by a file header or config.json: refused before the model loads.
+    (EVAL[:-2] + ["--codebooks", "{ws}/nan.safetensors"],
+     "{ws}/nan.safetensors: tensor 'layers.1.key_centroids' (1 of 1,024 values) holds NaN or inf"),
+    (MATCH[:-1] + ["{ws}/nan.safetensors"], "holds NaN or inf"),
+    (EVAL[:-2] + ["--codebooks", "{ws}/truncated.safetensors"],
+     "{ws}/truncated.safetensors is truncated: its header describes 36,264 bytes, the file holds 36,164"),
+    (CALIBRATE + ["--model", "{ws}/no-tokenizer"], "model directory {ws}/no-tokenizer has no tokenizer"),
+    (EVAL + ["--model", "{ws}/no-tokenizer"], "has no tokenizer (no tokenizer.json"),
+    (CALIBRATE[:-1] + ["{ws}/missing/cb.safetensors"], "its folder {ws}/missing does not exist: create it first"),
+    (CALIBRATE[:5] + ["--layer-bits", "2,2,2"] + CALIBRATE[7:],
+     "--layer-bits gives 3 presets, but the model in " + TINY + " has 4 layers"),
+    (EVAL + ["--window-len", "5000"], "--window-len needs 5000 positions, past the model's max_position_embeddings (4096)"),
+    (CALIBRATE + ["--seq-len", "5000"], "--seq-len needs 5000 positions"),
+    (MATCH + ["--prompt-len", "4090", "--new-tokens", "16"], "--prompt-len plus --new-tokens needs 4106 positions"),
+    (GSM8K[:-1] + ["{ws}/gsm8k.jsonl", "--max-new-tokens", "5000", "--methods", "fp16", "--shots", "1"],
+     "--max-new-tokens needs 5000 positions"),
+    (NEEDLE + ["--method", "fp16", "--lengths", "4096", "--max-new-tokens", "8"], "needs 4104 positions"),
+    (ABLATION + ["--window-len", "4097"], "--window-len needs 4097 positions"),
+    (INSPECT + ["--seq-len", "8192"], "--seq-len needs 8192 positions"),
+    (["eval-ppl", "--model", "{ws}/six-layers", "--text", TEXT, "--codebooks", CODEBOOKS],
+     "these codebooks were calibrated for another model (num_layers: codebooks 4 vs model 6"),
+    (["demo", "--model", "{ws}/six-layers", "--window-len", "5000"], "--window-len needs 5000 positions"),
+    (EVAL + ["--model", "{ws}/no-weights"], "model directory {ws}/no-weights has no weights"),
+    (EVAL + ["--model", "{ws}/bad-config"], "{ws}/bad-config/config.json is not valid JSON"),
 ]
 
 # Runs main(argv) in a fresh interpreter and reports its exit code, stderr and whether torch was
@@ -145,7 +172,44 @@ def workspace(tmp_path) -> Path:
     (tmp_path / "gsm8k.jsonl").write_text(f"{problem}\n{problem}\n")
     header = json.dumps({"__metadata__": {"vecinfer": json.dumps({"method": "vecinfer"})}}).encode()
     (tmp_path / "no-bits.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    _write_broken_codebooks(tmp_path)
+    _write_model_dirs(tmp_path)
     return tmp_path
+
+
+def _write_broken_codebooks(folder: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(CODEBOOKS, "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(CODEBOOKS)
+    tensors["layers.1.key_centroids"][3, 1] = float("nan")
+    save_file(tensors, str(folder / "nan.safetensors"), metadata=meta)
+    data = Path(CODEBOOKS).read_bytes()
+    assert len(data) == 36264  # the messages above count its bytes
+    (folder / "truncated.safetensors").write_bytes(data[:-100])
+    from vecinfer_compile.testing import random_codebooks
+
+    geometry = {**json.loads(meta["vecinfer"])["geometry"], "num_kv_heads": 4}
+    random_codebooks(geometry, 2).save(folder / "other-heads.safetensors")
+
+
+def _write_model_dirs(folder: Path) -> None:
+    """no-tokenizer/: the tiny model without its tokenizer files; six-layers/: its config saying 6
+    layers (never loaded: the header check refuses first); no-weights/: without its weights;
+    bad-config/: a config.json cut short."""
+    (folder / "no-tokenizer").mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (folder / "no-tokenizer" / name).symlink_to(Path(TINY) / name)
+    config = json.loads((Path(TINY) / "config.json").read_text())
+    for name, text, files in (("six-layers", json.dumps({**config, "num_hidden_layers": 6}), ("model.safetensors",)),
+                              ("no-weights", json.dumps(config), ()),
+                              ("bad-config", '{"model_type": "llama",', ("model.safetensors",))):
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_text(text)
+        for file in ("tokenizer.json", "tokenizer_config.json", *files):
+            (folder / name / file).symlink_to(Path(TINY) / file)
 
 
 def files_in(folder: Path) -> dict[str, int]:
@@ -174,16 +238,37 @@ def test_refused_before_torch_loads(workspace, argv, match):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (EVAL + ["--window-len", "5000"], "--window-len needs 5000 positions, past the model's max_position_embeddings (4096)"),
-    (CALIBRATE + ["--seq-len", "5000"], "--seq-len needs 5000 positions"),
-    (MATCH + ["--prompt-len", "4090", "--new-tokens", "16"], "--prompt-len plus --new-tokens needs 4106 positions"),
-    (GSM8K[:-1] + ["{ws}/gsm8k.jsonl", "--max-new-tokens", "5000", "--methods", "fp16", "--shots", "1"],
-     "--max-new-tokens needs 5000 positions"),
-    (CALIBRATE[:4] + ["{ws}/existing.txt"] + CALIBRATE[5:], "tokens, fewer than one calibration sequence (1024"),
+    (EVAL[:-2] + ["--method", "vecinfer", "--calib-text", "{ws}/existing.txt"],
+     "tokens, fewer than one calibration sequence (1024: the smaller of --seq-len and --max-tokens): give a "
+     "longer --calib-text"),
+    (["eval-ppl", "--model", TINY, "--text", TEXT, "--codebooks", "{ws}/other-heads.safetensors"],
+     "calibrated for another model (num_kv_heads: codebooks 4 vs model 2"),
 ])
 def test_refused_once_the_model_is_loaded(capsys, workspace, argv, match):
-    """Known once the model is loaded: refused before any work (windows past the model's positions
-    used to warn, then run for minutes; a few-token text was calibrated on)."""
+    """Known once the model is loaded: refused before any work (a few-token text was calibrated
+    on, silently; codebooks of another geometry with as many layers: the rest of the geometry is the
+    loaded model's)."""
+    before = files_in(workspace)
+    assert main([a.format(ws=workspace) for a in argv] + ["--device", "cpu"]) == 2
+    assert match in one_line_error(capsys.readouterr().err)
+    assert files_in(workspace) == before
+
+
+@pytest.mark.parametrize("argv, match", [
+    (CALIBRATE[:4] + ["{ws}/existing.txt"] + CALIBRATE[5:], "tokens, fewer than one calibration sequence (1024"),
+    (EVAL + ["--text", "{ws}/existing.txt"], "tokens, fewer than the 16 x 1024 = 16384 needed"),
+    (["demo", "--text", "{ws}/existing.txt"], "tokens, fewer than the 8 x 256 = 2048 needed"),
+    (ABLATION + ["--text", "{ws}/existing.txt"], "tokens, fewer than the 16 x 1024"),
+])
+def test_refused_once_the_tokenizer_is_loaded(capsys, workspace, argv, match, monkeypatch):
+    """A text too short for the run needs its tokens, not the model: refused before the model
+    loads (it used to load first; the demo printed its progress bar, then the error)."""
+    import transformers
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
     before = files_in(workspace)
     assert main([a.format(ws=workspace) for a in argv] + ["--device", "cpu"]) == 2
     assert match in one_line_error(capsys.readouterr().err)
@@ -237,3 +322,83 @@ def test_progress_bars_for_logs(monkeypatch):
     monkeypatch.setattr(os, "environ", {"TQDM_MININTERVAL": "60"})  # a value the user set stays
     log_friendly_progress()
     assert os.environ == {"TQDM_POSITION": "0", "TQDM_MININTERVAL": "60"}
+
+
+def _probe(argv: list[str], cwd: Path, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True,
+                          cwd=cwd, env={**ENV, **env}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"VECINFER_KERNEL": "bogus"}, "VECINFER_KERNEL='bogus' is not a kernel choice: use one of auto, cuda, triton"),
+    ({"VECINFER_DECODE_KERNEL": "fast"}, "VECINFER_DECODE_KERNEL='fast' is not a kernel choice"),
+    ({"VECINFER_KERNEL": "Bogus", "VECINFER_DECODE_KERNEL": "triton"}, "VECINFER_KERNEL='Bogus'"),
+])
+def test_a_bad_kernel_variable_is_refused_at_start(workspace, env, match):
+    """It was read only when a CUDA op asked (never on a CPU run): now the command line refuses it
+    before torch is imported, whatever the command."""
+    result = _probe(EVAL + ["--windows", "1"], workspace, **env)
+    assert result["code"] == 2, result
+    assert match in one_line_error(result["err"])
+    assert not result["torch"]
+
+
+def test_the_old_kernel_variable_still_works_with_a_one_line_warning(workspace):
+    env = {k: v for k, v in ENV.items() if k != "VECINFER_KERNEL"}
+    proc = subprocess.run([sys.executable, "-m", "vecinfer_compile", *EVAL, "--windows", "1", "--window-len", "16",
+                           "--no-progress", "--device", "cpu"], capture_output=True, text=True, cwd=workspace,
+                          env={**env, "VECINFER_DECODE_KERNEL": "triton"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "vecinfer: warning: VECINFER_DECODE_KERNEL is renamed VECINFER_KERNEL (it chooses the append, encode and "
+        "Viterbi kernels too, not only decode): set VECINFER_KERNEL=triton"]
+
+
+def test_a_codebook_file_written_meanwhile_is_kept(capsys, workspace, monkeypatch):
+    """Two `calibrate --out X` at once: the one that ends second used to replace the first's file
+    and report success too; now it keeps that file, writes nothing and says so."""
+    import importlib
+
+    from vecinfer_compile.codebooks import load_codebooks
+
+    pipeline = importlib.import_module("vecinfer_compile.calibrate")
+    out = workspace / "race.safetensors"
+
+    def the_other_run_ends_first(*args, **kwargs):
+        out.write_bytes(b"the other run's codebooks")
+        return load_codebooks(CODEBOOKS)
+
+    monkeypatch.setattr(pipeline, "calibrate", the_other_run_ends_first)
+    argv = CALIBRATE[:-1] + [str(out), "--device", "cpu", "--seq-len", "64", "--no-progress"]
+    before = files_in(workspace)
+    assert main([a.format(ws=workspace) for a in argv]) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert f"{out} was created by something else while this calibration ran" in err
+    assert out.read_bytes() == b"the other run's codebooks"
+    assert set(files_in(workspace)) == set(before) | {"race.safetensors"}  # no temporary file left
+
+
+# More bad inputs a new user gives, each one line and exit code 2 before anything loads.
+@pytest.mark.parametrize("argv, match", [
+    (EVAL[:-2] + ["--codebooks", "{ws}/dir"], "is a directory, not a file"),
+    (EVAL[:-2] + ["--codebooks", "{ws}/missing.safetensors"], "does not exist"),
+    (EVAL[:-2] + ["--codebooks", "{ws}/empty.txt"], "is empty"),
+    (EVAL[:-2] + ["--codebooks", CODEBOOKS, "--bits", "4"], "these codebooks are for 2 bits, not 4: drop --bits"),
+    (NEEDLE + ["--codebooks", CODEBOOKS, "--bits", "1.5"], "these codebooks are for 2 bits, not 1.5"),
+    (EVAL[:-2] + ["--method", "vecinfer", "--bits", "2.5", "--calib-text", TEXT], "no VecInfer preset for 2.5"),
+    (CALIBRATE[:-1] + ["{ws}/new.safetensors", "--bits", "-2"], "bits must be positive"),
+    (EVAL + ["--text", "{ws}/empty.txt"], "is empty"),
+    (EVAL + ["--model", TINY + "/model.safetensors"], "is not a directory"),
+    (EVAL + ["--dtype", "float16"], "invalid choice: 'float16'"),
+    (["eval-ppl", "--model", TINY, "--text", CODEBOOKS, "--method", "fp16"], "is not UTF-8"),
+    (CALIBRATE[:-1] + [CODEBOOKS], "exists: give a new path"),
+])
+def test_more_new_user_mistakes(workspace, argv, match):
+    before = files_in(workspace)
+    result = _probe([a.format(ws=workspace) for a in argv], workspace)
+    assert result["code"] == 2, result
+    assert match.format(ws=workspace) in one_line_error(result["err"])
+    assert not result["torch"]
+    assert files_in(workspace) == before

@@ -42,6 +42,7 @@ from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
 from .calibration.fit import FitSettings, LayerSamples, fit_layer
 from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
 from .methods import VQ_METHODS, check_runs_over_codes
+from .kernel_env import env_kernel
 from .ops.kernel_request import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
 from .passes.cache_append import rewrite_cache_append
@@ -62,7 +63,7 @@ class BackendConfig:
     """codebooks: None = fit from the first call; bits/method: of the fitted codebooks (checked
     against given ones); residual: most recent keys kept in full precision; quantize: False =
     transform only (q~, K~ through plain SDPA); decode_kernel: the CUDA decode-attention kernel
-    over a VecInferCache, "cuda" (NVRTC), "triton" or "auto" (None: ``$VECINFER_DECODE_KERNEL``,
+    over a VecInferCache, "cuda" (NVRTC), "triton" or "auto" (None: ``$VECINFER_KERNEL``,
     else auto)."""
 
     codebooks: VecInferCodebooks | None = None
@@ -88,6 +89,8 @@ def _resolve(codebooks, bits: float | None, method: str | None, residual: int, q
         raise ValueError(f"residual must be >= 0, got {residual}")
     if decode_kernel is not None:
         check_kernel_name(decode_kernel)
+    else:
+        env_kernel()  # a bad $VECINFER_KERNEL refused now, not when a CUDA op first asks
     if codebooks is not None and not isinstance(codebooks, VecInferCodebooks):
         raise TypeError(
             f"codebooks must be a path, a VecInferCodebooks or None, got {type(codebooks).__name__}"
@@ -179,7 +182,7 @@ class VecInferBackend:
         most recent keys kept in full precision;
         quantize=False: apply the exact key transform only (for checks); decode_kernel: "cuda",
         "triton" or "auto" for decode attention over a VecInferCache on CUDA (default: the
-        environment variable VECINFER_DECODE_KERNEL, else auto)."""
+        environment variable VECINFER_KERNEL, else auto)."""
         return VecInferBackend(_resolve(codebooks, bits, method, residual, quantize, decode_kernel))
 
     def __deepcopy__(self, memo) -> "VecInferBackend":
@@ -194,6 +197,8 @@ class VecInferBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None):
+        if self.config.decode_kernel is None:
+            env_kernel()  # the default backend is not configured: a bad $VECINFER_KERNEL refused here
         with_cache = updates_a_cache(gm)  # then no attention of it is simulate-quantized
         rewrite_cache_append(gm, self.config.decode_kernel)
         keep_prefill_in_full_precision(gm)

@@ -17,6 +17,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 # Modules of vecinfer_compile.commands, in the order `vecinfer --help` lists them.
 COMMANDS: list[str] = [
@@ -69,6 +70,18 @@ def log_friendly_progress() -> None:
     os.environ.setdefault("TQDM_MININTERVAL", "10")
 
 
+def check_kernel_env() -> None:
+    """A bad ``$VECINFER_KERNEL`` refused before anything loads (a ValueError); the old name's
+    FutureWarning printed as one line."""
+    from .kernel_env import env_kernel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)
+        env_kernel()
+    for w in caught:
+        print(f"vecinfer: warning: {w.message}", file=sys.stderr)
+
+
 def check_device(args) -> None:
     """A GPU asked for on a machine without it: refused before anything else is imported."""
     if getattr(args, "device", "auto") not in ("auto", "cpu"):
@@ -86,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        check_kernel_env()
         check_device(args)
         return int(args.func(args) or 0)
     except (UsageError, OSError, ValueError, ImportError) as exc:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 
 _bar = contextvars.ContextVar("vecinfer_heartbeat_bar", default=None)
+_LAST_BEAT = "_vecinfer_last_beat"  # when a beat last redrew a bar
 
 
 @contextlib.contextmanager
@@ -30,4 +32,10 @@ def beat(what: str) -> None:
     bar = _bar.get()
     if bar is not None and not bar.disable:
         bar.set_postfix_str(what, refresh=False)
-        bar.update(0)  # redraws only once tqdm's mininterval has passed
+        # A redraw at most every mininterval, and not through update(0): that would move tqdm's own
+        # bookkeeping (the time and count of its last print), so that a bar iterated over counted
+        # past its total and timed a layer from the last beat (an ETA off by the beats per layer).
+        now = getattr(bar, "_time", time.time)()
+        if now - max(getattr(bar, _LAST_BEAT, 0.0), bar.last_print_t) >= bar.mininterval:
+            setattr(bar, _LAST_BEAT, now)
+            bar.refresh()

@@ -82,31 +82,59 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def load_tokenizer(model_dir: str | Path | None = None):
+    """The tokenizer of a local Hugging Face directory (default: the embedded tiny model), checked
+    to turn text into tokens (a folder without its vocabulary files can give an empty one): the
+    command line tokenizes and checks its texts with it before it loads the model."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .api_arguments import check_tokenizer
+
+    model_dir = check_model_dir(default_model_dir() if model_dir is None else model_dir)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot load the tokenizer of {model_dir} (tokenizer.json / tokenizer_config.json "
+            f"missing or unreadable): copy the model's tokenizer files into it ({_one_line(exc)})"
+        ) from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    try:
+        check_tokenizer(tokenizer, "The quick brown fox jumps over the lazy dog.", "load_model")
+    except (TypeError, ValueError):
+        raise
+    except Exception as exc:  # tokenizers' own errors: a vocabulary that does not fit the tokenizer's settings
+        raise ValueError(f"the tokenizer of {model_dir} cannot tokenize text ({_one_line(exc)}): its tokenizer "
+                         "files do not belong together; copy the model's own tokenizer files into it") from exc
+    return tokenizer
+
+
 def load_model(
     model_dir: str | Path | None = None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device | None = "auto",
     attn_implementation: str = "sdpa",
+    tokenizer=None,
 ):
     """Load ``(model, tokenizer)`` from a local Hugging Face directory (default: the embedded
-    tiny model), in eval mode on ``device``. Clear errors for a missing or wrong directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tiny model), in eval mode on ``device``; ``tokenizer``: one :func:`load_tokenizer` gave already.
+    Clear errors for a missing or wrong directory."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     model_dir = check_model_dir(default_model_dir() if model_dir is None else model_dir)
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_dir)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # no weight-loading chatter in command output
     try:
         hf_logging.disable_progress_bar()
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"cannot load the tokenizer of {model_dir} (tokenizer.json / tokenizer_config.json "
-                f"missing or unreadable): copy the model's tokenizer files into it ({_one_line(exc)})"
-            ) from exc
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(model_dir), dtype=torch_dtype, attn_implementation=attn_implementation

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .api_arguments import check_codebooks_type, check_count, codebooks_arg
 from .hf.attention_support import check_attention_call, needs_unskipped_masks, unskipped_sdpa_mask
 from .codebooks import VecInferCodebooks
 from .hf.layer_kinds import kv_producers, some_coded_layers
@@ -208,12 +209,15 @@ def attention_modules(model):
     return mods
 
 
-def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | None = None,
+def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | str | None = None,
                       residual: int = 0, full_precision_prefill: bool = False):
     """Make ``model`` attend over quantized K/V (see module docstring). ``fp16`` restores plain
     SDPA. VQ methods need ``codebooks`` (checked against the model, bits and method).
-    Returns the model."""
+    ``codebooks`` may be a codebook file's path. Returns the model."""
     check_method(method, bits)
+    codebooks = codebooks_arg(codebooks)  # a path is loaded, as the backend takes one
+    check_codebooks_type(codebooks)
+    check_count("residual", residual, 0)
     if method == "fp16":
         return disable_simulation(model)
     if method in VQ_METHODS:
@@ -241,7 +245,7 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
 
 
 @contextlib.contextmanager
-def simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | None = None,
+def simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | str | None = None,
                residual: int = 0, full_precision_prefill: bool = False):
     """``with simulation(model, "vecinfer", bits=2, codebooks=cb): ...``: :func:`enable_simulation`
     inside the block, the model's own attention again after it (also on an exception)."""

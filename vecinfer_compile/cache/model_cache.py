@@ -30,6 +30,7 @@ from ..codebooks import VecInferCodebooks, model_geometry
 from ..hf.layer_kinds import HYBRID_KINDS, SLIDING, check_codable, kv_producers, layer_kinds
 from ..methods import check_runs_over_codes
 from ..hf.tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
+from ..kernel_env import env_kernel
 from .layer import VecInferHybridLayer, VecInferLayer
 from .quantizer import LayerQuantizer
 from .storage import count_bytes, indexed_device
@@ -207,6 +208,7 @@ class VecInferCache(Cache):
         dtype: torch.dtype | None = None,
         device=None,
     ):
+        env_kernel()  # a bad $VECINFER_KERNEL refused now, not at the first append on CUDA
         config = _config_of(model_or_config)
         if isinstance(model_or_config, torch.nn.Module):
             from ..simulate import is_simulating

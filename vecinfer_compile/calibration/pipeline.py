@@ -8,6 +8,7 @@ import logging
 from tqdm.auto import tqdm
 
 from ..allocate import retrieval_allocation
+from ..api_arguments import check_calibrate
 from ..codebooks import LayerCodebooks, VecInferCodebooks, average_bits
 from ..heartbeat import reporting
 from ..hf.layer_kinds import kv_producers
@@ -80,6 +81,8 @@ def calibrate(
     weight fingerprint in its metadata (:meth:`VecInferCodebooks.check_weights` compares another
     model with it); ``.save(path)`` writes it.
     """
+    check_calibrate(model, tokenizer, texts, max_tokens=(max_tokens, 1), seq_len=(seq_len, 2), iters=(iters, 1),
+                    seed=(seed, 0), max_fit_vectors=(max_fit_vectors, 1), residual=(residual, 0))
     plan = plan_calibration(model, bits, method, layer_bits=layer_bits, allocate=allocate, ridge=ridge,
                             refine=refine, key_parallel_weight=key_parallel_weight, weighted_codes=weighted_codes,
                             key_codec=key_codec, value_codec=value_codec, codec_options=codec_options)
@@ -93,7 +96,7 @@ def calibrate(
     modules = {m.layer_idx: m for m in attention_modules(model)} if needs_modules else {}
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
     loss_ratio: dict[str, float] = {}  # "layer/bits" -> attention-output loss after / before refinement
-    bar = tqdm(sorted(recording.keys), desc="fitting codebooks", disable=not progress)
+    bar = tqdm(sorted(recording.keys), desc="fitting codebooks", unit="layer", disable=not progress)
     with reporting(bar):  # k-means and refinement say where they are within a layer
         for layer in bar:
             samples = recording.layer(layer)

@@ -355,9 +355,13 @@ class VecInferCodebooks:
             "vecinfer_compile.calibrate(model, tokenizer, text, ...) in Python)"
         )
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Write these codebooks to ``path`` in the current file format
-        (:func:`~vecinfer_compile.codebooks.file_format.save_codebooks`); returns the path."""
+        (:func:`~vecinfer_compile.codebooks.file_format.save_codebooks`); returns the path. The
+        folder must exist; an existing file is an error unless ``overwrite``. The file is written
+        beside it under a temporary name and moved in only while ``path`` is still new
+        (:func:`~vecinfer_compile.atomic_file.write_new`)."""
+        from ..atomic_file import write_new
         from .file_format import save_codebooks
 
-        return save_codebooks(self, path)
+        return write_new(path, lambda tmp: save_codebooks(self, tmp), overwrite=overwrite)

@@ -58,20 +58,22 @@ def check_args(args) -> list[tuple[str, float]] | None:
 
 def run(args) -> int:
     rows = check_args(args)
+    check_positions(args.model, args.window_len, "--window-len")  # from config.json, before the model loads
     from ..evaluation.ablation import ABLATION_ROWS, format_table, run_rows
-    from ..models import load_model, load_text, tokenize
+    from ..models import load_model, load_text, load_tokenizer, tokenize
 
     if args.plot:
         from ..evaluation.plots import _pyplot
 
         _pyplot()  # fail before the long run if matplotlib is missing
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, args.dtype, args.device)
-    check_positions(model, args.window_len, "--window-len")
+    tokenizer = load_tokenizer(args.model)
     ids = tokenize(tokenizer, load_text(args.text))
     from ..evaluation.perplexity import make_windows
 
-    make_windows(ids, args.windows, args.window_len)  # too-short text: fail before calibrating
+    make_windows(ids, args.windows, args.window_len)  # too-short text: fail before the model loads
+    model, tokenizer = load_model(args.model, args.dtype, args.device, tokenizer=tokenizer)
+    check_positions(model, args.window_len, "--window-len")
     results = run_rows(
         model, tokenizer, ids, rows or ABLATION_ROWS, calib_text=load_text(args.calib_text), windows=args.windows,
         window_len=args.window_len, cache_dir=args.out_codebooks, max_tokens=args.max_tokens,

@@ -13,10 +13,11 @@ import json
 import math
 import os
 import re
-import struct
+import tempfile
 from pathlib import Path
 
 from ..methods import METHODS, VQ_METHODS, normalize_bits
+from ..safetensors_file import DamagedFile, TruncatedFile, describe_nonfinite, nonfinite_tensors, read_header
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -120,11 +121,33 @@ def _existing(text: str, what: str, *, folder: bool) -> Path:
     return path
 
 
+# The files a Hugging Face tokenizer reads its vocabulary from (any one suffices), and the
+# suffixes of weight files (safetensors, PyTorch, TensorFlow, Flax; sharded or not).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "spiece.model")
+TOKENIZER_SUFFIXES = (".model", ".tiktoken")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+
+
 def model_dir(text: str) -> str:
-    """A Hugging Face model directory: a folder holding config.json."""
-    if not (_existing(text, "model directory", folder=True) / "config.json").is_file():
+    """A Hugging Face model directory: a folder holding a config.json that is JSON, tokenizer files
+    (without them AutoTokenizer may build an empty tokenizer, which turns every text into 0
+    tokens) and weights."""
+    path = _existing(text, "model directory", folder=True)
+    if not (path / "config.json").is_file():
         raise argparse.ArgumentTypeError(f"model directory {text} has no config.json: not a Hugging Face "
                                          "model directory")
+    try:
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{path / 'config.json'} is not valid JSON ({exc}): copy the model's "
+                                         "config.json again") from None
+    names = [p.name for p in path.iterdir()]
+    if not any(n in TOKENIZER_FILES or n.endswith(TOKENIZER_SUFFIXES) or n.startswith("vocab.") for n in names):
+        raise argparse.ArgumentTypeError(f"model directory {text} has no tokenizer (no tokenizer.json, "
+                                         "tokenizer.model or vocab.json): copy the model's tokenizer files into it")
+    if not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
+        raise argparse.ArgumentTypeError(f"model directory {text} has no weights (no *.safetensors or "
+                                         "pytorch_model*.bin): copy the model's weight files into it")
     return text
 
 
@@ -193,6 +216,23 @@ def new_file(text: str) -> str:
     return text
 
 
+def new_file_in_folder(text: str) -> str:
+    """:func:`new_file` in a folder that exists already: a codebook file, written after a long fit
+    (a mistyped folder used to be created silently once the fit was done)."""
+    new_file(text)
+    parent = _path(text).parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: its folder {parent} does not exist: create it "
+                                         f"first (mkdir -p {parent})")
+    try:  # a file written there for real: os.access says yes to root on a read-only file system
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: cannot create a file in {parent} "
+                                         f"({exc.strerror or exc})") from None
+    return text
+
+
 def output_dir(text: str) -> str:
     """An output folder: an existing directory, or one that can be created."""
     path = _path(text)
@@ -206,20 +246,27 @@ def output_dir(text: str) -> str:
 
 
 def codebook_file(text: str) -> str:
-    """A file written by ``vecinfer calibrate`` (its header read without torch)."""
-    codebook_header(input_file("codebook file")(text))
+    """A file written by ``vecinfer calibrate``: its header read and every tensor checked finite
+    without torch (a file holding NaN or inf used to load, then fail in the model's forward)."""
+    path = input_file("codebook file")(text)
+    codebook_header(path)
+    bad = nonfinite_tensors(path)
+    if bad:
+        raise argparse.ArgumentTypeError(describe_nonfinite(path, bad))
     return text
 
 
 def codebook_header(path: str) -> dict:
     """The ``vecinfer`` metadata of a codebook file (method, bits, ...), read from its safetensors
-    header; ArgumentTypeError when the file is not one."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        raw = f.read(size) if 0 < size <= 100_000_000 else b""
+    header; ArgumentTypeError when the file is not one, or is truncated."""
     try:
-        meta = json.loads(json.loads(raw)["__metadata__"]["vecinfer"])
+        header, _ = read_header(path)
+    except TruncatedFile as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except DamagedFile:
+        header = {}
+    try:
+        meta = json.loads(header["__metadata__"]["vecinfer"])
         meta["bits"] = float(meta["bits"])
         if not isinstance(meta["method"], str):
             raise TypeError("method is not a name")
@@ -247,8 +294,12 @@ def method_with_codebooks(method: str | None, codebooks: str | None, default: st
 def bits_with_codebooks(method: str, bits: float | None, codebooks: str | None) -> float:
     """``--bits``, else the codebook file's bits for a VQ method, else the method's default;
     checked against the method's presets."""
-    if bits is None and codebooks is not None and method in VQ_METHODS:
-        bits = codebook_header(codebooks)["bits"]
+    if codebooks is not None and method in VQ_METHODS:
+        recorded = codebook_header(codebooks)["bits"]
+        if bits is not None and float(bits) != recorded:
+            raise ValueError(f"{codebooks}: these codebooks are for {recorded:g} bits, not {bits:g}: drop --bits (the "
+                             f"file's bits are used) or calibrate at {bits:g} bits")
+        bits = recorded
     return normalize_bits(method, bits)
 
 
@@ -276,11 +327,73 @@ def check_quantizes(residual: int, reach: int, what: str, fix: str | None = None
                      f"every key {what} reads; {fix}")
 
 
+def model_config(model_dir: str | Path | None) -> dict:
+    """The settings of the language model in ``model_dir``'s config.json (its ``text_config`` for a
+    multimodal model), read as JSON without torch; {} when there is no such file or it cannot be
+    read (the checks below then wait for the loaded model)."""
+    if model_dir is None:
+        return {}
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        return {**config, **text}
+    if any(isinstance(v, dict) and "num_hidden_layers" in v for v in config.values()):
+        return {}  # the language model in a sub-config of another name: left to the loaded model
+    return config
+
+
+def _config_int(config: dict, *names: str) -> int | None:
+    """The first of ``names`` that ``config`` gives as a whole number, else None."""
+    for name in names:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _position_limit(model) -> int | None:
+    """``max_position_embeddings`` of a loaded model's (text) config, or of the config.json of a
+    model directory (None: not stated)."""
+    if model is None or isinstance(model, (str, Path)):
+        return _config_int(model_config(model), "max_position_embeddings", "n_positions")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "max_position_embeddings", None)
+
+
 def check_positions(model, tokens: int, what: str) -> None:
     """ValueError when ``tokens`` positions pass the model's ``max_position_embeddings``: such a
-    run would score positions the model was never trained on (and take long to tell)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    limit = getattr(config, "max_position_embeddings", None)
+    run would score positions the model was never trained on (and take long to tell). ``model``: a
+    loaded model, or its directory (its config.json is read, so that the run is refused before the
+    model loads; nothing happens when it states no limit)."""
+    limit = _position_limit(model)
     if limit is not None and tokens > limit:
         raise ValueError(f"{what} needs {tokens} positions, past the model's max_position_embeddings ({limit}): "
                          f"use at most {limit}")
+
+
+def check_layer_count(model_dir: str | Path | None, layer_bits: list | None) -> None:
+    """ValueError when ``--layer-bits`` gives another count of presets than the model in
+    ``model_dir`` has layers (``num_hidden_layers`` of its config.json), before it loads."""
+    layers = _config_int(model_config(model_dir), "num_hidden_layers", "n_layer")
+    if layer_bits is not None and layers is not None and len(layer_bits) != layers:
+        raise ValueError(f"--layer-bits gives {len(layer_bits)} presets, but the model in {model_dir} has {layers} "
+                         f"layers (num_hidden_layers in its config.json): give one preset per layer")
+
+
+def check_codebooks_layers(codebooks: str | None, model_dir: str | Path | None) -> None:
+    """ValueError when the codebook file was calibrated for a model of another number of layers
+    than the one in ``model_dir`` (read from both files' headers, before the model loads; the rest
+    of the geometry is checked against the loaded model)."""
+    if codebooks is None:
+        return
+    layers = _config_int(model_config(model_dir), "num_hidden_layers", "n_layer")
+    geometry = codebook_header(codebooks).get("geometry")
+    theirs = geometry.get("num_layers") if isinstance(geometry, dict) else None
+    if layers is not None and isinstance(theirs, int) and theirs != layers:
+        raise ValueError(f"{codebooks}: these codebooks were calibrated for another model (num_layers: codebooks "
+                         f"{theirs} vs model {layers}, {model_dir}): run `vecinfer calibrate` on this model")

@@ -11,7 +11,8 @@ from ..methods import VQ_METHODS, normalize_bits
 from ..codecs import registry
 from ..presets import allocation_choices
 from . import add_calib_args, add_model_args, add_progress_arg
-from .arguments import bits_arg, check_positions, layer_bits_arg, new_file, power_of_two, real, text_file
+from .arguments import (bits_arg, check_layer_count, check_positions, layer_bits_arg, new_file_in_folder,
+                        power_of_two, real, text_file)
 
 TRELLIS_STATES = 4096  # the trellis codec's default (vecinfer_compile/codecs/trellis)
 HELP = "fit VecInfer (or ablation) codebooks on a text and save them"
@@ -71,8 +72,9 @@ def register(subparsers) -> None:
                    help=f"with --key-codec or --value-codec trellis: trellis states, a power of two (default "
                         f"{TRELLIS_STATES}; more: closer to the bound, slower to encode)")
     add_calib_args(p)
-    p.add_argument("--out", required=True, metavar="FILE", type=new_file,
-                   help="output .safetensors file (a new path: an existing file is not overwritten)")
+    p.add_argument("--out", required=True, metavar="FILE", type=new_file_in_folder,
+                   help="output .safetensors file (a new path in an existing folder: an existing file is not "
+                        "overwritten)")
     add_progress_arg(p)
     p.set_defaults(func=run)
 
@@ -178,15 +180,18 @@ def check_text_length(tokens: int, args) -> None:
 
 def run(args) -> int:
     bits = check_args(args)
-    from ..models import load_model, load_text, tokenize
+    check_positions(args.model, args.seq_len, "--seq-len")  # from config.json, before the model loads
+    check_layer_count(args.model, args.layer_bits)
+    from ..models import load_model, load_text, load_tokenizer, tokenize
 
     if VQ_METHODS[args.method].refine:
         print(f"vecinfer: calibrate --method {args.method}: {QAWARE_COST}", file=sys.stderr)
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, args.dtype, args.device)
-    check_positions(model, args.seq_len, "--seq-len")
+    tokenizer = load_tokenizer(args.model)  # the text's length checked before the model loads
     text = load_text(args.text)
     check_text_length(len(tokenize(tokenizer, text)), args)
+    model, tokenizer = load_model(args.model, args.dtype, args.device, tokenizer=tokenizer)
+    check_positions(model, args.seq_len, "--seq-len")
     from ..calibration import calibrate
 
     cb = calibrate(model, tokenizer, text, bits=bits, method=args.method,
@@ -197,7 +202,12 @@ def run(args) -> int:
                    weighted_codes=args.weighted_codes, key_codec=args.key_codec, value_codec=args.value_codec,
                    codec_options=codec_options(args),
                    **({} if args.ridge is None else {"ridge": args.ridge}))
-    path = cb.save(args.out)
+    try:
+        path = cb.save(args.out)
+    except FileExistsError:  # new when the arguments were checked: another run wrote it meanwhile
+        raise FileExistsError(f"{args.out} was created by something else while this calibration ran (another "
+                              f"`vecinfer calibrate --out {args.out}`?): it is kept as it is and nothing was "
+                              "written; run again with a new --out") from None
     per_layer = "" if cb.layer_bits is None else f", per layer {'/'.join(f'{b:g}' for b in cb.layer_bits)}"
     print(f"wrote {path}: {args.method} {cb.bits:g}-bit codebooks for {cb.geometry['num_layers']} layers"
           f"{per_layer} in {time.perf_counter() - t0:.1f} s")

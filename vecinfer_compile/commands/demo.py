@@ -36,17 +36,21 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    check_positions(args.model, args.window_len, "--window-len")  # a given model: from config.json, before it loads
     from ..evaluation.ablation import DEMO_ROWS, format_table, run_rows
+    from ..evaluation.perplexity import make_windows
     from ..models import (check_file, check_model_dir, default_codebooks_dir, default_model_dir,
-                          default_text_path, load_model, load_text, split_text, tokenize)
+                          default_text_path, load_model, load_text, load_tokenizer, split_text, tokenize)
 
     model_path = check_model_dir(args.model or default_model_dir())
     text_path = check_file(args.text or default_text_path())
     t0 = time.perf_counter()
-    model, tokenizer = load_model(model_path, args.dtype, args.device)
-    check_positions(model, args.window_len, "--window-len")
+    tokenizer = load_tokenizer(model_path)
     eval_text, calib_text = split_text(load_text(text_path))
     ids = tokenize(tokenizer, eval_text)
+    make_windows(ids, args.windows, args.window_len)  # too-short text: fail before the model loads
+    model, tokenizer = load_model(model_path, args.dtype, args.device, tokenizer=tokenizer)
+    check_positions(model, args.window_len, "--window-len")
     # The shipped codebooks were made by `vecinfer demo --save-codebooks DIR` with the default
     # settings: they are valid only for the embedded model and text.
     shipped = args.model is None and args.text is None and not (args.recalibrate or args.save_codebooks)

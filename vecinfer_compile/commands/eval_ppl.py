@@ -6,8 +6,8 @@ import time
 
 from ..methods import METHODS
 from . import add_calib_args, add_codebook_source_args, add_model_args, add_progress_arg, add_window_args, print_json
-from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_quantizes, check_vq_sources, count,
-                        method_with_codebooks, text_file)
+from .arguments import (bits_arg, bits_with_codebooks, check_codebooks_layers, check_positions, check_quantizes,
+                        check_vq_sources, count, method_with_codebooks, text_file)
 
 HELP = "perplexity of one method on a text"
 
@@ -58,15 +58,19 @@ def label(method: str, bits: float, dtype: str) -> str:
 
 def run(args) -> int:
     method, bits = check_args(args)
+    check_positions(args.model, args.window_len, "--window-len")  # from config.json, before the model loads
+    check_codebooks_layers(args.codebooks, args.model)
     from ..evaluation.ablation import applied, get_codebooks
     from ..evaluation.kv_bytes import kv_bytes
-    from ..evaluation.perplexity import perplexity
-    from ..models import load_model, load_text, tokenize
+    from ..evaluation.perplexity import make_windows, perplexity
+    from ..models import load_model, load_text, load_tokenizer, tokenize
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, args.dtype, args.device)
-    check_positions(model, args.window_len, "--window-len")
+    tokenizer = load_tokenizer(args.model)  # the text's length checked before the model loads
     ids = tokenize(tokenizer, load_text(args.text))
+    make_windows(ids, args.windows, args.window_len)
+    model, tokenizer = load_model(args.model, args.dtype, args.device, tokenizer=tokenizer)
+    check_positions(model, args.window_len, "--window-len")
     cb = get_codebooks(
         model, tokenizer, method, bits, codebooks_path=args.codebooks,
         calib_text=None if args.calib_text is None else load_text(args.calib_text),

@@ -7,7 +7,8 @@ import time
 from ..methods import METHODS, normalize_bits
 from . import (add_cache_backend_arg, add_calib_args, add_codebook_source_args, add_model_args, add_progress_arg,
                save_and_print_json)
-from .arguments import bits_arg, check_positions, check_vq_sources, count, method_with_codebooks, new_file, text_file
+from .arguments import (bits_arg, check_codebooks_layers, check_positions, check_vq_sources, count,
+                        method_with_codebooks, new_file, text_file)
 
 HELP = "few-shot GSM8K exact match (greedy generate through each method's KV cache)"
 
@@ -63,6 +64,8 @@ def run(args) -> int:
     for m in methods:
         normalize_bits(m, args.bits)
     check_vq_sources(methods, args.codebooks, args.calib_text, args.save_codebooks)
+    check_positions(args.model, args.max_new_tokens, "--max-new-tokens")  # from config.json, before the model loads
+    check_codebooks_layers(args.codebooks, args.model)
     from ..evaluation.generation import prepare_method
     from ..evaluation.gsm8k import build_prompts, load_gsm8k, run_gsm8k
     from ..models import load_model

@@ -67,10 +67,13 @@ def _codebooks_for(model, tokenizer, method, bits, cb_dir: Path, calib_text, arg
     if calib_text is None:
         raise ValueError(f"no codebooks {path} for method {method!r}: pass --calib-text FILE to calibrate them")
     from ..calibration import calibrate
+    from ..evaluation.ablation import check_calibration_length
 
+    check_calibration_length(tokenizer, calib_text, args.seq_len, args.max_tokens)
     cb = calibrate(model, tokenizer, calib_text, bits=bits, method=method, max_tokens=args.max_tokens,
                    seq_len=args.seq_len, iters=args.iters, seed=args.seed, max_fit_vectors=args.fit_vectors,
                    progress=args.progress)
+    cb_dir.mkdir(parents=True, exist_ok=True)
     cb.save(path)
     return cb, f"calibrated now, saved to {path}"
 
@@ -95,6 +98,9 @@ def check_args(args) -> tuple[list[str], list[dict] | None]:
 
 def run(args) -> int:
     methods, rows = check_args(args)
+    check_positions(args.model, args.seq_len, "--seq-len")  # from config.json, before the model loads
+    if not (args.no_ppl or args.ablation_json):
+        check_positions(args.model, args.ppl_window_len, "--ppl-window-len")
     from ..evaluation.inspect import (codebook_usage, format_summary, key_absmax_stats, plot_codebook_usage,
                                       plot_key_absmax, record_qkv, summary_dict)
     from ..evaluation.plots import _pyplot, plot_ppl_vs_bits

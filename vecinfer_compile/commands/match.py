@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import add_model_args, add_progress_arg, print_json
-from .arguments import check_positions, check_quantizes, codebook_file, count, text_file
+from .arguments import check_codebooks_layers, check_positions, check_quantizes, codebook_file, count, text_file
 
 HELP = "greedy generation through the real cache vs the eager simulate path, token for token"
 
@@ -56,6 +56,9 @@ def check_window(args) -> None:
 
 def run(args) -> int:
     check_window(args)
+    # from config.json, before the model loads
+    check_positions(args.model, args.prompt_len + args.new_tokens, "--prompt-len plus --new-tokens")
+    check_codebooks_layers(args.codebooks, args.model)
     from ..codebooks import load_codebooks
     from ..evaluation.token_match import prompts_from_ids, token_match
     from ..models import load_model, load_text, tokenize

@@ -7,8 +7,8 @@ import time
 from ..methods import METHODS
 from . import (add_cache_backend_arg, add_calib_args, add_codebook_source_args, add_model_args, add_progress_arg,
                save_and_print_json)
-from .arguments import (bits_arg, bits_with_codebooks, check_positions, check_quantizes, check_vq_sources, count,
-                        input_dir, method_with_codebooks, new_file, number_list)
+from .arguments import (bits_arg, bits_with_codebooks, check_codebooks_layers, check_positions, check_quantizes,
+                        check_vq_sources, count, input_dir, method_with_codebooks, new_file, number_list)
 
 HELP = "needle-in-a-haystack accuracy (lengths x depths) through a method's KV cache"
 # The templates of evaluation.needle, named here so that parsing the arguments loads no torch.
@@ -68,6 +68,9 @@ def check_args(args) -> tuple[str, float]:
 
 def run(args) -> int:
     method, bits = check_args(args)
+    # from config.json, before the model loads
+    check_positions(args.model, max(args.lengths) + args.max_new_tokens, "--lengths plus --max-new-tokens")
+    check_codebooks_layers(args.codebooks, args.model)
     from ..evaluation.generation import prepare_method
     from ..evaluation.needle import format_grid, load_haystack, plot_grid, run_needle
     from ..models import load_model

@@ -132,13 +132,28 @@ def get_codebooks(
             f"method {method!r} needs codebooks: pass --codebooks FILE (from `vecinfer calibrate`) "
             f"or --calib-text FILE to calibrate now"
         )
+    check_calibration_length(tokenizer, calib_text, seq_len, max_tokens)
     cb = calibrate(
         model, tokenizer, calib_text, bits=bits, method=method, max_tokens=max_tokens,
         seq_len=seq_len, iters=iters, seed=seed, progress=progress,
     )
-    if cache_dir is not None:
-        cb.save(Path(cache_dir) / codebook_filename(method, bits))
+    if cache_dir is not None:  # a stale cached file (above) is replaced
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        cb.save(Path(cache_dir) / codebook_filename(method, bits), overwrite=True)
     return cb
+
+
+def check_calibration_length(tokenizer, calib_text: str, seq_len: int, max_tokens: int) -> None:
+    """ValueError unless ``calib_text`` fills one calibration sequence (or ``max_tokens``, if
+    fewer), as ``vecinfer calibrate`` requires: a few tokens would fit codebooks to almost nothing,
+    silently."""
+    from ..models import tokenize
+
+    needed = min(seq_len, max_tokens)
+    tokens = tokenize(tokenizer, calib_text[: needed * 64]).numel()  # a token is far fewer than 64 characters
+    if tokens < needed:
+        raise ValueError(f"the calibration text holds {tokens} tokens, fewer than one calibration sequence ({needed}: "
+                         "the smaller of --seq-len and --max-tokens): give a longer --calib-text, or lower --seq-len")
 
 
 @contextlib.contextmanager

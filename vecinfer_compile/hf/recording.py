@@ -107,7 +107,8 @@ def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = Tr
     device = next(model.parameters()).device
     windows = _windows(model, token_ids, seq_len)
     with recording(model, with_queries) as rec:
-        for ids in tqdm(windows, desc="recording attention inputs", disable=not progress):
+        for ids in tqdm(windows, total=len(windows), desc="recording attention inputs", unit="window",
+                        disable=not progress):
             model(input_ids=ids[None].to(device), use_cache=False)
     if not rec.keys:
         raise ValueError(

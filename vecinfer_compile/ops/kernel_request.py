@@ -2,11 +2,12 @@
 when a choice falls back.
 
 Requests, strongest first: :func:`use_decode_kernel` (the backend's ``decode_kernel`` option sets
-it while it compiles), the environment variable ``VECINFER_DECODE_KERNEL`` (benchmarks), then
-``"auto"``. ``"auto"`` runs a CUDA kernel where it supports the inputs and builds on this machine;
-``"triton"`` runs none (Triton kernels and torch ops); an explicit ``"cuda"`` that cannot run
-raises instead of falling back. Each op family applies it in its own ``choose`` function
-(:mod:`.decode`, :mod:`.append`, :mod:`.encode`, and each codec's own, :mod:`vecinfer_compile.codecs`).
+it while it compiles), the environment variable ``VECINFER_KERNEL`` (read by
+:mod:`vecinfer_compile.kernel_env`), then ``"auto"``. ``"auto"`` runs a CUDA kernel where it
+supports the inputs and builds on this machine; ``"triton"`` runs none (Triton kernels and torch
+ops); an explicit ``"cuda"`` that cannot run raises instead of falling back. Each op family applies
+it in its own ``choose`` function (:mod:`.decode`, :mod:`.append`, :mod:`.encode`, and each codec's
+own, :mod:`vecinfer_compile.codecs`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import os
 
+from ..kernel_env import ENV, KERNELS, env_kernel  # noqa: F401  (ENV: read here as before)
 from ..log_once import log_once
 
 log = logging.getLogger("vecinfer_compile.ops")
 
-KERNELS = ("auto", "cuda", "triton")
-ENV = "VECINFER_DECODE_KERNEL"
 _requested: contextvars.ContextVar[str | None] = contextvars.ContextVar("vecinfer_decode_kernel", default=None)
 
 
@@ -42,14 +41,9 @@ def use_decode_kernel(name: str):
 
 
 def requested() -> str:
-    """The request in force: the context's, else ``$VECINFER_DECODE_KERNEL``, else ``"auto"``."""
+    """The request in force: the context's, else ``$VECINFER_KERNEL``, else ``"auto"``."""
     name = _requested.get()
-    if name is not None:
-        return name
-    env = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if env not in KERNELS:
-        raise ValueError(f"{ENV}={env!r}: use one of {', '.join(KERNELS)}")
-    return env
+    return env_kernel() if name is None else name
 
 
 def fall_back(reason: str, level: int, what: str, explicit: str) -> None:

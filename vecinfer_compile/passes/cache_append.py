@@ -31,7 +31,7 @@ from .cache_attention import _example
 
 def rewrite_cache_append(gm: fx.GraphModule, decode_kernel: str | None = None) -> int:
     """Replace every ``vecinfer::cache_append`` node by the implementation chosen for it (see the
-    module docstring); ``decode_kernel`` is the backend's request (None: ``$VECINFER_DECODE_KERNEL``
+    module docstring); ``decode_kernel`` is the backend's request (None: ``$VECINFER_KERNEL``
     or auto). Returns the number of nodes replaced; recompiles ``gm`` if any."""
     done = 0
     request = contextlib.nullcontext() if decode_kernel is None else kernel_request.use_decode_kernel(decode_kernel)
