@@ -13,9 +13,9 @@ ids = tok("It was a bright cold day in April, and", return_tensors="pt").input_i
 
 # 1. calibrate once: smoothing factors and codebooks from your model's post-RoPE keys/values
 #    (in sequences of seq_len=1024 tokens: calibrate at the longest context you will run, since
-#    positions past it are quantized worse; docs/results.md)
+#    positions past it are quantized worse)
 cb = vc.calibrate(model, tok, text, bits=2, max_tokens=8192)
-cb.save("cb-2bit.safetensors")
+cb.save("cb-2bit.safetensors", overwrite=True)
 
 # 2a. simulate (perplexity, any forward-pass task): compiled ...
 compiled = torch.compile(model, backend=vc.vecinfer_backend.configure(codebooks="cb-2bit.safetensors"))
