@@ -545,3 +545,28 @@ def test_needle_refuses_a_keys_only_file_in_one_line(tiny_model, tiny_dir, tmp_p
     assert rc == 2 and len(err) == 1
     assert "keys with the trellis codec and the values with the codebooks codec" in err[0]
     assert "--value-codec trellis" in err[0]
+
+
+def test_a_format_7_trellis_file_loads_without_its_unread_books(trellis_file, tmp_path):
+    """Format 7 stored both sides' codebooks also where the trellis codec coded them: such a file
+    converts to the same codecs, its books dropped."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from vecinfer_compile.codebooks import load_codebooks
+
+    cb, path = trellis_file
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = json.loads(f.metadata()["vecinfer"]), {k: f.get_tensor(k) for k in f.keys()}
+    meta["format"] = "vecinfer-codebooks/7"
+    for i in cb.attention_layers():
+        for side in ("key", "value"):
+            tensors[f"layers.{i}.{side}_centroids"] = torch.randn(256, 4)
+    save_file(tensors, str(tmp_path / "v7.safetensors"), metadata={"vecinfer": json.dumps(meta)})
+    back = load_codebooks(tmp_path / "v7.safetensors")
+    assert back.codecs == ("trellis", "trellis") and back.metadata["converted_from"] == "vecinfer-codebooks/7"
+    assert "codebooks" not in back.state_bytes()
+    for a, b in zip(cb.layers, back.layers):
+        assert torch.equal(a.keys.tables, b.keys.tables) and torch.equal(a.values.bits, b.values.bits)

@@ -1,9 +1,11 @@
-"""One coded layer's quantizer as the cache holds it: codebooks and key transform, float32, on the
-cache's device, frozen (built once from a :class:`~vecinfer_compile.codebooks.LayerCodebooks`).
+"""One coded layer's quantizer as the cache holds it: its codec's operands and the key transform,
+float32, on the cache's device, frozen (built once from a
+:class:`~vecinfer_compile.codebooks.LayerCodebooks`).
 
 - ``codec``: the codec of the layer's keys and values (:mod:`vecinfer_compile.codecs`; both sides
-  one codec) and ``operands``: what its cache operations read, one bundle on the cache's device
-  (:meth:`~vecinfer_compile.codecs.base.Codec.operands`).
+  one codec); ``operands``: what its cache operations read, one bundle on the cache's device
+  (:meth:`~vecinfer_compile.codecs.base.Codec.operands`); ``codes``: the keys' and values' side
+  codes as the file holds them (their bytes a token, :meth:`LayerQuantizer.code_widths`).
 - ``lam [H, D]`` smoothing factors, or None.
 - ``rotation [D, D]`` the normalized Hadamard matrix, or None; one tensor shared by all layers of
   a cache (:meth:`LayerQuantizer.from_codebooks`'s ``rotations``).
@@ -20,10 +22,9 @@ The key transform: ``K~ = ((K - mu) / lam) @ H``, or ``(K - mu) @ key_matrix``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-from typing import Any
 
 from ..codebooks import LayerCodebooks
 from ..codecs.base import Codec
