@@ -1,12 +1,21 @@
 """Shared fixtures: paths to ../shared/data (skipped with a reason when absent), the embedded tiny
-model, loaded once per session, and a fresh Dynamo for every test."""
+model, loaded once per session, and a fresh Dynamo for every test. The run compiles into caches of
+its own (``run_caches``: a run killed mid-write cannot break the next one); torch loads after that."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
+from run_caches import isolate
+
+RUN_CACHES = isolate()
+
+
+def pytest_unconfigure(config):
+    if RUN_CACHES is not None:
+        RUN_CACHES.remove()
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -17,6 +26,7 @@ def fresh_dynamo():
     """Every test compiles from a clean Dynamo with empty counters, as if it ran alone: the graphs an
     earlier test compiled count toward the recompile limit of code that tests share (transformers'
     forward wrappers), and counters would carry its rewrites."""
+    import torch
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -83,6 +93,8 @@ def tiny_model(tiny_dir):
 def one_thread():
     """One intra-op thread for a module of tiny tensors (OpenMP spin costs more than it gives on a
     shared 2-core machine); use as ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
