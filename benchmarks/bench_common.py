@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if (REPO_ROOT / "vecinfer_compile").is_dir():  # a checkout times its own package, even beside an installed one
     sys.path.insert(0, str(REPO_ROOT))
 
-from vecinfer_compile.testing import random_codebooks  # noqa: F401  (C.random_codebooks in the scripts)
+from vecinfer_compile.testing import random_codebooks  # noqa: F401, E402  (C.random_codebooks in the scripts)
 
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -100,7 +100,7 @@ def test_per_layer_bits_round_trip(tmp_path):
     cb = make_codebooks(CONFIG, layer_bits=[4.0, 1.0])
     assert cb.bits == 2.5 and cb.layer_bits == [4.0, 1.0]
     with pytest.raises(ValueError, match="allocate bits per layer"):
-        cb.preset
+        _ = cb.preset
     back = load_codebooks(cb.save(tmp_path / "cb.safetensors"))
     assert back.layer_bits == [4.0, 1.0] and back.bits == 2.5
     assert [back.layer_preset(i).key.dims for i in range(2)] == [2, 8]

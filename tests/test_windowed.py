@@ -415,7 +415,7 @@ def test_backend_dynamic_with_padding_mask_matches_eager_simulate():
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
-        for n, t in enumerate((23, 31)):
+        for t in (23, 31):
             ids = torch.randint(0, model.config.vocab_size, (2, t), generator=torch.Generator().manual_seed(t))
             attention_mask = torch.ones(2, t, dtype=torch.long)
             attention_mask[1, :4] = 0  # left padding

@@ -94,7 +94,9 @@ class Codec(ABC):
 
     def check_plan(self, bits: list[float], head_dim: int | None, options: dict) -> None:
         """Raise a ValueError naming the fix if this codec cannot code ``bits`` (each layer's) at
-        ``head_dim`` (None: not known yet) with ``options`` (called before any model runs)."""
+        ``head_dim`` (None: not known yet) with ``options`` (called before any model runs); the
+        default accepts everything."""
+        return None
 
     def refine(self, queries, keys, values, lengths, transform, key_code, value_code, attention, config, *,
                seed: int, device):

@@ -104,7 +104,6 @@ def memory_summary(cb) -> str:
 def _books_of_other_codecs(cb) -> int:
     """Float32 bytes of the books the method's formula counts for the sides another codec codes."""
     from ..codecs.registry import DEFAULT
-    from ..presets import get_preset
 
     total = 0
     for side, name in zip(("key", "value"), cb.codecs):

@@ -79,7 +79,10 @@ def local_layer(layer: LayerCodebooks, heads: slice) -> LayerCodebooks:
     each side's code (:meth:`~vecinfer_compile.codecs.base.Codec.select_heads`: the codebooks are
     shared, unchanged) cut to ``heads``."""
     t = layer.transform
-    cut = (lambda x: None if x is None else x[heads].contiguous())
+
+    def cut(x):
+        return None if x is None else x[heads].contiguous()
+
     transform = replace(t, lam=cut(t.lam), key_matrix=cut(t.key_matrix), query_matrix=cut(t.query_matrix),
                         mean=cut(t.mean))
     return LayerCodebooks(transform, layer.key_codec.select_heads(layer.keys, heads),

@@ -12,7 +12,6 @@ is ``layers.{i}.{side}_centroids`` (each layer's own preset); its calibration is
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 import torch

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 from ..base import CacheRewrite, Codec, FitContext
-from . import file_section, ops  # ops: registers the codec's vecinfer ops
+from . import file_section
+from . import ops as _ops  # noqa: F401  (importing it registers the codec's vecinfer ops)
 from .code import MAX_COMPONENT_BITS, TrellisCodec, random_code
 from .operands import TrellisOperands
 from .packing import packed_bytes

@@ -125,7 +125,8 @@ def decode_components_cuda(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.
     on_device = isinstance(n_coded, torch.Tensor)
     span = k_codes.shape[2] if on_device else max(n_coded, 1)
     splits = max(1, min(-(-span // MIN_SPLIT), CTAS_PER_SM * sm_count(device_index(qc.device)) // max(1, b * hkv)))
-    split_len = -(-(-(-span // splits)) // THREADS) * THREADS
+    per_split = -(-span // splits)  # ceiling divisions
+    split_len = -(-per_split // THREADS) * THREADS
     bg, groups = variant.padded_group, variant.value_groups
     acc = torch.empty(b * hkv, splits * groups, bg, d, dtype=torch.float32, device=qc.device)
     m = torch.empty(b * hkv, splits * groups, bg, dtype=torch.float32, device=qc.device)
