@@ -29,8 +29,11 @@ from vecinfer_compile.quant.packing import pack_codes
 
 HKV, D, R = 8, 128, 128
 STEPS, REPLAYS = 32, 20
-ROWS = (("nearest (CUDA append)", 1.0, False), ("score-aware keys, w=8", 8.0, False),
-        ("error-weighted, w=8", 8.0, True))
+ROWS = (
+    ("nearest (CUDA append)", 1.0, False),
+    ("score-aware keys, w=8", 8.0, False),
+    ("error-weighted, w=8", 8.0, True),
+)
 
 
 def layer_state(b: int, bits: float, weight: float, weighted: bool, gen: torch.Generator) -> dict:
@@ -47,18 +50,30 @@ def layer_state(b: int, bits: float, weight: float, weighted: bool, gen: torch.G
 
     k, v = preset.key, preset.value
     args = dict(
-        key=randn(b, HKV, 1, D), value=randn(b, HKV, 1, D),
+        key=randn(b, HKV, 1, D),
+        value=randn(b, HKV, 1, D),
         k_codes=pack_codes(torch.randint(0, k.entries, (b, HKV, tmax, D // k.dims), generator=gen), k.entries),
         v_codes=pack_codes(torch.randint(0, v.entries, (b, HKV, tmax, D // v.dims), generator=gen), v.entries),
-        k_window=randn(b, HKV, R, D), v_window=randn(b, HKV, R, D),
-        n_coded=torch.tensor(16), n_window=torch.tensor(R), arrivals=torch.zeros(1, dtype=torch.int32),
-        k_centroids=randn(k.entries, k.dims), v_centroids=randn(v.entries, v.dims),
-        key_mean=None, lam=None, key_matrix=(randn(D, D) / D**0.5),
+        k_window=randn(b, HKV, R, D),
+        v_window=randn(b, HKV, R, D),
+        n_coded=torch.tensor(16),
+        n_window=torch.tensor(R),
+        arrivals=torch.zeros(1, dtype=torch.int32),
+        k_centroids=randn(k.entries, k.dims),
+        v_centroids=randn(v.entries, v.dims),
+        key_mean=None,
+        lam=None,
+        key_matrix=(randn(D, D) / D**0.5),
     )
-    args = {n: (t.cuda().to(torch.bfloat16) if n in ("key", "value", "k_window", "v_window") else t.cuda())
-            if isinstance(t, torch.Tensor) else t for n, t in args.items()}
-    args.update(key_parallel_weight=weight, key_metric=spd() if weighted else None,
-                value_metric=spd() if weighted else None)
+    args = {
+        n: (t.cuda().to(torch.bfloat16) if n in ("key", "value", "k_window", "v_window") else t.cuda())
+        if isinstance(t, torch.Tensor)
+        else t
+        for n, t in args.items()
+    }
+    args.update(
+        key_parallel_weight=weight, key_metric=spd() if weighted else None, value_metric=spd() if weighted else None
+    )
     return args
 
 
@@ -103,14 +118,22 @@ def trellis_appends(b: int, bits: float, states: int, gen: torch.Generator):
     (one launch) and its torch form (the ops around one Viterbi launch a side, as before the
     kernel). Codecs of ``states`` states fitted on random keys and values with a decaying spectrum,
     a full window and room for every timed append."""
-    from vecinfer_compile.ops.append import append_through_window, transform_keys
-    from vecinfer_compile.codecs.trellis.operands import TrellisOperands
     from vecinfer_compile.codecs.trellis.code import TrellisCodec
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands
     from vecinfer_compile.codecs.trellis.packing import packed_bytes
+    from vecinfer_compile.ops.append import append_through_window, transform_keys
 
     spectrum = torch.logspace(0, -1, D)
-    codecs = [TrellisCodec.fit((torch.randn(HKV, 4096, D, generator=gen) * spectrum).cuda(), bits,
-                               states.bit_length() - 1, train_vectors=1024, rounds=1) for _ in range(2)]
+    codecs = [
+        TrellisCodec.fit(
+            (torch.randn(HKV, 4096, D, generator=gen) * spectrum).cuda(),
+            bits,
+            states.bit_length() - 1,
+            train_vectors=1024,
+            rounds=1,
+        )
+        for _ in range(2)
+    ]
     operands = [list(TrellisOperands.of(c, "cuda")) for c in codecs]
     width = packed_bytes(codecs[0].bits)
     tmax = 16 + 2 * STEPS * (REPLAYS + 2)
@@ -123,14 +146,24 @@ def trellis_appends(b: int, bits: float, states: int, gen: torch.Generator):
 
     def op():
         kt = transform_keys(key, None, None, key_matrix)
-        torch.ops.vecinfer.trellis_append(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-                                          operands[0], operands[1])
+        torch.ops.vecinfer.trellis_append(
+            kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals, operands[0], operands[1]
+        )
 
     def torch_form():
         kt = transform_keys(key, None, None, key_matrix)
-        append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
-                              lambda x: torch.ops.vecinfer.trellis_encode(x, operands[0], width),
-                              lambda x: torch.ops.vecinfer.trellis_encode(x, operands[1], width))
+        append_through_window(
+            kt,
+            value,
+            k_codes,
+            v_codes,
+            k_window,
+            v_window,
+            n_coded,
+            n_window,
+            lambda x: torch.ops.vecinfer.trellis_encode(x, operands[0], width),
+            lambda x: torch.ops.vecinfer.trellis_encode(x, operands[1], width),
+        )
 
     return op, torch_form
 
@@ -139,12 +172,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--bits", default="2", help="presets, comma-separated")
-    ap.add_argument("--trellis-states", default="1024,4096", help="trellis key codec sizes, comma-separated ('' for none)")
+    ap.add_argument(
+        "--trellis-states", default="1024,4096", help="trellis key codec sizes, comma-separated ('' for none)"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    print(f"# decode-step cache append of one layer, {torch.cuda.get_device_name()}: {HKV} KV heads, head_dim {D}, "
-          f"bf16 window of {R} (full); us per append, device-timed ({STEPS} appends per CUDA graph)")
+    print(
+        f"# decode-step cache append of one layer, {torch.cuda.get_device_name()}: {HKV} KV heads, head_dim {D}, "
+        f"bf16 window of {R} (full); us per append, device-timed ({STEPS} appends per CUDA graph)"
+    )
     print("| bits | B | codes | us / append | vs nearest |")
     print("|---|---|---|---|---|")
     for bits in (float(b) for b in args.bits.split(",")):
@@ -161,8 +198,10 @@ def main(argv=None) -> None:
                 op, torch_form = trellis_appends(b, bits, states, gen)
                 for label, append in (("one launch", op), ("torch ops around two walks", torch_form)):
                     us = time_captured(append)
-                    print(f"| {bits:g} | {b} | trellis keys and values, {states} states, {label} | {us:.1f} | "
-                          f"{us / base:.2f}x |")
+                    print(
+                        f"| {bits:g} | {b} | trellis keys and values, {states} states, {label} | {us:.1f} | "
+                        f"{us / base:.2f}x |"
+                    )
 
 
 if __name__ == "__main__":

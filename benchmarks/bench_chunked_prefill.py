@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from bench_common import bench_setup, build_model, sync, write_json  # noqa: E402  (a sibling module)
 from torch._dynamo.utils import counters  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
+
 from vecinfer_compile import VecInferCache, vecinfer_backend  # noqa: E402
 from vecinfer_compile.commands.arguments import count  # noqa: E402
 from vecinfer_compile.hf.compat import cache_kwargs  # noqa: E402
@@ -61,8 +62,15 @@ def prefill_once(model, ids: torch.Tensor, cache: VecInferCache, chunk: int, com
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                             prefill_chunk_size=chunk, **cache_kwargs(cache), **kwargs)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=1,
+            do_sample=False,
+            prefill_chunk_size=chunk,
+            **cache_kwargs(cache),
+            **kwargs,
+        )
     if device.type == "cuda":
         end.record()
         end.synchronize()
@@ -93,8 +101,9 @@ def main(argv=None) -> list[dict]:
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.length), generator=g).to(setup.device)
     residual = 8 if args.smoke else RESIDUAL
-    cache = VecInferCache(model, codebooks, batch_size=args.batch, max_cache_len=args.length + 1,
-                          residual=residual, device=setup.device)
+    cache = VecInferCache(
+        model, codebooks, batch_size=args.batch, max_cache_len=args.length + 1, residual=residual, device=setup.device
+    )
     compiled = CompileConfig(backend=vecinfer_backend.configure(codebooks=codebooks), fullgraph=True)
     if not setup.cuda:
         compiled._compile_all_devices = True  # generate() compiles on CUDA only otherwise
@@ -107,18 +116,30 @@ def main(argv=None) -> list[dict]:
         for _ in range(args.repeats):
             seconds, tokens[name] = prefill_once(model, ids, cache, args.chunk, config)
             times.append(seconds)
-        rows.append({"path": name, "batch": args.batch, "length": args.length, "chunk": args.chunk,
-                     "layers": model.config.num_hidden_layers, "median_s": statistics.median(times),
-                     "times_s": times, "first_token": tokens[name], "device": setup.label,
-                     "chunk_rewrites": counters["vecinfer"]["cache_chunk_rewrites"],
-                     "unfused": counters["vecinfer"]["cache_decode_unfused"]})
+        rows.append(
+            {
+                "path": name,
+                "batch": args.batch,
+                "length": args.length,
+                "chunk": args.chunk,
+                "layers": model.config.num_hidden_layers,
+                "median_s": statistics.median(times),
+                "times_s": times,
+                "first_token": tokens[name],
+                "device": setup.label,
+                "chunk_rewrites": counters["vecinfer"]["cache_chunk_rewrites"],
+                "unfused": counters["vecinfer"]["cache_decode_unfused"],
+            }
+        )
     eager, comp = rows[0]["median_s"], rows[1]["median_s"]
     print("| path | median s | runs (s) |\n|---|---:|---|")
     for r in rows:
         print(f"| {r['path']} | {r['median_s']:.4f} | {', '.join(f'{t:.4f}' for t in r['times_s'])} |")
-    print(f"compiled / eager: {comp / eager:.3f}x; first token: eager {tokens['eager']}, compiled {tokens['compiled']}; "
-          f"attentions the backend rewrote to the chunk op: {rows[1]['chunk_rewrites']}, "
-          f"left over a dequantized read: {rows[1]['unfused']}")
+    print(
+        f"compiled / eager: {comp / eager:.3f}x; first token: eager {tokens['eager']}, compiled {tokens['compiled']}; "
+        f"attentions the backend rewrote to the chunk op: {rows[1]['chunk_rewrites']}, "
+        f"left over a dequantized read: {rows[1]['unfused']}"
+    )
     if args.json:
         write_json(args.json, rows)
     return rows

@@ -39,21 +39,49 @@ if (REPO_ROOT / "vecinfer_compile").is_dir():  # a checkout times its own packag
 from vecinfer_compile.testing import random_codebooks  # noqa: F401, E402  (C.random_codebooks in the scripts)
 
 LLAMA_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072 + 4096,
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072 + 4096,
     tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 LLAMA_70B = dict(
-    LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+    LLAMA_8B,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
 )
 GEOMETRIES = {"8b": ("Llama-3.1-8B", LLAMA_8B), "70b": ("Llama-3.1-70B", LLAMA_70B)}
-SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim")
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 TINY = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 
 
@@ -137,8 +165,9 @@ def save_random_model(setup: Setup, folder: str) -> str:
         saved = LlamaConfig.from_pretrained(path)
         differ = [k for k in SHAPE_KEYS if getattr(saved, k) != getattr(setup.config, k)]
         if differ:
-            raise SystemExit(f"{path} holds another geometry ({', '.join(differ)} differ): pick another folder "
-                             f"or delete it")
+            raise SystemExit(
+                f"{path} holds another geometry ({', '.join(differ)} differ): pick another folder or delete it"
+            )
         return f"reusing the random-weight model in {path}"
     if path.exists():
         raise SystemExit(f"{path} exists but holds no model (no config.json): pick another folder")
@@ -165,8 +194,9 @@ def load_tp_model(setup: Setup, folder: str):
     t0 = time.perf_counter()
     from vecinfer_compile.hf.tensor_parallel import tp_load_kwargs
 
-    model = AutoModelForCausalLM.from_pretrained(folder, **tp_load_kwargs("auto"), attn_implementation="sdpa",
-                                                 dtype=setup.dtype, **place)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, **tp_load_kwargs("auto"), attn_implementation="sdpa", dtype=setup.dtype, **place
+    )
     model.eval().requires_grad_(False)
     sync(model.device)
     model._bench_build_s = time.perf_counter() - t0

@@ -31,10 +31,13 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-if (Path(__file__).resolve().parents[1] / "vecinfer_compile").is_dir():  # a checkout times its own package, even beside an installed one
+if (
+    Path(__file__).resolve().parents[1] / "vecinfer_compile"
+).is_dir():  # a checkout times its own package, even beside an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import copies_for, graph_time_ms  # a sibling: benchmarks/ is on sys.path
+
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.coded_kv import CodedKV
 from vecinfer_compile.ops.cuda import decode as cuda_decode
@@ -56,10 +59,14 @@ def code_inputs(b: int, t: int, bits: float, g: torch.Generator, dtype: torch.dt
     # 4096-entry books hold 7-bit centroids, as every codebook does (LayerCodebooks snaps them)
     kc = snap_centroids(torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g))
     vc = snap_centroids(torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g))
-    k_codes = pack_codes(torch.randint(0, preset.key.entries, (b, HKV, t, D // preset.key.dims), device=dev,
-                                       generator=g), preset.key.entries)
-    v_codes = pack_codes(torch.randint(0, preset.value.entries, (b, HKV, t, D // preset.value.dims), device=dev,
-                                       generator=g), preset.value.entries)
+    k_codes = pack_codes(
+        torch.randint(0, preset.key.entries, (b, HKV, t, D // preset.key.dims), device=dev, generator=g),
+        preset.key.entries,
+    )
+    v_codes = pack_codes(
+        torch.randint(0, preset.value.entries, (b, HKV, t, D // preset.value.dims), device=dev, generator=g),
+        preset.value.entries,
+    )
     kw = torch.randn(b, HKV, R, D, device=dev, dtype=dtype, generator=g)
     vw = torch.randn(b, HKV, R, D, device=dev, dtype=dtype, generator=g)
     nc = torch.tensor(t - R, device=dev, dtype=torch.int32)
@@ -71,6 +78,7 @@ def sdpa_variants(q, k, v):
     b = q.shape[0]
     packed_q = q.view(b, HKV, HQ // HKV, D)  # GQA: the group's heads as query rows
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+
         def gqa(backend=backend):
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -83,8 +91,9 @@ def sdpa_variants(q, k, v):
         yield f"{backend.name.lower()}-packed", packed
 
 
-def run_case(b: int, t: int, bits: float, triton: bool = True, passes: int = 2,
-             dtype: torch.dtype = torch.bfloat16) -> dict:
+def run_case(
+    b: int, t: int, bits: float, triton: bool = True, passes: int = 2, dtype: torch.dtype = torch.bfloat16
+) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     row = {"B": b, "T": t, "bits": bits, "dtype": str(dtype).removeprefix("torch.")}
     first = code_inputs(b, t, bits, g, dtype)
@@ -108,9 +117,13 @@ def run_case(b: int, t: int, bits: float, triton: bool = True, passes: int = 2,
     kv_bytes = 2 * b * HKV * t * D * 2
     fp16_sets = []
     for _ in range(copies_for(kv_bytes)):
-        fp16_sets.append((torch.randn(b, HQ, 1, D, device="cuda", dtype=dtype, generator=g),
-                          torch.randn(b, HKV, t, D, device="cuda", dtype=dtype, generator=g),
-                          torch.randn(b, HKV, t, D, device="cuda", dtype=dtype, generator=g)))
+        fp16_sets.append(
+            (
+                torch.randn(b, HQ, 1, D, device="cuda", dtype=dtype, generator=g),
+                torch.randn(b, HKV, t, D, device="cuda", dtype=dtype, generator=g),
+                torch.randn(b, HKV, t, D, device="cuda", dtype=dtype, generator=g),
+            )
+        )
     best_name, best = None, float("inf")
     variants = [dict(sdpa_variants(*s)) for s in fp16_sets]  # {name: call} per input copy
     for _ in range(passes):
@@ -142,16 +155,26 @@ def err_text(err: float | None) -> str:
 
 def kernel_resources(bits: float, dtype: torch.dtype = torch.bfloat16) -> str:
     preset = get_preset(bits)
-    variant = cuda_decode.Variant(D, HQ // HKV, preset.key.entries, preset.key.dims, preset.value.entries,
-                                  preset.value.dims, dtype == torch.float16)
+    variant = cuda_decode.Variant(
+        D,
+        HQ // HKV,
+        preset.key.entries,
+        preset.key.dims,
+        preset.value.entries,
+        preset.value.dims,
+        dtype == torch.float16,
+    )
     device = torch.device("cuda", torch.cuda.current_device())
     builds = [(variant, cuda_decode.kernels_for(variant, device))]
     if cuda_decode.lean_may_gain(variant, builds[0][1]):  # the build long calls may take instead
         lean = dataclasses.replace(variant, lean=True)
         builds.append((lean, cuda_decode.kernels_for(lean, device)))
-    return "; ".join(f"{'lean build (long calls)' if v.lean else 'kernel'}: {built.kernel.registers} registers, "
-                     f"{built.kernel.local_bytes} B local, {v.smem_bytes(built.nwarps) // 1024} KiB shared, "
-                     f"{built.ctas_per_sm} CTAs/SM of {built.nwarps} warps" for v, built in builds)
+    return "; ".join(
+        f"{'lean build (long calls)' if v.lean else 'kernel'}: {built.kernel.registers} registers, "
+        f"{built.kernel.local_bytes} B local, {v.smem_bytes(built.nwarps) // 1024} KiB shared, "
+        f"{built.ctas_per_sm} CTAs/SM of {built.nwarps} warps"
+        for v, built in builds
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -160,33 +183,56 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
     ap.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel")
-    ap.add_argument("--passes", type=int, default=2,
-                    help="time every kernel and FP16 backend this many times in turn and keep each one's fastest")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
-                    help="queries, windows and the FP16 baseline's K/V (the kernels' tensor-core type)")
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=2,
+        help="time every kernel and FP16 backend this many times in turn and keep each one's fastest",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16"),
+        default="bfloat16",
+        help="queries, windows and the FP16 baseline's K/V (the kernels' tensor-core type)",
+    )
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     rows = []
     dtype = getattr(torch, args.dtype)
-    print(f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, {args.dtype}; "
-          "ms per call, CUDA-graph replay over L2-defeating input copies, median")
+    print(
+        f"# decode attention, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} R={R}, {args.dtype}; "
+        "ms per call, CUDA-graph replay over L2-defeating input copies, median"
+    )
     names = ["cuda"] + (["triton"] if not args.no_triton else [])
     labels = {"cuda": "CUDA", "triton": "Triton"}
     for bits in map(float, args.bits.split(",")):
         print(f"\n{bits:g}-bit CUDA: {kernel_resources(bits, dtype)}")
-        print("| bits | B | T | " + " | ".join(f"ours {labels[n]} ms" for n in names) + " | best FP16 SDPA ms | FP16 backend | "
-              + " | ".join(f"{labels[n]} vs FP16" for n in names) + " | " + " | ".join(f"{labels[n]} max err" for n in names) + " |")
+        print(
+            "| bits | B | T | "
+            + " | ".join(f"ours {labels[n]} ms" for n in names)
+            + " | best FP16 SDPA ms | FP16 backend | "
+            + " | ".join(f"{labels[n]} vs FP16" for n in names)
+            + " | "
+            + " | ".join(f"{labels[n]} max err" for n in names)
+            + " |"
+        )
         print("|---|---|---|" + "---:|" * len(names) + "---:|---|" + "---:|" * (2 * len(names)))
         for b in map(int, args.batches.split(",")):
             for t in map(int, args.lengths.split(",")):
                 r = run_case(b, t, bits, not args.no_triton, args.passes, dtype)
                 rows.append(r)
-                print(f"| {bits:g} | {b} | {t} | " + " | ".join(f"{r[n + '_ms']:.4f}" for n in names)
-                      + f" | {r['baseline_ms']:.4f} | {r['baseline']} | "
-                      + " | ".join(f"{r[n + '_speedup']:.2f}x" for n in names) + " | "
-                      + " | ".join(err_text(r.get(n + "_max_err")) for n in names) + " |", flush=True)
+                print(
+                    f"| {bits:g} | {b} | {t} | "
+                    + " | ".join(f"{r[n + '_ms']:.4f}" for n in names)
+                    + f" | {r['baseline_ms']:.4f} | {r['baseline']} | "
+                    + " | ".join(f"{r[n + '_speedup']:.2f}x" for n in names)
+                    + " | "
+                    + " | ".join(err_text(r.get(n + "_max_err")) for n in names)
+                    + " |",
+                    flush=True,
+                )
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump(rows, f, indent=1)

@@ -28,11 +28,19 @@ def _setup(batch: int, length: int, device: str):
     from vecinfer_compile.hf.compat import forward_cache_kwargs
     from vecinfer_compile.testing import random_codebooks
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(cfg).to(device).eval()
-    cache = VecInferCache(model, random_codebooks(cfg, bits=2), batch_size=batch, max_cache_len=length,
-                          residual=8, device=device)
+    cache = VecInferCache(
+        model, random_codebooks(cfg, bits=2), batch_size=batch, max_cache_len=length, residual=8, device=device
+    )
     prompt = 16
     ids = torch.randint(0, 128, (batch, prompt), device=device)
     mask = torch.ones(batch, prompt, dtype=torch.long, device=device)
@@ -50,6 +58,7 @@ def _make_call(model, cache, step_mask, embeds, position):
 
     def call():  # positional: transformers 5.17 names the cache past_key_values, 5.24 cache
         return create_masks_for_generate(model.config, embeds, step_mask, cache, position[None])
+
     return call
 
 
@@ -68,8 +77,8 @@ def time_us(call, calls: int, reps: int, sync) -> float:
 def main(argv=None) -> list[dict]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from vecinfer_compile.hf.decode_mask import decode_sdpa_mask
     from vecinfer_compile.hf.attention_over_codes import ATTN_NAME
+    from vecinfer_compile.hf.decode_mask import decode_sdpa_mask
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
@@ -84,8 +93,10 @@ def main(argv=None) -> list[dict]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rows = []
-    print(f"# create_masks_for_generate per one-token step over a VecInferCache, {device}, "
-          f"{args.calls} calls x {args.reps} repetitions (median), us per call")
+    print(
+        f"# create_masks_for_generate per one-token step over a VecInferCache, {device}, "
+        f"{args.calls} calls x {args.reps} repetitions (median), us per call"
+    )
     print("| B | slots | sdpa_mask us | decode_sdpa_mask us | sdpa_mask / ours |")
     print("|---|---|---:|---:|---:|")
     mapping = AttentionMaskInterface._global_mapping

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import torch
 import triton
 
-import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.triton.encode import SCAN_MAX_ENTRIES, EncodeConfig, encode_triton
@@ -29,10 +29,14 @@ from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.score_aware import check_parallel_weight
 
 HKV, D = 2, 128
-SCAN_SWEEP = [EncodeConfig(scan_block_n=n, scan_unroll=u, scan_warps=w) for n, u, w in
-              ((512, 4, 4), (1024, 8, 4), (4096, 4, 8), (2048, 8, 8), (4096, 8, 16))]
-DOT_SWEEP = [EncodeConfig(dot_block_n=n, dot_block_e=e, dot_warps=w) for n, e, w in
-             ((64, 64, 4), (128, 128, 8), (256, 64, 8), (128, 32, 4))]
+SCAN_SWEEP = [
+    EncodeConfig(scan_block_n=n, scan_unroll=u, scan_warps=w)
+    for n, u, w in ((512, 4, 4), (1024, 8, 4), (4096, 4, 8), (2048, 8, 8), (4096, 8, 16))
+]
+DOT_SWEEP = [
+    EncodeConfig(dot_block_n=n, dot_block_e=e, dot_warps=w)
+    for n, e, w in ((64, 64, 4), (128, 128, 8), (256, 64, 8), (128, 32, 4))
+]
 
 
 def nearest_excess(x: torch.Tensor, cent: torch.Tensor, ours: torch.Tensor, base: torch.Tensor) -> float:
@@ -48,8 +52,13 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default="1x8192,8x2048", help="BxT, comma-separated")
     ap.add_argument("--bits", default="2,1.5,1", help="presets, comma-separated")
     ap.add_argument("--sweep", action="store_true", help="also time the kernel at other launch shapes")
-    ap.add_argument("--key-parallel-weight", type=float, default=1.0, metavar="W",
-                    help="also time the score-aware encode of weight W (> 1)")
+    ap.add_argument(
+        "--key-parallel-weight",
+        type=float,
+        default=1.0,
+        metavar="W",
+        help="also time the score-aware encode of weight W (> 1)",
+    )
     args = ap.parse_args(argv)
     weight = check_parallel_weight(args.key_parallel_weight)
     if not torch.cuda.is_available():
@@ -58,8 +67,10 @@ def main(argv=None) -> None:
     baseline = torch.compile(reference.encode, fullgraph=True)
     print(f"# encode, {torch.cuda.get_device_name()}, x: [B, {HKV}, T, {D}] bf16; median ms")
     aware = weight != 1.0
-    print("| bits | codebook | B | T | sub-vectors | ours encode | ours quantize | compiled torch | torch / ours | max distance excess |"
-          + (f" ours score-aware (w={weight:g}) | score-aware / nearest |" if aware else ""))
+    print(
+        "| bits | codebook | B | T | sub-vectors | ours encode | ours quantize | compiled torch | torch / ours | max distance excess |"
+        + (f" ours score-aware (w={weight:g}) | score-aware / nearest |" if aware else "")
+    )
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if aware else ""))
     for bits in map(float, args.bits.split(",")):
         spec = get_preset(bits).key
@@ -76,8 +87,11 @@ def main(argv=None) -> None:
             if aware:
                 scored = bench(lambda: torch.ops.vecinfer.encode(x, None, None, cent, weight))
                 extra = f" {scored:.3f} | {scored / ours:.1f}x |"
-            print(f"| {bits:g} | {spec.entries}x{spec.dims} | {b} | {t} | {x.numel() // spec.dims} | {ours:.3f} | "
-                  f"{quant:.3f} | {base:.3f} | {base / ours:.2f}x | {excess:.1e} |{extra}", flush=True)
+            print(
+                f"| {bits:g} | {spec.entries}x{spec.dims} | {b} | {t} | {x.numel() // spec.dims} | {ours:.3f} | "
+                f"{quant:.3f} | {base:.3f} | {base / ours:.2f}x | {excess:.1e} |{extra}",
+                flush=True,
+            )
             if args.sweep:
                 sweep(x, cent, ours_codes, bench)
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import torch
 import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 from vecinfer_compile.ops.coded_kv import CodedKV
 from vecinfer_compile.ops.triton.decode import SplitConfig, decode_attention_triton, num_splits
 
@@ -33,8 +33,9 @@ SHAPES = ((64, 4, 4), (128, 4, 4), (64, 8, 8), (32, 4, 8), (128, 8, 4))  # block
 
 
 @triton.jit
-def gather_only_kernel(codes_ptr, cent_ptr, out_ptr, T, CHUNK, NSUB: tl.constexpr, DSUB: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+def gather_only_kernel(
+    codes_ptr, cent_ptr, out_ptr, T, CHUNK, NSUB: tl.constexpr, DSUB: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Sum of the centroid rows of codes ``[BH, T, NSUB]`` rows ``[pid * CHUNK, +CHUNK)``."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -46,8 +47,9 @@ def gather_only_kernel(codes_ptr, cent_ptr, out_ptr, T, CHUNK, NSUB: tl.constexp
         offs = j0 + tl.arange(0, BLOCK_N)
         ok = (offs < hi)[:, None]
         code = tl.load(base + offs[:, None] * NSUB + sub[None, :], mask=ok, other=0).to(tl.int32)
-        rows = tl.load(cent_ptr + (code * DSUB)[:, :, None] + tl.arange(0, DSUB)[None, None, :],
-                       mask=ok[:, :, None], other=0.0)
+        rows = tl.load(
+            cent_ptr + (code * DSUB)[:, :, None] + tl.arange(0, DSUB)[None, None, :], mask=ok[:, :, None], other=0.0
+        )
         acc += rows.to(tl.float32)
     tl.store(out_ptr + bh * tl.num_programs(0) + pid, tl.sum(tl.sum(tl.sum(acc, 2), 1), 0))
 
@@ -75,10 +77,24 @@ def probe(codes: torch.Tensor, cent: torch.Tensor, bench) -> tuple[float, float]
     for block_n, warps, waves in SHAPES:
         splits, chunk = num_splits(bh, t, codes.device, SplitConfig(block_n=block_n, waves=waves))
         out = torch.empty(bh * splits, device=codes.device)
-        best_gather = min(best_gather, 2 * bench(lambda: gather_only_kernel[(splits, bh)](
-            codes, cent, out, t, chunk, NSUB=NSUB, DSUB=DSUB, BLOCK_N=block_n, num_warps=warps)))
-        best_codes = min(best_codes, 2 * bench(lambda: codes_only_kernel[(splits, bh)](
-            codes, out, t, chunk, NSUB=NSUB, BLOCK_N=block_n, num_warps=warps)))
+        best_gather = min(
+            best_gather,
+            2
+            * bench(
+                lambda: gather_only_kernel[(splits, bh)](
+                    codes, cent, out, t, chunk, NSUB=NSUB, DSUB=DSUB, BLOCK_N=block_n, num_warps=warps
+                )
+            ),
+        )
+        best_codes = min(
+            best_codes,
+            2
+            * bench(
+                lambda: codes_only_kernel[(splits, bh)](
+                    codes, out, t, chunk, NSUB=NSUB, BLOCK_N=block_n, num_warps=warps
+                )
+            ),
+        )
     return best_gather, best_codes
 
 
@@ -89,9 +105,13 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
-    print(f"# decode ceiling probe, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D}, 2-bit codes "
-          "(256 x 4 bf16 codebook); median ms; K and V both counted")
-    print("| B | T | cuDNN FP16 SDPA | ours (default) | gather-only | codes-only | FP16 / gather-only (ceiling) | FP16 / ours |")
+    print(
+        f"# decode ceiling probe, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D}, 2-bit codes "
+        "(256 x 4 bf16 codebook); median ms; K and V both counted"
+    )
+    print(
+        "| B | T | cuDNN FP16 SDPA | ours (default) | gather-only | codes-only | FP16 / gather-only (ceiling) | FP16 / ours |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for b, t in C.parse_cases(args.cases):
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -108,8 +128,11 @@ def main(argv=None) -> None:
         v = torch.randn_like(k)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             fp16 = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-        print(f"| {b} | {t} | {fp16:.3f} | {ours:.3f} | {gather:.3f} | {codes_ms:.3f} | {fp16 / gather:.2f}x | "
-              f"{fp16 / ours:.2f}x |", flush=True)
+        print(
+            f"| {b} | {t} | {fp16:.3f} | {ours:.3f} | {gather:.3f} | {codes_ms:.3f} | {fp16 / gather:.2f}x | "
+            f"{fp16 / ours:.2f}x |",
+            flush=True,
+        )
         codes = k = v = None  # freed before the next case allocates (the lambdas above read these names)
         torch.cuda.empty_cache()
 

@@ -133,22 +133,28 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import torch
+from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attention, use_valid_length_attention
 from transformers import CompileConfig, DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
-import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
-from fp16_valid_cache import ValidLengthCache, ValidLengthLayer, restore_attention, use_valid_length_attention
-from vecinfer_compile.hf.compat import cache_kwargs  # noqa: E402  (bench_common puts the checkout on sys.path)
 from vecinfer_compile.codebooks import model_geometry  # noqa: E402
-from vecinfer_compile.hf.compat import forward_cache_kwargs  # noqa: E402
 from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec  # noqa: E402
+from vecinfer_compile.hf.compat import (
+    cache_kwargs,  # noqa: E402  (bench_common puts the checkout on sys.path)
+    forward_cache_kwargs,  # noqa: E402
+)
 from vecinfer_compile.hf.deferred_stop import defer_stop_check  # noqa: E402
 from vecinfer_compile.hf.tensor_parallel import local_kv_heads, model_shard, total_kv_bytes  # noqa: E402
 from vecinfer_compile.quant.score_aware import check_parallel_weight  # noqa: E402
 
 METHODS = ("ours", "fp16", "static", "dynamic")
-LABELS = {"ours": "ours (VecInferCache, compiled)", "fp16": "full precision, valid-length flash, compiled",
-          "static": "HF static, compiled", "dynamic": "HF dynamic, eager"}
+LABELS = {
+    "ours": "ours (VecInferCache, compiled)",
+    "fp16": "full precision, valid-length flash, compiled",
+    "static": "HF static, compiled",
+    "dynamic": "HF dynamic, eager",
+}
 
 
 class StepTimer(StoppingCriteria):
@@ -190,8 +196,20 @@ class Runner:
     chunks of ``prefill_chunk`` (0: all but the last token at once), before ``generate`` decodes
     the whole batch: a serving engine's small-batch prefill, large-batch decode."""
 
-    def __init__(self, method, model, setup, codebooks, batch, max_cache_len, residual, prefill_chunk: int = 0,
-                 synthetic_prefill: int = 0, prefill_rows: int = 0, stop_check: str = "sync"):
+    def __init__(
+        self,
+        method,
+        model,
+        setup,
+        codebooks,
+        batch,
+        max_cache_len,
+        residual,
+        prefill_chunk: int = 0,
+        synthetic_prefill: int = 0,
+        prefill_rows: int = 0,
+        stop_check: str = "sync",
+    ):
         self.method, self.model, self.setup = method, model, setup
         self.stop_check = stop_check
         self.prefill_chunk, self.synthetic_prefill = prefill_chunk, synthetic_prefill
@@ -207,10 +225,10 @@ class Runner:
             from vecinfer_compile.backend import vecinfer_backend
             from vecinfer_compile.cache import VecInferCache
 
-            self.cache = VecInferCache(model, codebooks, batch_size=batch, max_cache_len=max_cache_len,
-                                       residual=residual)
-            self.compile_config = CompileConfig(backend=vecinfer_backend.configure(codebooks=codebooks),
-                                                fullgraph=True)
+            self.cache = VecInferCache(
+                model, codebooks, batch_size=batch, max_cache_len=max_cache_len, residual=residual
+            )
+            self.compile_config = CompileConfig(backend=vecinfer_backend.configure(codebooks=codebooks), fullgraph=True)
         elif method == "fp16":
             self.cache = ValidLengthCache(model.config, max_cache_len)
             self.compile_config = CompileConfig(fullgraph=True)
@@ -247,7 +265,9 @@ class Runner:
         t0 = timer.t0 = time.perf_counter()
         self.prefill_s = None
         if self.synthetic_prefill and ids.shape[1] > self.synthetic_prefill + 1:
-            synthetic_prefill(self.model, ids, cache, self.synthetic_prefill, self.prefill_chunk or self.synthetic_prefill)
+            synthetic_prefill(
+                self.model, ids, cache, self.synthetic_prefill, self.prefill_chunk or self.synthetic_prefill
+            )
             C.sync(self.setup.device)
             self.prefill_s = time.perf_counter() - t0
         elif self.prefill_rows:
@@ -258,12 +278,17 @@ class Runner:
             prefill_in_chunks(self.model, ids, cache, self.prefill_chunk, self.chunk_profiler)
             C.sync(self.setup.device)
             self.prefill_s = time.perf_counter() - t0
-        with warnings.catch_warnings(), (defer_stop_check() if deferred else contextlib.nullcontext()):
+        with warnings.catch_warnings(), defer_stop_check() if deferred else contextlib.nullcontext():
             warnings.simplefilter("ignore")
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                pad_token_id=self.setup.config.pad_token_id, stopping_criteria=StoppingCriteriaList([timer, *extra_criteria]),
+                ids,
+                attention_mask=torch.ones_like(ids),
+                **cache_kwargs(cache),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=self.setup.config.pad_token_id,
+                stopping_criteria=StoppingCriteriaList([timer, *extra_criteria]),
                 **kwargs,
             )
         C.sync(self.setup.device)
@@ -289,10 +314,15 @@ def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int, last_chunk_pr
         record = last_chunk_profiler is not None and start == starts[-1]
         if record:
             last_chunk_profiler.start()
-        model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]),
-              **forward_cache_kwargs(model, cache),
-              use_cache=True, position_ids=position[None].expand(ids.shape[0], -1), cache_position=position,
-              logits_to_keep=1)
+        model(
+            input_ids=ids[:, start:end],
+            attention_mask=torch.ones_like(ids[:, :end]),
+            **forward_cache_kwargs(model, cache),
+            use_cache=True,
+            position_ids=position[None].expand(ids.shape[0], -1),
+            cache_position=position,
+            logits_to_keep=1,
+        )
         if record:
             C.sync(ids.device)
             last_chunk_profiler.stop()
@@ -307,8 +337,9 @@ def prefill_by_rows(model, ids: torch.Tensor, cache, rows: int, chunk: int, last
     for start in range(0, batch, rows):
         stop = min(start + rows, batch)
         with cache.filling_rows(start, stop) as part:
-            prefill_in_chunks(model, ids[start:stop], part, chunk or length,
-                              last_chunk_profiler if stop == batch else None)
+            prefill_in_chunks(
+                model, ids[start:stop], part, chunk or length, last_chunk_profiler if stop == batch else None
+            )
 
 
 @torch.no_grad()
@@ -320,7 +351,7 @@ def synthetic_prefill(model, ids: torch.Tensor, cache, real: int, chunk: int) ->
     from vecinfer_compile.cache import VecInferLayer
 
     held = ids.shape[1] - 1
-    prefill_in_chunks(model, ids[:, :real + 1], cache, chunk)
+    prefill_in_chunks(model, ids[:, : real + 1], cache, chunk)
     for layer in cache.layers:
         if isinstance(layer, VecInferLayer):
             layer.storage.k_codes.random_(0, 256)
@@ -386,13 +417,27 @@ class HostProfile:
 # "vecinfer_compile" sums the own time of every function in the package's files.
 HOST_PARTS = (
     ("compiled forward (guards, CUDA-graph replay and its checks)", "torch/_dynamo/eval_frame.py", None),
-    ("transformers: prepare_inputs_for_generation", "transformers/generation/utils.py", "prepare_inputs_for_generation"),
-    ("transformers: create_masks_for_generate (in the above)", "transformers/masking_utils.py", "create_masks_for_generate"),
+    (
+        "transformers: prepare_inputs_for_generation",
+        "transformers/generation/utils.py",
+        "prepare_inputs_for_generation",
+    ),
+    (
+        "transformers: create_masks_for_generate (in the above)",
+        "transformers/masking_utils.py",
+        "create_masks_for_generate",
+    ),
     ("transformers: logits processors", "transformers/generation/logits_process.py", "__call__"),
-    ("transformers: stopping criteria (the bench's step timer waits for the GPU in one)",
-     "transformers/generation/stopping_criteria.py", "__call__"),
-    ("transformers: _update_model_kwargs_for_generation", "transformers/generation/utils.py",
-     "_update_model_kwargs_for_generation"),
+    (
+        "transformers: stopping criteria (the bench's step timer waits for the GPU in one)",
+        "transformers/generation/stopping_criteria.py",
+        "__call__",
+    ),
+    (
+        "transformers: _update_model_kwargs_for_generation",
+        "transformers/generation/utils.py",
+        "_update_model_kwargs_for_generation",
+    ),
 )
 
 
@@ -402,12 +447,15 @@ def host_table(host: HostProfile, per: int) -> dict:
     import pstats
 
     stats = pstats.Stats(host.prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+
     def cum(fragment, name):
         times = [v[3] for (f, _, n), v in stats.items() if name in (None, n) and fragment in f.replace("\\", "/")]
-        return (max(times, default=0.0) if name is None else sum(times))
+        return max(times, default=0.0) if name is None else sum(times)
+
     out = {label: 1e3 * cum(f, n) / per for label, f, n in HOST_PARTS}
-    out["vecinfer_compile's own Python"] = 1e3 * sum(v[2] for (f, _, _), v in stats.items()
-                                                    if "vecinfer_compile" in f) / per
+    out["vecinfer_compile's own Python"] = (
+        1e3 * sum(v[2] for (f, _, _), v in stats.items() if "vecinfer_compile" in f) / per
+    )
     out["everything the host ran in those steps"] = 1e3 * sum(v[2] for v in stats.values()) / per
     return out
 
@@ -452,9 +500,8 @@ def profile_decode(runner, ids, steps: int) -> dict:
     finally:
         runner.chunk_profiler = None
     busy, kernels, launches = kernel_table(prof, steps)
-    wall = [b - a for a, b in zip(stamps[skip - 1:skip - 1 + steps], stamps[skip:skip + steps])]
-    out = {"busy_us": busy, "wall_us": 1e6 * sum(wall) / max(len(wall), 1), "kernels": kernels,
-           "n_kernels": launches}
+    wall = [b - a for a, b in zip(stamps[skip - 1 : skip - 1 + steps], stamps[skip : skip + steps])]
+    out = {"busy_us": busy, "wall_us": 1e6 * sum(wall) / max(len(wall), 1), "kernels": kernels, "n_kernels": launches}
     if chunk_prof is not None and chunk_prof.profiler is not None:
         busy, kernels, launches = kernel_table(chunk_prof, 1)
         out["prefill_chunk"] = {"busy_us": busy, "kernels": kernels, "n_kernels": launches}
@@ -466,8 +513,10 @@ def profile_decode(runner, ids, steps: int) -> dict:
 
 def print_profile(row: dict) -> None:
     p = row["profile"]
-    print(f"# profile {row['B']}x{row['T']} {LABELS[row['method']]}: GPU busy {p['busy_us'] / 1e3:.2f} ms/step over "
-          f"{p['n_kernels']:.0f} kernel launches; wall {p['wall_us'] / 1e3:.2f} ms/step (profiler on)")
+    print(
+        f"# profile {row['B']}x{row['T']} {LABELS[row['method']]}: GPU busy {p['busy_us'] / 1e3:.2f} ms/step over "
+        f"{p['n_kernels']:.0f} kernel launches; wall {p['wall_us'] / 1e3:.2f} ms/step (profiler on)"
+    )
     for k in p["kernels"]:
         print(f"#   {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['name']}")
     if "host_ms" in p:
@@ -476,9 +525,11 @@ def print_profile(row: dict) -> None:
             print(f"#   {ms:7.3f} ms  {label}")
     chunk = p.get("prefill_chunk")
     if chunk:
-        print(f"# profile {row['B']}x{row['T']} {LABELS[row['method']]}, the last prefill chunk of "
-              f"{row.get('prefill_chunk')} tokens: GPU busy {chunk['busy_us'] / 1e3:.2f} ms over "
-              f"{chunk['n_kernels']:.0f} kernel launches")
+        print(
+            f"# profile {row['B']}x{row['T']} {LABELS[row['method']]}, the last prefill chunk of "
+            f"{row.get('prefill_chunk')} tokens: GPU busy {chunk['busy_us'] / 1e3:.2f} ms over "
+            f"{chunk['n_kernels']:.0f} kernel launches"
+        )
         for k in chunk["kernels"]:
             print(f"#   {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['name']}")
 
@@ -494,9 +545,23 @@ def kv_bytes_per_rank(cache) -> list[int]:
     return out
 
 
-def run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
-               profile_steps: int = 0, prefill_chunk: int = 0, in_run_only: bool = False,
-               synthetic: int = 0, prefill_rows: int = 0, stop_check: str = "sync") -> dict:
+def run_method(
+    method,
+    model,
+    setup,
+    codebooks,
+    batch,
+    length,
+    new_tokens,
+    residual,
+    warmup_len,
+    profile_steps: int = 0,
+    prefill_chunk: int = 0,
+    in_run_only: bool = False,
+    synthetic: int = 0,
+    prefill_rows: int = 0,
+    stop_check: str = "sync",
+) -> dict:
     dev = setup.device
     row = {"B": batch, "T": length, "method": method, "new_tokens": new_tokens, "stop_check": stop_check}
     if prefill_chunk:
@@ -512,12 +577,13 @@ def run_method(method, model, setup, codebooks, batch, length, new_tokens, resid
     gen = torch.Generator(device=dev).manual_seed(length * 131 + batch)
     ids = torch.randint(3, vocab, (batch, length), device=dev, generator=gen)
     cache_len = length + max(new_tokens, profile_steps + 3)  # the profiled run makes steps + 3 tokens
-    runner = Runner(method, model, setup, codebooks, batch, cache_len, residual, prefill_chunk, synthetic,
-                    prefill_rows, stop_check)
+    runner = Runner(
+        method, model, setup, codebooks, batch, cache_len, residual, prefill_chunk, synthetic, prefill_rows, stop_check
+    )
     try:
         graphs_before = _compiled_graphs()
         t0 = time.perf_counter()
-        runner.generate(ids[:, :min(warmup_len, length)], new_tokens)  # compile + CUDA graphs
+        runner.generate(ids[:, : min(warmup_len, length)], new_tokens)  # compile + CUDA graphs
         row["warmup_s"] = time.perf_counter() - t0
         row["warmup_compiles"] = _compiled_graphs() - graphs_before
         graphs_before = _compiled_graphs()
@@ -559,8 +625,10 @@ def _num(x, fmt="{:.1f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
-HEADER = ("| B | T | method | tok/s (device-timed steps) | ms/step | prefill s (TTFT) | in-run tok/s (host) "
-          "| tok/s by subtraction | warm-up s | peak |")
+HEADER = (
+    "| B | T | method | tok/s (device-timed steps) | ms/step | prefill s (TTFT) | in-run tok/s (host) "
+    "| tok/s by subtraction | warm-up s | peak |"
+)
 TP_HEADER = " KV/GPU | KV total | TP |"  # appended under tensor parallelism
 
 
@@ -574,16 +642,24 @@ def _prefill_cell(row: dict) -> str:
 
 def format_row(row: dict) -> str:
     head = f"| {row['B']} | {row['T']} | {LABELS[row['method']]} |"
-    tp = "" if "tp" not in row else (f" {C.human_bytes(row.get('kv_bytes_per_rank', [None])[0])} | "
-                                     f"{C.human_bytes(row.get('kv_bytes_total'))} | {row['tp']} |")
+    tp = (
+        ""
+        if "tp" not in row
+        else (
+            f" {C.human_bytes(row.get('kv_bytes_per_rank', [None])[0])} | "
+            f"{C.human_bytes(row.get('kv_bytes_total'))} | {row['tp']} |"
+        )
+    )
     if "error" in row:
         return f"{head} error: {row['error']} | | | | | | |{tp}"
     note = ""
     if row.get("timed_compiles"):
         note = f" (WARNING: {row['timed_compiles']} graph(s) compiled during the timed runs)"
-    return (f"{head} {_num(row.get('tok_s'))} | {_num(row.get('step_ms'), '{:.2f}')} | {_prefill_cell(row)} | "
-            f"{_num(row.get('in_run_tok_s'))} | {_num(row.get('subtraction_tok_s'))} | {row['warmup_s']:.1f} | "
-            f"{C.gib(row.get('peak_bytes'))}{note} |{tp}")
+    return (
+        f"{head} {_num(row.get('tok_s'))} | {_num(row.get('step_ms'), '{:.2f}')} | {_prefill_cell(row)} | "
+        f"{_num(row.get('in_run_tok_s'))} | {_num(row.get('subtraction_tok_s'))} | {row['warmup_s']:.1f} | "
+        f"{C.gib(row.get('peak_bytes'))}{note} |{tp}"
+    )
 
 
 def _ratio(a: dict | None, b: dict | None, key: str) -> str:
@@ -598,9 +674,15 @@ def summary(rows: list[dict]) -> list[str]:
     baseline (tok/s: ours / baseline, higher is better; TTFT: baseline / ours, higher is better)."""
     others = [m for m in METHODS if m != "ours"]
     lines = [
-        "| B | T | " + " | ".join(f"{m} tok/s" for m in METHODS) + " | "
-        + " | ".join(f"ours/{m} tok/s" for m in others) + " | " + " | ".join(f"{m} TTFT s" for m in METHODS)
-        + " | " + " | ".join(f"TTFT {m}/ours" for m in others) + " |",
+        "| B | T | "
+        + " | ".join(f"{m} tok/s" for m in METHODS)
+        + " | "
+        + " | ".join(f"ours/{m} tok/s" for m in others)
+        + " | "
+        + " | ".join(f"{m} TTFT s" for m in METHODS)
+        + " | "
+        + " | ".join(f"TTFT {m}/ours" for m in others)
+        + " |",
         "|---|---|" + "---|" * (2 * len(METHODS) + 2 * len(others)),
     ]
     cases = list(dict.fromkeys((r["B"], r["T"]) for r in rows))
@@ -624,12 +706,15 @@ def job_table(rows: list[dict], prompts: int) -> list[str]:
     ``rounds * (TTFT + (N - 1) * step)`` (the step measured at the prompt's length: longer
     generations grow each step's context, which this does not count)."""
     done = [r for r in rows if "error" not in r and r.get("ttft_s") and r.get("step_ms")]
-    lines = [f"# job: {prompts} prompts; measured per round: TTFT and device-timed step at N = "
-             f"{', '.join(sorted({str(r['new_tokens']) for r in done}) or ['-'])} new tokens; job times for other N are "
-             "arithmetic from those rates: rounds * (TTFT + (N - 1) * step)",
-             "| method | B | T | rounds | TTFT s (per round) | ms/step | peak - weights - KV | "
-             + " | ".join(f"job s, N={n} | tok/s, N={n}" for n in JOB_TOKENS) + " |",
-             "|---|---|---|---|---|---|---|" + "---|---|" * len(JOB_TOKENS)]
+    lines = [
+        f"# job: {prompts} prompts; measured per round: TTFT and device-timed step at N = "
+        f"{', '.join(sorted({str(r['new_tokens']) for r in done}) or ['-'])} new tokens; job times for other N are "
+        "arithmetic from those rates: rounds * (TTFT + (N - 1) * step)",
+        "| method | B | T | rounds | TTFT s (per round) | ms/step | peak - weights - KV | "
+        + " | ".join(f"job s, N={n} | tok/s, N={n}" for n in JOB_TOKENS)
+        + " |",
+        "|---|---|---|---|---|---|---|" + "---|---|" * len(JOB_TOKENS),
+    ]
     rates = {}
     for r in done:
         rounds = -(-prompts // r["B"])
@@ -641,12 +726,16 @@ def job_table(rows: list[dict], prompts: int) -> list[str]:
         extra = None
         if r.get("peak_bytes") is not None and r.get("kv_bytes_total") is not None:
             extra = r["peak_bytes"] - r["weights_bytes"] - r["kv_bytes_total"]
-        lines.append(f"| {LABELS[r['method']]} | {r['B']} | {r['T']} | {rounds} | {r['ttft_s']:.1f} | "
-                     f"{r['step_ms']:.2f} | {C.gib(extra)} | {' | '.join(cells)} |")
+        lines.append(
+            f"| {LABELS[r['method']]} | {r['B']} | {r['T']} | {rounds} | {r['ttft_s']:.1f} | "
+            f"{r['step_ms']:.2f} | {C.gib(extra)} | {' | '.join(cells)} |"
+        )
     for m in METHODS:
         if m != "ours" and ("ours", JOB_TOKENS[0]) in rates and (m, JOB_TOKENS[0]) in rates:
-            lines.append(f"# job throughput ours / {m}: " + ", ".join(
-                f"N={n} {rates[('ours', n)] / rates[(m, n)]:.2f}x" for n in JOB_TOKENS))
+            lines.append(
+                f"# job throughput ours / {m}: "
+                + ", ".join(f"N={n} {rates[('ours', n)] / rates[(m, n)]:.2f}x" for n in JOB_TOKENS)
+            )
     return lines
 
 
@@ -682,17 +771,35 @@ def with_trellis_codecs(codebooks, states: int) -> None:
     gen = torch.Generator().manual_seed(0)
     for i in codebooks.attention_layers():
         layer, bits = codebooks.layer(i), codebooks.bits if codebooks.layer_bits is None else codebooks.layer_bits[i]
-        layer.keys, layer.values = (random_trellis_codec(gen, h, d, bits, states.bit_length() - 1)
-                                    for _ in range(2))
+        layer.keys, layer.values = (random_trellis_codec(gen, h, d, bits, states.bit_length() - 1) for _ in range(2))
 
 
 def passthrough_args(args, new_tokens: int, residual: int, warmup_len: int) -> list[str]:
     """The options a child process of ``--isolate`` needs to measure the same thing."""
-    out = ["--new-tokens", str(new_tokens), "--bits", str(args.bits), "--residual", str(residual),
-           "--warmup-len", str(warmup_len), "--profile", str(args.profile), "--geometry", args.geometry,
-           "--prefill-chunk", str(args.prefill_chunk), "--synthetic-prefill", str(args.synthetic_prefill),
-           "--prefill-rows", str(args.prefill_rows), "--stop-check", args.stop_check,
-           "--key-parallel-weight", str(args.key_parallel_weight)]
+    out = [
+        "--new-tokens",
+        str(new_tokens),
+        "--bits",
+        str(args.bits),
+        "--residual",
+        str(residual),
+        "--warmup-len",
+        str(warmup_len),
+        "--profile",
+        str(args.profile),
+        "--geometry",
+        args.geometry,
+        "--prefill-chunk",
+        str(args.prefill_chunk),
+        "--synthetic-prefill",
+        str(args.synthetic_prefill),
+        "--prefill-rows",
+        str(args.prefill_rows),
+        "--stop-check",
+        args.stop_check,
+        "--key-parallel-weight",
+        str(args.key_parallel_weight),
+    ]
     if args.weighted_codes:
         out.append("--weighted-codes")
     if args.trellis_states:
@@ -712,8 +819,17 @@ def run_isolated(extra: list[str], batch: int, length: int, method: str) -> dict
     """One (case, method) measured by a child process of this script; its row, or its error."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--cases", f"{batch}x{length}", "--methods", method,
-               "--json", str(out), *extra]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--cases",
+            f"{batch}x{length}",
+            "--methods",
+            method,
+            "--json",
+            str(out),
+            *extra,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         rows = json.loads(out.read_text()) if out.exists() else []
     if rows:
@@ -724,67 +840,137 @@ def run_isolated(extra: list[str], batch: int, length: int, method: str) -> dict
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
-    ap.add_argument("--cases", default=None,
-                    help="BxT list (default 1x32768,1x131072,16x32768; smoke 2x24)")
+    ap.add_argument("--cases", default=None, help="BxT list (default 1x32768,1x131072,16x32768; smoke 2x24)")
     ap.add_argument("--new-tokens", type=int, default=None, help="N new tokens per timed run (default 32; smoke 3)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--bits", type=float, default=2.0)
-    ap.add_argument("--key-parallel-weight", type=float, default=1.0, metavar="W",
-                    help="ours: how the cache encodes keys (1: nearest centroid; above: score-aware codes, whose "
-                         "decode-step append adds the CUDA encoder's launch)")
-    ap.add_argument("--weighted-codes", action="store_true",
-                    help="ours: error-weighted codes (identity metrics: the encode's cost, not its quality), whose "
-                         "decode-step append adds the CUDA encoder's launch")
-    ap.add_argument("--trellis-states", type=C.trellis_states, default=0, metavar="S",
-                    help="ours: keys and values coded by random trellis codecs of S states (a power of two; "
-                         "0: the codebooks' codes)")
+    ap.add_argument(
+        "--key-parallel-weight",
+        type=float,
+        default=1.0,
+        metavar="W",
+        help="ours: how the cache encodes keys (1: nearest centroid; above: score-aware codes, whose "
+        "decode-step append adds the CUDA encoder's launch)",
+    )
+    ap.add_argument(
+        "--weighted-codes",
+        action="store_true",
+        help="ours: error-weighted codes (identity metrics: the encode's cost, not its quality), whose "
+        "decode-step append adds the CUDA encoder's launch",
+    )
+    ap.add_argument(
+        "--trellis-states",
+        type=C.trellis_states,
+        default=0,
+        metavar="S",
+        help="ours: keys and values coded by random trellis codecs of S states (a power of two; "
+        "0: the codebooks' codes)",
+    )
     ap.add_argument("--residual", type=int, default=None, help="VecInferCache window R (default 128; smoke 8)")
-    ap.add_argument("--warmup-len", type=int, default=None,
-                    help="prompt length of the untimed warm-up run (default 256; smoke 8)")
-    ap.add_argument("--profile", type=int, default=0, metavar="K",
-                    help="also profile K decode steps per (case, method) and print the kernels by device time")
-    ap.add_argument("--prefill-chunk", default="0", metavar="N",
-                    help="every method prefills in eager chunks of N tokens before generate() (default 0: "
-                         "at once); or per method, e.g. ours=128,fp16=1024")
-    ap.add_argument("--prefill-rows", default="0", metavar="G",
-                    help="ours and fp16: prefill G rows at a time (chunked by --prefill-chunk), then decode the "
-                         "whole batch; or per method, e.g. ours=8,fp16=8 (default 0: every row at once)")
-    ap.add_argument("--synthetic-prefill", type=int, default=0, metavar="N",
-                    help="ours and fp16: N real prompt tokens, then the cache set to hold the rest with random "
-                         "content (for the largest batches; the decode step's work is the same)")
-    ap.add_argument("--until-error", action="store_true",
-                    help="once a method fails at some batch size (out of memory), skip it at the larger batch "
-                         "sizes of the same length: with --cases 16x32768,32x32768,... the largest batch that fits")
-    ap.add_argument("--in-run-only", action="store_true",
-                    help="skip the 1-token run (one prefill less per row): only in-run tok/s, for the largest "
-                         "batches, whose prefill is most of the time")
-    ap.add_argument("--job", type=int, default=0, metavar="P",
-                    help="serve P prompts: every method at its own batch (--job-batch), one real round measured, "
-                         "the job's time and tok/s for N = 256, 2048, 8192 new tokens from its rates")
-    ap.add_argument("--job-batch", default=None, metavar="M=B,...",
-                    help="with --job: each method's batch, e.g. fp16=28,ours=200 (the length is --cases')")
-    ap.add_argument("--tables-from", metavar="A.json,...",
-                    help="measure nothing: print the tables (the job table with --job P) from rows that earlier "
-                         "runs wrote with --json, e.g. two methods measured in separate GPU calls")
-    ap.add_argument("--stop-check", choices=("sync", "deferred"), default="sync",
-                    help="sync: generate()'s stop check reads the device every step (transformers' default on CUDA); "
-                         "deferred: every method under vecinfer_compile.defer_stop_check(), the host queues the "
-                         "next step while the GPU runs this one (in-run host stamps are then not taken)")
+    ap.add_argument(
+        "--warmup-len", type=int, default=None, help="prompt length of the untimed warm-up run (default 256; smoke 8)"
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also profile K decode steps per (case, method) and print the kernels by device time",
+    )
+    ap.add_argument(
+        "--prefill-chunk",
+        default="0",
+        metavar="N",
+        help="every method prefills in eager chunks of N tokens before generate() (default 0: "
+        "at once); or per method, e.g. ours=128,fp16=1024",
+    )
+    ap.add_argument(
+        "--prefill-rows",
+        default="0",
+        metavar="G",
+        help="ours and fp16: prefill G rows at a time (chunked by --prefill-chunk), then decode the "
+        "whole batch; or per method, e.g. ours=8,fp16=8 (default 0: every row at once)",
+    )
+    ap.add_argument(
+        "--synthetic-prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="ours and fp16: N real prompt tokens, then the cache set to hold the rest with random "
+        "content (for the largest batches; the decode step's work is the same)",
+    )
+    ap.add_argument(
+        "--until-error",
+        action="store_true",
+        help="once a method fails at some batch size (out of memory), skip it at the larger batch "
+        "sizes of the same length: with --cases 16x32768,32x32768,... the largest batch that fits",
+    )
+    ap.add_argument(
+        "--in-run-only",
+        action="store_true",
+        help="skip the 1-token run (one prefill less per row): only in-run tok/s, for the largest "
+        "batches, whose prefill is most of the time",
+    )
+    ap.add_argument(
+        "--job",
+        type=int,
+        default=0,
+        metavar="P",
+        help="serve P prompts: every method at its own batch (--job-batch), one real round measured, "
+        "the job's time and tok/s for N = 256, 2048, 8192 new tokens from its rates",
+    )
+    ap.add_argument(
+        "--job-batch",
+        default=None,
+        metavar="M=B,...",
+        help="with --job: each method's batch, e.g. fp16=28,ours=200 (the length is --cases')",
+    )
+    ap.add_argument(
+        "--tables-from",
+        metavar="A.json,...",
+        help="measure nothing: print the tables (the job table with --job P) from rows that earlier "
+        "runs wrote with --json, e.g. two methods measured in separate GPU calls",
+    )
+    ap.add_argument(
+        "--stop-check",
+        choices=("sync", "deferred"),
+        default="sync",
+        help="sync: generate()'s stop check reads the device every step (transformers' default on CUDA); "
+        "deferred: every method under vecinfer_compile.defer_stop_check(), the host queues the "
+        "next step while the GPU runs this one (in-run host stamps are then not taken)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not speed")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", help="also write the rows to this JSON file (after every row)")
-    ap.add_argument("--isolate", action="store_true",
-                    help="run every (case, method) in its own process, so no method inherits another's "
-                         "memory (CUDA-graph pools, allocator cache)")
-    ap.add_argument("--geometry", choices=sorted(C.GEOMETRIES), default="8b",
-                    help="Llama-3.1 geometry of the random-weight model (default 8b; ignored with --smoke)")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="decoder layers (default: the geometry's own; e.g. --geometry 70b --layers 8)")
-    ap.add_argument("--save-model", metavar="DIR",
-                    help="write the random-weight model to DIR (bf16 checkpoint; reused if there) and exit")
-    ap.add_argument("--tp-model", metavar="DIR",
-                    help="tensor parallel: every rank loads DIR (from --save-model; its geometry is DIR's) "
-                         "with tp_plan='auto'; run under torchrun --nproc-per-node N (N=1: TP=1)")
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run every (case, method) in its own process, so no method inherits another's "
+        "memory (CUDA-graph pools, allocator cache)",
+    )
+    ap.add_argument(
+        "--geometry",
+        choices=sorted(C.GEOMETRIES),
+        default="8b",
+        help="Llama-3.1 geometry of the random-weight model (default 8b; ignored with --smoke)",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers (default: the geometry's own; e.g. --geometry 70b --layers 8)",
+    )
+    ap.add_argument(
+        "--save-model",
+        metavar="DIR",
+        help="write the random-weight model to DIR (bf16 checkpoint; reused if there) and exit",
+    )
+    ap.add_argument(
+        "--tp-model",
+        metavar="DIR",
+        help="tensor parallel: every rank loads DIR (from --save-model; its geometry is DIR's) "
+        "with tp_plan='auto'; run under torchrun --nproc-per-node N (N=1: TP=1)",
+    )
     args = ap.parse_args(argv)
     if args.tables_from:
         rows = [row for path in args.tables_from.split(",") for row in json.loads(Path(path).read_text())]
@@ -839,23 +1025,28 @@ def main(argv=None) -> list[dict]:
             with_identity_metrics(codebooks)
         if args.trellis_states:
             with_trellis_codecs(codebooks, args.trellis_states)
-    print(f"# generate() decode throughput, {setup.label}, random weights ({built}); "
-          f"ours = {args.bits:g}-bit VecInferCache R={residual}"
-          f"{'' if args.key_parallel_weight == 1 else f' (score-aware keys, weight {args.key_parallel_weight:g})'}"
-          f"{' (error-weighted codes, identity metrics)' if args.weighted_codes else ''}"
-          f"{f' (trellis codecs of {args.trellis_states} states)' if args.trellis_states else ''}; "
-          f"N={new_tokens} new tokens, greedy; "
-          f"stop check {args.stop_check}; "
-          f"tok/s = B / (mean decode step), steps timed by CUDA events (host stamps on the CPU); "
-          f"prefill s = time to first token of the N run (* chunked: prefill chunks "
-          f"{', '.join(f'{m} {c}' for m, c in chunks.items() if c) or 'none'}"
-          + "".join(f", {m} {g} rows at a time" for m, g in row_groups.items() if g)
-          + "); cross-checks: in-run = host "
-          "stamps after a sync per step, by subtraction = B*(N-1)/(t(N)-t(1)) (two prefills' noise in it); "
-          "warm-up s includes compilation; peak = max allocated incl. weights"
-          + (f"; SYNTHETIC prefill: {args.synthetic_prefill} real tokens, the rest random cache content"
-             if args.synthetic_prefill else "")
-          + ("; KV/GPU = rank 0's cache bytes, KV total = all ranks'" if tp else ""))
+    print(
+        f"# generate() decode throughput, {setup.label}, random weights ({built}); "
+        f"ours = {args.bits:g}-bit VecInferCache R={residual}"
+        f"{'' if args.key_parallel_weight == 1 else f' (score-aware keys, weight {args.key_parallel_weight:g})'}"
+        f"{' (error-weighted codes, identity metrics)' if args.weighted_codes else ''}"
+        f"{f' (trellis codecs of {args.trellis_states} states)' if args.trellis_states else ''}; "
+        f"N={new_tokens} new tokens, greedy; "
+        f"stop check {args.stop_check}; "
+        f"tok/s = B / (mean decode step), steps timed by CUDA events (host stamps on the CPU); "
+        f"prefill s = time to first token of the N run (* chunked: prefill chunks "
+        f"{', '.join(f'{m} {c}' for m, c in chunks.items() if c) or 'none'}"
+        + "".join(f", {m} {g} rows at a time" for m, g in row_groups.items() if g)
+        + "); cross-checks: in-run = host "
+        "stamps after a sync per step, by subtraction = B*(N-1)/(t(N)-t(1)) (two prefills' noise in it); "
+        "warm-up s includes compilation; peak = max allocated incl. weights"
+        + (
+            f"; SYNTHETIC prefill: {args.synthetic_prefill} real tokens, the rest random cache content"
+            if args.synthetic_prefill
+            else ""
+        )
+        + ("; KV/GPU = rank 0's cache bytes, KV total = all ranks'" if tp else "")
+    )
     print(HEADER + (TP_HEADER if tp else ""))
     print("|---" * (HEADER.count("|") - 1 + (3 if tp else 0)) + "|", flush=True)
     rows, failed_at = [], {}  # (method, T) -> smallest failing batch (--until-error)
@@ -866,9 +1057,23 @@ def main(argv=None) -> list[dict]:
             row = run_isolated(passthrough_args(args, new_tokens, residual, warmup_len), batch, length, method)
         else:
             try:
-                row = run_method(method, model, setup, codebooks, batch, length, new_tokens, residual,
-                                 warmup_len, args.profile, chunks[method], args.in_run_only,
-                                 args.synthetic_prefill, row_groups[method], args.stop_check)
+                row = run_method(
+                    method,
+                    model,
+                    setup,
+                    codebooks,
+                    batch,
+                    length,
+                    new_tokens,
+                    residual,
+                    warmup_len,
+                    args.profile,
+                    chunks[method],
+                    args.in_run_only,
+                    args.synthetic_prefill,
+                    row_groups[method],
+                    args.stop_check,
+                )
             except Exception as exc:  # OOM, compile failure...: report and go on
                 row = {"B": batch, "T": length, "method": method, "error": C.short_error(exc)}
                 del exc

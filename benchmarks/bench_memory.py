@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import argparse
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import torch
 from transformers import DynamicCache, StaticCache
 
-import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 from vecinfer_compile.evaluation.kv_bytes import cache_bytes
 from vecinfer_compile.methods import VQ_METHODS
 
@@ -44,8 +44,15 @@ def make_cache(method: str, setup, codebooks, batch: int, length: int, residual:
     if method == "ours":
         from vecinfer_compile.cache import VecInferCache
 
-        return VecInferCache(setup.config, codebooks, batch_size=batch, max_cache_len=length,
-                             residual=residual, dtype=setup.dtype, device=setup.device)
+        return VecInferCache(
+            setup.config,
+            codebooks,
+            batch_size=batch,
+            max_cache_len=length,
+            residual=residual,
+            dtype=setup.dtype,
+            device=setup.device,
+        )
     if method == "dynamic":
         return DynamicCache(config=setup.config)
     if method == "static":
@@ -105,8 +112,13 @@ def run_length(setup, codebooks, batch: int, length: int, chunk: int, residual: 
     keys = torch.randn(batch, heads, chunk, head_dim, device=setup.device, dtype=setup.dtype, generator=gen)
     values = torch.randn(batch, heads, chunk, head_dim, device=setup.device, dtype=setup.dtype, generator=gen)
     elem = torch.empty((), dtype=torch.float16).element_size()
-    row = {"B": batch, "T": length, "chunk": chunk, "residual": residual,
-           "fp16_bytes": 2 * batch * heads * length * head_dim * elem * layers}
+    row = {
+        "B": batch,
+        "T": length,
+        "chunk": chunk,
+        "residual": residual,
+        "fp16_bytes": 2 * batch * heads * length * head_dim * elem * layers,
+    }
     for method in METHODS:
         try:
             r = measure(method, setup, codebooks, keys, values, batch, length, residual)
@@ -140,11 +152,13 @@ def format_row(row: dict) -> str:
     rel = ""
     if "ours_peak_bytes" in row and row.get("static_peak_bytes"):
         rel = f"{row['ours_peak_bytes'] / row['static_peak_bytes']:.3f}x"
-    return (f"| {row['T']} | {row['B']} | {C.human_bytes(row.get('ours_kv_bytes'))} | "
-            f"{C.human_bytes(row.get('ours_fixed_bytes'))} | {C.human_bytes(row.get('ours_token_bytes'))} | "
-            f"{C.human_bytes(row['fp16_bytes'])} | "
-            f"{'n/a' if ratio is None else f'{ratio:.4f}x'}{ok} | "
-            f"{' | '.join(peaks)} | {rel} | {_cell(row, 'ours', 'resident_bytes')} |")
+    return (
+        f"| {row['T']} | {row['B']} | {C.human_bytes(row.get('ours_kv_bytes'))} | "
+        f"{C.human_bytes(row.get('ours_fixed_bytes'))} | {C.human_bytes(row.get('ours_token_bytes'))} | "
+        f"{C.human_bytes(row['fp16_bytes'])} | "
+        f"{'n/a' if ratio is None else f'{ratio:.4f}x'}{ok} | "
+        f"{' | '.join(peaks)} | {rel} | {_cell(row, 'ours', 'resident_bytes')} |"
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -153,9 +167,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=None, help="tokens per update() (default 8192; smoke 48)")
     ap.add_argument("--bits", type=float, default=2.0)
-    ap.add_argument("--method", choices=list(VQ_METHODS), default="vecinfer",
-                    help="the codebooks' method (random codebooks: memory only); qaware adds two "
-                         "[D, D] matrices per KV head and layer to the fixed state")
+    ap.add_argument(
+        "--method",
+        choices=list(VQ_METHODS),
+        default="vecinfer",
+        help="the codebooks' method (random codebooks: memory only); qaware adds two "
+        "[D, D] matrices per KV head and layer to the fixed state",
+    )
     ap.add_argument("--residual", type=int, default=None, help="full-precision window R (default 128; smoke 16)")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU: checks the script, not memory")
     ap.add_argument("--device", default=None)
@@ -166,12 +184,16 @@ def main(argv=None) -> list[dict]:
     chunk = args.chunk or (48 if args.smoke else 8192)
     residual = args.residual if args.residual is not None else (16 if args.smoke else 128)
     codebooks = C.random_codebooks(setup.config, args.bits, args.method)
-    print(f"# KV cache memory, {setup.label}; ours = VecInferCache {args.method} {args.bits:g}-bit, R={residual}; "
-          f"filled through update() in chunks of {chunk} tokens; peak/resident = cache alone "
-          f"(max_memory_allocated / memory_allocated minus the base), no model weights; ours KV = "
-          f"fixed (float32 codebooks and key-transform state, the same at every length) + codes and window")
-    print("| T | B | ours KV | ours fixed | ours codes+window | FP16 KV | ours/FP16 | peak ours | peak dynamic | "
-          "peak static | peak ours/static | resident ours |")
+    print(
+        f"# KV cache memory, {setup.label}; ours = VecInferCache {args.method} {args.bits:g}-bit, R={residual}; "
+        f"filled through update() in chunks of {chunk} tokens; peak/resident = cache alone "
+        f"(max_memory_allocated / memory_allocated minus the base), no model weights; ours KV = "
+        f"fixed (float32 codebooks and key-transform state, the same at every length) + codes and window"
+    )
+    print(
+        "| T | B | ours KV | ours fixed | ours codes+window | FP16 KV | ours/FP16 | peak ours | peak dynamic | "
+        "peak static | peak ours/static | resident ours |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for length in lengths:

@@ -36,22 +36,22 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from bench_common import copies_for, graph_time_ms, trellis_states, write_json  # a sibling: benchmarks/ is on sys.path
+
+from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
+from vecinfer_compile.codecs.trellis.operands import TrellisOperands
+from vecinfer_compile.codecs.trellis.packing import packed_bytes
+from vecinfer_compile.codecs.trellis.prefix import TrellisPrefix
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.cuda import dequant as cuda_dequant
+from vecinfer_compile.ops.decode_inputs import transform_queries
 from vecinfer_compile.ops.dequantize import dequantize_into
 from vecinfer_compile.ops.split_attention import chunk as ca
-from vecinfer_compile.codecs.trellis.prefix import TrellisPrefix
 from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix
-from vecinfer_compile.codecs.trellis.operands import TrellisOperands
 from vecinfer_compile.ops.triton.dequant import dequantize_triton
-from vecinfer_compile.ops.decode_inputs import transform_queries
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant import hadamard_matrix
 from vecinfer_compile.quant.packing import pack_codes
-from vecinfer_compile.codecs.trellis.packing import packed_bytes
-from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
 
 HQ, HKV, D, R = 32, 8, 128, 128
 CHECK_MAX_SCORES = 2**28  # the float32 oracle materialises [B, Hq, C, L] scores: checked below this
@@ -74,22 +74,31 @@ def our_inputs(b: int, t: int, c: int, bits: float, g: torch.Generator):
         cpu = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), device=dev, generator=g)))
         codecs = [random_trellis_codec(cpu, HKV, D, bits, CHOICE["states"].bit_length() - 1) for _ in range(2)]
         nbytes = packed_bytes(codecs[0].bits)
-        k_codes, v_codes = (torch.randint(0, 256, (b, HKV, t, nbytes), device=dev, generator=g, dtype=torch.uint8)
-                            for _ in range(2))
+        k_codes, v_codes = (
+            torch.randint(0, 256, (b, HKV, t, nbytes), device=dev, generator=g, dtype=torch.uint8) for _ in range(2)
+        )
         prefix = TrellisPrefix(*(TrellisOperands.of(codec, dev) for codec in codecs))
     else:
         preset = get_preset(bits)
 
         def codes(book):
-            return pack_codes(torch.randint(0, book.entries, (b, HKV, t, D // book.dims), device=dev, generator=g),
-                              book.entries)
+            return pack_codes(
+                torch.randint(0, book.entries, (b, HKV, t, D // book.dims), device=dev, generator=g), book.entries
+            )
 
         k_codes, v_codes = codes(preset.key), codes(preset.value)
-        prefix = ChosenCodebookPrefix(torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g),
-                                      torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g))
-    keys = ca.ChunkKeys(k_codes, v_codes, prefix, t,
-                        torch.randn(b, R + c, HKV, D, device=dev, dtype=torch.bfloat16, generator=g),
-                        torch.randn(b, R + c, HKV, D, device=dev, dtype=torch.bfloat16, generator=g))
+        prefix = ChosenCodebookPrefix(
+            torch.randn(preset.key.entries, preset.key.dims, device=dev, generator=g),
+            torch.randn(preset.value.entries, preset.value.dims, device=dev, generator=g),
+        )
+    keys = ca.ChunkKeys(
+        k_codes,
+        v_codes,
+        prefix,
+        t,
+        torch.randn(b, R + c, HKV, D, device=dev, dtype=torch.bfloat16, generator=g),
+        torch.randn(b, R + c, HKV, D, device=dev, dtype=torch.bfloat16, generator=g),
+    )
     q = torch.randn(b, HQ, c, D, device=dev, dtype=torch.bfloat16, generator=g)
     lam = torch.rand(HKV, D, device=dev, generator=g) + 0.5
     return q, keys, lam, hadamard_matrix(D, torch.float32, dev)
@@ -101,21 +110,25 @@ CHOICE = {"dequantize": "auto", "prefix": "auto", "codec": "codebooks", "states"
 
 
 def ours(q, keys, lam, rotation):
-    return ca.split_flash(transform_queries(q, lam, rotation), keys, None, D ** -0.5,
-                          prefix_kernel=PREFIX[CHOICE["prefix"]])
+    return ca.split_flash(
+        transform_queries(q, lam, rotation), keys, None, D**-0.5, prefix_kernel=PREFIX[CHOICE["prefix"]]
+    )
 
 
 def fp16_inputs(b: int, t: int, c: int, g: torch.Generator):
     """Queries ``[B, C, Hq, D]`` and K/V ``[B, T + R + C, Hkv, D]`` in bf16 (the layout the kernel reads)."""
     n = t + R + c
-    return (torch.randn(b, c, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g),
-            torch.randn(b, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g),
-            torch.randn(b, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g))
+    return (
+        torch.randn(b, c, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g),
+        torch.randn(b, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g),
+        torch.randn(b, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g),
+    )
 
 
 def fp16(q, k, v):
-    return torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, True, False,
-                                                   scale=D ** -0.5)[0]
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, None, None, q.shape[1], k.shape[1], 0.0, True, False, scale=D**-0.5
+    )[0]
 
 
 def parts(q, keys):
@@ -136,11 +149,13 @@ def parts(q, keys):
 
     def prefix():
         if kernel == "cudnn":
-            ca.cudnn_prefix(qv.view(b, c, HQ, D).transpose(1, 2), work_k.transpose(1, 2), work_v.transpose(1, 2),
-                            D ** -0.5)
+            ca.cudnn_prefix(
+                qv.view(b, c, HQ, D).transpose(1, 2), work_k.transpose(1, 2), work_v.transpose(1, 2), D**-0.5
+            )
         else:
-            ca.flash_varlen(qv, work_k.view(b * t, HKV, D), work_v.view(b * t, HKV, D), cu_q, cu_k, used, c, t,
-                            False, D ** -0.5)
+            ca.flash_varlen(
+                qv, work_k.view(b * t, HKV, D), work_v.view(b * t, HKV, D), cu_q, cu_k, used, c, t, False, D**-0.5
+            )
 
     return dequant, prefix, kernel
 
@@ -158,7 +173,7 @@ def run_case(b: int, t: int, c: int, bits: float) -> dict:
     if b * HQ * c * (t + R + c) <= CHECK_MAX_SCORES:
         q, keys, lam, rot = first
         q_t = transform_queries(q, lam, rot)
-        want = reference.chunk_attention(q_t.float(), keys, None, D ** -0.5)
+        want = reference.chunk_attention(q_t.float(), keys, None, D**-0.5)
         row["max_err"] = (ours(*first).float() - want).abs().max().item()
     del sets, first, dequant, prefix
     torch.cuda.empty_cache()
@@ -179,25 +194,46 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--lengths", default="8192,32768,131072", help="coded prefix lengths T")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--bits", type=float, default=2.0)
-    ap.add_argument("--codec", choices=["codebooks", "trellis"], default="codebooks",
-                    help="the codes' codec: the codebooks' (the preset's books) or the trellis codec's")
-    ap.add_argument("--trellis-states", type=trellis_states, default=1024, help="the trellis codec's states (a power of two)")
-    ap.add_argument("--prefix-kernel", choices=sorted(PREFIX), default="auto",
-                    help="ours' prefix attention: cuDNN, FlashAttention-2 varlen, or the product's choice (auto)")
-    ap.add_argument("--dequantize", choices=sorted(DEQUANTIZE), default="auto",
-                    help="ours' prefix dequantization kernel (auto: the product's choice, CUDA where it builds)")
+    ap.add_argument(
+        "--codec",
+        choices=["codebooks", "trellis"],
+        default="codebooks",
+        help="the codes' codec: the codebooks' (the preset's books) or the trellis codec's",
+    )
+    ap.add_argument(
+        "--trellis-states", type=trellis_states, default=1024, help="the trellis codec's states (a power of two)"
+    )
+    ap.add_argument(
+        "--prefix-kernel",
+        choices=sorted(PREFIX),
+        default="auto",
+        help="ours' prefix attention: cuDNN, FlashAttention-2 varlen, or the product's choice (auto)",
+    )
+    ap.add_argument(
+        "--dequantize",
+        choices=sorted(DEQUANTIZE),
+        default="auto",
+        help="ours' prefix dequantization kernel (auto: the product's choice, CUDA where it builds)",
+    )
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     CHOICE.update(dequantize=args.dequantize, prefix=args.prefix_kernel, codec=args.codec, states=args.trellis_states)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    codec = (f"trellis codec, {args.trellis_states} states" if args.codec == "trellis"
-             else f"codebooks, dequantize {args.dequantize}")
-    print(f"# chunk attention over a compressed cache, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} "
-          f"R={R}, bf16, {args.bits:g}-bit codes ({codec}); ours: prefix kernel {args.prefix_kernel}; ms per "
-          f"call (one layer), CUDA-graph replay, median")
-    print("| B | T | C | FP16 flash ms | ours ms | FP16 / ours | ours: dequantize ms | ours: prefix attention ms "
-          "(kernel) | FP16 TFLOP/s | max err |")
+    codec = (
+        f"trellis codec, {args.trellis_states} states"
+        if args.codec == "trellis"
+        else f"codebooks, dequantize {args.dequantize}"
+    )
+    print(
+        f"# chunk attention over a compressed cache, {torch.cuda.get_device_name()}, Hq={HQ} Hkv={HKV} D={D} "
+        f"R={R}, bf16, {args.bits:g}-bit codes ({codec}); ours: prefix kernel {args.prefix_kernel}; ms per "
+        f"call (one layer), CUDA-graph replay, median"
+    )
+    print(
+        "| B | T | C | FP16 flash ms | ours ms | FP16 / ours | ours: dequantize ms | ours: prefix attention ms "
+        "(kernel) | FP16 TFLOP/s | max err |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for b in map(int, args.batches.split(",")):
@@ -206,9 +242,12 @@ def main(argv=None) -> list[dict]:
                 r = run_case(b, t, c, args.bits)
                 rows.append(r)
                 err = f"{r['max_err']:.1e}" if "max_err" in r else "-"
-                print(f"| {b} | {t} | {c} | {r['fp16_ms']:.3f} | {r['ours_ms']:.3f} | {r['speedup']:.2f}x | "
-                      f"{r['dequant_ms']:.3f} | {r['prefix_ms']:.3f} ({r['prefix_kernel']}) | {r['fp16_tflops']:.0f} | "
-                      f"{err} |", flush=True)
+                print(
+                    f"| {b} | {t} | {c} | {r['fp16_ms']:.3f} | {r['ours_ms']:.3f} | {r['speedup']:.2f}x | "
+                    f"{r['dequant_ms']:.3f} | {r['prefix_ms']:.3f} ({r['prefix_kernel']}) | {r['fp16_tflops']:.0f} | "
+                    f"{err} |",
+                    flush=True,
+                )
                 if args.json:
                     write_json(args.json, rows)
     return rows

@@ -23,19 +23,21 @@ from __future__ import annotations
 import argparse
 import time
 
+import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import torch
 import triton
 
-import bench_common as C  # a sibling: benchmarks/ is on sys.path (script dir, or `vecinfer bench`)
 import vecinfer_compile.ops  # noqa: F401  (registers torch.ops.vecinfer)
-from vecinfer_compile.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, attention_triton
 from vecinfer_compile.ops.split_attention.windowed import window_plan, windowed_attention
+from vecinfer_compile.ops.triton.attention import DEFAULT_CONFIG, AttentionConfig, attention_triton
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.transform import KeyTransform
 
 HQ, HKV, D = 4, 2, 128  # evalmodel: Llama-3.1-8B per-head geometry, 4 query / 2 KV heads
-SWEEP = [AttentionConfig(m, n, w, st) for m, n, w, st in
-         ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 1))]
+SWEEP = [
+    AttentionConfig(m, n, w, st)
+    for m, n, w, st in ((64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 1))
+]
 
 
 def _transform(q, k, lam, rot):
@@ -78,23 +80,35 @@ def main(argv=None):
     ap.add_argument("--cases", default="1x8192,8x2048")
     ap.add_argument("--bits", type=float, default=2.0)
     ap.add_argument("--residual", type=int, default=128, help="window R of the second form (default 128)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="also time the old form's attention kernel (vecinfer::attention) at several launch shapes")
-    ap.add_argument("--profile", action="store_true",
-                    help="also print the CUDA time of each kernel of the no-window and windowed forwards (torch.profiler)")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the old form's attention kernel (vecinfer::attention) at several launch shapes",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the CUDA time of each kernel of the no-window and windowed forwards (torch.profiler)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     preset = get_preset(args.bits)
     dev = "cuda"
-    forms = {"r0": torch.compile(simulate_forward, fullgraph=True),
-             "new": torch.compile(simulate_forward, fullgraph=True),
-             "old": torch.compile(old_windowed_forward, fullgraph=True)}
+    forms = {
+        "r0": torch.compile(simulate_forward, fullgraph=True),
+        "new": torch.compile(simulate_forward, fullgraph=True),
+        "old": torch.compile(old_windowed_forward, fullgraph=True),
+    }
     r = args.residual
-    print(f"# compiled simulate attention vs bf16 SDPA, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"Hq={HQ} Hkv={HKV} D={D}, causal, {args.bits:g}-bit; median ms; first call of each form in s")
-    print(f"| B | T | SDPA bf16 | R=0 | R=0 / SDPA | old R={r} | old / SDPA | new R={r} | new / SDPA | new / R=0 "
-          f"| first call R=0 / old / new (s) | max abs diff new vs old | max abs diff R=0 vs SDPA |")
+    print(
+        f"# compiled simulate attention vs bf16 SDPA, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"Hq={HQ} Hkv={HKV} D={D}, causal, {args.bits:g}-bit; median ms; first call of each form in s"
+    )
+    print(
+        f"| B | T | SDPA bf16 | R=0 | R=0 / SDPA | old R={r} | old / SDPA | new R={r} | new / SDPA | new / R=0 "
+        f"| first call R=0 / old / new (s) | max abs diff new vs old | max abs diff R=0 vs SDPA |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b, t in C.parse_cases(args.cases):
         g = torch.Generator(device=dev).manual_seed(0)
@@ -112,14 +126,18 @@ def main(argv=None):
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         base = triton.testing.do_bench(
             lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-            return_mode="median")
+            return_mode="median",
+        )
         ours = triton.testing.do_bench(lambda: forms["r0"](*inputs, 0), return_mode="median")
         old = triton.testing.do_bench(lambda: forms["old"](*inputs, r), return_mode="median")
         new = triton.testing.do_bench(lambda: forms["new"](*inputs, r), return_mode="median")
-        print(f"| {b} | {t} | {base:.3f} | {ours:.3f} | {ours / base:.2f}x | {old:.3f} | {old / base:.2f}x | "
-              f"{new:.3f} | {new / base:.2f}x | {new / ours:.2f}x | {first_r0:.1f} / {first_old:.1f} / {first_new:.1f} | "
-              f"{(new_out.float() - old_out.float()).abs().max().item():.3f} | "
-              f"{(out.float() - ref.float()).abs().max().item():.3f} |", flush=True)
+        print(
+            f"| {b} | {t} | {base:.3f} | {ours:.3f} | {ours / base:.2f}x | {old:.3f} | {old / base:.2f}x | "
+            f"{new:.3f} | {new / base:.2f}x | {new / ours:.2f}x | {first_r0:.1f} / {first_old:.1f} / {first_new:.1f} | "
+            f"{(new_out.float() - old_out.float()).abs().max().item():.3f} | "
+            f"{(out.float() - ref.float()).abs().max().item():.3f} |",
+            flush=True,
+        )
         if args.profile:
             for name, res in (("R=0", 0), (f"new R={r}", r)):
                 print(f"  kernels of {name}:")
@@ -148,8 +166,10 @@ def sweep_kernel(q, k, v, kc, vc, sdpa_ms: float) -> None:
     v_codes = torch.ops.vecinfer.encode(v.float(), None, None, vc)
     for cfg in SWEEP:
         try:
-            ms = triton.testing.do_bench(lambda: attention_triton(
-                q, k_codes, v_codes, kc, vc, None, None, None, True, D**-0.5, 0, config=cfg), return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda: attention_triton(q, k_codes, v_codes, kc, vc, None, None, None, True, D**-0.5, 0, config=cfg),
+                return_mode="median",
+            )
         except Exception as exc:  # a launch shape this GPU cannot fit (shared memory, registers)
             print(f"  kernel {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
             continue

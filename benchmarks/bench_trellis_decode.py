@@ -31,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode_attention as dec  # noqa: E402  (a sibling: its inputs, SDPA variants and timer)
 from bench_common import copies_for, graph_time_ms  # noqa: E402
-from vecinfer_compile.ops.cuda import decode as cuda_decode  # noqa: E402
-from vecinfer_compile.ops.kernel_request import use_decode_kernel  # noqa: E402
+
+from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec  # noqa: E402
 from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_attention, query_components  # noqa: E402
 from vecinfer_compile.codecs.trellis.reference import decode_reference  # noqa: E402
 from vecinfer_compile.codecs.trellis.triton_kernels import decode_components  # noqa: E402
-from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec  # noqa: E402
+from vecinfer_compile.ops.cuda import decode as cuda_decode  # noqa: E402
+from vecinfer_compile.ops.kernel_request import use_decode_kernel  # noqa: E402
 
 HQ, HKV, D = dec.HQ, dec.HKV, dec.D
 
@@ -44,24 +45,30 @@ HQ, HKV, D = dec.HQ, dec.HKV, dec.D
 def trellis_operands(states: int) -> tuple[TrellisOperands, TrellisOperands]:
     """Random key and value codecs of ``states`` states, 2 bits an element, on the GPU."""
     gen = torch.Generator().manual_seed(states)
-    return tuple(TrellisOperands.of(random_trellis_codec(gen, HKV, D, 2.0, states.bit_length() - 1), "cuda")
-                 for _ in range(2))
+    return tuple(
+        TrellisOperands.of(random_trellis_codec(gen, HKV, D, 2.0, states.bit_length() - 1), "cuda") for _ in range(2)
+    )
 
 
 def trellis_inputs(b: int, t: int, operands: tuple, g: torch.Generator):
     """``(q, k_codes, v_codes, keys, values, n_coded, kv_start, scale)`` of one decode call."""
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k_codes, v_codes = (torch.randint(0, 256, (b, HKV, t, D // 4), device="cuda", dtype=torch.uint8, generator=g)
-                        for _ in range(2))
-    return q, k_codes, v_codes, *operands, t, None, D ** -0.5
+    k_codes, v_codes = (
+        torch.randint(0, 256, (b, HKV, t, D // 4), device="cuda", dtype=torch.uint8, generator=g) for _ in range(2)
+    )
+    return q, k_codes, v_codes, *operands, t, None, D**-0.5
 
 
 def fp16_ms(b: int, t: int, passes: int, g: torch.Generator) -> tuple[str, float]:
     """The fastest FP16 SDPA variant's ms per call over ``t`` keys."""
-    sets = [(torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=g),
-             torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g),
-             torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g))
-            for _ in range(copies_for(2 * b * HKV * t * D * 2))]
+    sets = [
+        (
+            torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16, generator=g),
+        )
+        for _ in range(copies_for(2 * b * HKV * t * D * 2))
+    ]
     variants = [dict(dec.sdpa_variants(*s)) for s in sets]
     best = ("none", float("inf"))
     for _ in range(passes):
@@ -84,8 +91,12 @@ def tile_ms(b: int, t: int, states: int, tiles: list[tuple[int, int]], passes: i
     qc, bias = query_components(q, keys)
     out = {}
     for block_t, warps in tiles:
-        fn = lambda: decode_components(qc, bias, k_codes, v_codes, keys, values, n, start, scale,  # noqa: E731
-                                       block_t=block_t, num_warps=warps)
+
+        def fn(block_t=block_t, warps=warps):
+            return decode_components(
+                qc, bias, k_codes, v_codes, keys, values, n, start, scale, block_t=block_t, num_warps=warps
+            )
+
         out[f"{block_t}x{warps}"] = min(graph_time_ms([fn]) for _ in range(passes))
     return out
 
@@ -124,15 +135,23 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--states", default="1024", help="trellis sizes, comma-separated powers of two")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--check", action="store_true", help="compare the trellis kernel with its reference")
-    ap.add_argument("--tiles", default="", help="also time the kernel alone at these BLOCK_T x num_warps, e.g. "
-                                                "16x4,32x8 (its inputs stay in the L2: a tuning aid, not a headline)")
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help="also time the kernel alone at these BLOCK_T x num_warps, e.g. "
+        "16x4,32x8 (its inputs stay in the L2: a tuning aid, not a headline)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    print(f"# decode attention, {torch.cuda.get_device_name()}: {HQ} query / {HKV} KV heads, head_dim {D}, bf16, "
-          f"2 bits an element; ms per call, device-timed (CUDA graph over L2-defeating copies)")
-    print("| B | T | states | trellis ms | trellis Triton ms | codes (CUDA) ms | best FP16 ms | FP16 / trellis | "
-          "FP16 / trellis Triton | FP16 / codes |")
+    print(
+        f"# decode attention, {torch.cuda.get_device_name()}: {HQ} query / {HKV} KV heads, head_dim {D}, bf16, "
+        f"2 bits an element; ms per call, device-timed (CUDA graph over L2-defeating copies)"
+    )
+    print(
+        "| B | T | states | trellis ms | trellis Triton ms | codes (CUDA) ms | best FP16 ms | FP16 / trellis | "
+        "FP16 / trellis Triton | FP16 / codes |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for states in (int(x) for x in args.states.split(",")):
@@ -141,15 +160,20 @@ def main(argv=None) -> list[dict]:
                 r = run_case(b, t, states, args.passes, args.check)
                 rows.append(r)
                 err = f" (max err {r['trellis_max_err']:.1e})" if "trellis_max_err" in r else ""
-                print(f"| {b} | {t} | {states} | {r['trellis_ms']:.3f}{err} | {r['trellis_triton_ms']:.3f} | "
-                      f"{r['codes_ms']:.3f} | {r['baseline_ms']:.3f} ({r['baseline']}) | "
-                      f"{r['trellis_speedup']:.2f}x | {r['baseline_ms'] / r['trellis_triton_ms']:.2f}x | "
-                      f"{r['codes_speedup']:.2f}x |", flush=True)
+                print(
+                    f"| {b} | {t} | {states} | {r['trellis_ms']:.3f}{err} | {r['trellis_triton_ms']:.3f} | "
+                    f"{r['codes_ms']:.3f} | {r['baseline_ms']:.3f} ({r['baseline']}) | "
+                    f"{r['trellis_speedup']:.2f}x | {r['baseline_ms'] / r['trellis_triton_ms']:.2f}x | "
+                    f"{r['codes_speedup']:.2f}x |",
+                    flush=True,
+                )
                 if args.tiles:
                     tiles = [tuple(int(v) for v in x.split("x")) for x in args.tiles.split(",")]
                     times = tile_ms(b, t, states, tiles, args.passes)
-                    print("  kernel alone, ms by BLOCK_T x warps: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()),
-                          flush=True)
+                    print(
+                        "  kernel alone, ms by BLOCK_T x warps: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()),
+                        flush=True,
+                    )
     return rows
 
 

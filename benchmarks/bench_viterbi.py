@@ -22,10 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import graph_time_ms  # noqa: E402
+
 from vecinfer_compile.codecs.trellis.cuda.viterbi import kernel_for, viterbi_codes_cuda  # noqa: E402
+from vecinfer_compile.codecs.trellis.packing import packed_bytes  # noqa: E402
 from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_codes  # noqa: E402
 from vecinfer_compile.codecs.trellis.walk import initial_luts  # noqa: E402
-from vecinfer_compile.codecs.trellis.packing import packed_bytes  # noqa: E402
 
 HKV, D = 8, 128
 LAUNCHES = 20  # a CUDA graph's launches (the same inputs: a decode step's encode reads one token)
@@ -46,13 +47,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--vectors", default="1,8,16,256,2048", help="vectors a head, comma-separated")
     ap.add_argument("--states", default="1024", help="trellis sizes, comma-separated powers of two (up to 2048)")
-    ap.add_argument("--kernel", default="auto", choices=["auto", "block", "warp"],
-                    help="the CUDA kernel (auto: the one the ops run at that count)")
+    ap.add_argument(
+        "--kernel",
+        default="auto",
+        choices=["auto", "block", "warp"],
+        help="the CUDA kernel (auto: the one the ops run at that count)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    print(f"# trellis Viterbi walk, {torch.cuda.get_device_name()}: {HKV} heads, head_dim {D}; us per launch "
-          "(median replay of a CUDA graph of 20)")
+    print(
+        f"# trellis Viterbi walk, {torch.cuda.get_device_name()}: {HKV} heads, head_dim {D}; us per launch "
+        "(median replay of a CUDA graph of 20)"
+    )
     print("| states | N | Triton us | CUDA kernel | CUDA us | Triton / CUDA | same codes |")
     print("|---|---|---|---|---|---|---|")
     for states in (int(s) for s in args.states.split(",")):
@@ -61,11 +68,14 @@ def main(argv=None) -> None:
         for n in (int(v) for v in args.vectors.split(",")):
             x = torch.randn(n, HKV, D, device="cuda")
             kernel = kernel_for(x, tables) if args.kernel == "auto" else args.kernel
-            same = (viterbi_codes(x, bits, tables, nbytes=nbytes) == viterbi_codes_cuda(x, bits, tables, nbytes, kernel))
+            same = viterbi_codes(x, bits, tables, nbytes=nbytes) == viterbi_codes_cuda(x, bits, tables, nbytes, kernel)
             t_triton = 1e3 * graph_time_ms([lambda: viterbi_codes(x, bits, tables, nbytes=nbytes)] * LAUNCHES)
             t_cuda = 1e3 * graph_time_ms([lambda: viterbi_codes_cuda(x, bits, tables, nbytes, kernel)] * LAUNCHES)
-            print(f"| {states} | {n} | {t_triton:.1f} | {kernel} | {t_cuda:.1f} | {t_triton / t_cuda:.2f}x | "
-                  f"{same.all(-1).float().mean().item():.3f} |", flush=True)
+            print(
+                f"| {states} | {n} | {t_triton:.1f} | {kernel} | {t_cuda:.1f} | {t_triton / t_cuda:.2f}x | "
+                f"{same.all(-1).float().mean().item():.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

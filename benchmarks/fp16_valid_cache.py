@@ -41,8 +41,9 @@ NAME = "vecinfer_bench_valid_length"
 
 
 @torch.library.custom_op("vecinfer_bench::flash_valid_length", mutates_args=())
-def flash_valid_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
-                       scale: float, causal: bool) -> torch.Tensor:
+def flash_valid_length(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor, scale: float, causal: bool
+) -> torch.Tensor:
     """Attention of ``q: [B, Hq, Tq, D]`` over the first ``used[b]`` positions of ``k, v: [B,
     Tmax, Hkv, D]`` (position-major, contiguous); ``used: [B]`` int32. ``causal``: query ``i``
     sees keys ``<= used - Tq + i`` (bottom-right). Returns ``[B, Tq, Hq, D]`` in q.dtype."""
@@ -56,15 +57,25 @@ def flash_valid_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: 
             mask = None
             if causal:
                 mask = torch.ones(tq, n, dtype=torch.bool, device=q.device).tril(n - tq)
-            o = F.scaled_dot_product_attention(q[i:i + 1], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q[i : i + 1], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
             out[i] = o[0].transpose(0, 1)
         return out
     qv = q.transpose(1, 2).reshape(b * tq, hq, d)
     cu_q = torch.arange(0, (b + 1) * tq, tq, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (b + 1) * tmax, tmax, dtype=torch.int32, device=q.device)
     out = torch.ops.aten._flash_attention_forward(
-        qv, k.view(b * tmax, hkv, d), v.view(b * tmax, hkv, d), cu_q, cu_k, tq, tmax, 0.0, causal, False,
-        scale=scale, seqused_k=used,
+        qv,
+        k.view(b * tmax, hkv, d),
+        v.view(b * tmax, hkv, d),
+        cu_q,
+        cu_k,
+        tq,
+        tmax,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+        seqused_k=used,
     )[0]
     return out.view(b, tq, hq, d)
 
@@ -83,8 +94,10 @@ def valid_length_attention(module, query, key, value, attention_mask, scaling=No
         raise RuntimeError(f"{NAME} attention needs position_ids (the used length is the last one + 1)")
     hkv = query.shape[1] // module.num_key_value_groups  # this rank's KV heads under tensor parallelism
     if key.dim() != 4 or key.shape[2] != hkv or not key.is_contiguous():
-        raise RuntimeError(f"{NAME} attention reads a ValidLengthCache's [B, Tmax, {hkv}, D] buffers; "
-                           f"got K of shape {tuple(key.shape)} (pass a ValidLengthCache)")
+        raise RuntimeError(
+            f"{NAME} attention reads a ValidLengthCache's [B, Tmax, {hkv}, D] buffers; "
+            f"got K of shape {tuple(key.shape)} (pass a ValidLengthCache)"
+        )
     used = (position_ids[:, -1] + 1).to(torch.int32).expand(query.shape[0]).contiguous()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = flash_valid_length(query, key, value, used, scale, query.shape[2] > 1)
@@ -130,7 +143,7 @@ class ValidLengthLayer(CacheLayerMixin):
         self.length.add_(key_states.shape[2])
         return self.k_store, self.v_store
 
-    def row_view(self, start: int, stop: int) -> "ValidLengthLayer":
+    def row_view(self, start: int, stop: int) -> ValidLengthLayer:
         """An empty layer over rows ``[start, stop)`` of the buffers, with a length of its own."""
         part = copy.copy(self)
         part.k_store, part.v_store = self.k_store[start:stop], self.v_store[start:stop]

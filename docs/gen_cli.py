@@ -84,7 +84,7 @@ def refresh(text: str) -> tuple[str, list[str]]:
     seen, problems = set(), []
 
     def sub(m: re.Match) -> str:
-        key = m.group("key")[len("vecinfer "):].strip()
+        key = m.group("key")[len("vecinfer ") :].strip()
         seen.add(key)
         if key not in wanted:
             problems.append(f"docs/cli.md has a help block for `{name(key)}`, which is not a command")
@@ -97,9 +97,11 @@ def refresh(text: str) -> tuple[str, list[str]]:
     new = BLOCK.sub(sub, text)
     for key in wanted:
         if key not in seen:
-            problems.append(f"`{name(key)}` has no section in docs/cli.md (no '<!-- help: {name(key)} -->' "
-                            f"block): write what it does, an example and what it prints, then run "
-                            f"python docs/gen_cli.py")
+            problems.append(
+                f"`{name(key)}` has no section in docs/cli.md (no '<!-- help: {name(key)} -->' "
+                f"block): write what it does, an example and what it prints, then run "
+                f"python docs/gen_cli.py"
+            )
     return new, problems
 
 

@@ -29,10 +29,16 @@ def main() -> None:
     p.add_argument("--text", required=True, help="calibration text (never evaluation text)")
     p.add_argument("--bits", type=float, default=2)
     p.add_argument("--ridges", default="0.01,0.1,1")
-    p.add_argument("--methods", default="qaware,qaware-nocenter",
-                   help="comma-separated query-aware methods, each run at every ridge")
-    p.add_argument("--baselines", default="vecinfer,hadamard",
-                   help="rows to compare against, no ridge (e.g. vecinfer-center); empty for none")
+    p.add_argument(
+        "--methods",
+        default="qaware,qaware-nocenter",
+        help="comma-separated query-aware methods, each run at every ridge",
+    )
+    p.add_argument(
+        "--baselines",
+        default="vecinfer,hadamard",
+        help="rows to compare against, no ridge (e.g. vecinfer-center); empty for none",
+    )
     p.add_argument("--fit-tokens", type=int, default=32768)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window-len", type=int, default=1024)
@@ -42,7 +48,7 @@ def main() -> None:
     model, tok = load_model(args.model, "float32", "cpu")
     text = load_text(args.text)
     ids = tokenize(tok, text)
-    held_out = ids[args.fit_tokens:args.fit_tokens + args.windows * args.window_len]
+    held_out = ids[args.fit_tokens : args.fit_tokens + args.windows * args.window_len]
     if held_out.numel() < args.windows * args.window_len:
         raise SystemExit(f"{args.text} is too short to hold out {args.windows} x {args.window_len} tokens")
     # calibrate() tokenizes texts without special tokens and keeps the first fit_tokens: the
@@ -54,14 +60,20 @@ def main() -> None:
     rows += [(m, float(r)) for m in args.methods.split(",") if m for r in args.ridges.split(",")]
     t0 = time.perf_counter()
     for i, (method, ridge) in enumerate(rows, 1):
-        print(f"[{time.perf_counter() - t0:.0f} s] row {i} of {len(rows)}: {method}"
-              f"{'' if ridge is None else f', ridge {ridge:g}'}", file=sys.stderr, flush=True)
+        print(
+            f"[{time.perf_counter() - t0:.0f} s] row {i} of {len(rows)}: {method}"
+            f"{'' if ridge is None else f', ridge {ridge:g}'}",
+            file=sys.stderr,
+            flush=True,
+        )
         extra = {} if ridge is None else {"ridge": ridge}
-        cb = vc.calibrate(model, tok, text, bits=args.bits, method=method, max_tokens=args.fit_tokens,
-                          progress=args.progress, **extra)
+        cb = vc.calibrate(
+            model, tok, text, bits=args.bits, method=method, max_tokens=args.fit_tokens, progress=args.progress, **extra
+        )
         with vc.simulation(model, method, bits=args.bits, codebooks=cb), torch.no_grad():
-            ppl = perplexity(model, held_out, windows=args.windows, window_len=args.window_len,
-                             progress=args.progress).ppl
+            ppl = perplexity(
+                model, held_out, windows=args.windows, window_len=args.window_len, progress=args.progress
+            ).ppl
         print(json.dumps({"method": method, "ridge": ridge, "ppl": ppl, "ratio": ppl / base}), flush=True)
 
 

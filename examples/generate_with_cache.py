@@ -32,6 +32,8 @@ with vc.defer_stop_check():
     out = model.generate(ids, **vc.cache_kwargs(cache), max_new_tokens=48, do_sample=False)
 print(tok.decode(out[0]))
 held = cache_bytes(cache)  # fixed state apart from what grows with tokens
-print(f"cache holds {cache.kv_bytes():,} bytes: {held.fixed:,} fixed (float32 codebooks and key transform, "
-      f"the same at any length) + {held.codes + held.window:,} of codes and window; a full-precision "
-      f"cache would hold {cache.fp_kv_bytes():,}")
+print(
+    f"cache holds {cache.kv_bytes():,} bytes: {held.fixed:,} fixed (float32 codebooks and key transform, "
+    f"the same at any length) + {held.codes + held.window:,} of codes and window; a full-precision "
+    f"cache would hold {cache.fp_kv_bytes():,}"
+)

@@ -29,9 +29,21 @@ COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 def shared_fields(config) -> dict:
     """The fields a Llama config shares with Qwen2's and Mistral's."""
-    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-             "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters")
+    names = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "rope_parameters",
+    )
     return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
 
 
@@ -43,10 +55,14 @@ def build(source: Path, out: Path, window: int) -> list[Path]:
     fields = shared_fields(llama.config)
     layers = llama.config.num_hidden_layers
     models = {
-        "hybrid-qwen2": (Qwen2ForCausalLM, Qwen2Config(use_sliding_window=True, sliding_window=window,
-                                                       max_window_layers=layers // 2, **fields)),
-        "sliding-mistral": (MistralForCausalLM, MistralConfig(sliding_window=window, head_dim=llama.config.head_dim,
-                                                              **fields)),
+        "hybrid-qwen2": (
+            Qwen2ForCausalLM,
+            Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=layers // 2, **fields),
+        ),
+        "sliding-mistral": (
+            MistralForCausalLM,
+            MistralConfig(sliding_window=window, head_dim=llama.config.head_dim, **fields),
+        ),
     }
     written = []
     for name, (cls, config) in models.items():

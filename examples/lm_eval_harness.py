@@ -82,17 +82,22 @@ def word_perplexity(model, tokenizer, task: dict) -> tuple[float, float]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DATA / "tiny"))
-    ap.add_argument("--codebooks", default=None,
-                    help="codebooks of --model from `vecinfer calibrate` (default: the shipped tiny model's, "
-                         "for the shipped tiny model only)")
+    ap.add_argument(
+        "--codebooks",
+        default=None,
+        help="codebooks of --model from `vecinfer calibrate` (default: the shipped tiny model's, "
+        "for the shipped tiny model only)",
+    )
     ap.add_argument("--text", default=str(DATA / "sample_public_domain.txt"))
     ap.add_argument("--docs", type=int, default=6)
     ap.add_argument("--doc-chars", type=int, default=3000)
     args = ap.parse_args(argv)
     if args.codebooks is None:
         if args.model != str(DATA / "tiny"):
-            ap.error(f"--codebooks FILE is needed for {args.model} (the shipped codebooks are the tiny "
-                     f"model's): make it with `vecinfer calibrate --model {args.model} --text CALIB.txt --out cb.safetensors`")
+            ap.error(
+                f"--codebooks FILE is needed for {args.model} (the shipped codebooks are the tiny "
+                f"model's): make it with `vecinfer calibrate --model {args.model} --text CALIB.txt --out cb.safetensors`"
+            )
         args.codebooks = str(DATA / "tiny_codebooks" / "vecinfer-2bit.safetensors")
     docs_text = Path(args.text).read_text(encoding="utf-8")
 

@@ -1,11 +1,13 @@
 """The README's quickstart ("Use it on your own model"), as a script; a test keeps the two identical."""
 
-import torch
 from importlib.resources import files
+
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
 import vecinfer_compile as vc
 
-path = str(files("vecinfer_compile") / "data" / "tiny")               # any local HF model directory
+path = str(files("vecinfer_compile") / "data" / "tiny")  # any local HF model directory
 text = (files("vecinfer_compile") / "data" / "sample_public_domain.txt").read_text()
 model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
 tok = AutoTokenizer.from_pretrained(path)
@@ -31,7 +33,13 @@ with vc.simulation(model, "vecinfer", bits=2, codebooks=cb), torch.no_grad():
 #     batch size comes from the prompt; on a GPU the decode step compiles with the backend
 #     (the fused kernel over the codes).
 from transformers import CompileConfig
+
 cache = vc.VecInferCache(model, cb, max_cache_len=ids.shape[1] + 64)
-out = model.generate(ids, **vc.cache_kwargs(cache), max_new_tokens=64, do_sample=False,
-                     compile_config=CompileConfig(backend=vc.vecinfer_backend.configure(codebooks=cb)))
+out = model.generate(
+    ids,
+    **vc.cache_kwargs(cache),
+    max_new_tokens=64,
+    do_sample=False,
+    compile_config=CompileConfig(backend=vc.vecinfer_backend.configure(codebooks=cb)),
+)
 print(tok.decode(out[0]))

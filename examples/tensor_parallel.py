@@ -37,8 +37,12 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--residual", type=int, default=128, help="most recent tokens kept in full precision")
     p.add_argument("--prompt", default=PROMPT)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="weights and activations (default: bfloat16 on cuda, float32 on cpu)",
+    )
     p.add_argument("--eager", action="store_true", help="run the decode step eagerly (no torch.compile)")
     p.add_argument("--json", action="store_true", help="print one JSON object on rank 0")
     args = p.parse_args()
@@ -48,15 +52,19 @@ def main() -> None:
     # one process it sets nothing up and would load on the CPU, so place the model there ourselves
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, **vc.tp_load_kwargs("auto"), attn_implementation="sdpa", dtype=dtype,
+        args.model,
+        **vc.tp_load_kwargs("auto"),
+        attn_implementation="sdpa",
+        dtype=dtype,
         **({"device_map": args.device} if one_process else {}),
     ).eval()
     codebooks = vc.load_codebooks(args.codebooks)
     tok = AutoTokenizer.from_pretrained(args.model)
     ids = tok(args.prompt, return_tensors="pt").input_ids.to(model.device)
 
-    cache = vc.VecInferCache(model, codebooks, batch_size=1, residual=args.residual,
-                             max_cache_len=ids.shape[1] + args.max_new_tokens)
+    cache = vc.VecInferCache(
+        model, codebooks, batch_size=1, residual=args.residual, max_cache_len=ids.shape[1] + args.max_new_tokens
+    )
     kwargs = {}
     if not args.eager:
         config = CompileConfig(backend=vc.vecinfer_backend.configure(codebooks=codebooks), fullgraph=True)
@@ -64,9 +72,16 @@ def main() -> None:
         kwargs["compile_config"] = config
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' deprecation notes, once per rank
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **vc.cache_kwargs(cache),
-                             max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0, **kwargs)
-    tokens = out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            **vc.cache_kwargs(cache),
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    tokens = out[0, ids.shape[1] :].tolist()
     total = cache.total_kv_bytes()  # a collective: every rank calls it
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -82,8 +97,10 @@ def main() -> None:
             print(json.dumps(report))
         else:
             print("tokens:", tokens)
-            print(f"cache: {report['kv_bytes_rank']:,} bytes on rank 0 ({report['kv_fixed_bytes_rank']:,} of "
-                  f"them fixed: codebooks and key transform, float32), {total:,} on all {report['world_size']} ranks")
+            print(
+                f"cache: {report['kv_bytes_rank']:,} bytes on rank 0 ({report['kv_fixed_bytes_rank']:,} of "
+                f"them fixed: codebooks and key transform, float32), {total:,} on all {report['world_size']} ranks"
+            )
     if dist.is_initialized():
         dist.destroy_process_group()
 

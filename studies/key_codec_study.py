@@ -52,14 +52,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vecinfer_compile.calibration.fit import FitSettings, LayerSamples, fit_key_transform  # noqa: E402
+from vecinfer_compile.codecs.trellis.walk import reconstruct, train_luts, viterbi  # noqa: E402
 from vecinfer_compile.hf.recording import collect_kv  # noqa: E402
 from vecinfer_compile.methods import VQ_METHODS  # noqa: E402
 from vecinfer_compile.models import load_model, load_text  # noqa: E402
+from vecinfer_compile.quant.klt import KLT, gaussian_lloyd_max_distortion, greedy_allocation, lloyd_max, scalar_quantize  # noqa: E402
 from vecinfer_compile.quant.kmeans import kmeans, nearest_centroid  # noqa: E402
-from vecinfer_compile.quant.klt import (KLT, gaussian_lloyd_max_distortion, greedy_allocation,  # noqa: E402
-                                        lloyd_max, scalar_quantize)
 from vecinfer_compile.quant.rate_distortion import IdealChannel, water_fill  # noqa: E402
-from vecinfer_compile.codecs.trellis.walk import reconstruct, train_luts, viterbi  # noqa: E402
 
 WINDOW = 1024
 BITS = 2  # a key element
@@ -83,8 +82,10 @@ def record(model_dir: str, text: str, tokens: int, cache: str | None):
     model, tok = load_model(model_dir, device="cpu")
     ids = tok(load_text(text), add_special_tokens=False)["input_ids"][:tokens]
     if len(ids) < tokens:
-        raise ValueError(f"{text} gives {len(ids)} tokens: the study needs {tokens} (fit on the first 32 windows "
-                         "of 1,024, held out the last 8)")
+        raise ValueError(
+            f"{text} gives {len(ids)} tokens: the study needs {tokens} (fit on the first 32 windows "
+            "of 1,024, held out the last 8)"
+        )
     keys, values, queries = collect_kv(model, torch.tensor(ids), WINDOW, False, with_queries=True)
     if cache:
         torch.save({"keys": keys, "values": values, "queries": queries, "tokens": len(ids)}, cache)
@@ -98,7 +99,7 @@ def kmeans_curve(g: int, max_bits: int, samples: int = 32768, seed: int = 0) -> 
     fit, test = torch.randn(samples, g, generator=gen), torch.randn(samples, g, generator=gen)
     out = [1.0]
     for b in range(1, max_bits + 1):
-        c = kmeans(fit, 2 ** b, iters=20, seed=seed).centroids
+        c = kmeans(fit, 2**b, iters=20, seed=seed).centroids
         out.append(nearest_centroid(test, c)[1].mean().item() / g)
     return torch.tensor(out, dtype=torch.float64)
 
@@ -113,25 +114,27 @@ class BlockCodec:
         self.g = g
         var = y.var(1).reshape(h, d // g, g).sum(-1)  # [H, D / g]
         self.bits = torch.stack([greedy_allocation(var[i], budget, curve) for i in range(h)])
-        self.books = [[self._fit(y[i, :, j * g:(j + 1) * g], int(self.bits[i, j]), seed + j)
-                       for j in range(d // g)] for i in range(h)]
+        self.books = [
+            [self._fit(y[i, :, j * g : (j + 1) * g], int(self.bits[i, j]), seed + j) for j in range(d // g)]
+            for i in range(h)
+        ]
 
     def _fit(self, block: torch.Tensor, b: int, seed: int) -> torch.Tensor:
         if b == 0:
             return block.double().mean(0, keepdim=True)
         if self.g == 1:
-            return lloyd_max(block[:, 0], 2 ** b)[:, None]
-        return kmeans(block.float(), 2 ** b, iters=20, seed=seed).centroids.double()
+            return lloyd_max(block[:, 0], 2**b)[:, None]
+        return kmeans(block.float(), 2**b, iters=20, seed=seed).centroids.double()
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(y, dtype=torch.float64)
         for i, books in enumerate(self.books):
             for j, c in enumerate(books):
-                block = y[i, :, j * self.g:(j + 1) * self.g].double()
+                block = y[i, :, j * self.g : (j + 1) * self.g].double()
                 if self.g == 1 and c.shape[0] > 1:
                     out[i, :, j] = scalar_quantize(block[:, 0], c[:, 0])
                 else:
-                    out[i, :, j * self.g:(j + 1) * self.g] = c[nearest_centroid(block.float(), c.float())[0]]
+                    out[i, :, j * self.g : (j + 1) * self.g] = c[nearest_centroid(block.float(), c.float())[0]]
         return out
 
     def side_bytes(self) -> int:
@@ -145,7 +148,7 @@ class GainShape:
 
     def __init__(self, y: torch.Tensor, g: int, budget: int, curve: torch.Tensor, seed: int):
         log_norm = y.double().norm(dim=-1).clamp_min(1e-12).log()  # [H, N]
-        self.levels = [lloyd_max(log_norm[i], 2 ** GAIN_BITS) for i in range(y.shape[0])]
+        self.levels = [lloyd_max(log_norm[i], 2**GAIN_BITS) for i in range(y.shape[0])]
         self.shape = BlockCodec(y / self._gain(y), g, budget - GAIN_BITS, curve, seed)
 
     def _gain(self, y: torch.Tensor) -> torch.Tensor:
@@ -164,14 +167,15 @@ def heldout_channel_error(channel: IdealChannel, x: torch.Tensor) -> float:
     for h in range(x.shape[0]):
         y = (x[h].double() - channel.mean[h].double()) @ channel.basis[h].double()
         a, s = channel.gain[h].double(), channel.noise_scale[h].double()
-        err = ((1 - a) ** 2 * (y ** 2).mean(0) + s ** 2).sum()
+        err = ((1 - a) ** 2 * (y**2).mean(0) + s**2).sum()
         dev = ((x[h].double() - x[h].double().mean(0)) ** 2).sum(-1).mean()
         errs.append((err / dev).item())
     return sum(errs) / len(errs)
 
 
-def refined_books(model_dir: str, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
-                  n_fit: int) -> torch.Tensor:
+def refined_books(
+    model_dir: str, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, n_fit: int
+) -> torch.Tensor:
     """``qaware``'s refined 2-bit key books ``[256, 4]`` of ``layer``, fitted on the first ``n_fit``
     recorded tokens (whole windows) as calibration fits them (k-means, then refinement)."""
     from vecinfer_compile.calibration.fit import fit_layer
@@ -179,18 +183,36 @@ def refined_books(model_dir: str, layer: int, keys: torch.Tensor, values: torch.
     from vecinfer_compile.simulate import attention_modules
 
     model, _ = load_model(model_dir, device="cpu")
-    samples = LayerSamples(keys[:, :n_fit], values[:, :n_fit], queries[:, :n_fit], None,
-                           [WINDOW + 1] * (n_fit // (WINDOW + 1)))
+    samples = LayerSamples(
+        keys[:, :n_fit], values[:, :n_fit], queries[:, :n_fit], None, [WINDOW + 1] * (n_fit // (WINDOW + 1))
+    )
     module = {m.layer_idx: m for m in attention_modules(model)}[layer]
     settings = FitSettings(iters=20, max_vectors=262144, device="cpu", refine=RefineConfig())
-    fit = fit_layer(samples, VQ_METHODS["qaware"], [float(BITS)], settings, key_seed=1000 * layer,
-                    value_seed=1000 * layer + 1, module=module)
+    fit = fit_layer(
+        samples,
+        VQ_METHODS["qaware"],
+        [float(BITS)],
+        settings,
+        key_seed=1000 * layer,
+        value_seed=1000 * layer + 1,
+        module=module,
+    )
     return fit.codebooks[float(BITS)].keys
 
 
-def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, windows: tuple[int, int, int],
-                curves: dict, rows: set[str], seed: int, model_dir: str = "", trellis_bits: int = 10,
-                trellis_vectors: int = 0) -> dict:
+def study_layer(
+    layer: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    windows: tuple[int, int, int],
+    curves: dict,
+    rows: set[str],
+    seed: int,
+    model_dir: str = "",
+    trellis_bits: int = 10,
+    trellis_vectors: int = 0,
+) -> dict:
     """One layer's rows; ``keys, values: [H, N, D]``, ``queries: [H_q, N, D]`` over the recorded windows;
     ``windows``: (fit, ideal-fit, held-out start) in windows of 1,025 recorded tokens."""
     per = WINDOW + 1
@@ -209,7 +231,7 @@ def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: t
     ideal32 = IdealChannel.fit(fit.permute(1, 0, 2), BITS)
     out["bound_wf_klt_0-32k"] = ideal32.relative_error.mean().item()
     out["bound_wf_klt_heldout"] = heldout_channel_error(ideal32, test)
-    out["bound_flat"] = 4.0 ** -BITS
+    out["bound_flat"] = 4.0**-BITS
     sub = []
     for i in range(h):
         xs = fit[i].double().reshape(-1, d // 4, 4)
@@ -265,7 +287,7 @@ def study_layer(layer: int, keys: torch.Tensor, values: torch.Tensor, queries: t
             steps = bits[i, cols].tolist()
             sd = klt.variance[i, cols].sqrt()
             gen = torch.Generator().manual_seed(seed + i)
-            sample = y_fit[i][torch.randperm(y_fit.shape[1], generator=gen)[:trellis_vectors or 4096]][:, cols] / sd
+            sample = y_fit[i][torch.randperm(y_fit.shape[1], generator=gen)[: trellis_vectors or 4096]][:, cols] / sd
             luts = train_luts(sample, steps, trellis_bits, rounds=3, seed=seed + i)
             walk = viterbi(y_sub[i][:, cols] / sd, steps, luts)
             y_hat[i][:, cols] = reconstruct(walk, steps, luts).double() * sd
@@ -280,11 +302,16 @@ def main(argv=None) -> None:
     ap.add_argument("--model", required=True, help="Hugging Face model directory (the study used evalmodel)")
     ap.add_argument("--calib-text", required=True, help="calibration text (the study used calibration.txt)")
     ap.add_argument("--layers", default="all")
-    ap.add_argument("--rows", default="kmeans,g1,g2,g4,gain",
-                    help="kmeans, refined (slow), g1 (Lloyd-Max), g2, g4, gain, trellis")
+    ap.add_argument(
+        "--rows", default="kmeans,g1,g2,g4,gain", help="kmeans, refined (slow), g1 (Lloyd-Max), g2, g4, gain, trellis"
+    )
     ap.add_argument("--trellis-bits", type=int, default=10, help="L: the trellis has 2^L states")
-    ap.add_argument("--trellis-vectors", type=int, default=0,
-                    help="the trellis row on this many held-out tokens (and trains on as many; 0: all, 4,096)")
+    ap.add_argument(
+        "--trellis-vectors",
+        type=int,
+        default=0,
+        help="the trellis row on this many held-out tokens (and trains on as many; 0: all, 4,096)",
+    )
     ap.add_argument("--record-cache", help="a .pt file holding (or to hold) the recorded keys and queries")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows here")
@@ -296,17 +323,39 @@ def main(argv=None) -> None:
     t0 = time.time()
     curves = {1: gaussian_lloyd_max_distortion(12)}
     curves.update({g: kmeans_curve(g, 12) for g in (2, 4) if f"g{g}" in rows})
-    print("unit-Gaussian curves (error an element at b bits a block):",
-          {g: [round(v, 4) for v in c.tolist()] for g, c in curves.items()}, f"({time.time() - t0:.0f} s)", flush=True)
+    print(
+        "unit-Gaussian curves (error an element at b bits a block):",
+        {g: [round(v, 4) for v in c.tolist()] for g, c in curves.items()},
+        f"({time.time() - t0:.0f} s)",
+        flush=True,
+    )
     results = {}
     for layer in layers:
-        results[layer] = study_layer(layer, keys[layer], values[layer], queries[layer], (32, 16, 32), curves, rows, args.seed,
-                                     args.model, args.trellis_bits,
-                                     args.trellis_vectors)
-        print(f"layer {layer}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in results[layer].items()), flush=True)
-    names = [k for k in results[layers[0]] if not k.endswith(("_kib", "_entries", "seconds"))
-             and not k.startswith("klt_bits") and k != "klt_components_coded"]
+        results[layer] = study_layer(
+            layer,
+            keys[layer],
+            values[layer],
+            queries[layer],
+            (32, 16, 32),
+            curves,
+            rows,
+            args.seed,
+            args.model,
+            args.trellis_bits,
+            args.trellis_vectors,
+        )
+        print(
+            f"layer {layer}: "
+            + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in results[layer].items()),
+            flush=True,
+        )
+    names = [
+        k
+        for k in results[layers[0]]
+        if not k.endswith(("_kib", "_entries", "seconds"))
+        and not k.startswith("klt_bits")
+        and k != "klt_components_coded"
+    ]
     print("\n| held-out key error, 2 bits | " + " | ".join(f"layer {i}" for i in layers) + " | mean |")
     print("|---|" + "---:|" * (len(layers) + 1))
     for k in names:
@@ -314,8 +363,9 @@ def main(argv=None) -> None:
         print(f"| {k} | " + " | ".join(f"{v:.4f}" for v in vals) + f" | {sum(vals) / len(vals):.4f} |")
     print(f"\n{time.time() - t0:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"curves": {g: c.tolist() for g, c in curves.items()},
-                                               "layers": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"curves": {g: c.tolist() for g, c in curves.items()}, "layers": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -52,15 +52,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import vecinfer_compile.evaluation.generation as generation  # noqa: E402
 from needle_ideal_quantizer import CODES_QUANTIZE, encoded_once, quantizer  # noqa: E402
+
+import vecinfer_compile.evaluation.generation as generation  # noqa: E402
 from vecinfer_compile.codebooks import load_codebooks  # noqa: E402
+from vecinfer_compile.codecs.trellis.code import TrellisCodec  # noqa: E402
 from vecinfer_compile.evaluation.needle import format_grid, load_haystack, run_needle  # noqa: E402
 from vecinfer_compile.evaluation.perplexity import perplexity  # noqa: E402
 from vecinfer_compile.hf.recording import collect_kv  # noqa: E402
 from vecinfer_compile.models import load_model, load_text, tokenize  # noqa: E402
 from vecinfer_compile.quant.codebook import quantize_dequantize  # noqa: E402
-from vecinfer_compile.codecs.trellis.code import TrellisCodec  # noqa: E402
 from vecinfer_compile.simulate import simulation  # noqa: E402
 
 WINDOW = 1024  # calibration windows of 1,024 tokens after BOS, as `vecinfer calibrate` records them
@@ -89,9 +90,16 @@ def with_codecs(codebooks, key_codecs: dict | None, value_codecs: dict | None = 
     """A copy of ``codebooks`` whose layers code keys and/or values by the given codecs (one a layer;
     None: the file's codes), as ``vecinfer calibrate --key-codec / --value-codec trellis`` writes
     them: the simulate path then runs them as it runs such a file."""
-    layers = [None if layer is None else dataclasses.replace(
-        layer, keys=layer.keys if key_codecs is None else key_codecs[i],
-        values=layer.values if value_codecs is None else value_codecs[i]) for i, layer in enumerate(codebooks.layers)]
+    layers = [
+        None
+        if layer is None
+        else dataclasses.replace(
+            layer,
+            keys=layer.keys if key_codecs is None else key_codecs[i],
+            values=layer.values if value_codecs is None else value_codecs[i],
+        )
+        for i, layer in enumerate(codebooks.layers)
+    ]
     return dataclasses.replace(codebooks, layers=layers)
 
 
@@ -124,18 +132,29 @@ def main(argv=None) -> None:
     ap.add_argument("--calib-text", required=True, help="fits the codecs and scores the key error (never the haystack)")
     ap.add_argument("--codebooks", required=True, help="a qaware or vecinfer file: its transform and value codes")
     ap.add_argument("--ppl-text", help="perplexity on this text (none without it)")
-    ap.add_argument("--rows", default="fp,codes,trellis@12", help="fp, codes, exact-keys, exact-values, trellis@L, trellis-unscaled@L, trellis-mse@L, "
-                         "trellis-values@L, trellis-kv@L (2^L states)")
+    ap.add_argument(
+        "--rows",
+        default="fp,codes,trellis@12",
+        help="fp, codes, exact-keys, exact-values, trellis@L, trellis-unscaled@L, trellis-mse@L, "
+        "trellis-values@L, trellis-kv@L (2^L states)",
+    )
     ap.add_argument("--calib-tokens", type=int, default=32 * (WINDOW + 1))
     ap.add_argument("--heldout-tokens", type=int, default=8 * (WINDOW + 1))
     ap.add_argument("--train-vectors", type=int, default=4096, help="tokens a head the trellis tables train on")
     ap.add_argument("--rounds", type=int, default=3, help="table-training rounds (Viterbi, then means)")
     ap.add_argument("--codec-seed", type=int, default=0, help="seeds the codecs' table training and samples")
-    ap.add_argument("--codec-bits", type=float, help="the codecs' bits an element (default: the file's); a "
-                    "trellis-kv row then uses the file for its transform and error metrics only")
+    ap.add_argument(
+        "--codec-bits",
+        type=float,
+        help="the codecs' bits an element (default: the file's); a "
+        "trellis-kv row then uses the file for its transform and error metrics only",
+    )
     ap.add_argument("--ppl-residual", type=int, default=0, help="the perplexity's full-precision window R")
-    ap.add_argument("--save-dir", help="write each trellis row's codebooks here as ROW.safetensors (the file with "
-                    "the row's codecs: `vecinfer needle --codebooks` runs it through the cache)")
+    ap.add_argument(
+        "--save-dir",
+        help="write each trellis row's codebooks here as ROW.safetensors (the file with "
+        "the row's codecs: `vecinfer needle --codebooks` runs it through the cache)",
+    )
     ap.add_argument("--lengths", default="512,1024,2048")
     ap.add_argument("--depths", default="0,25,50,75,100")
     ap.add_argument("--trials", type=int, default=16)
@@ -150,14 +169,16 @@ def main(argv=None) -> None:
     model, tok = load_model(args.model, args.dtype, args.device)
     cb = load_codebooks(args.codebooks)
     cb.check_model(model.config, bits=cb.bits, method=cb.method)
-    if cb.layer_bits is not None or any(layer is not None and layer.transform.rope_inv_freq is not None
-                                        for layer in cb.layers):
-        raise ValueError(f"{args.codebooks}: use a uniform-bits qaware or vecinfer file (not per-layer bits, "
-                         "not pre-RoPE keys)")
+    if cb.layer_bits is not None or any(
+        layer is not None and layer.transform.rope_inv_freq is not None for layer in cb.layers
+    ):
+        raise ValueError(
+            f"{args.codebooks}: use a uniform-bits qaware or vecinfer file (not per-layer bits, not pre-RoPE keys)"
+        )
     device = torch.device(args.device)
     bits = cb.bits if args.codec_bits is None else args.codec_bits
     t0 = time.time()
-    ids = tokenize(tok, load_text(args.calib_text))[:args.calib_tokens + args.heldout_tokens]
+    ids = tokenize(tok, load_text(args.calib_text))[: args.calib_tokens + args.heldout_tokens]
     keys, values = collect_kv(model, ids, WINDOW)
     layers = cb.attention_layers()
     coded = {i: cb.layer(i).transform.keys(keys[i][None].to(device))[0] for i in layers}  # [H, N, D]
@@ -173,26 +194,54 @@ def main(argv=None) -> None:
             gm, quantize = generation.GenerationMethod(cb.method, cb.bits, cb, args.residual), CODES_QUANTIZE
             entry["key_error"] = [codes_key_error(cb, i, coded[i][:, n_fit:]) for i in layers]
             entry["key_error_nearest"] = [codes_key_error(cb, i, coded[i][:, n_fit:], nearest=True) for i in layers]
-            print(f"codes: held-out key error per layer, nearest centroid "
-                  f"{[round(e, 4) for e in entry['key_error_nearest']]}", flush=True)
+            print(
+                f"codes: held-out key error per layer, nearest centroid "
+                f"{[round(e, 4) for e in entry['key_error_nearest']]}",
+                flush=True,
+            )
             if cb.weighted_codes:
-                entry["key_metric_error"] = [metric_error(cb, i, coded[i][:, n_fit:], codes_keys(cb, i, coded[i][:, n_fit:]))
-                                             for i in layers]
+                entry["key_metric_error"] = [
+                    metric_error(cb, i, coded[i][:, n_fit:], codes_keys(cb, i, coded[i][:, n_fit:])) for i in layers
+                ]
         elif row in ("exact-keys", "exact-values"):
-            gm, quantize = generation.GenerationMethod(cb.method, cb.bits, cb, args.residual), HalfCoded(row == "exact-keys")
+            gm, quantize = (
+                generation.GenerationMethod(cb.method, cb.bits, cb, args.residual),
+                HalfCoded(row == "exact-keys"),
+            )
         elif row.startswith(("trellis-values@", "trellis-kv@")):
             lbits = int(row.split("@")[1])
             fit_args = dict(train_vectors=args.train_vectors, rounds=args.rounds)
-            value_codecs = {i: TrellisCodec.fit(values[i][:, :n_fit].to(device), bits, lbits,
-                                                   metric=cb.layer(i).value_metric, seed=1000 * i + 10 * args.codec_seed + 1,
-                                                   **fit_args)
-                            for i in layers}
+            value_codecs = {
+                i: TrellisCodec.fit(
+                    values[i][:, :n_fit].to(device),
+                    bits,
+                    lbits,
+                    metric=cb.layer(i).value_metric,
+                    seed=1000 * i + 10 * args.codec_seed + 1,
+                    **fit_args,
+                )
+                for i in layers
+            }
             key_codecs = None
             if row.startswith("trellis-kv"):
-                key_codecs = {i: TrellisCodec.fit(coded[i][:, :n_fit], bits, lbits, metric=cb.layer(i).key_metric,
-                                                     seed=1000 * i + 10 * args.codec_seed, **fit_args) for i in layers}
-            entry["value_error"] = [relative_error(values[i][:, n_fit:].to(device), value_codecs[i].quantize_dequantize(
-                values[i][:, n_fit:].to(device))) for i in layers]
+                key_codecs = {
+                    i: TrellisCodec.fit(
+                        coded[i][:, :n_fit],
+                        bits,
+                        lbits,
+                        metric=cb.layer(i).key_metric,
+                        seed=1000 * i + 10 * args.codec_seed,
+                        **fit_args,
+                    )
+                    for i in layers
+                }
+            entry["value_error"] = [
+                relative_error(
+                    values[i][:, n_fit:].to(device),
+                    value_codecs[i].quantize_dequantize(values[i][:, n_fit:].to(device)),
+                )
+                for i in layers
+            ]
             print(f"{row}: held-out value error per layer {[round(e, 4) for e in entry['value_error']]}", flush=True)
             row_cb = with_codecs(cb, key_codecs, value_codecs)
             gm, quantize = generation.GenerationMethod(cb.method, cb.bits, row_cb, args.residual), CODES_QUANTIZE
@@ -200,10 +249,18 @@ def main(argv=None) -> None:
             lbits = int(row.split("@")[1])
             t1 = time.time()
             metric = {i: None if row.startswith("trellis-mse") else cb.layer(i).key_metric for i in layers}
-            codecs = {i: TrellisCodec.fit(coded[i][:, :n_fit], bits, lbits, metric=metric[i],
-                                             train_vectors=args.train_vectors, rounds=args.rounds,
-                                             seed=1000 * i + 10 * args.codec_seed)
-                      for i in layers}
+            codecs = {
+                i: TrellisCodec.fit(
+                    coded[i][:, :n_fit],
+                    bits,
+                    lbits,
+                    metric=metric[i],
+                    train_vectors=args.train_vectors,
+                    rounds=args.rounds,
+                    seed=1000 * i + 10 * args.codec_seed,
+                )
+                for i in layers
+            }
             if not row.startswith("trellis@"):
                 for c in codecs.values():
                     c.scale = torch.ones_like(c.scale)
@@ -217,8 +274,10 @@ def main(argv=None) -> None:
             row_cb = with_codecs(cb, codecs)
             gm, quantize = generation.GenerationMethod(cb.method, cb.bits, row_cb, args.residual), CODES_QUANTIZE
         else:
-            raise ValueError(f"unknown row {row!r}: fp, codes, exact-keys, exact-values, trellis@L, "
-                             "trellis-unscaled@L, trellis-mse@L, trellis-values@L or trellis-kv@L")
+            raise ValueError(
+                f"unknown row {row!r}: fp, codes, exact-keys, exact-values, trellis@L, "
+                "trellis-unscaled@L, trellis-mse@L, trellis-values@L or trellis-kv@L"
+            )
         if args.save_dir and row.startswith("trellis"):
             Path(args.save_dir).mkdir(parents=True, exist_ok=True)
             path = gm.codebooks.save(Path(args.save_dir) / f"{row.replace('@', '-')}.safetensors", overwrite=True)
@@ -226,14 +285,27 @@ def main(argv=None) -> None:
         if "key_error" in entry:
             print(f"{row}: held-out key error per layer {[round(e, 4) for e in entry['key_error']]}", flush=True)
         if "key_metric_error" in entry:
-            print(f"{row}: held-out key error under the file's key metric, per layer "
-                  f"{[round(e, 4) for e in entry['key_metric_error']]}", flush=True)
+            print(
+                f"{row}: held-out key error under the file's key metric, per layer "
+                f"{[round(e, 4) for e in entry['key_metric_error']]}",
+                flush=True,
+            )
         if args.haystack:
-            ctx = contextlib.nullcontext() if quantize is None else \
-                quantizer(cb.method, functools.partial(encoded_once, quantize=quantize))
+            ctx = (
+                contextlib.nullcontext()
+                if quantize is None
+                else quantizer(cb.method, functools.partial(encoded_once, quantize=quantize))
+            )
             with ctx:
-                result = run_needle(model, tok, load_haystack(args.haystack), gm, lengths=_ints(args.lengths),
-                                    depths=[float(x) for x in args.depths.split(",")], trials=args.trials)
+                result = run_needle(
+                    model,
+                    tok,
+                    load_haystack(args.haystack),
+                    gm,
+                    lengths=_ints(args.lengths),
+                    depths=[float(x) for x in args.depths.split(",")],
+                    trials=args.trials,
+                )
             entry.update(needle=result.accuracy, grid=result.grid, needle_seconds=result.seconds)
             print(f"{row}: needle {result.accuracy:.4f} ({result.seconds:.0f} s)\n{format_grid(result)}", flush=True)
         if args.ppl_text:
@@ -242,11 +314,16 @@ def main(argv=None) -> None:
             if quantize is None:
                 res = perplexity(model, text_ids, **ppl_args)
             else:
-                with quantizer(cb.method, quantize), simulation(model, cb.method, bits=cb.bits, codebooks=gm.codebooks,
-                                                                residual=args.ppl_residual):
+                with (
+                    quantizer(cb.method, quantize),
+                    simulation(model, cb.method, bits=cb.bits, codebooks=gm.codebooks, residual=args.ppl_residual),
+                ):
                     res = perplexity(model, text_ids, **ppl_args)
             entry["ppl"] = res.ppl
-            print(f"{row}: perplexity {res.ppl:.3f}" + ("" if quantize is None else f" (R={args.ppl_residual})"), flush=True)
+            print(
+                f"{row}: perplexity {res.ppl:.3f}" + ("" if quantize is None else f" (R={args.ppl_residual})"),
+                flush=True,
+            )
         rows.append(entry)
     fp = next((r.get("ppl") for r in rows if r["row"] == "fp"), None)
     print("\nrow | key error, every layer (mean) | needle | perplexity")

@@ -48,8 +48,9 @@ def coded_kv(codebooks, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     return sim.quantize_kv(k, v)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the queries at ``positions [P]``: ``q [Hq, T, D]``, ``k, v [Hkv, T, D]`` ->
     softmax weights ``[Hq, P, T]`` and outputs ``[Hq, P, D]``."""
     group = q.shape[0] // k.shape[0]
@@ -59,8 +60,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return p, torch.einsum("hpt,htd->hpd", p, v.repeat_interleave(group, 0))
 
 
-def prompts(tokenizer, haystack: str, lengths: list[int], depths: list[float], trials: int, seed: int,
-            template: str):
+def prompts(tokenizer, haystack: str, lengths: list[int], depths: list[float], trials: int, seed: int, template: str):
     """``(length, depth, prompt)`` of ``vecinfer needle``'s grid, cell by cell."""
     filler = tokenizer(haystack, add_special_tokens=False)["input_ids"]
     boundaries = sentence_boundaries(tokenizer, filler)
@@ -93,8 +93,17 @@ def main(argv=None) -> dict:
     exact = {l: [] for l in layers}
     stats = {(f.name, l, what): [] for f in files for l in layers for what in STATS}
     t0 = time.perf_counter()
-    todo = list(prompts(tokenizer, load_haystack(args.haystack), [int(x) for x in args.lengths.split(",")],
-                        [float(x) for x in args.depths.split(",")], args.trials, args.seed, args.template))
+    todo = list(
+        prompts(
+            tokenizer,
+            load_haystack(args.haystack),
+            [int(x) for x in args.lengths.split(",")],
+            [float(x) for x in args.depths.split(",")],
+            args.trials,
+            args.seed,
+            args.template,
+        )
+    )
     for i, (n, d, p) in enumerate(todo):
         needle_ids = tokenizer(p.needle.text, add_special_tokens=False)["input_ids"]
         answer = tokenizer(" " + p.needle.key, add_special_tokens=False)["input_ids"]
@@ -117,30 +126,43 @@ def main(argv=None) -> dict:
                     w_hat, o_hat = attention(q, kk[0], vv[0], positions)
                     if what == "keys":
                         stats[(f.name, l, "mass")].append(float(w_hat[head, :, span].sum(-1).mean()))
-                        stats[(f.name, l, "same token")].append(float((w_hat[head, :, span].argmax(-1) == read)
-                                                                      .float().mean()))
+                        stats[(f.name, l, "same token")].append(
+                            float((w_hat[head, :, span].argmax(-1) == read).float().mean())
+                        )
                     error = (o_hat[head] - o[head]).norm(dim=-1) / o[head].norm(dim=-1)
                     stats[(f.name, l, what)].append(float(error.mean()))
         print(f"prompt {i + 1}/{len(todo)} (length {n}, depth {d:g}%): {time.perf_counter() - t0:.0f} s", flush=True)
 
-    print(f"\n# attention at each layer's retrieval head over the answer's positions, {len(todo)} prompts (lengths "
-          f"{args.lengths}, depths {args.depths}), prompt tokens older than its last {args.residual} coded: mass on "
-          "the needle (exact keys; coded keys, and its mean absolute change), the needle token it reads most kept "
-          "with coded keys, and the output's relative error with keys / values / both coded")
-    print("| layer | file | needle mass, exact | coded keys (abs change) | same token read | output error: keys | "
-          "values | both |")
+    print(
+        f"\n# attention at each layer's retrieval head over the answer's positions, {len(todo)} prompts (lengths "
+        f"{args.lengths}, depths {args.depths}), prompt tokens older than its last {args.residual} coded: mass on "
+        "the needle (exact keys; coded keys, and its mean absolute change), the needle token it reads most kept "
+        "with coded keys, and the output's relative error with keys / values / both coded"
+    )
+    print(
+        "| layer | file | needle mass, exact | coded keys (abs change) | same token read | output error: keys | "
+        "values | both |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     out = {}
     for l in layers:
         ex = torch.tensor(exact[l])
         for f in files:
             m = torch.tensor(stats[(f.name, l, "mass")])
-            err = {what: torch.tensor(stats[(f.name, l, what)]).mean().item()
-                   for what in ("same token", "keys", "values", "both")}
-            out[f"{l} {f.name}"] = {"exact mass": ex.mean().item(), "coded mass": m.mean().item(),
-                                    "mass abs change": (m - ex).abs().mean().item(), **err}
-            print(f"| {l} | {f.name} | {ex.mean():.3f} | {m.mean():.3f} ({(m - ex).abs().mean():.3f}) | "
-                  f"{err['same token']:.3f} | {err['keys']:.3f} | {err['values']:.3f} | {err['both']:.3f} |")
+            err = {
+                what: torch.tensor(stats[(f.name, l, what)]).mean().item()
+                for what in ("same token", "keys", "values", "both")
+            }
+            out[f"{l} {f.name}"] = {
+                "exact mass": ex.mean().item(),
+                "coded mass": m.mean().item(),
+                "mass abs change": (m - ex).abs().mean().item(),
+                **err,
+            }
+            print(
+                f"| {l} | {f.name} | {ex.mean():.3f} | {m.mean():.3f} ({(m - ex).abs().mean():.3f}) | "
+                f"{err['same token']:.3f} | {err['keys']:.3f} | {err['values']:.3f} | {err['both']:.3f} |"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out

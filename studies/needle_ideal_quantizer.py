@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vecinfer_compile.evaluation.generation as generation  # noqa: E402
 from vecinfer_compile.codebooks import load_codebooks  # noqa: E402
 from vecinfer_compile.evaluation.needle import format_grid, load_haystack, run_needle  # noqa: E402
+from vecinfer_compile.hf.recording import collect_kv  # noqa: E402
 from vecinfer_compile.models import load_model, load_text  # noqa: E402
 from vecinfer_compile.quant.rate_distortion import IdealChannel  # noqa: E402
-from vecinfer_compile.hf.recording import collect_kv  # noqa: E402
 from vecinfer_compile.simulate import LayerSimulator  # noqa: E402
 
 CODES_QUANTIZE = LayerSimulator.quantize_kv
@@ -50,8 +50,13 @@ def encoded_once(sim: LayerSimulator, k: torch.Tensor, v: torch.Tensor, position
     and only those are encoded (codes are per token, so this is exact and spares re-encoding the
     prompt at every step)."""
     memo = getattr(sim, "_encoded", None)
-    if memo is not None and memo[0].shape[2] < k.shape[2] and memo[0].shape[:2] == k.shape[:2] \
-            and torch.equal(memo[0], k[:, :, :memo[0].shape[2]]) and torch.equal(memo[1], v[:, :, :memo[1].shape[2]]):
+    if (
+        memo is not None
+        and memo[0].shape[2] < k.shape[2]
+        and memo[0].shape[:2] == k.shape[:2]
+        and torch.equal(memo[0], k[:, :, : memo[0].shape[2]])
+        and torch.equal(memo[1], v[:, :, : memo[1].shape[2]])
+    ):
         n = memo[0].shape[2]
         k_new, v_new = quantize(sim, k[:, :, n:], v[:, :, n:], None)
         k_hat, v_hat = torch.cat([memo[2], k_new], 2), torch.cat([memo[3], v_new], 2)
@@ -101,8 +106,10 @@ def quantizer(method: str, quantize):
     def quantize_kv(sim, k, v, position_ids=None):
         return quantize(sim, k, v, position_ids)
 
-    with mock.patch.object(generation, "SIMULATED", (*generation.SIMULATED, method)), \
-            mock.patch.object(LayerSimulator, "quantize_kv", quantize_kv):
+    with (
+        mock.patch.object(generation, "SIMULATED", (*generation.SIMULATED, method)),
+        mock.patch.object(LayerSimulator, "quantize_kv", quantize_kv),
+    ):
         yield
 
 
@@ -127,11 +134,15 @@ def main(argv=None) -> None:
     cb = load_codebooks(args.codebooks)
     cb.check_model(model.config, bits=cb.bits, method=cb.method)
     if any(layer is not None and layer.transform.rope_inv_freq is not None for layer in cb.layers):
-        raise ValueError(f"{args.codebooks}: pre-RoPE keys ({cb.method}) are not supported; "
-                         "use a qaware or vecinfer file")
+        raise ValueError(
+            f"{args.codebooks}: pre-RoPE keys ({cb.method}) are not supported; use a qaware or vecinfer file"
+        )
     haystack = load_haystack(args.haystack)
-    grid_args = dict(lengths=[int(x) for x in args.lengths.split(",")],
-                     depths=[float(x) for x in args.depths.split(",")], trials=args.trials)
+    grid_args = dict(
+        lengths=[int(x) for x in args.lengths.split(",")],
+        depths=[float(x) for x in args.depths.split(",")],
+        trials=args.trials,
+    )
     recorded = None
     rows = []
     for row in args.rows.split(","):
@@ -143,14 +154,16 @@ def main(argv=None) -> None:
         elif row.startswith("ideal@"):
             bits = float(row.split("@")[1])
             if recorded is None:
-                ids = tok(load_text(args.calib_text), add_special_tokens=False)["input_ids"][:args.calib_tokens]
+                ids = tok(load_text(args.calib_text), add_special_tokens=False)["input_ids"][: args.calib_tokens]
                 recorded = collect_kv(model, torch.tensor(ids), 1024)
             gm = generation.GenerationMethod(cb.method, cb.bits, cb, args.residual)
             runs = []
             for seed in (int(s) for s in args.noise_seeds.split(",")):
                 ideal = IdealQuantizer(cb, *recorded, bits, seed)
-                errors = {kind: [round(c.relative_error.mean().item(), 4) for c in channels.values()]
-                          for kind, channels in (("keys", ideal.keys), ("values", ideal.values))}
+                errors = {
+                    kind: [round(c.relative_error.mean().item(), 4) for c in channels.values()]
+                    for kind, channels in (("keys", ideal.keys), ("values", ideal.values))
+                }
                 print(f"{row}: expected relative error per layer, keys {errors['keys']}, values {errors['values']}")
                 runs.append((f"{row} (noise seed {seed})", gm, quantizer(cb.method, ideal), errors))
         else:
@@ -158,8 +171,10 @@ def main(argv=None) -> None:
         for label, gm, ctx, errors in runs:
             with ctx:
                 result = run_needle(model, tok, haystack, gm, **grid_args)
-            print(f"\n{label}: mean accuracy {result.accuracy:.4f} ({result.seconds:.0f} s)\n{format_grid(result)}",
-                  flush=True)
+            print(
+                f"\n{label}: mean accuracy {result.accuracy:.4f} ({result.seconds:.0f} s)\n{format_grid(result)}",
+                flush=True,
+            )
             rows.append({"row": label, "accuracy": result.accuracy, "grid": result.grid, "relative_error": errors})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -28,7 +28,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-if (Path(__file__).resolve().parents[1] / "vecinfer_compile").is_dir():  # a checkout times its own package, even beside an installed one
+if (
+    Path(__file__).resolve().parents[1] / "vecinfer_compile"
+).is_dir():  # a checkout times its own package, even beside an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -67,7 +69,7 @@ def innermost_mma_loops(sass: str) -> list[Loop]:
     for i, ins in enumerate(instructions):
         m = _BRANCH.search(ins)
         if m and labels.get(m.group(1), i + 1) <= i:
-            body = instructions[labels[m.group(1)]: i + 1]
+            body = instructions[labels[m.group(1)] : i + 1]
             if any(opcode(x) == "HMMA" for x in body):
                 loops.append(Loop(labels[m.group(1)], i, collections.Counter(opcode(x) for x in body)))
     inner = [a for a in loops if not any(b is not a and a.start <= b.start and b.end <= a.end for b in loops)]
@@ -77,7 +79,7 @@ def innermost_mma_loops(sass: str) -> list[Loop]:
 def nvdisasm() -> str:
     """The nvdisasm executable: from the ``nvidia-cuda-nvdisasm`` wheel, else ``PATH``."""
     spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations if spec else []):
+    for root in spec.submodule_search_locations if spec else []:
         for found in sorted(Path(root).glob("*/bin/nvdisasm")):
             return str(found)
     found = shutil.which("nvdisasm")
@@ -93,13 +95,13 @@ def resources(cubin: bytes) -> dict[str, int]:
     """Registers a thread and stack-frame bytes (spills; 0 without) of the cubin's kernel, read
     from its ELF ``.nv.info`` section: records of (format, attribute, size, payload), the payload
     of these two being (function symbol, value)."""
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
     names = headers[shstrndx][4]
     found = {}
     for h in headers:
-        name = cubin[names + h[0]:cubin.index(b"\0", names + h[0])]
+        name = cubin[names + h[0] : cubin.index(b"\0", names + h[0])]
         if name != b".nv.info":
             continue
         at, end = h[4], h[4] + h[5]
@@ -108,21 +110,23 @@ def resources(cubin: bytes) -> dict[str, int]:
             if fmt != 4:  # EIFMT_SVAL carries a size; the others are 2 or 4 bytes in all
                 at += 4 if fmt == 3 else 2
                 continue
-            size, = struct.unpack_from("<H", cubin, at + 2)
+            (size,) = struct.unpack_from("<H", cubin, at + 2)
             if attr in (_REGCOUNT, _FRAME_SIZE):
                 found["registers" if attr == _REGCOUNT else "stack_bytes"] = struct.unpack_from("<I", cubin, at + 8)[0]
             at += 4 + size
     return found
 
 
-def disassemble(head_dim: int, group: int, kspec: tuple[int, int], vspec: tuple[int, int],
-                warps: int, lean: bool = False) -> tuple[str, dict[str, int]]:
+def disassemble(
+    head_dim: int, group: int, kspec: tuple[int, int], vspec: tuple[int, int], warps: int, lean: bool = False
+) -> tuple[str, dict[str, int]]:
     from vecinfer_compile.ops.cuda import decode as cuda_decode
     from vecinfer_compile.ops.cuda.nvrtc import compile_source
 
     variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, False, lean=lean)
-    image, is_cubin = compile_source(cuda_decode.source(), "vq_decode", 90,
-                                     ["--use_fast_math", "--std=c++17", *variant.defines(warps), "-DMINB=1"])
+    image, is_cubin = compile_source(
+        cuda_decode.source(), "vq_decode", 90, ["--use_fast_math", "--std=c++17", *variant.defines(warps), "-DMINB=1"]
+    )
     if not is_cubin:
         raise SystemExit("NVRTC returned PTX, not a cubin: this NVRTC cannot target sm_90")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -147,20 +151,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for bits in args.bits.split(","):
         p = get_preset(float(bits))
         kspec, vspec = (p.key.entries, p.key.dims), (p.value.entries, p.value.dims)
-        print(f"\n{bits}-bit (K {kspec[0]}x{kspec[1]}, V {vspec[0]}x{vspec[1]}), head_dim {args.head_dim}, "
-              f"group {args.group}, {args.warps} warps, sm_90")
-        print("| build | registers | stack bytes | loop | instructions | HMMA | LDS | opcodes |\n"
-              "|---|---:|---:|---|---:|---:|---:|---|")
+        print(
+            f"\n{bits}-bit (K {kspec[0]}x{kspec[1]}, V {vspec[0]}x{vspec[1]}), head_dim {args.head_dim}, "
+            f"group {args.group}, {args.warps} warps, sm_90"
+        )
+        print(
+            "| build | registers | stack bytes | loop | instructions | HMMA | LDS | opcodes |\n"
+            "|---|---:|---:|---|---:|---:|---:|---|"
+        )
         plain = cuda_decode.Variant(args.head_dim, args.group, *kspec, *vspec, False)
         for lean in (False, True) if plain.can_be_lean else (False,):
             name = "lean" if lean else "plain"
             sass, res = disassemble(args.head_dim, args.group, kspec, vspec, args.warps, lean)
             for i, loop in enumerate(innermost_mma_loops(sass)):
                 common = ", ".join(f"{k} {v}" for k, v in loop.opcodes.most_common(args.top))
-                print(f"| {name} | {res.get('registers', '?')} | {res.get('stack_bytes', '?')} | {i} | {loop.length} "
-                      f"| {loop.opcodes['HMMA']} | {loop.opcodes['LDS']} | {common} |")
-                rows.append(dict(bits=float(bits), lean=lean, loop=i, instructions=loop.length,
-                                 opcodes=dict(loop.opcodes), **res))
+                print(
+                    f"| {name} | {res.get('registers', '?')} | {res.get('stack_bytes', '?')} | {i} | {loop.length} "
+                    f"| {loop.opcodes['HMMA']} | {loop.opcodes['LDS']} | {common} |"
+                )
+                rows.append(
+                    dict(
+                        bits=float(bits), lean=lean, loop=i, instructions=loop.length, opcodes=dict(loop.opcodes), **res
+                    )
+                )
     return rows
 
 

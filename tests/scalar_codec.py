@@ -65,17 +65,50 @@ def _dense(k_codes, v_codes, n_coded, k_window, v_window, n_window, kl, ks, vl, 
     return torch.where(valid, kt, 0.0), torch.where(valid, v, 0.0)
 
 
-def scalar_append(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                  k_window: torch.Tensor, v_window: torch.Tensor, n_coded: torch.Tensor, n_window: torch.Tensor,
-                  kl: torch.Tensor, ks: torch.Tensor, vl: torch.Tensor, vs: torch.Tensor, bits: int) -> None:
-    append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
-                          lambda x: _encode(x, kl, ks, bits), lambda x: _encode(x, vl, vs, bits))
+def scalar_append(
+    kt: torch.Tensor,
+    value: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_coded: torch.Tensor,
+    n_window: torch.Tensor,
+    kl: torch.Tensor,
+    ks: torch.Tensor,
+    vl: torch.Tensor,
+    vs: torch.Tensor,
+    bits: int,
+) -> None:
+    append_through_window(
+        kt,
+        value,
+        k_codes,
+        v_codes,
+        k_window,
+        v_window,
+        n_coded,
+        n_window,
+        lambda x: _encode(x, kl, ks, bits),
+        lambda x: _encode(x, vl, vs, bits),
+    )
 
 
-def scalar_cache_kv(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor, k_window: torch.Tensor,
-                    v_window: torch.Tensor, n_window: torch.Tensor, lam: torch.Tensor | None,
-                    rotation: torch.Tensor | None, kl: torch.Tensor, ks: torch.Tensor, vl: torch.Tensor,
-                    vs: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def scalar_cache_kv(
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    lam: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    kl: torch.Tensor,
+    ks: torch.Tensor,
+    vl: torch.Tensor,
+    vs: torch.Tensor,
+    bits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     kt, v = _dense(k_codes, v_codes, n_coded, k_window, v_window, n_window, kl, ks, vl, vs, bits)
     if rotation is not None:
         kt = kt @ rotation.float().T
@@ -84,18 +117,35 @@ def scalar_cache_kv(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch
     return kt.to(k_window.dtype), v.to(v_window.dtype)
 
 
-def scalar_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,
-                            k_window: torch.Tensor, v_window: torch.Tensor, n_window: torch.Tensor,
-                            kv_start: torch.Tensor | None, scale: float, kl: torch.Tensor, ks: torch.Tensor,
-                            vl: torch.Tensor, vs: torch.Tensor, bits: int) -> torch.Tensor:
+def scalar_decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    scale: float,
+    kl: torch.Tensor,
+    ks: torch.Tensor,
+    vl: torch.Tensor,
+    vs: torch.Tensor,
+    bits: int,
+) -> torch.Tensor:
     kt, v = _dense(k_codes, v_codes, n_coded, k_window, v_window, n_window, kl, ks, vl, vs, bits)
     group = q.shape[1] // kt.shape[1]
     slot = torch.arange(kt.shape[2], device=q.device)
     keep = (slot < n_coded + n_window)[None].expand(q.shape[0], -1)
     if kv_start is not None:
         keep = keep & (slot[None] >= kv_start[:, None])
-    out = F.scaled_dot_product_attention(q.float(), kt.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                         attn_mask=keep[:, None, None], scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.float(),
+        kt.repeat_interleave(group, 1),
+        v.repeat_interleave(group, 1),
+        attn_mask=keep[:, None, None],
+        scale=scale,
+    )
     return out.to(q.dtype)
 
 
@@ -123,34 +173,68 @@ class ScalarPrefix(NamedTuple):
         return o
 
 
-def scalar_chunk_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,
-                           k_window: torch.Tensor, v_window: torch.Tensor, n_window: torch.Tensor,
-                           attn_mask: torch.Tensor | None, scale: float, kl: torch.Tensor, ks: torch.Tensor,
-                           vl: torch.Tensor, vs: torch.Tensor, bits: int) -> torch.Tensor:
-    return attend_over_buffers(q, k_codes, v_codes, ScalarPrefix(kl, ks, vl, vs, bits), n_coded, k_window, v_window,
-                               n_window, attn_mask, scale)
+def scalar_chunk_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    kl: torch.Tensor,
+    ks: torch.Tensor,
+    vl: torch.Tensor,
+    vs: torch.Tensor,
+    bits: int,
+) -> torch.Tensor:
+    return attend_over_buffers(
+        q, k_codes, v_codes, ScalarPrefix(kl, ks, vl, vs, bits), n_coded, k_window, v_window, n_window, attn_mask, scale
+    )
 
 
 def _register_ops() -> None:
-    define("scalar_append", scalar_append, kind="opaque", fake=lambda *args: None,
-           mutates=("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window"))
-    define("scalar_cache_kv", scalar_cache_kv, kind="opaque",
-           fake=lambda kc, vc, n, kw, vw, *rest: (kw.new_empty((*kc.shape[:3], kw.shape[-1])),
-                                                  vw.new_empty((*vc.shape[:3], vw.shape[-1]))))
+    define(
+        "scalar_append",
+        scalar_append,
+        kind="opaque",
+        fake=lambda *args: None,
+        mutates=("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window"),
+    )
+    define(
+        "scalar_cache_kv",
+        scalar_cache_kv,
+        kind="opaque",
+        fake=lambda kc, vc, n, kw, vw, *rest: (
+            kw.new_empty((*kc.shape[:3], kw.shape[-1])),
+            vw.new_empty((*vc.shape[:3], vw.shape[-1])),
+        ),
+    )
     define("scalar_decode_attention", scalar_decode_attention, kind="opaque", fake=lambda q, *rest: torch.empty_like(q))
-    define("scalar_chunk_attention", scalar_chunk_attention, kind="opaque",
-           fake=lambda q, *rest: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])).transpose(1, 2),
-           tags=(torch.Tag.cudagraph_unsafe,))
+    define(
+        "scalar_chunk_attention",
+        scalar_chunk_attention,
+        kind="opaque",
+        fake=lambda q, *rest: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])).transpose(1, 2),
+        tags=(torch.Tag.cudagraph_unsafe,),
+    )
 
 
 BUFFERS, LAM, ROT, OPERANDS = slice(0, 6), 6, 7, slice(8, 13)
 REWRITE = CacheRewrite(
-    read_op="scalar_cache_kv", transform=lambda a: (a[LAM], a[ROT]),
-    decode=lambda q, a, kv_start, scale, kernel: (torch.ops.vecinfer.scalar_decode_attention.default,
-                                                  (*a[BUFFERS], kv_start, scale, *a[OPERANDS])),
-    chunk=lambda a, mask, scale: (torch.ops.vecinfer.scalar_chunk_attention.default,
-                                  (*a[BUFFERS], mask, scale, *a[OPERANDS])),
-    write_ops=("scalar_append",))
+    read_op="scalar_cache_kv",
+    transform=lambda a: (a[LAM], a[ROT]),
+    decode=lambda q, a, kv_start, scale, kernel: (
+        torch.ops.vecinfer.scalar_decode_attention.default,
+        (*a[BUFFERS], kv_start, scale, *a[OPERANDS]),
+    ),
+    chunk=lambda a, mask, scale: (
+        torch.ops.vecinfer.scalar_chunk_attention.default,
+        (*a[BUFFERS], mask, scale, *a[OPERANDS]),
+    ),
+    write_ops=("scalar_append",),
+)
 
 
 class ScalarCodec(Codec):
@@ -169,8 +253,10 @@ class ScalarCodec(Codec):
         return ScalarCode(lo, ((hi - lo) / ((1 << int(ctx.bits)) - 1)).clamp_min(1e-8), int(ctx.bits))
 
     def write(self, side, codes, present):
-        return {f"{side}_scalar.lo": torch.stack([c.lo for c in codes]),
-                f"{side}_scalar.step": torch.stack([c.step for c in codes])}
+        return {
+            f"{side}_scalar.lo": torch.stack([c.lo for c in codes]),
+            f"{side}_scalar.step": torch.stack([c.step for c in codes]),
+        }
 
     def read(self, side, tensors, *, path, present, layer_bits, geometry):
         shape = (len(present), geometry["num_kv_heads"], geometry["head_dim"])
@@ -208,8 +294,10 @@ class ScalarCodec(Codec):
         return ScalarCode(lo, (-2 * lo) / ((1 << int(bits)) - 1), int(bits))
 
     def operands(self, layer, device):
-        return tuple(t.to(device, torch.float32).contiguous()
-                     for t in (layer.keys.lo, layer.keys.step, layer.values.lo, layer.values.step))
+        return tuple(
+            t.to(device, torch.float32).contiguous()
+            for t in (layer.keys.lo, layer.keys.step, layer.values.lo, layer.values.step)
+        )
 
     def operand_tensors(self, operands):
         return list(operands)
@@ -221,20 +309,48 @@ class ScalarCodec(Codec):
 
     def append(self, storage, k, v, quantizer):
         s = storage
-        torch.ops.vecinfer.scalar_append(quantizer.transform_keys(k, s.dtype), v, s.k_codes, s.v_codes, s.k_window,
-                                         s.v_window, s.n_coded, s.n_window, *quantizer.operands,
-                                         quantizer.codes[0].bits)
+        torch.ops.vecinfer.scalar_append(
+            quantizer.transform_keys(k, s.dtype),
+            v,
+            s.k_codes,
+            s.v_codes,
+            s.k_window,
+            s.v_window,
+            s.n_coded,
+            s.n_window,
+            *quantizer.operands,
+            quantizer.codes[0].bits,
+        )
 
     def read_kv(self, k_codes, v_codes, n_coded, k_window, v_window, n_window, quantizer):
-        return torch.ops.vecinfer.scalar_cache_kv(k_codes, v_codes, n_coded, k_window, v_window, n_window,
-                                                  quantizer.lam, quantizer.rotation, *quantizer.operands,
-                                                  quantizer.codes[0].bits)
+        return torch.ops.vecinfer.scalar_cache_kv(
+            k_codes,
+            v_codes,
+            n_coded,
+            k_window,
+            v_window,
+            n_window,
+            quantizer.lam,
+            quantizer.rotation,
+            *quantizer.operands,
+            quantizer.codes[0].bits,
+        )
 
     def decode(self, storage, quantizer, q_t, kv_start, scale):
         s = storage
-        return torch.ops.vecinfer.scalar_decode_attention(q_t, s.k_codes, s.v_codes, s.n_coded, s.k_window,
-                                                          s.v_window, s.n_window, kv_start, scale,
-                                                          *quantizer.operands, quantizer.codes[0].bits)
+        return torch.ops.vecinfer.scalar_decode_attention(
+            q_t,
+            s.k_codes,
+            s.v_codes,
+            s.n_coded,
+            s.k_window,
+            s.v_window,
+            s.n_window,
+            kv_start,
+            scale,
+            *quantizer.operands,
+            quantizer.codes[0].bits,
+        )
 
     def prefix(self, quantizer):
         return ScalarPrefix(*quantizer.operands, quantizer.codes[0].bits)

@@ -27,8 +27,11 @@ def test_allocate_bits_is_the_cheapest_allocation_at_the_budget(layers, seed, da
     pinned = sorted(data.draw(st.sets(st.integers(0, layers - 1), max_size=layers // 3)))
     got = allocate_bits(2.0, cost, pinned)
     assert sum(got) == 2.0 * layers and all(got[i] == 4.0 for i in pinned)
-    feasible = [c for c in itertools.product((1.0, 2.0, 4.0), repeat=layers)
-                if sum(c) == 2.0 * layers and all(c[i] == 4.0 for i in pinned)]
+    feasible = [
+        c
+        for c in itertools.product((1.0, 2.0, 4.0), repeat=layers)
+        if sum(c) == 2.0 * layers and all(c[i] == 4.0 for i in pinned)
+    ]
     best = min(sum(cost[b][i] for i, b in enumerate(c)) for c in feasible)
     assert sum(cost[b][i] for i, b in enumerate(got)) == pytest.approx(best)
 
@@ -76,8 +79,18 @@ def test_calibrate_retrieval_allocation_end_to_end(tiny, sample_text_path, tmp_p
     from vecinfer_compile.calibration import calibrate
 
     model, tokenizer = tiny
-    cb = calibrate(model, tokenizer, sample_text_path.read_text(), bits=2, allocate="retrieval",
-                   max_tokens=512, seq_len=256, iters=2, residual=16, progress=False)
+    cb = calibrate(
+        model,
+        tokenizer,
+        sample_text_path.read_text(),
+        bits=2,
+        allocate="retrieval",
+        max_tokens=512,
+        seq_len=256,
+        iters=2,
+        residual=16,
+        progress=False,
+    )
     alloc = cb.metadata["allocation"]
     assert cb.bits == 2.0 and sum(cb.bits_per_layer()) == 2.0 * model.config.num_hidden_layers
     assert alloc["pinned_layers"] == [] and len(alloc["retrieval_scores"]) == model.config.num_hidden_layers
@@ -96,8 +109,16 @@ def test_calibrate_explicit_layer_bits(tiny, sample_text_path):
     from vecinfer_compile.calibration import calibrate
 
     model, tokenizer = tiny
-    cb = calibrate(model, tokenizer, sample_text_path.read_text(), layer_bits=[4, 1, 1.5, 2],
-                   max_tokens=512, seq_len=256, iters=2, progress=False)
+    cb = calibrate(
+        model,
+        tokenizer,
+        sample_text_path.read_text(),
+        layer_bits=[4, 1, 1.5, 2],
+        max_tokens=512,
+        seq_len=256,
+        iters=2,
+        progress=False,
+    )
     assert cb.layer_bits == [4.0, 1.0, 1.5, 2.0] and cb.bits == pytest.approx(8.5 / 4)
     assert [tuple(l.values.shape) for l in cb.layers] == [(256, 2), (256, 8), (4096, 8), (256, 4)]
     with pytest.raises(ValueError, match="layer_bits gives 3 presets for a model of 4 layers"):

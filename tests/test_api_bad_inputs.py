@@ -96,14 +96,17 @@ def text(sample_text_path) -> str:
     return load_text(sample_text_path)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"max_tokens": 0}, ValueError, "max_tokens must be at least 1, got 0"),
-    ({"seq_len": 1}, ValueError, "seq_len must be at least 2"),
-    ({"iters": 0}, ValueError, "iters must be at least 1"),
-    ({"seed": -1}, ValueError, "seed must be at least 0"),
-    ({"residual": -3}, ValueError, "residual must be at least 0"),
-    ({"max_tokens": 1e3}, TypeError, "max_tokens must be a whole number, got 1000.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"max_tokens": 0}, ValueError, "max_tokens must be at least 1, got 0"),
+        ({"seq_len": 1}, ValueError, "seq_len must be at least 2"),
+        ({"iters": 0}, ValueError, "iters must be at least 1"),
+        ({"seed": -1}, ValueError, "seed must be at least 0"),
+        ({"residual": -3}, ValueError, "residual must be at least 0"),
+        ({"max_tokens": 1e3}, TypeError, "max_tokens must be a whole number, got 1000.0"),
+    ],
+)
 def test_calibrate_counts(tiny_model, text, kwargs, error, match):
     model, tokenizer = tiny_model
     with pytest.raises(error, match=match):
@@ -175,8 +178,12 @@ def test_the_old_kernel_variable_warns_once(kernel_variables):
         assert kernel_request.requested() == "triton"
         assert kernel_request.requested() == "triton"
     assert [(w.category, str(w.message).split(":")[0]) for w in caught] == [
-        (FutureWarning, "VECINFER_DECODE_KERNEL is renamed VECINFER_KERNEL (it chooses the append, encode and "
-                        "Viterbi kernels too, not only decode)")]
+        (
+            FutureWarning,
+            "VECINFER_DECODE_KERNEL is renamed VECINFER_KERNEL (it chooses the append, encode and "
+            "Viterbi kernels too, not only decode)",
+        )
+    ]
     kernel_variables.setenv("VECINFER_KERNEL", "cuda")  # the new name wins
     assert kernel_request.requested() == "cuda"
 
@@ -230,8 +237,9 @@ def test_load_model_names_a_folder_without_its_tokenizer(tmp_path, tiny_dir):
     from vecinfer_compile.models import load_model
 
     config = json.loads((tiny_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2",
-                                                      "architectures": ["Qwen2ForCausalLM"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
+    )
     with pytest.raises(ValueError, match=f"the tokenizer of {tmp_path} turns .* into no tokens: it has no vocabulary"):
         load_model(tmp_path, "float32", "cpu")
     assert os.listdir(tmp_path) == ["config.json"]

@@ -117,27 +117,52 @@ def test_a_path_past_its_time_limit_crashes_saying_where():
 
 def test_table_counts_and_summary():
     rows = [
-        ArchitectureResult("a", "AForCausalLM", "AConfig", ["full"], {p: Outcome(WORKS) for p in ("compiled", "simulate", "cache")}),
-        ArchitectureResult("b", "BForCausalLM", "BConfig", ["sliding", "full"],
-                           {"compiled": Outcome(WORKS), "simulate": Outcome(REFUSED, "no | pipes"),
-                            "cache": Outcome(REFUSED, "no | pipes")}, notes=["a near tie"]),
-        ArchitectureResult("c", "CForCausalLM", "CConfig", ["full"],
-                           {"compiled": Outcome(CRASHED, "KeyError: 'x' at m.py:1"), "simulate": Outcome(WORKS),
-                            "cache": Outcome(REFUSED, "no")}),
+        ArchitectureResult(
+            "a", "AForCausalLM", "AConfig", ["full"], {p: Outcome(WORKS) for p in ("compiled", "simulate", "cache")}
+        ),
+        ArchitectureResult(
+            "b",
+            "BForCausalLM",
+            "BConfig",
+            ["sliding", "full"],
+            {
+                "compiled": Outcome(WORKS),
+                "simulate": Outcome(REFUSED, "no | pipes"),
+                "cache": Outcome(REFUSED, "no | pipes"),
+            },
+            notes=["a near tie"],
+        ),
+        ArchitectureResult(
+            "c",
+            "CForCausalLM",
+            "CConfig",
+            ["full"],
+            {
+                "compiled": Outcome(CRASHED, "KeyError: 'x' at m.py:1"),
+                "simulate": Outcome(WORKS),
+                "cache": Outcome(REFUSED, "no"),
+            },
+        ),
         ArchitectureResult("d", "DForCausalLM", skip_reason="needs timm"),
     ]
     assert [r.status for r in rows] == [WORKS, REFUSED, CRASHED, SKIPPED]
     assert table.counts_line(rows) == "1 works / 1 refused / 1 crashed / 1 skipped (of 4)"
     lines = table.table(rows).splitlines()
     assert lines[0] == "| architecture | config class | attention kinds | compiled | simulate | cache+generate | note |"
-    assert lines[3] == ("| b | BConfig | sliding, full | works | refused | refused | "
-                        "simulate, cache refused: no \\| pipes; a near tie |")
-    assert lines[4] == ("| c | CConfig | full | crashed | works | refused | "
-                        "compiled crashed: KeyError: 'x' at m.py:1; cache refused: no |")
+    assert lines[3] == (
+        "| b | BConfig | sliding, full | works | refused | refused | "
+        "simulate, cache refused: no \\| pipes; a near tie |"
+    )
+    assert lines[4] == (
+        "| c | CConfig | full | crashed | works | refused | "
+        "compiled crashed: KeyError: 'x' at m.py:1; cache refused: no |"
+    )
     assert lines[5] == "| d | - | - | - | - | - | skipped: needs timm |"
     summary = table.summary(rows, "transformers X, torch Y")
-    assert summary.startswith("Of the 4 causal-LM architectures of transformers X, torch Y, tiny random models "
-                              "of 1 work through all three paths")
+    assert summary.startswith(
+        "Of the 4 causal-LM architectures of transformers X, torch Y, tiny random models "
+        "of 1 work through all three paths"
+    )
     assert "Most frequent refusals: no | pipes (2 paths); no (1 path). Working: a." in summary
 
 
@@ -154,7 +179,10 @@ def test_sweep_command_writes_the_document(tmp_path, capsys):
 
 def test_sweep_command_names_a_close_architecture(capsys):
     assert main(["sweep", "--only", "lama"]) == 2
-    assert "'lama' is not an architecture of transformers' causal-LM mapping; did you mean llama" in capsys.readouterr().err
+    assert (
+        "'lama' is not an architecture of transformers' causal-LM mapping; did you mean llama"
+        in capsys.readouterr().err
+    )
 
 
 def test_readme_quotes_the_sweep_it_was_generated_from():
@@ -163,7 +191,8 @@ def test_readme_quotes_the_sweep_it_was_generated_from():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    summary = next(line for line in (root / "docs" / "architectures.md").read_text().splitlines()
-                   if line.startswith("Of the "))
+    summary = next(
+        line for line in (root / "docs" / "architectures.md").read_text().splitlines() if line.startswith("Of the ")
+    )
     readme = " ".join((root / "README.md").read_text().split())
     assert " ".join(summary.split()) in readme

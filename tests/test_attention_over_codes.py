@@ -12,24 +12,25 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cache import generate, left_padded, tiny_config  # noqa: E402
 from transformers import LlamaForCausalLM
 
-from vecinfer_compile.hf import attention_over_codes
 from vecinfer_compile.cache import VecInferCache, VecInferLayer
 from vecinfer_compile.cache import reads as cache_reads
+from vecinfer_compile.hf import attention_over_codes
 from vecinfer_compile.testing import cache_layer, random_codebooks
-
-from test_cache import generate, left_padded, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _layer(b, hkv, d, r, tmax, method, bits, seed, device="cpu", dtype=torch.float32) -> VecInferLayer:
-    cfg = tiny_config(num_hidden_layers=1, num_attention_heads=hkv, num_key_value_heads=hkv,
-                      head_dim=d, hidden_size=hkv * d)
+    cfg = tiny_config(
+        num_hidden_layers=1, num_attention_heads=hkv, num_key_value_heads=hkv, head_dim=d, hidden_size=hkv * d
+    )
     lc = random_codebooks(cfg, bits, method, seed=seed).layer(0)
-    return cache_layer(lc, num_kv_heads=hkv, head_dim=d, max_cache_len=tmax, residual=r, batch_size=b,
-                       dtype=dtype, device=device)
+    return cache_layer(
+        lc, num_kv_heads=hkv, head_dim=d, max_cache_len=tmax, residual=r, batch_size=b, dtype=dtype, device=device
+    )
 
 
 def _padding_mask(pad: list[int], length: int, tmax: int, device, additive: bool) -> torch.Tensor:
@@ -44,8 +45,9 @@ def _padding_mask(pad: list[int], length: int, tmax: int, device, additive: bool
 def _sdpa_over_read(layer: VecInferLayer, q, mask, scale) -> torch.Tensor:
     k, v = layer.dequantized()
     rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                          attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, scale=scale
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -62,8 +64,9 @@ def _sdpa_over_read(layer: VecInferLayer, q, mask, scale) -> torch.Tensor:
     additive=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, hkv, d, batch, residual, prompt,
-                                                        steps, additive, seed):
+def test_attend_equals_sdpa_over_the_dequantized_cache(
+    method, bits, group, hkv, d, batch, residual, prompt, steps, additive, seed
+):
     """``layer.attend`` (decode_attention over codes + window, the query-side transform, kv_start
     from the mask) == SDPA over the layer's dequantized K/V with the same mask: every transform
     family, MHA / GQA 2, 4 / MQA, head_dim 16, 64, 128, the window empty, partial or full, left
@@ -79,8 +82,9 @@ def test_attend_equals_sdpa_over_the_dequantized_cache(method, bits, group, hkv,
     mask = _padding_mask(pad, length, tmax, "cpu", additive)
     q = torch.randn(batch, hkv * group, 1, d)
     scale = 1 / math.sqrt(d)
-    torch.testing.assert_close(layer.attend(q, mask, scale), _sdpa_over_read(layer, q, mask, scale),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        layer.attend(q, mask, scale), _sdpa_over_read(layer, q, mask, scale), rtol=1e-4, atol=1e-5
+    )
 
 
 def _chunk_case(method, group, hkv, d, batch, residual, prompt, chunk, seed):
@@ -100,7 +104,7 @@ def _chunk_case(method, group, hkv, d, batch, residual, prompt, chunk, seed):
 def _chunk_mask(batch, prompt, chunk, pad):
     n = prompt + chunk
     slots = torch.arange(n)
-    causal = slots[None, :] <= slots[n - chunk:, None]
+    causal = slots[None, :] <= slots[n - chunk :, None]
     return (causal[None] & (slots[None, None, :] >= torch.tensor(pad)[:, None, None]))[:, None]
 
 
@@ -118,9 +122,9 @@ def _chunk_mask(batch, prompt, chunk, pad):
     one_row_at_a_time=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_attend_chunk_reads_the_old_cache_and_itself_in_full_precision(method, group, hkv, d, batch, residual,
-                                                                       prompt, chunk, explicit_mask,
-                                                                       one_row_at_a_time, seed):
+def test_attend_chunk_reads_the_old_cache_and_itself_in_full_precision(
+    method, group, hkv, d, batch, residual, prompt, chunk, explicit_mask, one_row_at_a_time, seed
+):
     """An eager chunk (a codes read) attends by the chunk rule of ``vecinfer_compile.window``: it equals one
     SDPA over the layer's dequantized read *before* the chunk (codes and window, original key
     domain) followed by the chunk's own K/V as given, with HF's causal + left-padding mask or,
@@ -155,7 +159,9 @@ def test_attend_chunk_applies_a_mask_it_cannot_reduce_to_left_padding(change):
     kk, vv = (torch.cat([a, b], 2).repeat_interleave(2, 1) for a, b in ((bk, k), (bv, v)))
     from vecinfer_compile.ops.split_attention import chunk as chunk_attention
 
-    with mock.patch.object(chunk_attention, "reference_by_rows", side_effect=chunk_attention.reference_by_rows) as dense:
+    with mock.patch.object(
+        chunk_attention, "reference_by_rows", side_effect=chunk_attention.reference_by_rows
+    ) as dense:
         got = layer.attend_chunk(q, mask, None, keys)
     given = dense.call_args.args[4]
     assert given is None if change == "none" else torch.equal(given, mask)
@@ -183,8 +189,7 @@ def test_attend_checks_what_the_decode_op_can_read_of_a_mask(change):
     elif change == "bias":
         mask[0, :, :, :10] = -0.5 * torch.arange(10.0)
     q = torch.randn(b, hkv * group, 1, d)
-    with mock.patch.object(cache_reads, "sdpa_by_rows", autospec=True,
-                           side_effect=cache_reads.sdpa_by_rows) as by_rows:
+    with mock.patch.object(cache_reads, "sdpa_by_rows", autospec=True, side_effect=cache_reads.sdpa_by_rows) as by_rows:
         got = layer.attend(q, mask, None)
     assert by_rows.called == (change != "none")
     torch.testing.assert_close(got, _sdpa_over_read(layer, q, mask, None), rtol=1e-4, atol=1e-5)
@@ -196,8 +201,9 @@ def test_codes_read_holds_no_memory_and_is_dequantized_for_other_consumers():
     assert k.stride() == (0, 0, 0, 0) and k.untyped_storage().nbytes() == 4
     assert getattr(k, attention_over_codes._LAYER) is layer and getattr(v, attention_over_codes._LAYER) is layer
     q = torch.randn(2, 2, 1, 16)
-    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v),
-                               F.scaled_dot_product_attention(q, *layer.dequantized()))
+    torch.testing.assert_close(
+        F.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, *layer.dequantized())
+    )
 
 
 @pytest.mark.parametrize("method", ["vecinfer", "qaware"])
@@ -219,8 +225,16 @@ def test_generate_steps_read_codes(monkeypatch, method):
         cache = VecInferCache(model, cb, max_cache_len=40, residual=4)
         assert model.config._attn_implementation == "vecinfer_sdpa"
         model.set_attn_implementation(impl)
-        outs[impl] = generate(model, ids, mask, cache, max_new_tokens=10, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
+        outs[impl] = generate(
+            model,
+            ids,
+            mask,
+            cache,
+            max_new_tokens=10,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         steps = 9 * model.config.num_hidden_layers  # the first forward is the prefill
         assert (len(attends), len(reads)) == ((steps, 0) if impl == "vecinfer_sdpa" else (0, steps))
     got, want = outs["vecinfer_sdpa"], outs["sdpa"]
@@ -245,8 +259,13 @@ def test_codes_read_refuses_what_the_decode_op_cannot_do():
     q = torch.randn(1, 4, 1, 16)
     with pytest.raises(ValueError, match="model.eval"):
         attention_over_codes.codes_attention_forward(None, q, k, v, None, dropout=0.1)
-    for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(4)), ("sinks", torch.zeros(4)),
-                        ("indices", torch.zeros(1, 4, 1, 2, dtype=torch.long)), ("block_indices", torch.zeros(1, 1))):
+    for name, value in (
+        ("softcap", 30.0),
+        ("s_aux", torch.zeros(4)),
+        ("sinks", torch.zeros(4)),
+        ("indices", torch.zeros(1, 4, 1, 2, dtype=torch.long)),
+        ("block_indices", torch.zeros(1, 1)),
+    ):
         with pytest.raises(NotImplementedError, match=f"\\({name}\\).*run this model without VecInfer"):
             attention_over_codes.codes_attention_forward(None, q, k, v, None, **{name: value})
     with pytest.raises(ValueError, match="4-d"):
@@ -256,7 +275,9 @@ def test_codes_read_refuses_what_the_decode_op_cannot_do():
     layer.model_config = mock.Mock(_attn_implementation=attention_over_codes.ATTN_NAME)
     k, v = layer.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))  # a chunk's read: 9 valid slots of 24
     with pytest.raises(ValueError, match="cache's slots"):
-        attention_over_codes.codes_attention_forward(None, torch.randn(1, 4, 3, 16), k, v, torch.ones(1, 1, 3, 23, dtype=torch.bool))
+        attention_over_codes.codes_attention_forward(
+            None, torch.randn(1, 4, 3, 16), k, v, torch.ones(1, 1, 3, 23, dtype=torch.bool)
+        )
 
 
 @pytest.mark.cuda
@@ -269,16 +290,21 @@ def test_attend_on_cuda_equals_the_reference(group):
     torch.manual_seed(0)
     b, hkv, d, tmax = 3, 2, 128, 300
     layer = _layer(b, hkv, d, 16, tmax, "vecinfer", 2.0, 0, device="cuda", dtype=torch.bfloat16)
-    layer.update(torch.randn(b, hkv, 201, d, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(b, hkv, 201, d, device="cuda", dtype=torch.bfloat16))
+    layer.update(
+        torch.randn(b, hkv, 201, d, device="cuda", dtype=torch.bfloat16),
+        torch.randn(b, hkv, 201, d, device="cuda", dtype=torch.bfloat16),
+    )
     for _ in range(7):
-        layer.update(torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16),
-                     torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16))
+        layer.update(
+            torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16),
+            torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16),
+        )
     mask = _padding_mask([0, 5, 77], 208, tmax, "cuda", additive=False)
     q = torch.randn(b, hkv * group, 1, d, device="cuda", dtype=torch.bfloat16)
     k, v = (t.float() for t in layer.dequantized())
-    want = F.scaled_dot_product_attention(q.float(), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                          attn_mask=mask, scale=d ** -0.5)
+    want = F.scaled_dot_product_attention(
+        q.float(), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask, scale=d**-0.5
+    )
     got = layer.attend(q, mask, None)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
@@ -311,8 +337,9 @@ def test_attend_chunk_on_cuda_takes_the_fast_path(method):
     from vecinfer_compile.ops.decode_inputs import transform_queries
 
     qz = layer.quantizer
-    want = reference.chunk_attention(transform_queries(q, qz.lam, qz.rotation, qz.key_read).float(), keys,
-                                     start, d ** -0.5)
+    want = reference.chunk_attention(
+        transform_queries(q, qz.lam, qz.rotation, qz.key_read).float(), keys, start, d**-0.5
+    )
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 
     model = LlamaForCausalLM(tiny_config(head_dim=64, hidden_size=128)).eval().to("cuda", torch.bfloat16)
@@ -320,6 +347,14 @@ def test_attend_chunk_on_cuda_takes_the_fast_path(method):
     ids, pad = left_padded(batch=2, length=40, pad=5)
     fast = mock.patch.object(chunk_attention, "split_flash", side_effect=chunk_attention.split_flash)
     with fast as split, mock.patch.object(chunk_attention, "reference_by_rows", side_effect=AssertionError("dense")):
-        out = generate(model, ids.cuda(), pad.cuda(), cache, max_new_tokens=5, do_sample=False, prefill_chunk_size=16,
-                       disable_compile=True)
+        out = generate(
+            model,
+            ids.cuda(),
+            pad.cuda(),
+            cache,
+            max_new_tokens=5,
+            do_sample=False,
+            prefill_chunk_size=16,
+            disable_compile=True,
+        )
     assert out.shape == (2, 45) and split.call_count == 2 * model.config.num_hidden_layers  # chunks 2 and 3

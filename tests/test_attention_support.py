@@ -10,35 +10,77 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import (
-    BigBirdPegasusConfig, BigBirdPegasusForCausalLM, BltConfig, DeepseekV3Config, DeepseekV3ForCausalLM,
-    Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3TextConfig, Gemma4TextConfig, GptOssConfig,
-    GptOssForCausalLM, MambaConfig, PegasusConfig, PegasusForCausalLM,
+    BigBirdPegasusConfig,
+    BigBirdPegasusForCausalLM,
+    BltConfig,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3Config,
+    Gemma3TextConfig,
+    Gemma4TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    MambaConfig,
+    PegasusConfig,
+    PegasusForCausalLM,
 )
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vecinfer_compile.hf.attention_support import UNSUPPORTED_KWARGS, check_attention_call
 from vecinfer_compile.calibration import calibrate
 from vecinfer_compile.codebooks import model_geometry
 from vecinfer_compile.evaluation.outcomes import REFUSED, outcome_of
+from vecinfer_compile.hf.attention_support import UNSUPPORTED_KWARGS, check_attention_call
 from vecinfer_compile.hf.recording import bos_token_id, collect_kv
 from vecinfer_compile.simulate import LayerSimulator, simulation, vecinfer_attention_forward
 from vecinfer_compile.testing import FixedIds, random_codebooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 REFUSED_MODELS = {  # name: (model class, config, the feature its refusal names)
-    "gpt_oss": (GptOssForCausalLM, lambda: GptOssConfig(num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
-                                                        layer_types=["sliding_attention", "full_attention"], **COMMON),
-                r"attention sinks \(s_aux\) are not supported by VecInfer's attention: GptOssAttention \(layer 0\)"),
-    "gemma2": (Gemma2ForCausalLM, lambda: Gemma2Config(attn_logit_softcapping=50.0, **COMMON),
-               r"attention logit softcapping \(softcap\) is not supported by VecInfer's attention"),
-    "deepseek_v3": (DeepseekV3ForCausalLM, lambda: DeepseekV3Config(
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-        first_k_dense_replace=2, **{**COMMON, "num_key_value_heads": 4}),
+    "gpt_oss": (
+        GptOssForCausalLM,
+        lambda: GptOssConfig(
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            **COMMON,
+        ),
+        r"attention sinks \(s_aux\) are not supported by VecInfer's attention: GptOssAttention \(layer 0\)",
+    ),
+    "gemma2": (
+        Gemma2ForCausalLM,
+        lambda: Gemma2Config(attn_logit_softcapping=50.0, **COMMON),
+        r"attention logit softcapping \(softcap\) is not supported by VecInfer's attention",
+    ),
+    "deepseek_v3": (
+        DeepseekV3ForCausalLM,
+        lambda: DeepseekV3Config(
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            first_k_dense_replace=2,
+            **{**COMMON, "num_key_value_heads": 4},
+        ),
         r"DeepseekV3Attention \(layer 0\) has different query/key/value head dims \(32/32/16\); VecInfer attention "
-        r"needs one head_dim"),
+        r"needs one head_dim",
+    ),
 }
 
 
@@ -91,20 +133,44 @@ def test_each_unsupported_keyword_is_refused_and_none_is_not(name):
 
 
 def test_keywords_common_models_pass_are_accepted():
-    harmless = dict(dropout=0.0, scaling=0.25, is_causal=True, sliding_window=8, position_ids=torch.arange(4)[None],
-                    cu_seq_lens_q=torch.tensor([0, 4]), cu_seq_lens_k=torch.tensor([0, 4]), max_length_q=4,
-                    max_length_k=4, output_attentions=False, use_cache=False, s_aux=None, softcap=None, indices=None)
+    harmless = dict(
+        dropout=0.0,
+        scaling=0.25,
+        is_causal=True,
+        sliding_window=8,
+        position_ids=torch.arange(4)[None],
+        cu_seq_lens_q=torch.tensor([0, 4]),
+        cu_seq_lens_k=torch.tensor([0, 4]),
+        max_length_q=4,
+        max_length_k=4,
+        output_attentions=False,
+        use_cache=False,
+        s_aux=None,
+        softcap=None,
+        indices=None,
+    )
     check_attention_call(SimpleNamespace(layer_idx=0), *[torch.zeros(1, 2, 4, 8)] * 3, harmless)
 
 
-@pytest.mark.parametrize("config, message", [
-    (MambaConfig(num_hidden_layers=2, hidden_size=64),
-     r"^this model has no attention layers \(MambaConfig has no num_attention_heads\): VecInfer compresses attention K/V"),
-    (BltConfig(), r"^BltConfig has its attention in sub-configs \(patcher_config, encoder_config, decoder_config, "
-                  r"global_config\), not in one stack of decoder layers: not supported by VecInfer$"),
-    (Gemma4TextConfig(layer_types=["full_attention"] * 2, per_layer_config={1: {"head_dim": 32}}, **COMMON),
-     r"^the layers VecInfer codes have different head_dim \(16 in layer 0, 32 in layer 1\): not supported"),
-], ids=["mamba", "blt", "coded-layers-of-two-head-dims"])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            MambaConfig(num_hidden_layers=2, hidden_size=64),
+            r"^this model has no attention layers \(MambaConfig has no num_attention_heads\): VecInfer compresses attention K/V",
+        ),
+        (
+            BltConfig(),
+            r"^BltConfig has its attention in sub-configs \(patcher_config, encoder_config, decoder_config, "
+            r"global_config\), not in one stack of decoder layers: not supported by VecInfer$",
+        ),
+        (
+            Gemma4TextConfig(layer_types=["full_attention"] * 2, per_layer_config={1: {"head_dim": 32}}, **COMMON),
+            r"^the layers VecInfer codes have different head_dim \(16 in layer 0, 32 in layer 1\): not supported",
+        ),
+    ],
+    ids=["mamba", "blt", "coded-layers-of-two-head-dims"],
+)
 def test_geometry_refuses_configs_without_one_attention_geometry(config, message):
     with pytest.raises(ValueError, match=message) as info:
         model_geometry(config)
@@ -119,8 +185,13 @@ def test_a_per_layer_attribute_with_one_value_is_that_value():
 def test_the_geometry_is_the_coded_layers():
     """Gemma 4's sliding layers keep transformers' own cache: their smaller head_dim and other KV
     head count do not make the model's geometry, its full (coded) layers' do."""
-    config = Gemma4TextConfig(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
-                              layer_types=["sliding_attention", "full_attention"], **COMMON)
+    config = Gemma4TextConfig(
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=["sliding_attention", "full_attention"],
+        **COMMON,
+    )
     assert [config.per_layer_config[i].head_dim for i in range(2)] == [16, 32]
     geometry = model_geometry(config)
     assert (geometry["head_dim"], geometry["num_kv_heads"], geometry["num_layers"]) == (32, 1, 2)
@@ -134,8 +205,16 @@ def test_bos_is_read_where_the_config_keeps_it():
 
 
 def test_a_model_without_bos_records_its_tokens_alone():
-    config = PegasusConfig(vocab_size=128, d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
-                           encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64)
+    config = PegasusConfig(
+        vocab_size=128,
+        d_model=64,
+        decoder_layers=2,
+        encoder_layers=2,
+        decoder_attention_heads=4,
+        encoder_attention_heads=4,
+        decoder_ffn_dim=64,
+        encoder_ffn_dim=64,
+    )
     model = _build(PegasusForCausalLM, config)
     keys, values = collect_kv(model, torch.arange(3, 23), seq_len=10, progress=False)
     assert sorted(keys) == [0, 1] and keys[0].shape == values[0].shape == (4, 20, 16)
@@ -144,9 +223,18 @@ def test_a_model_without_bos_records_its_tokens_alone():
 def test_an_eager_only_model_simulates_under_its_real_mask():
     """BigBirdPegasus's decoder self-attention says is_causal=False (transformers runs it eager only):
     with SDPA's skipped causal mask it would attend to later tokens. Every key in the window: eager."""
-    config = BigBirdPegasusConfig(vocab_size=128, d_model=64, decoder_layers=2, encoder_layers=2,
-                                  decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64,
-                                  encoder_ffn_dim=64, attention_type="original_full", is_decoder=True)
+    config = BigBirdPegasusConfig(
+        vocab_size=128,
+        d_model=64,
+        decoder_layers=2,
+        encoder_layers=2,
+        decoder_attention_heads=4,
+        encoder_attention_heads=4,
+        decoder_ffn_dim=64,
+        encoder_ffn_dim=64,
+        attention_type="original_full",
+        is_decoder=True,
+    )
     model, ids = _build(BigBirdPegasusForCausalLM, config), _ids(16)
     with torch.no_grad():
         eager = model(input_ids=ids, use_cache=False).logits
@@ -164,8 +252,9 @@ def test_simulation_adds_a_position_bias_as_sdpa_does(masked):
     mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril() if masked else None
     if masked:
         mask[..., 2:, 0] = False  # the later queries skip the first key
-    module = SimpleNamespace(layer_idx=0, is_causal=True, training=False,
-                             vecinfer_simulator=LayerSimulator("kivi", 2, residual=6))
+    module = SimpleNamespace(
+        layer_idx=0, is_causal=True, training=False, vecinfer_simulator=LayerSimulator("kivi", 2, residual=6)
+    )
     got, _ = vecinfer_attention_forward(module, q, k, v, mask, position_bias=bias)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, position_bias=bias)
     torch.testing.assert_close(got, want)

@@ -32,6 +32,7 @@ def test_zero_config_dynamic_reduce_overhead(caplog, tmp_path, monkeypatch):
     calibrate` command line the CLI accepts (given the files it names); dynamic=True serves
     several lengths from one graph; mode="reduce-overhead" is accepted (just runs on CPU)."""
     from test_cli import _inputs_for
+
     from vecinfer_compile.cli import build_parser
 
     model = tiny_model("qwen3")
@@ -105,8 +106,9 @@ def test_architectures_compile_and_rewrite_every_layer(family, heads, head_dim, 
     rewritten and the output is finite; with the transform alone the compiled model equals eager
     on every real token."""
     q_heads, kv_heads = heads
-    model = tiny_model(family, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
-                       head_dim=head_dim).requires_grad_(False)
+    model = tiny_model(
+        family, num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim
+    ).requires_grad_(False)
     torch._dynamo.reset()  # each example: conftest's fresh_dynamo runs once a test
     counters.clear()
     if codebooks == "given":
@@ -117,7 +119,9 @@ def test_architectures_compile_and_rewrite_every_layer(family, heads, head_dim, 
     x = ids(11, seed=head_dim, batch=batch)
     mask = torch.ones_like(x)
     mask[0, :pad] = 0
-    out = torch.compile(model, backend=backend, fullgraph=True)(input_ids=x, attention_mask=mask, use_cache=False).logits
+    out = torch.compile(model, backend=backend, fullgraph=True)(
+        input_ids=x, attention_mask=mask, use_cache=False
+    ).logits
     assert counters["vecinfer"]["sdpa_rewrites"] == 2
     real = mask.bool()
     assert torch.isfinite(out[real]).all()
@@ -180,8 +184,14 @@ def test_compiled_simulate_matches_eager_simulate(layer_bits, key_weight):
     model = tiny_model("llama")
     layers = [random_layer_codebooks(2, 16, bits=b, seed=i) for i, b in enumerate(layer_bits)]
     bits = sum(layer_bits) / 2
-    codebooks = VecInferCodebooks("vecinfer", bits, layers, model_geometry(model.config),
-                                  {"key_parallel_weight": key_weight}, layer_bits=layer_bits)
+    codebooks = VecInferCodebooks(
+        "vecinfer",
+        bits,
+        layers,
+        model_geometry(model.config),
+        {"key_parallel_weight": key_weight},
+        layer_bits=layer_bits,
+    )
     backend = vecinfer_backend.configure(codebooks, bits=bits, residual=4)
     text = ids(16, seed=6)
     with torch.no_grad():
@@ -239,7 +249,12 @@ def test_registered_by_name_and_reimport_is_safe():
     assert configured.config.residual == 4 and callable(configured.configure)
     assert copy.deepcopy(configured) is configured  # HF's CompileConfig deep-copies backends
     assert backend_module._config_patches("reduce-overhead", {"max_autotune": False}) == {
-        "triton.cudagraphs": True, "max_autotune": False, "graph_partition": False}
+        "triton.cudagraphs": True,
+        "max_autotune": False,
+        "graph_partition": False,
+    }
     assert backend_module._config_patches(None, {"triton.cudagraphs": True, "graph_partition": True}) == {
-        "triton.cudagraphs": True, "graph_partition": True}
+        "triton.cudagraphs": True,
+        "graph_partition": True,
+    }
     assert backend_module._config_patches(None, None) == {}

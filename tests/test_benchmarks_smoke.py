@@ -84,7 +84,8 @@ def test_bench_generate_smoke(capsys):
     step (Inductor on the CPU: the slow part, ~20-60 s depending on the machine and the compile
     cache)."""
     rows = load_script("generate", benchmarks_dir()).main(
-        ["--smoke", "--cases", "2x24", "--new-tokens", "3", "--profile", "2"])
+        ["--smoke", "--cases", "2x24", "--new-tokens", "3", "--profile", "2"]
+    )
     out = capsys.readouterr().out
     assert [r["method"] for r in rows] == ["ours", "fp16", "static", "dynamic"]
     for r in rows:
@@ -101,7 +102,8 @@ def test_bench_generate_weighted_codes_smoke(capsys):
     """--weighted-codes: ours with identity metrics on every layer, the compiled step keeping the
     opaque weigh_codes op (one row, no error; the header says what ran)."""
     rows = load_script("generate", benchmarks_dir()).main(
-        ["--smoke", "--methods", "ours", "--cases", "1x16", "--new-tokens", "3", "--weighted-codes"])
+        ["--smoke", "--methods", "ours", "--cases", "1x16", "--new-tokens", "3", "--weighted-codes"]
+    )
     assert [r["method"] for r in rows] == ["ours"] and "error" not in rows[0], rows
     assert rows[0]["in_run_tok_s"] > 0
     assert "(error-weighted codes, identity metrics)" in capsys.readouterr().out
@@ -125,8 +127,9 @@ def _valid_length_expected(q, k, v, used, causal):
         kk = k[i, :n].float().transpose(0, 1).repeat_interleave(hq // k.shape[2], 0)
         vv = v[i, :n].float().transpose(0, 1).repeat_interleave(hq // k.shape[2], 0)
         mask = torch.ones(tq, n, dtype=torch.bool, device=q.device).tril(n - tq) if causal else None
-        rows.append(torch.nn.functional.scaled_dot_product_attention(q[i].float(), kk, vv, attn_mask=mask)
-                    .transpose(0, 1))
+        rows.append(
+            torch.nn.functional.scaled_dot_product_attention(q[i].float(), kk, vv, attn_mask=mask).transpose(0, 1)
+        )
     return torch.stack(rows)
 
 
@@ -135,9 +138,9 @@ def _check_valid_length_op(device, dtype, atol):
 
     for tq, causal in ((1, False), (6, True)):
         q, k, v, used = _valid_length_inputs(device, dtype, tq=tq)
-        k[0, used[0]:] = float("nan")  # slots past the used length must never be read
-        k[1, used[1]:] = float("nan")
-        k[2, used[2]:] = float("nan")
+        k[0, used[0] :] = float("nan")  # slots past the used length must never be read
+        k[1, used[1] :] = float("nan")
+        k[2, used[2] :] = float("nan")
         got = fv.flash_valid_length(q, k, v, used, q.shape[-1] ** -0.5, causal)
         want = _valid_length_expected(q, k, v, used, causal)
         torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
@@ -165,7 +168,8 @@ def test_valid_length_baseline_flash_varlen_cuda():
 def test_bench_generate_isolate_runs_each_method_in_a_child(capsys):
     """--isolate: the row comes back from a child process (same fields as in-process)."""
     rows = load_script("generate", benchmarks_dir()).main(
-        ["--smoke", "--isolate", "--methods", "dynamic", "--cases", "1x16", "--new-tokens", "3"])
+        ["--smoke", "--isolate", "--methods", "dynamic", "--cases", "1x16", "--new-tokens", "3"]
+    )
     assert [r["method"] for r in rows] == ["dynamic"]
     assert "error" not in rows[0], rows[0]
     assert rows[0]["in_run_tok_s"] > 0 and (rows[0]["B"], rows[0]["T"]) == (1, 16)
@@ -196,9 +200,14 @@ def test_gather_ceiling_probes_under_interpreter(tmp_path):
         "assert torch.equal(out.view(6, splits).sum(1), codes.reshape(6, -1).float().sum(1))\n"
         "print('ok', splits, chunk)\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root / "benchmarks"), str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(root / "benchmarks"), str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -232,7 +241,8 @@ def test_bench_generate_chunked_prefill_gives_the_same_tokens(method):
     outs = {}
     for chunk in (0, 7):
         outs[chunk], forwards = _generate_counting_forwards(
-            model, lambda: mod.Runner(method, model, setup, None, 2, 40, 8, prefill_chunk=chunk), ids)
+            model, lambda: mod.Runner(method, model, setup, None, 2, 40, 8, prefill_chunk=chunk), ids
+        )
         assert forwards == 4 + (5 if chunk else 0), (chunk, forwards)
     assert torch.equal(outs[0], outs[7])
 
@@ -250,8 +260,10 @@ def test_bench_generate_prefill_by_rows_gives_the_same_tokens(method):
     outs = {}
     for rows in (0, 1):
         outs[rows], forwards = _generate_counting_forwards(
-            model, lambda: mod.Runner(method, model, setup, codebooks, 2, 40, 8, prefill_chunk=7, prefill_rows=rows),
-            ids)
+            model,
+            lambda: mod.Runner(method, model, setup, codebooks, 2, 40, 8, prefill_chunk=7, prefill_rows=rows),
+            ids,
+        )
         assert forwards == 4 + (10 if rows else 5), (rows, forwards)
     assert torch.equal(outs[0], outs[1])
 
@@ -295,8 +307,7 @@ def test_bench_generate_profiles_the_last_prefill_chunk(capsys):
     assert profile["prefill_chunk"]["n_kernels"] == 0  # recorded; the CPU has no device kernels
     mod.print_profile({"B": 2, "T": 30, "method": "ours", "prefill_chunk": 7, "profile": profile})
     assert "the last prefill chunk of 7 tokens: GPU busy 0.00 ms" in capsys.readouterr().out
-    row = {"B": 2, "T": 30, "method": "ours", "tok_s": None, "warmup_s": 1.0, "prefill_chunks_s": 2.5,
-           "ttft_s": 2.75}
+    row = {"B": 2, "T": 30, "method": "ours", "tok_s": None, "warmup_s": 1.0, "prefill_chunks_s": 2.5, "ttft_s": 2.75}
     assert "| 2.75* |" in mod.format_row(row)
 
 
@@ -310,8 +321,17 @@ def test_bench_generate_until_error_skips_larger_batches(monkeypatch, capsys):
         tried.append((batch, length))
         if batch >= 2 and length == 16:
             raise RuntimeError("CUDA out of memory (stand-in)")
-        return {"B": batch, "T": length, "method": method, "tok_s": 1.0, "in_run_tok_s": 1.0, "step_ms": 1.0,
-                "time_1_s": 0.1, "warmup_s": 0.1, "peak_bytes": 1}
+        return {
+            "B": batch,
+            "T": length,
+            "method": method,
+            "tok_s": 1.0,
+            "in_run_tok_s": 1.0,
+            "step_ms": 1.0,
+            "time_1_s": 0.1,
+            "warmup_s": 0.1,
+            "peak_bytes": 1,
+        }
 
     monkeypatch.setattr(mod, "run_method", fake_run_method)
     rows = mod.main(["--smoke", "--until-error", "--methods", "dynamic", "--cases", "1x16,2x16,3x16,2x12"])
@@ -346,17 +366,39 @@ def test_bench_generate_job_serves_every_method_at_its_own_batch(monkeypatch, ca
     mod = load_script("generate", benchmarks_dir())
     runs = []
 
-    def fake_run_method(method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len,
-                        profile, chunk, *args):
+    def fake_run_method(
+        method, model, setup, codebooks, batch, length, new_tokens, residual, warmup_len, profile, chunk, *args
+    ):
         runs.append((method, batch, length, chunk))
         step = {"ours": 50.0, "fp16": 40.0}[method]
-        return {"B": batch, "T": length, "method": method, "new_tokens": new_tokens, "tok_s": batch * 1e3 / step,
-                "step_ms": step, "ttft_s": {"ours": 100.0, "fp16": 10.0}[method], "warmup_s": 1.0,
-                "peak_bytes": 10 * 2**30, "weights_bytes": 2**30, "kv_bytes_total": 8 * 2**30}
+        return {
+            "B": batch,
+            "T": length,
+            "method": method,
+            "new_tokens": new_tokens,
+            "tok_s": batch * 1e3 / step,
+            "step_ms": step,
+            "ttft_s": {"ours": 100.0, "fp16": 10.0}[method],
+            "warmup_s": 1.0,
+            "peak_bytes": 10 * 2**30,
+            "weights_bytes": 2**30,
+            "kv_bytes_total": 8 * 2**30,
+        }
 
     monkeypatch.setattr(mod, "run_method", fake_run_method)
-    mod.main(["--smoke", "--job", "8", "--job-batch", "fp16=2,ours=8", "--cases", "1x24",
-              "--prefill-chunk", "ours=4,fp16=16"])
+    mod.main(
+        [
+            "--smoke",
+            "--job",
+            "8",
+            "--job-batch",
+            "fp16=2,ours=8",
+            "--cases",
+            "1x24",
+            "--prefill-chunk",
+            "ours=4,fp16=16",
+        ]
+    )
     assert runs == [("ours", 8, 24, 4), ("fp16", 2, 24, 16)]
     out = capsys.readouterr().out
     ours_s, fp16_s = 1 * (100 + 255 * 0.05), 4 * (10 + 255 * 0.04)  # N=256: one round vs four
@@ -369,8 +411,10 @@ def test_bench_generate_job_serves_every_method_at_its_own_batch(monkeypatch, ca
 def test_bench_generate_tables_from_saved_rows(tmp_path, capsys):
     """--tables-from: the job table of rows that separate runs wrote (measures nothing)."""
     mod = load_script("generate", benchmarks_dir())
-    rows = {"ours": {"B": 8, "T": 24, "method": "ours", "new_tokens": 3, "step_ms": 50.0, "ttft_s": 100.0},
-            "fp16": {"B": 2, "T": 24, "method": "fp16", "new_tokens": 3, "step_ms": 40.0, "ttft_s": 10.0}}
+    rows = {
+        "ours": {"B": 8, "T": 24, "method": "ours", "new_tokens": 3, "step_ms": 50.0, "ttft_s": 100.0},
+        "fp16": {"B": 2, "T": 24, "method": "fp16", "new_tokens": 3, "step_ms": 40.0, "ttft_s": 10.0},
+    }
     paths = []
     for method, row in rows.items():
         paths.append(tmp_path / f"{method}.json")
@@ -443,8 +487,14 @@ def _cubin_with_info(records: bytes) -> bytes:
     def section(name_at, offset, size):
         return struct.pack("<IIQQQQIIQQ", name_at, 0, 0, 0, offset, size, 0, 0, 1, 0)
 
-    return (bytes(header) + names + records + section(0, 0, 0)
-            + section(1, data_at, len(names)) + section(11, data_at + len(names), len(records)))
+    return (
+        bytes(header)
+        + names
+        + records
+        + section(0, 0, 0)
+        + section(1, data_at, len(names))
+        + section(11, data_at + len(names), len(records))
+    )
 
 
 def test_sass_resources_reads_registers_and_stack_from_nv_info():
@@ -454,10 +504,15 @@ def test_sass_resources_reads_registers_and_stack_from_nv_info():
     import struct
 
     sass = load_script_path("sass_decode_loop.py")
-    records = (bytes([3, 0x1B, 0x20, 0x00])  # a format-3 record, skipped
-               + bytes([4, 0x2F]) + struct.pack("<HII", 8, 7, 168)
-               + bytes([4, 0x12]) + struct.pack("<HII", 8, 7, 99)  # another attribute, skipped
-               + bytes([4, 0x11]) + struct.pack("<HII", 8, 7, 24))
+    records = (
+        bytes([3, 0x1B, 0x20, 0x00])  # a format-3 record, skipped
+        + bytes([4, 0x2F])
+        + struct.pack("<HII", 8, 7, 168)
+        + bytes([4, 0x12])
+        + struct.pack("<HII", 8, 7, 99)  # another attribute, skipped
+        + bytes([4, 0x11])
+        + struct.pack("<HII", 8, 7, 24)
+    )
     assert sass.resources(_cubin_with_info(records)) == {"registers": 168, "stack_bytes": 24}
     assert sass.resources(_cubin_with_info(b"")) == {}
 

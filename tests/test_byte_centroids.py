@@ -7,8 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vecinfer_compile.quant.byte_centroids import (BYTE_BOOK_ENTRIES, K_MAX, K_MIN, centroid_step, packed_byte_book,
-                                                   snap_centroids)
+from vecinfer_compile.quant.byte_centroids import (
+    BYTE_BOOK_ENTRIES,
+    K_MAX,
+    K_MIN,
+    centroid_step,
+    packed_byte_book,
+    snap_centroids,
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -37,9 +43,9 @@ def test_packed_book_holds_the_biased_bytes_then_the_step():
     cent = snap_centroids(torch.randn(4096, 4, generator=torch.Generator().manual_seed(3)))
     packed = packed_byte_book(cent)
     assert packed.dtype == torch.uint8 and packed.numel() == 4096 * 4 + 16
-    step = packed[4096 * 4:4096 * 4 + 4].view(torch.float32)
+    step = packed[4096 * 4 : 4096 * 4 + 4].view(torch.float32)
     assert float(step) == float(centroid_step(cent))
-    rebuilt = (packed[:4096 * 4].to(torch.int16) + K_MIN).float().reshape(4096, 4) * step
+    rebuilt = (packed[: 4096 * 4].to(torch.int16) + K_MIN).float().reshape(4096, 4) * step
     assert torch.equal(rebuilt, cent)
 
 

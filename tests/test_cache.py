@@ -13,24 +13,31 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferCache
 from vecinfer_compile.codecs.codebooks import coded_kv
-
-from vecinfer_compile.hf.compat import cache_kwargs
+from vecinfer_compile.evaluation.kv_bytes import kv_bytes
+from vecinfer_compile.hf.compat import cache_kwargs, forward_cache_kwargs
 from vecinfer_compile.ops import dequantize as cache_ops
 from vecinfer_compile.presets import get_preset
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.transform import KeyTransform
-from vecinfer_compile.evaluation.kv_bytes import kv_bytes
-from vecinfer_compile.hf.compat import forward_cache_kwargs
 from vecinfer_compile.testing import cache_layer, random_codebooks
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**kw) -> LlamaConfig:
-    args = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=256, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    args = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     args.update(kw)
     return LlamaConfig(**args)
 
@@ -52,11 +59,11 @@ def generate(model, ids, mask, cache=None, **kw):
 
 
 def make_layer(b, h, d, r, tmax, bits=2.0, seed=0, dtype=torch.float32):
-    cfg = tiny_config(num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=h,
-                      head_dim=d, hidden_size=h * d)
+    cfg = tiny_config(num_hidden_layers=1, num_attention_heads=h, num_key_value_heads=h, head_dim=d, hidden_size=h * d)
     cb = random_codebooks(cfg, bits=bits, seed=seed)
-    return cache_layer(cb.layer(0), num_kv_heads=h, head_dim=d, max_cache_len=tmax, residual=r, batch_size=b,
-                       dtype=dtype)
+    return cache_layer(
+        cb.layer(0), num_kv_heads=h, head_dim=d, max_cache_len=tmax, residual=r, batch_size=b, dtype=dtype
+    )
 
 
 def assert_nearest(codes, x, centroids, what):
@@ -174,8 +181,9 @@ def test_generate_sampling_and_eos(tiny_model):
     cb = random_codebooks(tiny_model.config)
     cache = VecInferCache(tiny_model, cb, batch_size=2, max_cache_len=30, residual=4)
     torch.manual_seed(0)
-    out = generate(tiny_model, ids, mask, cache, max_new_tokens=6, do_sample=True, top_k=20,
-                   eos_token_id=int(ids[1, -1]))
+    out = generate(
+        tiny_model, ids, mask, cache, max_new_tokens=6, do_sample=True, top_k=20, eos_token_id=int(ids[1, -1])
+    )
     assert out.shape[0] == 2 and 11 <= out.shape[1] <= 16
 
 
@@ -191,12 +199,15 @@ def test_generate_tiny_checkpoint(shared_tiny_dir):
     assert out.shape == (2, 18) and int(cache.layers[0].storage.n_coded) == 13
 
 
-@pytest.mark.parametrize("method,heads,kv_heads,head_dim", [
-    ("vecinfer", 4, 2, 16),   # GQA
-    ("qaware", 4, 2, 16),     # the read's key matrix and key mean on the shorter read
-    ("vecinfer", 4, 1, 64),   # MQA
-    ("vecinfer", 2, 2, 128),  # MHA
-])
+@pytest.mark.parametrize(
+    "method,heads,kv_heads,head_dim",
+    [
+        ("vecinfer", 4, 2, 16),  # GQA
+        ("qaware", 4, 2, 16),  # the read's key matrix and key mean on the shorter read
+        ("vecinfer", 4, 1, 64),  # MQA
+        ("vecinfer", 2, 2, 128),  # MHA
+    ],
+)
 def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads, kv_heads, head_dim):
     """An eager chunk attends over the codes by the chunk rule (``vecinfer_sdpa``: the coded prefix
     and the full-precision window and chunk) and an eager 1-token step reads the codes (decode
@@ -207,8 +218,11 @@ def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads
     from vecinfer_compile.cache import layer as layer_module
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                         head_dim=head_dim, hidden_size=heads * head_dim)).eval()
+    model = LlamaForCausalLM(
+        tiny_config(
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, hidden_size=heads * head_dim
+        )
+    ).eval()
     cb = random_codebooks(model.config, 2.0, method)
     ids, mask = left_padded(length=16, pad=3, seed=5)
     chunks = [(0, 10), (10, 15), (15, 16)]
@@ -224,9 +238,15 @@ def test_eager_valid_slot_read_equals_the_static_read(monkeypatch, method, heads
                 if a:  # the mask length HF will build for this update
                     assert cache.layers[0].get_mask_sizes(b - a) == (40, 0)
                 with torch.no_grad():
-                    out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b],
-                                     **forward_cache_kwargs(model, cache), use_cache=True,
-                                     cache_position=pos).logits)
+                    out.append(
+                        model(
+                            input_ids=ids[:, a:b],
+                            attention_mask=mask[:, :b],
+                            **forward_cache_kwargs(model, cache),
+                            use_cache=True,
+                            cache_position=pos,
+                        ).logits
+                    )
         layer = cache.layers[0]
         assert (int(layer.storage.n_coded), int(layer.storage.n_window)) == (13, 3)
         return out
@@ -257,9 +277,12 @@ def test_kv_bytes_arithmetic(layer_bits):
     assert cache.kv_bytes() == total
     accounting = kv_bytes("vecinfer", cb.bits, cfg, layer_bits=cb.layer_bits)  # the evaluation's model
     windows_and_fixed = sum(2 * b * hkv * r * d * 2 + 2 * 8 for _ in layer_bits) + 4 * d * d
-    codebooks_f32 = sum(4 * hkv * d + 4 * (get_preset(x).key.entries * get_preset(x).key.dims
-                                          + get_preset(x).value.entries * get_preset(x).value.dims)
-                        for x in layer_bits)
+    codebooks_f32 = sum(
+        4 * hkv * d
+        + 4
+        * (get_preset(x).key.entries * get_preset(x).key.dims + get_preset(x).value.entries * get_preset(x).value.dims)
+        for x in layer_bits
+    )
     assert b * tmax * accounting.bytes_per_token == total - windows_and_fixed - codebooks_f32
     assert cache.fp_kv_bytes() == len(layer_bits) * 2 * b * hkv * tmax * d * 2
 
@@ -308,8 +331,7 @@ def _valid_state(layer) -> list[torch.Tensor]:
     """What a layer's reads depend on: the counters, the filled code slots and window slots."""
     s = layer.storage
     c, w = int(s.n_coded), int(s.n_window)
-    return [s.n_coded, s.n_window, s.k_codes[:, :, :c], s.v_codes[:, :, :c],
-            s.k_window[:, :, :w], s.v_window[:, :, :w]]
+    return [s.n_coded, s.n_window, s.k_codes[:, :, :c], s.v_codes[:, :, :c], s.k_window[:, :, :w], s.v_window[:, :, :w]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -332,8 +354,10 @@ def test_crop_undoes_the_last_one_token_step(b, h, d, r, prefill, steps, bits, d
     undone_at = data.draw(st.integers(0, steps - 1))
     undo, plain = (make_layer(b, h, d, r, prefill + steps + 1, bits=bits, seed=3, dtype=dtype) for _ in range(2))
     gen = torch.Generator().manual_seed(prefill * 100 + steps)
-    tokens = [(torch.randn(b, h, t, d, generator=gen).to(dtype), torch.randn(b, h, t, d, generator=gen).to(dtype))
-              for t in [prefill] + [1] * steps]
+    tokens = [
+        (torch.randn(b, h, t, d, generator=gen).to(dtype), torch.randn(b, h, t, d, generator=gen).to(dtype))
+        for t in [prefill] + [1] * steps
+    ]
     extra = (torch.randn(b, h, 1, d, generator=gen).to(dtype), torch.randn(b, h, 1, d, generator=gen).to(dtype))
     for layer in (undo, plain):
         layer.update(*tokens[0])
@@ -413,8 +437,8 @@ def test_cache_kv_matches_keys_inverse(bits):
     tr = KeyTransform(16, lam, True)
     dec = kc[unpack_codes(k_codes[:, :, :c], kc.shape[0])].reshape(2, 2, c, 16)
     torch.testing.assert_close(k[:, :, :c], tr.keys_inverse(dec))
-    torch.testing.assert_close(k[:, :, c:c + w], tr.keys_inverse(k_window[:, :, :w]))
-    assert not k[:, :, c + w:].any() and math.prod(v.shape) == 2 * 2 * 12 * 16
+    torch.testing.assert_close(k[:, :, c : c + w], tr.keys_inverse(k_window[:, :, :w]))
+    assert not k[:, :, c + w :].any() and math.prod(v.shape) == 2 * 2 * 12 * 16
 
 
 def test_batch_size_from_the_first_update(tiny_model):
@@ -457,8 +481,9 @@ def test_generate_keyword_is_not_deprecated(tiny_model):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         warnings.filterwarnings("error", message=".*past_key_values.*deprecated.*")
-        tiny_model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=2,
-                            do_sample=False, pad_token_id=0)
+        tiny_model.generate(
+            ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=2, do_sample=False, pad_token_id=0
+        )
 
 
 def _prefill(model, ids, cache, chunk):
@@ -467,9 +492,13 @@ def _prefill(model, ids, cache, chunk):
         for start in range(0, ids.shape[1], chunk):
             end = min(start + chunk, ids.shape[1])
             pos = torch.arange(start, end)
-            model(input_ids=ids[:, start:end], attention_mask=torch.ones_like(ids[:, :end]),
-                  **forward_cache_kwargs(model, cache), position_ids=pos[None].expand(ids.shape[0], -1),
-                  cache_position=pos)
+            model(
+                input_ids=ids[:, start:end],
+                attention_mask=torch.ones_like(ids[:, :end]),
+                **forward_cache_kwargs(model, cache),
+                position_ids=pos[None].expand(ids.shape[0], -1),
+                cache_position=pos,
+            )
 
 
 def test_filling_rows_equals_filling_the_batch(tiny_model):
@@ -497,8 +526,7 @@ def test_filling_rows_equals_filling_the_batch(tiny_model):
 
 def test_filling_rows_refuses_groups_of_different_lengths(tiny_model):
     ids = torch.randint(3, 128, (4, 9), generator=torch.Generator().manual_seed(5))
-    cache = VecInferCache(tiny_model, random_codebooks(tiny_model.config), batch_size=4, max_cache_len=16,
-                          residual=3)
+    cache = VecInferCache(tiny_model, random_codebooks(tiny_model.config), batch_size=4, max_cache_len=16, residual=3)
     with cache.filling_rows(0, 2) as part:
         _prefill(tiny_model, ids[:2], part, chunk=4)
     with pytest.raises(ValueError, match="fill every row group to the same length"):

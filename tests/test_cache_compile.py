@@ -8,22 +8,24 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cache import left_padded, make_layer, random_codebooks, tiny_config  # noqa: E402
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaForCausalLM
 
 from vecinfer_compile.cache import VecInferCache
-
 from vecinfer_compile.hf.compat import cache_kwargs
 from vecinfer_compile.ops.append import append_reference
+from vecinfer_compile.ops.decode_inputs import kv_start_from_mask, transform_queries
 from vecinfer_compile.ops.registry import is_op
 from vecinfer_compile.passes.cache_append import rewrite_cache_append
-from vecinfer_compile.ops.decode_inputs import kv_start_from_mask, transform_queries
 from vecinfer_compile.passes.cache_attention import rewrite_cache_attention
 
-from test_cache import left_padded, make_layer, random_codebooks, tiny_config  # noqa: E402
-
 DECODE = torch.ops.vecinfer.decode_attention.default
-DECODE_OPS = (DECODE, torch.ops.vecinfer.decode_attention_cuda.default, torch.ops.vecinfer.decode_attention_triton.default)
+DECODE_OPS = (
+    DECODE,
+    torch.ops.vecinfer.decode_attention_cuda.default,
+    torch.ops.vecinfer.decode_attention_triton.default,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,8 +55,7 @@ class CaptureBackend:
 def _generate(model, ids, mask, cache, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), pad_token_id=0,
-                              do_sample=False, **kw)
+        return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), pad_token_id=0, do_sample=False, **kw)
 
 
 def _full_length_float_nodes(gm, tmax, head_dim):
@@ -98,7 +99,9 @@ def test_compiled_decode_matches_eager_and_holds_no_dequantized_kv(layer_bits):
     cb = random_codebooks(cfg, layer_bits=layer_bits)
     ids, mask = left_padded(length=10, pad=3)
     tmax, residual = 20, 3
-    eager, compiled, backend, eager_cache, cache = _compiled_vs_eager(model, cb, ids, mask, tmax=tmax, residual=residual)
+    eager, compiled, backend, eager_cache, cache = _compiled_vs_eager(
+        model, cb, ids, mask, tmax=tmax, residual=residual
+    )
     assert torch.equal(compiled, eager)
     assert len(backend.graphs) == 1, "decode recompiled"
     assert counters["vecinfer"]["cache_decode_rewrites"] == cfg.num_hidden_layers
@@ -117,8 +120,9 @@ def test_compiled_decode_tiny_checkpoint_dynamic(shared_tiny_dir):
     model = LlamaForCausalLM.from_pretrained(shared_tiny_dir, dtype=torch.float32).eval()
     cb = random_codebooks(model.config, bits=1.5)
     ids, mask = left_padded(length=12, pad=5, vocab=model.config.vocab_size, seed=4)
-    eager = _generate(model, ids, mask, VecInferCache(model, cb, batch_size=2, max_cache_len=24, residual=4),
-                      max_new_tokens=5)
+    eager = _generate(
+        model, ids, mask, VecInferCache(model, cb, batch_size=2, max_cache_len=24, residual=4), max_new_tokens=5
+    )
     backend = CaptureBackend()
     config = CompileConfig(backend=backend, fullgraph=True, dynamic=True)
     config._compile_all_devices = True
@@ -146,15 +150,25 @@ def test_decode_attention_equals_sdpa_over_cache_kv():
     mask = ((slots[None] >= pad[:, None]) & (slots[None] < length))[:, None, None, :]
     q = torch.randn(b, hq, 1, d)
     scale = 1 / math.sqrt(d)
-    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                         attn_mask=mask, scale=scale)
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=scale
+    )
     kv_start = kv_start_from_mask(mask, q)
     assert kv_start.tolist() == pad.tolist() and kv_start.dtype == torch.int32
     s, qz = layer.storage, layer.quantizer
     out = torch.ops.vecinfer.decode_attention(
-        transform_queries(q, qz.lam, qz.rotation), s.k_codes, s.v_codes,
-        qz.operands.key_centroids, qz.operands.value_centroids, s.n_coded, s.k_window, s.v_window,
-        s.n_window, kv_start, scale)
+        transform_queries(q, qz.lam, qz.rotation),
+        s.k_codes,
+        s.v_codes,
+        qz.operands.key_centroids,
+        qz.operands.value_centroids,
+        s.n_coded,
+        s.k_window,
+        s.v_window,
+        s.n_window,
+        kv_start,
+        scale,
+    )
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     float_mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     assert torch.equal(kv_start_from_mask(float_mask, q), kv_start)
@@ -186,10 +200,27 @@ def test_kv_start_compiles_for_a_dynamic_mask_length(device):
 def _attention_fn(q, layer, mask):
     s, qz = layer.storage, layer.quantizer
     k, v = torch.ops.vecinfer.cache_kv(
-        s.k_codes, s.v_codes, qz.operands.key_centroids, qz.operands.value_centroids, s.n_coded,
-        s.k_window, s.v_window, s.n_window, qz.lam, qz.rotation)
-    k = k[:, :, None, :, :].expand(k.shape[0], k.shape[1], 2, k.shape[2], k.shape[3]).reshape(k.shape[0], -1, k.shape[2], k.shape[3])
-    v = v[:, :, None, :, :].expand(v.shape[0], v.shape[1], 2, v.shape[2], v.shape[3]).reshape(v.shape[0], -1, v.shape[2], v.shape[3])
+        s.k_codes,
+        s.v_codes,
+        qz.operands.key_centroids,
+        qz.operands.value_centroids,
+        s.n_coded,
+        s.k_window,
+        s.v_window,
+        s.n_window,
+        qz.lam,
+        qz.rotation,
+    )
+    k = (
+        k[:, :, None, :, :]
+        .expand(k.shape[0], k.shape[1], 2, k.shape[2], k.shape[3])
+        .reshape(k.shape[0], -1, k.shape[2], k.shape[3])
+    )
+    v = (
+        v[:, :, None, :, :]
+        .expand(v.shape[0], v.shape[1], 2, v.shape[2], v.shape[3])
+        .reshape(v.shape[0], -1, v.shape[2], v.shape[3])
+    )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
 
 
@@ -244,8 +275,13 @@ def test_cuda_graph_trees_decode_from_fresh_codebooks():
     cb = random_codebooks(cfg)
     ids, mask = left_padded(length=40, pad=0)
     ids, mask = ids.cuda(), mask.cuda()
-    eager = _generate(model, ids, mask, VecInferCache(model, cb, batch_size=ids.shape[0], max_cache_len=80,
-                                                      residual=8), max_new_tokens=8)
+    eager = _generate(
+        model,
+        ids,
+        mask,
+        VecInferCache(model, cb, batch_size=ids.shape[0], max_cache_len=80, residual=8),
+        max_new_tokens=8,
+    )
     counters.clear()
     config = CompileConfig(backend=vecinfer_backend.configure(codebooks=cb), fullgraph=True, mode="reduce-overhead")
     cache = VecInferCache(model, cb, batch_size=ids.shape[0], max_cache_len=80, residual=8)
@@ -275,15 +311,20 @@ def test_cuda_compiled_decode(dtype, layer_bits):
     ids, mask = ids.cuda(), mask.cuda()
     eager, compiled, backend, _, _ = _compiled_vs_eager(model, cb, ids, mask, tmax=80, residual=8, new_tokens=8)
     _check_rewritten_graph(backend.graphs[0], cfg.num_hidden_layers, 80, cfg.head_dim)
-    kernel = (torch.ops.vecinfer.decode_attention_triton if dtype == torch.float32
-              else torch.ops.vecinfer.decode_attention_cuda).default
+    kernel = (
+        torch.ops.vecinfer.decode_attention_triton
+        if dtype == torch.float32
+        else torch.ops.vecinfer.decode_attention_cuda
+    ).default
     assert sum(n.target is kernel for n in backend.graphs[0].graph.nodes) == cfg.num_hidden_layers
     append = append_reference if dtype == torch.float32 else torch.ops.vecinfer.cache_append_cuda.default
     assert sum(n.target is append for n in backend.graphs[0].graph.nodes) == cfg.num_hidden_layers
     assert ReinplaceCounters.get_total_missed() == 0, dict(ReinplaceCounters._values)
     # the CUDA kernel's 16-bit codebooks: made once per codebook tensor (2 caches x K and V x
     # layers), not once per decode step (7 steps each)
-    assert counters["vecinfer"]["decode_book_conversions"] <= (0 if dtype == torch.float32 else 4 * cfg.num_hidden_layers)
+    assert counters["vecinfer"]["decode_book_conversions"] <= (
+        0 if dtype == torch.float32 else 4 * cfg.num_hidden_layers
+    )
     if dtype == torch.float32:
         assert torch.equal(compiled, eager)
     else:  # bf16 rounding differs between kernel and eager dequantize+SDPA: most tokens agree
@@ -313,8 +354,17 @@ def test_compiled_chunked_prefill_equals_eager(method="qaware"):
             config._compile_all_devices = True  # transformers compiles on CUDA only otherwise
             kw["compile_config"] = config
         counters.clear()
-        outs[compiled] = _generate(model, ids, mask, cache, max_new_tokens=3, prefill_chunk_size=8, output_logits=True,
-                                   return_dict_in_generate=True, **kw)
+        outs[compiled] = _generate(
+            model,
+            ids,
+            mask,
+            cache,
+            max_new_tokens=3,
+            prefill_chunk_size=8,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
     layers = model.config.num_hidden_layers
     assert counters["vecinfer"]["cache_prefill_full_precision"] == layers
     # the later chunks (8 and 4 tokens) attend over the codes, none over a dequantized read

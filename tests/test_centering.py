@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from vecinfer_compile.codecs.codebooks import coded_kv
 from vecinfer_compile.codebooks import FORMAT, LayerCodebooks, load_codebooks
+from vecinfer_compile.codecs.codebooks import coded_kv
 from vecinfer_compile.evaluation.kv_bytes import kv_bytes
+from vecinfer_compile.hf.tensor_parallel import TPShard, local_layer
 from vecinfer_compile.methods import SIMULATE_ONLY, VQ_METHODS
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.decode_inputs import transform_queries
@@ -26,7 +27,6 @@ from vecinfer_compile.quant.codebook import quantize_dequantize
 from vecinfer_compile.quant.query_aware import query_aware_matrices, second_moment
 from vecinfer_compile.quant.transform import KeyTransform, centre_keys, smoothing_factors
 from vecinfer_compile.simulate import simulated_attention
-from vecinfer_compile.hf.tensor_parallel import TPShard, local_layer
 from vecinfer_compile.testing import random_codebooks, random_layer_codebooks, tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,17 +45,28 @@ def _centred_transform(hkv: int, d: int, query_aware: bool, rotate: bool, seed: 
     if query_aware:
         q = torch.randn(hkv, 64, d, generator=gen) * (0.2 + 3 * torch.rand(d, generator=gen))
         k = torch.randn(hkv, 64, d, generator=gen) @ torch.randn(d, d, generator=gen)
-        return KeyTransform(d, None, rotate, *query_aware_matrices(second_moment(q, hkv), second_moment(k, hkv)),
-                            mean=mean)
+        return KeyTransform(
+            d, None, rotate, *query_aware_matrices(second_moment(q, hkv), second_moment(k, hkv)), mean=mean
+        )
     return KeyTransform(d, 0.5 + 1.5 * torch.rand(hkv, d, generator=gen), rotate, mean=mean)
 
 
 @settings(max_examples=40, deadline=None)
-@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2]), tq=st.integers(1, 7),
-       extra=st.integers(0, 6), residual=st.integers(0, 6), query_aware=st.booleans(), rotate=st.booleans(),
-       causal=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2]),
+    tq=st.integers(1, 7),
+    extra=st.integers(0, 6),
+    residual=st.integers(0, 6),
+    query_aware=st.booleans(),
+    rotate=st.booleans(),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_centred_attention_is_exact_with_mixed_quantized_and_window_keys(
-        b, hkv, group, tq, extra, residual, query_aware, rotate, causal, seed):
+    b, hkv, group, tq, extra, residual, query_aware, rotate, causal, seed
+):
     """``softmax(q~ K~^T) V == softmax(q K^T) V`` where each row mixes quantized keys and
     full-precision window keys: the eager simulate path (original domain, ``keys_inverse`` adds
     ``mu`` back) against the compile pass's windowed attention and the reference op (both in the
@@ -69,7 +80,7 @@ def test_centred_attention_is_exact_with_mixed_quantized_and_window_keys(
     kc, vc = torch.randn(16, 4, generator=gen), torch.randn(16, 4, generator=gen)
     kt = tr.keys(k)
     kt_hat, v_hat = quantize_dequantize(kt, kc), quantize_dequantize(v, vc)
-    scale = d ** -0.5
+    scale = d**-0.5
     is_causal = causal and tq == tk  # SDPA's top-left causal mask, as the model uses it
     eager = simulated_attention(q, k, v, tr.keys_inverse(kt_hat), v_hat, None, is_causal, scale, residual)
     qt = tr.queries(q)
@@ -78,7 +89,8 @@ def test_centred_attention_is_exact_with_mixed_quantized_and_window_keys(
         compiled = windowed_attention(qt, kt_hat, kt, v_hat, v, plan, scale)
     else:
         compiled = torch.nn.functional.scaled_dot_product_attention(
-            qt, kt_hat.repeat_interleave(group, 1), v_hat.repeat_interleave(group, 1), is_causal=is_causal, scale=scale)
+            qt, kt_hat.repeat_interleave(group, 1), v_hat.repeat_interleave(group, 1), is_causal=is_causal, scale=scale
+        )
     codes_k = reference.encode(kt, None, None, kc)
     codes_v = reference.encode(v, None, None, vc)
     ref = reference.attention(qt, codes_k, codes_v, kc, vc, kt, v, None, is_causal, scale, residual)
@@ -176,8 +188,7 @@ def test_calibrate_stores_the_key_mean(tiny_model_and_tokenizer, sample_text_pat
 
     model, tokenizer = tiny_model_and_tokenizer
     text = sample_text_path.read_text()
-    cb = calibrate(model, tokenizer, text, bits=2, method=method, max_tokens=512, seq_len=256, iters=2,
-                   progress=False)
+    cb = calibrate(model, tokenizer, text, bits=2, method=method, max_tokens=512, seq_len=256, iters=2, progress=False)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:512]
     keys, _ = collect_kv(model, torch.tensor(ids), 256, False)
     for i, layer in enumerate(cb.layers):
@@ -206,12 +217,14 @@ def test_backend_transform_only_is_exact_and_compiled_simulate_matches_eager(met
     x = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         full = model(input_ids=x, use_cache=False).logits
-        exact = torch.compile(model, backend=vecinfer_backend.configure(cb, method=method, quantize=False),
-                              fullgraph=True)(input_ids=x, use_cache=False).logits
+        exact = torch.compile(
+            model, backend=vecinfer_backend.configure(cb, method=method, quantize=False), fullgraph=True
+        )(input_ids=x, use_cache=False).logits
         torch.testing.assert_close(exact, full, atol=1e-4, rtol=1e-4)
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=vecinfer_backend.configure(cb, method=method, residual=4),
-                                 fullgraph=True)(input_ids=x, use_cache=False).logits
+        compiled = torch.compile(
+            model, backend=vecinfer_backend.configure(cb, method=method, residual=4), fullgraph=True
+        )(input_ids=x, use_cache=False).logits
         sim = enable_simulation(copy.deepcopy(model), method, bits=2, codebooks=cb, residual=4)
         simulated = sim(input_ids=x, use_cache=False).logits
     torch.testing.assert_close(compiled, simulated, atol=1e-4, rtol=1e-4)
@@ -235,7 +248,7 @@ def test_cache_decode_over_codes_and_window_is_exact(method):
     v = torch.randn(2, 2, 9, 16, generator=gen)
     layer.update(k[:, :, :6], v[:, :, :6])
     for t in (6, 7, 8):
-        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     assert (int(layer.storage.n_coded), int(layer.storage.n_window)) == (5, 4)
     k_read, v_read = layer.dequantized()
     torch.testing.assert_close(k_read[:, :, 5:9], k[:, :, 5:9], atol=1e-5, rtol=1e-5)  # the window
@@ -243,10 +256,11 @@ def test_cache_decode_over_codes_and_window_is_exact(method):
     q = torch.randn(2, 4, 1, 16, generator=gen)
     valid = (torch.arange(20) < 9)[None, :]
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k_read.repeat_interleave(2, 1), v_read.repeat_interleave(2, 1), attn_mask=valid)
+        q, k_read.repeat_interleave(2, 1), v_read.repeat_interleave(2, 1), attn_mask=valid
+    )
     s, qz = layer.storage, layer.quantizer
     q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
-    out = reference.decode_attention(q_t, coded_kv(s, qz), None, 16 ** -0.5)
+    out = reference.decode_attention(q_t, coded_kv(s, qz), None, 16**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
 
 

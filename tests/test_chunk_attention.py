@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vecinfer_compile.ops.split_attention import chunk as ca
+from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
+from vecinfer_compile.codecs.trellis.operands import TrellisOperands
+from vecinfer_compile.codecs.trellis.prefix import TrellisPrefix
 from vecinfer_compile.ops import reference
 from vecinfer_compile.ops.reference import dequantize
-from vecinfer_compile.codecs.trellis.prefix import TrellisPrefix
+from vecinfer_compile.ops.split_attention import chunk as ca
 from vecinfer_compile.ops.split_attention.prefix import CodebookPrefix
-from vecinfer_compile.codecs.trellis.operands import TrellisOperands
 from vecinfer_compile.quant.packing import pack_codes
-from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +53,7 @@ def dense_flash_varlen(q, k, v, cu_q, cu_k, used_k, max_q, max_k, causal, scale)
         if n == 0:
             continue
         qs = q[q0:q1].double().transpose(0, 1)
-        ks, vs = (x[k0:k0 + n].double().transpose(0, 1).repeat_interleave(group, 0) for x in (k, v))
+        ks, vs = (x[k0 : k0 + n].double().transpose(0, 1).repeat_interleave(group, 0) for x in (k, v))
         scores = qs @ ks.transpose(-1, -2) * scale
         if causal:
             i, j = torch.arange(q1 - q0)[:, None], torch.arange(n)[None]
@@ -91,8 +91,9 @@ class TorchTrellisPrefix(TrellisPrefix):
         v_out.copy_(self.values.entries(v_codes[:, :, :length].transpose(1, 2)))
 
 
-def chunk_case(gen, *, b, hkv, group, d, chunk, n_coded, window, kbook, vbook, dtype, device="cpu", spare=7,
-               trellis=False):
+def chunk_case(
+    gen, *, b, hkv, group, d, chunk, n_coded, window, kbook, vbook, dtype, device="cpu", spare=7, trellis=False
+):
     """Random codes (``spare`` slots more than ``n_coded``, garbage: must never be read), their codec
     (centroids of ``kbook``, ``vbook``; or with ``trellis`` random trellis codecs of 2 bits an element
     and 2^8 states, any string a valid code), full-precision window + chunk and queries. Returns
@@ -110,16 +111,18 @@ def chunk_case(gen, *, b, hkv, group, d, chunk, n_coded, window, kbook, vbook, d
         return torch.randn(*shape, generator=gen).to(dtype).to(device)
 
     if trellis:
-        keys_ops, values_ops = (TrellisOperands.of(random_trellis_codec(gen, hkv, d, 2.0, 8), device)
-                                for _ in range(2))
-        k_codes, v_codes = (torch.randint(0, 256, (b, hkv, slots, d // 4), generator=gen, dtype=torch.uint8).to(device)
-                            for _ in range(2))
+        keys_ops, values_ops = (TrellisOperands.of(random_trellis_codec(gen, hkv, d, 2.0, 8), device) for _ in range(2))
+        k_codes, v_codes = (
+            torch.randint(0, 256, (b, hkv, slots, d // 4), generator=gen, dtype=torch.uint8).to(device)
+            for _ in range(2)
+        )
         prefix = (TrellisPrefix if device == "cuda" else TorchTrellisPrefix)(keys_ops, values_ops)
     else:
         k_codes, v_codes = codes(kbook), codes(vbook)
         prefix = (CodebookPrefix if device == "cuda" else TorchCodebookPrefix)(cent(kbook), cent(vbook))
-    keys = ca.ChunkKeys(k_codes, v_codes, prefix, n_coded, rand(b, window + chunk, hkv, d),
-                        rand(b, window + chunk, hkv, d))
+    keys = ca.ChunkKeys(
+        k_codes, v_codes, prefix, n_coded, rand(b, window + chunk, hkv, d), rand(b, window + chunk, hkv, d)
+    )
     return rand(b, hkv * group, chunk, d), keys
 
 
@@ -144,20 +147,36 @@ def start_of(gen, b: int, length: int, device="cpu") -> torch.Tensor:
     prefix_kernel=st.sampled_from(["flash", "cudnn"]),
     trellis=st.booleans(),
 )
-def test_split_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, kbook, vbook, padding,
-                                      rows_at_once, prefix_kernel, trellis):
+def test_split_path_equals_the_oracle(
+    seed, b, hkv, group, chunk, n_coded, window, kbook, vbook, padding, rows_at_once, prefix_kernel, trellis
+):
     """The fast path's bookkeeping: the coded prefix a few rows at a time (FlashAttention-2 varlen
     with each row's start, or cuDNN when no row is padded) plus the window and chunk through
     FlashAttention-2's varlen contract, merged: equal to the dense oracle for odd chunk and prefix
     lengths, an empty, partial or full window, left padding of any length (rows with nothing to
     see included), GQA 1-16, either codec."""
     gen = torch.Generator().manual_seed(seed)
-    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=16, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=kbook, vbook=vbook, dtype=torch.float32, trellis=trellis)
+    q, keys = chunk_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        d=16,
+        chunk=chunk,
+        n_coded=n_coded,
+        window=window,
+        kbook=kbook,
+        vbook=vbook,
+        dtype=torch.float32,
+        trellis=trellis,
+    )
     kv_start = start_of(gen, b, keys.length) if padding and prefix_kernel == "flash" else None
     workspace = 1 << 30 if rows_at_once is None else rows_at_once * 2 * n_coded * hkv * 16 * 4
-    with mock.patch.object(ca, "flash_varlen", dense_flash_varlen), mock.patch.object(ca, "WORKSPACE_BYTES", workspace), \
-            mock.patch.object(ca, "cudnn_prefix", dense_cudnn_prefix):
+    with (
+        mock.patch.object(ca, "flash_varlen", dense_flash_varlen),
+        mock.patch.object(ca, "WORKSPACE_BYTES", workspace),
+        mock.patch.object(ca, "cudnn_prefix", dense_cudnn_prefix),
+    ):
         got = ca.split_flash(q, keys, kv_start, 0.3, prefix_kernel=prefix_kernel)
     torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3), rtol=1e-4, atol=1e-4)
 
@@ -175,13 +194,24 @@ def test_split_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, windo
     rows_at_once=st.sampled_from([1, None]),
     trellis=st.booleans(),
 )
-def test_dense_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, mask_kind, rows_at_once,
-                                      trellis):
+def test_dense_path_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, mask_kind, rows_at_once, trellis):
     """The path off the fast kernels (CPU, float32, any mask): SDPA over the slots a few rows at a
     time, with the standard mask from the padding or a given bool / additive mask, either codec."""
     gen = torch.Generator().manual_seed(seed)
-    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=16, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=(256, 4), vbook=(4096, 8), dtype=torch.float32, trellis=trellis)
+    q, keys = chunk_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        d=16,
+        chunk=chunk,
+        n_coded=n_coded,
+        window=window,
+        kbook=(256, 4),
+        vbook=(4096, 8),
+        dtype=torch.float32,
+        trellis=trellis,
+    )
     kv_start = start_of(gen, b, keys.length - 1)  # every row sees its last query's key at least
     mask = None
     if mask_kind != "none":
@@ -206,8 +236,14 @@ def op_inputs(gen, keys: ca.ChunkKeys, spare_window: int):
         return torch.cat([full.transpose(1, 2), garbage], 2)
 
     counter = lambda n: torch.tensor(n, device=keys.k_full.device)  # noqa: E731
-    return (keys.k_codes, keys.v_codes, counter(keys.n_coded), window(keys.k_full), window(keys.v_full),
-            counter(length_full))
+    return (
+        keys.k_codes,
+        keys.v_codes,
+        counter(keys.n_coded),
+        window(keys.k_full),
+        window(keys.v_full),
+        counter(length_full),
+    )
 
 
 def chunk_op(gen, q, keys: ca.ChunkKeys, spare_window: int, mask, scale: float):
@@ -216,10 +252,12 @@ def chunk_op(gen, q, keys: ca.ChunkKeys, spare_window: int, mask, scale: float):
     k_codes, v_codes, n_coded, k_window, v_window, n_window = op_inputs(gen, keys, spare_window)
     p = keys.prefix
     if isinstance(p, TrellisPrefix):
-        return torch.ops.vecinfer.trellis_chunk_attention(q, k_codes, v_codes, n_coded, k_window, v_window,
-                                                          n_window, mask, scale, list(p.keys), list(p.values))
-    return torch.ops.vecinfer.chunk_attention(q, k_codes, v_codes, p.key_centroids, p.value_centroids, n_coded,
-                                              k_window, v_window, n_window, mask, scale)
+        return torch.ops.vecinfer.trellis_chunk_attention(
+            q, k_codes, v_codes, n_coded, k_window, v_window, n_window, mask, scale, list(p.keys), list(p.values)
+        )
+    return torch.ops.vecinfer.chunk_attention(
+        q, k_codes, v_codes, p.key_centroids, p.value_centroids, n_coded, k_window, v_window, n_window, mask, scale
+    )
 
 
 def hf_chunk_mask(gen, keys: ca.ChunkKeys, chunk: int, kind: str, heads: int):
@@ -233,7 +271,9 @@ def hf_chunk_mask(gen, keys: ca.ChunkKeys, chunk: int, kind: str, heads: int):
     kv_start = start_of(gen, b, length - 1, device)
     valid = reference.chunk_mask(b, chunk, length, kv_start, device)
     if kind == "holes":
-        valid = valid.expand(b, heads, chunk, length) & (torch.rand(b, heads, chunk, length, generator=gen) > 0.2).to(device)
+        valid = valid.expand(b, heads, chunk, length) & (torch.rand(b, heads, chunk, length, generator=gen) > 0.2).to(
+            device
+        )
     mask = F.pad(valid, (0, slots - length))
     if kind == "float":
         mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -259,9 +299,21 @@ def test_op_equals_the_oracle(seed, b, hkv, group, chunk, n_coded, window, spare
     the cache's buffers and counters and HF's mask over every slot: the oracle's rule over the valid
     slots (garbage code and window slots past the counters never read), laid out as its fake says."""
     gen = torch.Generator().manual_seed(seed)
-    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=(256, 4), vbook=(256, 2), dtype=torch.float32, spare=window + chunk + 5,
-                         trellis=trellis)
+    q, keys = chunk_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        d=d,
+        chunk=chunk,
+        n_coded=n_coded,
+        window=window,
+        kbook=(256, 4),
+        vbook=(256, 2),
+        dtype=torch.float32,
+        spare=window + chunk + 5,
+        trellis=trellis,
+    )
     mask, kv_start, explicit = hf_chunk_mask(gen, keys, chunk, mask_kind, hkv * group)
     got = chunk_op(gen, q, keys, spare_window, mask, 0.3)
     torch.testing.assert_close(got, reference.chunk_attention(q, keys, kv_start, 0.3, explicit), rtol=1e-4, atol=1e-4)
@@ -274,8 +326,16 @@ def test_standard_mask_is_hf_chunk_mask():
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     padding = torch.tensor([[1] * 9, [0, 0, 0] + [1] * 6])
-    hf = sdpa_mask(batch_size=2, q_length=4, kv_length=9, q_offset=5, kv_offset=0,
-                   mask_function=causal_mask_function, attention_mask=padding, allow_is_causal_skip=False)
+    hf = sdpa_mask(
+        batch_size=2,
+        q_length=4,
+        kv_length=9,
+        q_offset=5,
+        kv_offset=0,
+        mask_function=causal_mask_function,
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+    )
     ours = reference.chunk_mask(2, 4, 9, torch.tensor([0, 3]), "cpu")
     assert torch.equal(hf, ours)
 
@@ -326,8 +386,18 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
     model, tok = load_model(evalmodel_dir, "float32", "cpu")
     text = load_text(calibration_text_path)
     trellis = {"key_codec": "trellis", "value_codec": "trellis", "trellis_states": 64} if codec else {}
-    cb = calibrate(model, tok, text[:200_000], bits=2, method=method, max_tokens=1024, seq_len=512, iters=10,
-                   progress=False, **trellis)
+    cb = calibrate(
+        model,
+        tok,
+        text[:200_000],
+        bits=2,
+        method=method,
+        max_tokens=1024,
+        seq_len=512,
+        iters=10,
+        progress=False,
+        **trellis,
+    )
     ids = tokenize(tok, text[-60_000:])[None, :600]  # the calibration file's end: not calibrated on
     with torch.no_grad():
         full = _prompt_nll(model(ids).logits, ids)
@@ -339,11 +409,19 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
         with torch.no_grad():
             for s in range(0, ids.shape[1], chunk):
                 e = min(s + chunk, ids.shape[1])
-                logits.append(model(input_ids=ids[:, s:e], attention_mask=torch.ones_like(ids[:, :e]),
-                                    use_cache=True, **forward_cache_kwargs(model, cache)).logits)
+                logits.append(
+                    model(
+                        input_ids=ids[:, s:e],
+                        attention_mask=torch.ones_like(ids[:, :e]),
+                        use_cache=True,
+                        **forward_cache_kwargs(model, cache),
+                    ).logits
+                )
         chunked = _prompt_nll(torch.cat(logits, 1), ids)
-        print(f"{method}{' trellis' if codec else ''} R={residual} chunk={chunk}: prompt NLL full precision {full:.4f}, simulate {simulate:.4f}, "
-              f"chunked cache {chunked:.4f}")  # shown with pytest -s (docs/results.md)
+        print(
+            f"{method}{' trellis' if codec else ''} R={residual} chunk={chunk}: prompt NLL full precision {full:.4f}, simulate {simulate:.4f}, "
+            f"chunked cache {chunked:.4f}"
+        )  # shown with pytest -s (docs/results.md)
         assert chunked <= simulate, (residual, chunk, chunked, simulate)
 
 
@@ -360,8 +438,9 @@ def test_cuda_dequant_source_compiles_for_sm90(book, d):
     except nvrtc.CudaBuildError as exc:
         pytest.skip(str(exc))
     variant = cuda_dequant.DequantVariant(d, *book)
-    image, is_cubin = nvrtc.compile_source(cuda_dequant.SOURCE.read_text(), "vq_dequant", 90,
-                                           ["--std=c++17", *variant.defines()])
+    image, is_cubin = nvrtc.compile_source(
+        cuda_dequant.SOURCE.read_text(), "vq_dequant", 90, ["--std=c++17", *variant.defines()]
+    )
     assert is_cubin and len(image) > 1000
 
 
@@ -389,7 +468,6 @@ def test_cuda_dequantize_kernels_equal_the_reference(kernel, book, d):
     assert torch.equal(out[:, :999], want) and out[:, 999:].isnan().all()
 
 
-
 @pytest.mark.cuda
 @settings(max_examples=40, deadline=None)
 @given(
@@ -407,18 +485,32 @@ def test_cuda_dequantize_kernels_equal_the_reference(kernel, book, d):
     padding=st.booleans(),
     trellis=st.booleans(),
 )
-def test_cuda_chunk_attention_equals_the_oracle(seed, b, hkv, group, d, chunk, n_coded, window, kbook, vbook,
-                                                dtype, padding, trellis):
+def test_cuda_chunk_attention_equals_the_oracle(
+    seed, b, hkv, group, d, chunk, n_coded, window, kbook, vbook, dtype, padding, trellis
+):
     """The real fast path (the workspace's kernel, torch's FlashAttention-2 varlen or cuDNN, the
     merge) against the float32 oracle, either codec: ``err <= 2 * err(bf16/fp16 SDPA over the same
     slots) + atol``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(seed)
-    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=kbook, vbook=vbook, dtype=dtype, device="cuda", trellis=trellis)
+    q, keys = chunk_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        d=d,
+        chunk=chunk,
+        n_coded=n_coded,
+        window=window,
+        kbook=kbook,
+        vbook=vbook,
+        dtype=dtype,
+        device="cuda",
+        trellis=trellis,
+    )
     kv_start = start_of(gen, b, keys.length, "cuda") if padding else None
-    scale = d ** -0.5
+    scale = d**-0.5
     assert ca.fast_path_serves(q)
     got = ca.attend(q, keys, kv_start, scale)
     assert got.dtype == dtype and got.isfinite().all()
@@ -453,11 +545,24 @@ def test_cuda_op_equals_the_oracle(seed, b, hkv, group, d, chunk, n_coded, windo
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(seed)
-    q, keys = chunk_case(gen, b=b, hkv=hkv, group=group, d=d, chunk=chunk, n_coded=n_coded, window=window,
-                         kbook=(256, 4), vbook=(256, 4), dtype=dtype, device="cuda", spare=window + chunk + 9,
-                         trellis=trellis)
+    q, keys = chunk_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        d=d,
+        chunk=chunk,
+        n_coded=n_coded,
+        window=window,
+        kbook=(256, 4),
+        vbook=(256, 4),
+        dtype=dtype,
+        device="cuda",
+        spare=window + chunk + 9,
+        trellis=trellis,
+    )
     mask, kv_start, explicit = hf_chunk_mask(gen, keys, chunk, mask_kind, hkv * group)
-    scale = d ** -0.5
+    scale = d**-0.5
     got = chunk_op(gen, q, keys, 5, mask, scale)
     assert got.dtype == dtype and got.isfinite().all()
     want = reference.chunk_attention(q.float(), keys, kv_start, scale, explicit)

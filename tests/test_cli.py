@@ -42,12 +42,33 @@ def test_commands_registered():
 
 
 def test_eval_ppl_fp16_json_equals_model_loss(capsys, tiny_model, tiny_dir, sample_text_path):
-    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                            "--method", "fp16", "--windows", "2", "--window-len", "64", "--json",
-                            "--no-progress"])
+    out = run_json(
+        capsys,
+        [
+            "eval-ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--method",
+            "fp16",
+            "--windows",
+            "2",
+            "--window-len",
+            "64",
+            "--json",
+            "--no-progress",
+        ],
+    )
     for key in ("method", "bits", "ppl", "tokens", "kv_bytes_per_token", "backend", "residual"):
         assert key in out
-    assert (out["method"], out["bits"], out["tokens"], out["backend"], out["residual"]) == ("fp16", 16.0, 126, "eager", 0)
+    assert (out["method"], out["bits"], out["tokens"], out["backend"], out["residual"]) == (
+        "fp16",
+        16.0,
+        126,
+        "eager",
+        0,
+    )
     assert out["kv_bytes_per_token"] == 2048
     model, tok = tiny_model
     from vecinfer_compile.models import load_text, tokenize
@@ -59,9 +80,26 @@ def test_eval_ppl_fp16_json_equals_model_loss(capsys, tiny_model, tiny_dir, samp
 
 
 def test_eval_ppl_kivi_json(capsys, tiny_dir, sample_text_path):
-    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                            "--method", "kivi", "--bits", "2", "--windows", "2", "--window-len", "64",
-                            "--json", "--no-progress"])
+    out = run_json(
+        capsys,
+        [
+            "eval-ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--method",
+            "kivi",
+            "--bits",
+            "2",
+            "--windows",
+            "2",
+            "--window-len",
+            "64",
+            "--json",
+            "--no-progress",
+        ],
+    )
     assert out["method"] == "kivi" and out["bits"] == 2.0 and out["kv_bytes_per_token"] == 384
     assert math.isfinite(out["ppl"]) and out["ppl"] > 1
 
@@ -70,17 +108,38 @@ def test_eval_ppl_with_codebooks_file(capsys, tmp_path, tiny_model, tiny_dir, sa
     from vecinfer_compile.codebooks import model_geometry
 
     path = random_codebooks(model_geometry(tiny_model[0].config), 2).save(tmp_path / "cb.safetensors")
-    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                            "--method", "vecinfer", "--bits", "2", "--codebooks", str(path),
-                            "--windows", "1", "--window-len", "64", "--json", "--no-progress",
-                            "--residual", "16"])
+    out = run_json(
+        capsys,
+        [
+            "eval-ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--method",
+            "vecinfer",
+            "--bits",
+            "2",
+            "--codebooks",
+            str(path),
+            "--windows",
+            "1",
+            "--window-len",
+            "64",
+            "--json",
+            "--no-progress",
+            "--residual",
+            "16",
+        ],
+    )
     assert out["method"] == "vecinfer" and out["residual"] == 16 and out["kv_bytes_per_token"] == 256
     assert math.isfinite(out["ppl"])
 
 
 @pytest.mark.parametrize("calibrated, warned", [(32, True), (64, False)])
-def test_eval_ppl_warns_when_windows_pass_the_calibrated_length(capsys, caplog, tmp_path, tiny_model, tiny_dir,
-                                                               sample_text_path, calibrated, warned):
+def test_eval_ppl_warns_when_windows_pass_the_calibrated_length(
+    capsys, caplog, tmp_path, tiny_model, tiny_dir, sample_text_path, calibrated, warned
+):
     """64-token windows scored with codebooks calibrated on 32-token sequences: one warning naming
     `--seq-len 64`; calibrated on 64, none."""
     from vecinfer_compile.codebooks import model_geometry
@@ -89,50 +148,152 @@ def test_eval_ppl_warns_when_windows_pass_the_calibrated_length(capsys, caplog, 
     cb.metadata["seq_len"] = calibrated
     path = cb.save(tmp_path / "cb.safetensors")
     with caplog.at_level("WARNING", logger="vecinfer_compile.codebooks"):
-        run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path), "--method", "vecinfer",
-                          "--bits", "2", "--codebooks", str(path), "--windows", "1", "--window-len", "64", "--json",
-                          "--no-progress"])
+        run_json(
+            capsys,
+            [
+                "eval-ppl",
+                "--model",
+                str(tiny_dir),
+                "--text",
+                str(sample_text_path),
+                "--method",
+                "vecinfer",
+                "--bits",
+                "2",
+                "--codebooks",
+                str(path),
+                "--windows",
+                "1",
+                "--window-len",
+                "64",
+                "--json",
+                "--no-progress",
+            ],
+        )
     messages = [r.getMessage() for r in caplog.records if "calibrated on" in r.getMessage()]
-    assert messages == (["vecinfer: these codebooks were calibrated on 32-token sequences; positions past 32 (up to "
-                         "64 here) are quantized worse than the ones calibration saw: recalibrate with `vecinfer "
-                         "calibrate --seq-len 64` (or longer) for contexts this long"] if warned else [])
+    assert messages == (
+        [
+            "vecinfer: these codebooks were calibrated on 32-token sequences; positions past 32 (up to "
+            "64 here) are quantized worse than the ones calibration saw: recalibrate with `vecinfer "
+            "calibrate --seq-len 64` (or longer) for contexts this long"
+        ]
+        if warned
+        else []
+    )
 
 
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["eval-ppl", "--model", "/nonexistent/model", "--text", "{text}", "--method", "fp16"],
-         "model directory /nonexistent/model does not exist"),
-        (["eval-ppl", "--model", "{tiny}", "--text", "/nonexistent.txt", "--method", "fp16"],
-         "text file /nonexistent.txt does not exist"),
-        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "vecinfer", "--bits", "2"],
-         "needs codebooks: pass --codebooks FILE"),
+        (
+            ["eval-ppl", "--model", "/nonexistent/model", "--text", "{text}", "--method", "fp16"],
+            "model directory /nonexistent/model does not exist",
+        ),
+        (
+            ["eval-ppl", "--model", "{tiny}", "--text", "/nonexistent.txt", "--method", "fp16"],
+            "text file /nonexistent.txt does not exist",
+        ),
+        (
+            ["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "vecinfer", "--bits", "2"],
+            "needs codebooks: pass --codebooks FILE",
+        ),
         (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "int8"], "invalid choice: 'int8'"),
-        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "vecinfer", "--bits", "5",
-          "--calib-text", "{text}"], "no VecInfer preset for 5"),
-        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "kivi", "--bits", "3"],
-         "KIVI runs at 2 or 4 bits"),
-        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "kivi", "--bits", "two"],
-         "bits must be a number"),
-        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "vecinfer", "--bits", "2",
-          "--codebooks", "/nonexistent.safetensors"], "codebook file /nonexistent.safetensors does not exist"),
-        (["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "fp16", "--windows", "1000",
-          "--no-progress"], "the text has"),
-        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "2", "--method", "kivi",
-          "--out", "x"], "invalid choice: 'kivi'"),
-        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--out", "x"],
-         "give --bits B (one preset for all layers"),
-        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "2", "--layer-bits", "2,2",
-          "--out", "x"], "give --bits B (one preset for all layers"),
-        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "1.5", "--allocate", "retrieval",
-          "--out", "x"], "needs 8-bit-code presets at 0.75, 1.5 and 3 bits; available for bits=2"),
-        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--layer-bits", "2,7,2,2", "--out", "x"],
-         "no VecInfer preset for 7"),
-        (["calibrate", "--model", "{tiny}", "--text", "{text}", "--layer-bits", "2,x", "--out", "x"],
-         "bits must be a number"),
+        (
+            [
+                "eval-ppl",
+                "--model",
+                "{tiny}",
+                "--text",
+                "{text}",
+                "--method",
+                "vecinfer",
+                "--bits",
+                "5",
+                "--calib-text",
+                "{text}",
+            ],
+            "no VecInfer preset for 5",
+        ),
+        (
+            ["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "kivi", "--bits", "3"],
+            "KIVI runs at 2 or 4 bits",
+        ),
+        (
+            ["eval-ppl", "--model", "{tiny}", "--text", "{text}", "--method", "kivi", "--bits", "two"],
+            "bits must be a number",
+        ),
+        (
+            [
+                "eval-ppl",
+                "--model",
+                "{tiny}",
+                "--text",
+                "{text}",
+                "--method",
+                "vecinfer",
+                "--bits",
+                "2",
+                "--codebooks",
+                "/nonexistent.safetensors",
+            ],
+            "codebook file /nonexistent.safetensors does not exist",
+        ),
+        (
+            [
+                "eval-ppl",
+                "--model",
+                "{tiny}",
+                "--text",
+                "{text}",
+                "--method",
+                "fp16",
+                "--windows",
+                "1000",
+                "--no-progress",
+            ],
+            "the text has",
+        ),
+        (
+            ["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "2", "--method", "kivi", "--out", "x"],
+            "invalid choice: 'kivi'",
+        ),
+        (
+            ["calibrate", "--model", "{tiny}", "--text", "{text}", "--out", "x"],
+            "give --bits B (one preset for all layers",
+        ),
+        (
+            ["calibrate", "--model", "{tiny}", "--text", "{text}", "--bits", "2", "--layer-bits", "2,2", "--out", "x"],
+            "give --bits B (one preset for all layers",
+        ),
+        (
+            [
+                "calibrate",
+                "--model",
+                "{tiny}",
+                "--text",
+                "{text}",
+                "--bits",
+                "1.5",
+                "--allocate",
+                "retrieval",
+                "--out",
+                "x",
+            ],
+            "needs 8-bit-code presets at 0.75, 1.5 and 3 bits; available for bits=2",
+        ),
+        (
+            ["calibrate", "--model", "{tiny}", "--text", "{text}", "--layer-bits", "2,7,2,2", "--out", "x"],
+            "no VecInfer preset for 7",
+        ),
+        (
+            ["calibrate", "--model", "{tiny}", "--text", "{text}", "--layer-bits", "2,x", "--out", "x"],
+            "bits must be a number",
+        ),
         (["demo", "--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
-        (["ablation", "--model", "{tiny}", "--text", "{text}", "--calib-text", "/nope.txt"],
-         "calibration text /nope.txt does not exist"),
+        (
+            ["ablation", "--model", "{tiny}", "--text", "{text}", "--calib-text", "/nope.txt"],
+            "calibration text /nope.txt does not exist",
+        ),
         ([], "required"),
     ],
 )
@@ -142,12 +303,36 @@ def test_clear_errors(capsys, tiny_dir, sample_text_path, argv, match):
 
 
 def test_codebooks_for_another_model(capsys, tmp_path, tiny_dir, sample_text_path):
-    other = {"model_type": "llama", "num_layers": 6, "num_query_heads": 4, "num_kv_heads": 2,
-             "head_dim": 128, "hidden_size": 512, "vocab_size": 8192}
+    other = {
+        "model_type": "llama",
+        "num_layers": 6,
+        "num_query_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "hidden_size": 512,
+        "vocab_size": 8192,
+    }
     path = random_codebooks(other, 2).save(tmp_path / "other.safetensors")
-    msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                             "--method", "vecinfer", "--bits", "2", "--codebooks", str(path),
-                             "--windows", "1", "--window-len", "32"])
+    msg = run_error(
+        capsys,
+        [
+            "eval-ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--method",
+            "vecinfer",
+            "--bits",
+            "2",
+            "--codebooks",
+            str(path),
+            "--windows",
+            "1",
+            "--window-len",
+            "32",
+        ],
+    )
     assert "calibrated for another model" in msg and "num_layers" in msg
 
 
@@ -155,8 +340,22 @@ def test_codebooks_for_another_bit_width(capsys, tmp_path, tiny_model, tiny_dir,
     from vecinfer_compile.codebooks import model_geometry
 
     path = random_codebooks(model_geometry(tiny_model[0].config), 4).save(tmp_path / "cb4.safetensors")
-    msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                             "--method", "vecinfer", "--bits", "2", "--codebooks", str(path)])
+    msg = run_error(
+        capsys,
+        [
+            "eval-ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--method",
+            "vecinfer",
+            "--bits",
+            "2",
+            "--codebooks",
+            str(path),
+        ],
+    )
     assert "for 4 bits, not 2" in msg
 
 
@@ -172,8 +371,13 @@ def test_demo_end_to_end(capsys):
     assert rows[("vecinfer", 4.0)]["ppl_ratio"] < 1.5
     # physical bits as stored: 12-bit codes packed, KIVI's scales counted
     physical = {key: r["physical_bits_per_element"] for key, r in rows.items()}
-    assert physical == {("fp16", 16.0): 16.0, ("vecinfer", 4.0): 4.0, ("vecinfer", 2.0): 2.0,
-                        ("vecinfer", 1.5): 1.5, ("kivi", 2.0): 3.0}
+    assert physical == {
+        ("fp16", 16.0): 16.0,
+        ("vecinfer", 4.0): 4.0,
+        ("vecinfer", 2.0): 2.0,
+        ("vecinfer", 1.5): 1.5,
+        ("kivi", 2.0): 3.0,
+    }
     assert rows[("vecinfer", 1.5)]["kv_bytes_per_token"] == 0.75 * rows[("vecinfer", 2.0)]["kv_bytes_per_token"]
 
 
@@ -187,22 +391,98 @@ def test_demo_table_says_how_it_was_calibrated(capsys):
 @pytest.mark.slow  # k-means on the CPU: ~20-50 s
 def test_calibrate_then_eval_and_ablation(capsys, tmp_path, tiny_dir, sample_text_path):
     cb = tmp_path / "cb2.safetensors"
-    assert main(["calibrate", "--model", str(tiny_dir), "--text", str(sample_text_path), "--bits", "2",
-                 "--max-tokens", "512", "--seq-len", "256", "--iters", "3", "--out", str(cb),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(tiny_dir),
+                "--text",
+                str(sample_text_path),
+                "--bits",
+                "2",
+                "--max-tokens",
+                "512",
+                "--seq-len",
+                "256",
+                "--iters",
+                "3",
+                "--out",
+                str(cb),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "wrote" in capsys.readouterr().out and cb.is_file()
-    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                            "--method", "vecinfer", "--bits", "2", "--codebooks", str(cb),
-                            "--windows", "1", "--window-len", "64", "--json", "--no-progress"])
+    out = run_json(
+        capsys,
+        [
+            "eval-ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--method",
+            "vecinfer",
+            "--bits",
+            "2",
+            "--codebooks",
+            str(cb),
+            "--windows",
+            "1",
+            "--window-len",
+            "64",
+            "--json",
+            "--no-progress",
+        ],
+    )
     assert math.isfinite(out["ppl"])
     mixed = tmp_path / "cb-mixed.safetensors"
-    assert main(["calibrate", "--model", str(tiny_dir), "--text", str(sample_text_path), "--layer-bits",
-                 "4,1,2,1", "--max-tokens", "512", "--seq-len", "256", "--iters", "3", "--out", str(mixed),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(tiny_dir),
+                "--text",
+                str(sample_text_path),
+                "--layer-bits",
+                "4,1,2,1",
+                "--max-tokens",
+                "512",
+                "--seq-len",
+                "256",
+                "--iters",
+                "3",
+                "--out",
+                str(mixed),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "per layer 4/1/2/1" in capsys.readouterr().out
-    out = run_json(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                            "--method", "vecinfer", "--codebooks", str(mixed),
-                            "--windows", "1", "--window-len", "64", "--json", "--no-progress"])
+    out = run_json(
+        capsys,
+        [
+            "eval-ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--method",
+            "vecinfer",
+            "--codebooks",
+            str(mixed),
+            "--windows",
+            "1",
+            "--window-len",
+            "64",
+            "--json",
+            "--no-progress",
+        ],
+    )
     assert out["bits"] == 2.0 and out["layer_bits"] == [4.0, 1.0, 2.0, 1.0]
     assert out["physical_bits_per_element"] == 2.0 and math.isfinite(out["ppl"])
     pytest.importorskip("matplotlib")
@@ -210,11 +490,36 @@ def test_calibrate_then_eval_and_ablation(capsys, tmp_path, tiny_dir, sample_tex
     cache.mkdir()
     (cache / "vecinfer-2bit.safetensors").write_bytes(cb.read_bytes())  # reused, not recalibrated
     plot = tmp_path / "plot.png"
-    res = run_json(capsys, ["ablation", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                            "--calib-text", str(sample_text_path), "--rows", "fp16:16,vecinfer:2,kivi:2,prerope:2",
-                            "--windows", "1", "--window-len", "64", "--max-tokens", "512",
-                            "--seq-len", "256", "--iters", "3", "--out-codebooks", str(cache),
-                            "--plot", str(plot), "--json", "--no-progress"])
+    res = run_json(
+        capsys,
+        [
+            "ablation",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--calib-text",
+            str(sample_text_path),
+            "--rows",
+            "fp16:16,vecinfer:2,kivi:2,prerope:2",
+            "--windows",
+            "1",
+            "--window-len",
+            "64",
+            "--max-tokens",
+            "512",
+            "--seq-len",
+            "256",
+            "--iters",
+            "3",
+            "--out-codebooks",
+            str(cache),
+            "--plot",
+            str(plot),
+            "--json",
+            "--no-progress",
+        ],
+    )
     assert [r["method"] for r in res["rows"]] == ["fp16", "vecinfer", "kivi", "prerope"]
     assert (cache / "vecinfer-2bit.safetensors").is_file() and plot.stat().st_size > 1000
     assert (cache / "prerope-2bit.safetensors").is_file() and math.isfinite(res["rows"][3]["ppl"])
@@ -270,16 +575,41 @@ def test_line_ends_do_not_change_the_text(tmp_path, sample_text_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_device_without_cuda_is_one_line(capsys, tiny_dir, sample_text_path):
-    msg = run_error(capsys, ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path),
-                             "--method", "fp16", "--device", "cuda"])
+    msg = run_error(
+        capsys,
+        ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path), "--method", "fp16", "--device", "cuda"],
+    )
     assert "--device cpu" in msg
 
 
 def test_eval_ppl_saves_and_reuses_codebooks(capsys, tmp_path, tiny_dir, sample_text_path):
-    argv = ["eval-ppl", "--model", str(tiny_dir), "--text", str(sample_text_path), "--method", "vecinfer",
-            "--bits", "2", "--calib-text", str(sample_text_path), "--save-codebooks", str(tmp_path),
-            "--max-tokens", "512", "--seq-len", "128", "--iters", "2", "--windows", "1", "--window-len", "64",
-            "--json", "--no-progress"]
+    argv = [
+        "eval-ppl",
+        "--model",
+        str(tiny_dir),
+        "--text",
+        str(sample_text_path),
+        "--method",
+        "vecinfer",
+        "--bits",
+        "2",
+        "--calib-text",
+        str(sample_text_path),
+        "--save-codebooks",
+        str(tmp_path),
+        "--max-tokens",
+        "512",
+        "--seq-len",
+        "128",
+        "--iters",
+        "2",
+        "--windows",
+        "1",
+        "--window-len",
+        "64",
+        "--json",
+        "--no-progress",
+    ]
     first = run_json(capsys, argv)
     saved = tmp_path / "vecinfer-2bit.safetensors"
     assert saved.is_file()
@@ -319,7 +649,7 @@ def test_readme_command_table_parses(tmp_path, monkeypatch):
     from vecinfer_compile.cli import build_parser
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme[readme.index("## Command line"):readme.index("## Results in brief")]
+    table = readme[readme.index("## Command line") : readme.index("## Results in brief")]
     examples = re.findall(r"\| `(vecinfer [^`]*)` \|", table)
     assert len(examples) == len(COMMANDS)
     parser = build_parser()

@@ -83,8 +83,10 @@ NO_MODEL_NEEDED = [
     (EVAL[:-2] + ["--codebooks", CODEBOOKS, "--window-len", "256", "--residual", "256"], "nothing would be quantized"),
     (EVAL[:-2] + ["--codebooks", "{ws}/no-bits.safetensors"], "not a codebook file"),
     (EVAL + ["--text", "/dev/null"], "is not a regular file"),
-    (EVAL[:-2] + ["--method", "vecinfer", "--calib-text", TEXT, "--save-codebooks", "{ws}/existing.txt"],
-     "is a file, not a directory"),
+    (
+        EVAL[:-2] + ["--method", "vecinfer", "--calib-text", TEXT, "--save-codebooks", "{ws}/existing.txt"],
+        "is a file, not a directory",
+    ),
     (INSPECT[:-1] + ["{ws}/existing.txt"], "is a file, not a directory: give a folder"),
     (INSPECT + ["--tokens", "0"], "--tokens: must be at least 16"),
     (INSPECT + ["--methods", "kivi"], "--methods takes VQ methods"),
@@ -125,26 +127,39 @@ NO_MODEL_NEEDED = [
     (ABLATION + ["--residual", "-1"], "--residual: must be at least 0"),
     (ABLATION + ["--window-len", "64", "--residual", "64"], "nothing would be quantized"),
     # Decided by a file header or config.json: refused before the model loads.
-    (EVAL[:-2] + ["--codebooks", "{ws}/nan.safetensors"],
-     "{ws}/nan.safetensors: tensor 'layers.1.key_centroids' (1 of 1,024 values) holds NaN or inf"),
+    (
+        EVAL[:-2] + ["--codebooks", "{ws}/nan.safetensors"],
+        "{ws}/nan.safetensors: tensor 'layers.1.key_centroids' (1 of 1,024 values) holds NaN or inf",
+    ),
     (MATCH[:-1] + ["{ws}/nan.safetensors"], "holds NaN or inf"),
-    (EVAL[:-2] + ["--codebooks", "{ws}/truncated.safetensors"],
-     "{ws}/truncated.safetensors is truncated: its header describes 36,264 bytes, the file holds 36,164"),
+    (
+        EVAL[:-2] + ["--codebooks", "{ws}/truncated.safetensors"],
+        "{ws}/truncated.safetensors is truncated: its header describes 36,264 bytes, the file holds 36,164",
+    ),
     (CALIBRATE + ["--model", "{ws}/no-tokenizer"], "model directory {ws}/no-tokenizer has no tokenizer"),
     (EVAL + ["--model", "{ws}/no-tokenizer"], "has no tokenizer (no tokenizer.json"),
     (CALIBRATE[:-1] + ["{ws}/missing/cb.safetensors"], "its folder {ws}/missing does not exist: create it first"),
-    (CALIBRATE[:5] + ["--layer-bits", "2,2,2"] + CALIBRATE[7:],
-     "--layer-bits gives 3 presets, but the model in " + TINY + " has 4 layers"),
-    (EVAL + ["--window-len", "5000"], "--window-len needs 5000 positions, past the model's max_position_embeddings (4096)"),
+    (
+        CALIBRATE[:5] + ["--layer-bits", "2,2,2"] + CALIBRATE[7:],
+        "--layer-bits gives 3 presets, but the model in " + TINY + " has 4 layers",
+    ),
+    (
+        EVAL + ["--window-len", "5000"],
+        "--window-len needs 5000 positions, past the model's max_position_embeddings (4096)",
+    ),
     (CALIBRATE + ["--seq-len", "5000"], "--seq-len needs 5000 positions"),
     (MATCH + ["--prompt-len", "4090", "--new-tokens", "16"], "--prompt-len plus --new-tokens needs 4106 positions"),
-    (GSM8K[:-1] + ["{ws}/gsm8k.jsonl", "--max-new-tokens", "5000", "--methods", "fp16", "--shots", "1"],
-     "--max-new-tokens needs 5000 positions"),
+    (
+        GSM8K[:-1] + ["{ws}/gsm8k.jsonl", "--max-new-tokens", "5000", "--methods", "fp16", "--shots", "1"],
+        "--max-new-tokens needs 5000 positions",
+    ),
     (NEEDLE + ["--method", "fp16", "--lengths", "4096", "--max-new-tokens", "8"], "needs 4104 positions"),
     (ABLATION + ["--window-len", "4097"], "--window-len needs 4097 positions"),
     (INSPECT + ["--seq-len", "8192"], "--seq-len needs 8192 positions"),
-    (["eval-ppl", "--model", "{ws}/six-layers", "--text", TEXT, "--codebooks", CODEBOOKS],
-     "these codebooks were calibrated for another model (num_layers: codebooks 4 vs model 6"),
+    (
+        ["eval-ppl", "--model", "{ws}/six-layers", "--text", TEXT, "--codebooks", CODEBOOKS],
+        "these codebooks were calibrated for another model (num_layers: codebooks 4 vs model 6",
+    ),
     (["demo", "--model", "{ws}/six-layers", "--window-len", "5000"], "--window-len needs 5000 positions"),
     (EVAL + ["--model", "{ws}/no-weights"], "model directory {ws}/no-weights has no weights"),
     (EVAL + ["--model", "{ws}/bad-config"], "{ws}/bad-config/config.json is not valid JSON"),
@@ -203,9 +218,11 @@ def _write_model_dirs(folder: Path) -> None:
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         (folder / "no-tokenizer" / name).symlink_to(Path(TINY) / name)
     config = json.loads((Path(TINY) / "config.json").read_text())
-    for name, text, files in (("six-layers", json.dumps({**config, "num_hidden_layers": 6}), ("model.safetensors",)),
-                              ("no-weights", json.dumps(config), ()),
-                              ("bad-config", '{"model_type": "llama",', ("model.safetensors",))):
+    for name, text, files in (
+        ("six-layers", json.dumps({**config, "num_hidden_layers": 6}), ("model.safetensors",)),
+        ("no-weights", json.dumps(config), ()),
+        ("bad-config", '{"model_type": "llama",', ("model.safetensors",)),
+    ):
         (folder / name).mkdir()
         (folder / name / "config.json").write_text(text)
         for file in ("tokenizer.json", "tokenizer_config.json", *files):
@@ -227,8 +244,14 @@ def one_line_error(err: str) -> str:
 def test_refused_before_torch_loads(workspace, argv, match):
     argv = [a.format(ws=workspace) for a in argv]
     before = files_in(workspace)
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True,
-                          cwd=workspace, env=ENV, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        cwd=workspace,
+        env=ENV,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["code"] == 2, result
@@ -237,13 +260,20 @@ def test_refused_before_torch_loads(workspace, argv, match):
     assert files_in(workspace) == before
 
 
-@pytest.mark.parametrize("argv, match", [
-    (EVAL[:-2] + ["--method", "vecinfer", "--calib-text", "{ws}/existing.txt"],
-     "tokens, fewer than one calibration sequence (1024: the smaller of --seq-len and --max-tokens): give a "
-     "longer --calib-text"),
-    (["eval-ppl", "--model", TINY, "--text", TEXT, "--codebooks", "{ws}/other-heads.safetensors"],
-     "calibrated for another model (num_kv_heads: codebooks 4 vs model 2"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (
+            EVAL[:-2] + ["--method", "vecinfer", "--calib-text", "{ws}/existing.txt"],
+            "tokens, fewer than one calibration sequence (1024: the smaller of --seq-len and --max-tokens): give a "
+            "longer --calib-text",
+        ),
+        (
+            ["eval-ppl", "--model", TINY, "--text", TEXT, "--codebooks", "{ws}/other-heads.safetensors"],
+            "calibrated for another model (num_kv_heads: codebooks 4 vs model 2",
+        ),
+    ],
+)
 def test_refused_once_the_model_is_loaded(capsys, workspace, argv, match):
     """Known once the model is loaded: refused before any work (a few-token text was calibrated
     on, silently; codebooks of another geometry with as many layers: the rest of the geometry is the
@@ -254,12 +284,15 @@ def test_refused_once_the_model_is_loaded(capsys, workspace, argv, match):
     assert files_in(workspace) == before
 
 
-@pytest.mark.parametrize("argv, match", [
-    (CALIBRATE[:4] + ["{ws}/existing.txt"] + CALIBRATE[5:], "tokens, fewer than one calibration sequence (1024"),
-    (EVAL + ["--text", "{ws}/existing.txt"], "tokens, fewer than the 16 x 1024 = 16384 needed"),
-    (["demo", "--text", "{ws}/existing.txt"], "tokens, fewer than the 8 x 256 = 2048 needed"),
-    (ABLATION + ["--text", "{ws}/existing.txt"], "tokens, fewer than the 16 x 1024"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (CALIBRATE[:4] + ["{ws}/existing.txt"] + CALIBRATE[5:], "tokens, fewer than one calibration sequence (1024"),
+        (EVAL + ["--text", "{ws}/existing.txt"], "tokens, fewer than the 16 x 1024 = 16384 needed"),
+        (["demo", "--text", "{ws}/existing.txt"], "tokens, fewer than the 8 x 256 = 2048 needed"),
+        (ABLATION + ["--text", "{ws}/existing.txt"], "tokens, fewer than the 16 x 1024"),
+    ],
+)
 def test_refused_once_the_tokenizer_is_loaded(capsys, workspace, argv, match, monkeypatch):
     """A text too short for the run needs its tokens, not the model: refused before the model
     loads (it used to load first; the demo printed its progress bar, then the error)."""
@@ -276,8 +309,14 @@ def test_refused_once_the_tokenizer_is_loaded(capsys, workspace, argv, match, mo
 
 
 def test_python_m_prints_one_line(workspace):
-    proc = subprocess.run([sys.executable, "-m", "vecinfer_compile", *EVAL, "--device", "gpu0"],
-                          capture_output=True, text=True, cwd=workspace, env=ENV, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vecinfer_compile", *EVAL, "--device", "gpu0"],
+        capture_output=True,
+        text=True,
+        cwd=workspace,
+        env=ENV,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert "unknown device 'gpu0'" in one_line_error(proc.stderr)
 
@@ -288,8 +327,25 @@ def test_benchmark_argument_error_is_one_line(capsys):
 
 
 def test_method_comes_from_the_codebooks(capsys):
-    assert main(["eval-ppl", "--model", TINY, "--text", TEXT, "--codebooks", CODEBOOKS, "--windows", "1",
-                 "--window-len", "32", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "eval-ppl",
+                "--model",
+                TINY,
+                "--text",
+                TEXT,
+                "--codebooks",
+                CODEBOOKS,
+                "--windows",
+                "1",
+                "--window-len",
+                "32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("vecinfer 2 bits: ppl ")
 
 
@@ -325,17 +381,26 @@ def test_progress_bars_for_logs(monkeypatch):
 
 
 def _probe(argv: list[str], cwd: Path, **env: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], capture_output=True, text=True,
-                          cwd=cwd, env={**ENV, **env}, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**ENV, **env},
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("env, match", [
-    ({"VECINFER_KERNEL": "bogus"}, "VECINFER_KERNEL='bogus' is not a kernel choice: use one of auto, cuda, triton"),
-    ({"VECINFER_DECODE_KERNEL": "fast"}, "VECINFER_DECODE_KERNEL='fast' is not a kernel choice"),
-    ({"VECINFER_KERNEL": "Bogus", "VECINFER_DECODE_KERNEL": "triton"}, "VECINFER_KERNEL='Bogus'"),
-])
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"VECINFER_KERNEL": "bogus"}, "VECINFER_KERNEL='bogus' is not a kernel choice: use one of auto, cuda, triton"),
+        ({"VECINFER_DECODE_KERNEL": "fast"}, "VECINFER_DECODE_KERNEL='fast' is not a kernel choice"),
+        ({"VECINFER_KERNEL": "Bogus", "VECINFER_DECODE_KERNEL": "triton"}, "VECINFER_KERNEL='Bogus'"),
+    ],
+)
 def test_a_bad_kernel_variable_is_refused_at_start(workspace, env, match):
     """It was read only when a CUDA op asked (never on a CPU run): now the command line refuses it
     before torch is imported, whatever the command."""
@@ -347,13 +412,31 @@ def test_a_bad_kernel_variable_is_refused_at_start(workspace, env, match):
 
 def test_the_old_kernel_variable_still_works_with_a_one_line_warning(workspace):
     env = {k: v for k, v in ENV.items() if k != "VECINFER_KERNEL"}
-    proc = subprocess.run([sys.executable, "-m", "vecinfer_compile", *EVAL, "--windows", "1", "--window-len", "16",
-                           "--no-progress", "--device", "cpu"], capture_output=True, text=True, cwd=workspace,
-                          env={**env, "VECINFER_DECODE_KERNEL": "triton"}, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vecinfer_compile",
+            *EVAL,
+            "--windows",
+            "1",
+            "--window-len",
+            "16",
+            "--no-progress",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=workspace,
+        env={**env, "VECINFER_DECODE_KERNEL": "triton"},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "vecinfer: warning: VECINFER_DECODE_KERNEL is renamed VECINFER_KERNEL (it chooses the append, encode and "
-        "Viterbi kernels too, not only decode): set VECINFER_KERNEL=triton"]
+        "Viterbi kernels too, not only decode): set VECINFER_KERNEL=triton"
+    ]
 
 
 def test_a_codebook_file_written_meanwhile_is_kept(capsys, workspace, monkeypatch):
@@ -381,20 +464,23 @@ def test_a_codebook_file_written_meanwhile_is_kept(capsys, workspace, monkeypatc
 
 
 # More bad inputs a new user gives, each one line and exit code 2 before anything loads.
-@pytest.mark.parametrize("argv, match", [
-    (EVAL[:-2] + ["--codebooks", "{ws}/dir"], "is a directory, not a file"),
-    (EVAL[:-2] + ["--codebooks", "{ws}/missing.safetensors"], "does not exist"),
-    (EVAL[:-2] + ["--codebooks", "{ws}/empty.txt"], "is empty"),
-    (EVAL[:-2] + ["--codebooks", CODEBOOKS, "--bits", "4"], "these codebooks are for 2 bits, not 4: drop --bits"),
-    (NEEDLE + ["--codebooks", CODEBOOKS, "--bits", "1.5"], "these codebooks are for 2 bits, not 1.5"),
-    (EVAL[:-2] + ["--method", "vecinfer", "--bits", "2.5", "--calib-text", TEXT], "no VecInfer preset for 2.5"),
-    (CALIBRATE[:-1] + ["{ws}/new.safetensors", "--bits", "-2"], "bits must be positive"),
-    (EVAL + ["--text", "{ws}/empty.txt"], "is empty"),
-    (EVAL + ["--model", TINY + "/model.safetensors"], "is not a directory"),
-    (EVAL + ["--dtype", "float16"], "invalid choice: 'float16'"),
-    (["eval-ppl", "--model", TINY, "--text", CODEBOOKS, "--method", "fp16"], "is not UTF-8"),
-    (CALIBRATE[:-1] + [CODEBOOKS], "exists: give a new path"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (EVAL[:-2] + ["--codebooks", "{ws}/dir"], "is a directory, not a file"),
+        (EVAL[:-2] + ["--codebooks", "{ws}/missing.safetensors"], "does not exist"),
+        (EVAL[:-2] + ["--codebooks", "{ws}/empty.txt"], "is empty"),
+        (EVAL[:-2] + ["--codebooks", CODEBOOKS, "--bits", "4"], "these codebooks are for 2 bits, not 4: drop --bits"),
+        (NEEDLE + ["--codebooks", CODEBOOKS, "--bits", "1.5"], "these codebooks are for 2 bits, not 1.5"),
+        (EVAL[:-2] + ["--method", "vecinfer", "--bits", "2.5", "--calib-text", TEXT], "no VecInfer preset for 2.5"),
+        (CALIBRATE[:-1] + ["{ws}/new.safetensors", "--bits", "-2"], "bits must be positive"),
+        (EVAL + ["--text", "{ws}/empty.txt"], "is empty"),
+        (EVAL + ["--model", TINY + "/model.safetensors"], "is not a directory"),
+        (EVAL + ["--dtype", "float16"], "invalid choice: 'float16'"),
+        (["eval-ppl", "--model", TINY, "--text", CODEBOOKS, "--method", "fp16"], "is not UTF-8"),
+        (CALIBRATE[:-1] + [CODEBOOKS], "exists: give a new path"),
+    ],
+)
 def test_more_new_user_mistakes(workspace, argv, match):
     before = files_in(workspace)
     result = _probe([a.format(ws=workspace) for a in argv], workspace)

@@ -38,11 +38,13 @@ def test_every_command_has_a_section():
     text = DOC.read_text()
     headings = set(re.findall(r"^#{2,3} `vecinfer ([a-z0-9 -]+)`\s*$", text, re.M))
     missing = [c for c in registered() if c not in headings]
-    assert not missing, (f"docs/cli.md has no section for: {', '.join('vecinfer ' + c for c in missing)}. "
-                         f"Add '## `vecinfer NAME`' (or '### `vecinfer bench NAME`') with what it does, an "
-                         f"example on the shipped data and what it prints and writes, a "
-                         f"'<!-- help: vecinfer NAME -->' / '<!-- end help -->' pair, then run "
-                         f"python docs/gen_cli.py")
+    assert not missing, (
+        f"docs/cli.md has no section for: {', '.join('vecinfer ' + c for c in missing)}. "
+        f"Add '## `vecinfer NAME`' (or '### `vecinfer bench NAME`') with what it does, an "
+        f"example on the shipped data and what it prints and writes, a "
+        f"'<!-- help: vecinfer NAME -->' / '<!-- end help -->' pair, then run "
+        f"python docs/gen_cli.py"
+    )
     stale = [h for h in headings if h not in registered()]
     assert not stale, f"docs/cli.md documents commands that do not exist: {stale}"
     # the README points at docs/cli.md for each command

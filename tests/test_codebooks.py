@@ -16,9 +16,15 @@ from vecinfer_compile.codebooks import VecInferCodebooks, load_codebooks
 from vecinfer_compile.testing import random_codebooks as make_codebooks
 from vecinfer_compile.testing import random_layer_codebooks
 
-
-CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     num_hidden_layers=2, intermediate_size=64, vocab_size=128)
+CONFIG = LlamaConfig(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    vocab_size=128,
+)
 
 
 @pytest.mark.parametrize("method", ["vecinfer", "vq", "smooth", "hadamard"])
@@ -127,8 +133,11 @@ def test_format_1_files_still_load(tmp_path):
         lam = f.get_tensor("lam")
     del meta["layer_bits"]
     meta.update(format="vecinfer-codebooks/1", key_preset=[256, 4], value_preset=[256, 4])
-    tensors = {"key_centroids": torch.stack([l.keys for l in cb.layers]),
-               "value_centroids": torch.stack([l.values for l in cb.layers]), "lam": lam}
+    tensors = {
+        "key_centroids": torch.stack([l.keys for l in cb.layers]),
+        "value_centroids": torch.stack([l.values for l in cb.layers]),
+        "lam": lam,
+    }
     save_file(tensors, str(tmp_path / "v1.safetensors"), metadata={"vecinfer": json.dumps(meta)})
     back = load_codebooks(tmp_path / "v1.safetensors")
     assert back.metadata["converted_from"] == "vecinfer-codebooks/1" and back.layer_bits is None and back.bits == 2.0
@@ -184,7 +193,9 @@ def test_the_strict_reader_takes_only_the_current_format_and_old_files_name_thei
     from vecinfer_compile.codebooks.file_format import read_codebooks
 
     meta, tensors = _read(FORMAT_1_FIXTURE)
-    with pytest.raises(ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/8: read it with load_codebooks"):
+    with pytest.raises(
+        ValueError, match="format 'vecinfer-codebooks/1', not vecinfer-codebooks/8: read it with load_codebooks"
+    ):
         read_codebooks(meta, tensors, FORMAT_1_FIXTURE)
     tensors["key_centroids"] = tensors["key_centroids"][:3]  # three layers stacked, the geometry says four
     save_file(tensors, str(tmp_path / "short.safetensors"), metadata={"vecinfer": json.dumps(meta)})
@@ -196,8 +207,12 @@ def test_the_strict_reader_takes_only_the_current_format_and_old_files_name_thei
 
 
 def test_saved_file_honours_the_umask_and_repr_is_one_line(tmp_path):
-    cb = VecInferCodebooks("vecinfer", 2.0, [random_layer_codebooks(2, 16, seed=i) for i in range(3)],
-                           {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16})
+    cb = VecInferCodebooks(
+        "vecinfer",
+        2.0,
+        [random_layer_codebooks(2, 16, seed=i) for i in range(3)],
+        {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
+    )
     old = os.umask(0o022)
     try:
         path = cb.save(tmp_path / "cb.safetensors")
@@ -220,8 +235,9 @@ def calibrated(shared_tiny_dir, tmp_path_factory):
     from vecinfer_compile.models import default_text_path, load_model
 
     model, tokenizer = load_model(shared_tiny_dir, "float32", "cpu")
-    cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=256, seq_len=128,
-                   iters=1, progress=False)
+    cb = calibrate(
+        model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=256, seq_len=128, iters=1, progress=False
+    )
     return model, cb.save(tmp_path_factory.mktemp("calibrated") / "tiny-2bit.safetensors")
 
 
@@ -241,15 +257,15 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == CODEBOOKS_LOG and r.levelno >= logging.WARNING]
 
 
-def test_calibration_records_a_weight_fingerprint_its_model_matches_in_any_dtype(calibrated, shared_tiny_dir,
-                                                                                 caplog):
+def test_calibration_records_a_weight_fingerprint_its_model_matches_in_any_dtype(calibrated, shared_tiny_dir, caplog):
     from vecinfer_compile.models import load_model
 
     model, path = calibrated
     cb = load_codebooks(path)
     fingerprint = cb.metadata["weight_fingerprint"]
     assert fingerprint["version"] == 1 and sorted(fingerprint["sketches"]) == sorted(
-        f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 3) for p in "qkv")
+        f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 3) for p in "qkv"
+    )
     assert cb.metadata["model_name"] == str(shared_tiny_dir)
     assert cb.check_weights(model) is True
     assert cb.check_weights(load_model(shared_tiny_dir, "bfloat16", "cpu")[0]) is True
@@ -322,14 +338,22 @@ def test_fingerprinted_weights_are_the_first_and_last_layers_under_any_wrapper()
     from vecinfer_compile.hf.weight_fingerprint import attention_weights
 
     w = torch.zeros(2, 2)
-    names = [f"base_model.model.model.layers.{i}.self_attn.{p}.base_layer.weight" for i in range(3)
-             for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    names += ["model.vision.blocks.0.attn.qkv_proj.weight", "model.vision.blocks.5.attn.qkv_proj.weight",
-              "model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"]
+    names = [
+        f"base_model.model.model.layers.{i}.self_attn.{p}.base_layer.weight"
+        for i in range(3)
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ]
+    names += [
+        "model.vision.blocks.0.attn.qkv_proj.weight",
+        "model.vision.blocks.5.attn.qkv_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.embed_tokens.weight",
+    ]
     picked = attention_weights((n, w) for n in names)
     assert sorted(picked) == sorted(
         [f"base_model.model.model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 2) for p in "qkv"]
-        + ["model.vision.blocks.0.attn.qkv_proj.weight", "model.vision.blocks.5.attn.qkv_proj.weight"])
+        + ["model.vision.blocks.0.attn.qkv_proj.weight", "model.vision.blocks.5.attn.qkv_proj.weight"]
+    )
 
 
 def test_malformed_weight_fingerprint_is_a_corrupt_file(tmp_path):
@@ -354,8 +378,27 @@ def test_the_command_line_warns_when_codebooks_belong_to_another_model(calibrate
     from vecinfer_compile.cli import main
     from vecinfer_compile.models import default_text_path
 
-    assert main(["eval-ppl", "--model", other_tiny, "--text", str(default_text_path()), "--method", "vecinfer",
-                 "--codebooks", str(calibrated[1]), "--windows", "1", "--window-len", "32", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "eval-ppl",
+                "--model",
+                other_tiny,
+                "--text",
+                str(default_text_path()),
+                "--method",
+                "vecinfer",
+                "--codebooks",
+                str(calibrated[1]),
+                "--windows",
+                "1",
+                "--window-len",
+                "32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     (message,) = _warnings(caplog)
     assert f"used with '{other_tiny}'" in message
 
@@ -378,6 +421,7 @@ def test_every_entry_point_warns_about_another_models_codebooks(calibrated, othe
     else:
         with torch.no_grad():
             torch.compile(other, backend=vc.vecinfer_backend.configure(codebooks=cb), fullgraph=True)(
-                torch.tensor([[1, 2, 3]]))
+                torch.tensor([[1, 2, 3]])
+            )
     (message,) = _warnings(caplog)
     assert "vecinfer calibrate" in message

@@ -19,6 +19,7 @@ import dataclasses
 import json
 
 import pytest
+import scalar_codec
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,8 +28,6 @@ from vecinfer_compile.cache import reads
 from vecinfer_compile.codecs import registry
 from vecinfer_compile.testing import cache_layer, random_layer_codebooks
 
-import scalar_codec
-
 CODECS = (*registry.names(), scalar_codec.NAME)  # the registered ones, and the minimal one of the tests
 
 
@@ -36,9 +35,16 @@ CODECS = (*registry.names(), scalar_codec.NAME)  # the registered ones, and the 
 def with_test_codecs():
     with scalar_codec.registered():
         yield
+
+
 SHAPES = [(1, 4, 128), (2, 2, 64), (4, 1, 64)]
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                                   reason="needs an NVIDIA GPU")])]  # (KV heads, query heads a KV head, head_dim): MQA, GQA, MHA
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
+    ),
+]  # (KV heads, query heads a KV head, head_dim): MQA, GQA, MHA
 
 
 def coded_layer(name: str, hkv: int, d: int, seed: int, bits: float = 2.0, **transform):
@@ -46,10 +52,12 @@ def coded_layer(name: str, hkv: int, d: int, seed: int, bits: float = 2.0, **tra
     keys and values the codec ``name`` codes with random codes."""
     codec = registry.get(name)
     gen = torch.Generator().manual_seed(seed)
-    base = random_layer_codebooks(hkv, d, bits=bits, seed=seed, **(transform or dict(query_aware=True, smooth=False,
-                                                                                        center=True)))
-    return dataclasses.replace(base, keys=codec.random_code(gen, hkv, d, bits, "key"),
-                               values=codec.random_code(gen, hkv, d, bits, "value"))
+    base = random_layer_codebooks(
+        hkv, d, bits=bits, seed=seed, **(transform or dict(query_aware=True, smooth=False, center=True))
+    )
+    return dataclasses.replace(
+        base, keys=codec.random_code(gen, hkv, d, bits, "key"), values=codec.random_code(gen, hkv, d, bits, "value")
+    )
 
 
 def oracle_kv(layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,42 +86,55 @@ def test_the_cache_reads_back_what_the_simulate_path_decodes(name, hkv, group, d
 
 @pytest.mark.parametrize("name", CODECS)
 @settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 2**16), shape=st.sampled_from(SHAPES), tokens=st.integers(1, 17),
-       residual=st.integers(0, 5))
+@given(seed=st.integers(0, 2**16), shape=st.sampled_from(SHAPES), tokens=st.integers(1, 17), residual=st.integers(0, 5))
 def test_appending_one_token_at_a_time_stores_what_one_prefill_stores(name, seed, shape, tokens, residual):
     hkv, _, d = shape
     layer = coded_layer(name, hkv, d, seed=seed % 97)
     gen = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(1, hkv, tokens + 1, d, generator=gen) for _ in range(2))
-    whole, steps = (cache_layer(layer, num_kv_heads=hkv, head_dim=d, max_cache_len=24, residual=residual)
-                    for _ in range(2))
+    whole, steps = (
+        cache_layer(layer, num_kv_heads=hkv, head_dim=d, max_cache_len=24, residual=residual) for _ in range(2)
+    )
     whole.update(k[:, :, :1], v[:, :, :1])
     whole.update(k[:, :, 1:], v[:, :, 1:]) if tokens > 1 else None
     for t in range(tokens + 1):
-        steps.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        steps.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     if tokens > 1:  # a chunk and single tokens end with the same slots coded and the same window
         a, b = whole.storage, steps.storage
         assert (int(a.n_coded), int(a.n_window)) == (int(b.n_coded), int(b.n_window))
         n = int(a.n_coded)
         assert torch.equal(a.k_codes[:, :, :n], b.k_codes[:, :, :n])
         assert torch.equal(a.v_codes[:, :, :n], b.v_codes[:, :, :n])
-        torch.testing.assert_close(a.k_window[:, :, :int(a.n_window)], b.k_window[:, :, :int(b.n_window)])
+        torch.testing.assert_close(a.k_window[:, :, : int(a.n_window)], b.k_window[:, :, : int(b.n_window)])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CODECS)
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2**16), shape=st.sampled_from(SHAPES), tokens=st.integers(1, 21),
-       residual=st.integers(0, 6), left_pad=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    seed=st.integers(0, 2**16),
+    shape=st.sampled_from(SHAPES),
+    tokens=st.integers(1, 21),
+    residual=st.integers(0, 6),
+    left_pad=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_a_decode_step_attends_as_sdpa_over_the_read(name, device, seed, shape, tokens, residual, left_pad, dtype):
     """On CUDA the codec's kernels (bfloat16: its CUDA kernel where it has one; float32: Triton)."""
     hkv, group, d = shape
     layer = coded_layer(name, hkv, d, seed=seed % 89)
     gen = torch.Generator().manual_seed(seed)
     b, slots = 2, 24
-    cached = cache_layer(layer, num_kv_heads=hkv, head_dim=d, max_cache_len=slots, residual=residual, batch_size=b,
-                         dtype=dtype, device=device)
+    cached = cache_layer(
+        layer,
+        num_kv_heads=hkv,
+        head_dim=d,
+        max_cache_len=slots,
+        residual=residual,
+        batch_size=b,
+        dtype=dtype,
+        device=device,
+    )
     k, v = (torch.randn(b, hkv, tokens, d, generator=gen).to(device, dtype) for _ in range(2))
     cached.update(k, v)
     k_read, v_read = (x.float() for x in cached.dequantized())
@@ -121,9 +142,10 @@ def test_a_decode_step_attends_as_sdpa_over_the_read(name, device, seed, shape, 
     mask = torch.zeros(b, 1, 1, slots, dtype=torch.bool, device=device)
     mask[:, :, :, :tokens] = True
     if left_pad:
-        mask[0, :, :, :int(torch.randint(0, tokens, (1,), generator=gen))] = False
+        mask[0, :, :, : int(torch.randint(0, tokens, (1,), generator=gen))] = False
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k_read.repeat_interleave(group, 1), v_read.repeat_interleave(group, 1), attn_mask=mask)
+        q.float(), k_read.repeat_interleave(group, 1), v_read.repeat_interleave(group, 1), attn_mask=mask
+    )
     got = cached.attend(q, mask, None)
     assert got.dtype == dtype and got.shape == q.shape
     tol = 3e-4 if dtype == torch.float32 else 3e-2
@@ -141,8 +163,9 @@ def test_a_chunk_attends_over_the_codes_the_old_window_and_itself(name, device, 
     gen = torch.Generator().manual_seed(2)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     residual, held, c, slots = 3, 9, 5, 24
-    cached = cache_layer(layer, num_kv_heads=hkv, head_dim=d, max_cache_len=slots, residual=residual, dtype=dtype,
-                         device=device)
+    cached = cache_layer(
+        layer, num_kv_heads=hkv, head_dim=d, max_cache_len=slots, residual=residual, dtype=dtype, device=device
+    )
     k, v = (torch.randn(1, hkv, held + c, d, generator=gen).to(device, dtype) for _ in range(2))
     cached.update(k[:, :, :held], v[:, :, :held])
     before_k, before_v = (x.float() for x in cached.dequantized())
@@ -151,13 +174,17 @@ def test_a_chunk_attends_over_the_codes_the_old_window_and_itself(name, device, 
     values = torch.cat([before_v[:, :, :held], v[:, :, held:].float()], 2)
     causal = torch.ones(c, held + c, dtype=torch.bool, device=device).tril(held)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1),
-        attn_mask=causal)
+        q.float(),
+        keys.float().repeat_interleave(group, 1),
+        values.float().repeat_interleave(group, 1),
+        attn_mask=causal,
+    )
     mask = torch.zeros(1, 1, c, slots, dtype=torch.bool, device=device)
-    mask[..., :held + c] = causal
+    mask[..., : held + c] = causal
     s = cached.storage
-    chunk = reads.chunk_keys(s, cached.quantizer, cached.transform_keys(k[:, :, held:]), v[:, :, held:],
-                             int(s.n_coded), int(s.n_window))  # taken before the append, as the model's step does
+    chunk = reads.chunk_keys(
+        s, cached.quantizer, cached.transform_keys(k[:, :, held:]), v[:, :, held:], int(s.n_coded), int(s.n_window)
+    )  # taken before the append, as the model's step does
     cached.update(k[:, :, held:], v[:, :, held:])
     got = cached.attend_chunk(q, mask, None, chunk)
     tol = 3e-4 if dtype == torch.float32 else 3e-2
@@ -196,8 +223,15 @@ def test_the_codes_take_the_codecs_bytes_and_the_cache_counts_its_operands(name,
 def _saved(name: str, tmp_path):
     from vecinfer_compile.codebooks import VecInferCodebooks
 
-    geometry = {"model_type": "llama", "num_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 64,
-                "hidden_size": 256, "vocab_size": 128}
+    geometry = {
+        "model_type": "llama",
+        "num_layers": 2,
+        "num_query_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "hidden_size": 256,
+        "vocab_size": 128,
+    }
     layers = [coded_layer(name, 2, 64, seed=i, query_aware=False, smooth=True, rotate=True) for i in range(2)]
     cb = VecInferCodebooks("vecinfer", 2.0, layers, geometry, {})
     return cb, cb.save(tmp_path / "cb.safetensors")
@@ -260,8 +294,9 @@ def test_the_compiled_decode_graph_holds_the_codecs_decode_op_and_no_read(name):
 
     def step(q, k_codes, v_codes, n_coded, k_window, v_window, n_window, mask):
         k, v = qz.codec.read_kv(k_codes, v_codes, n_coded, k_window, v_window, n_window, qz)
-        return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
-                                                                v.repeat_interleave(group, 1), attn_mask=mask)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask
+        )
 
     q = torch.randn(1, hkv * group, 1, d)
     mask = torch.ones(1, 1, 1, 16, dtype=torch.bool)
@@ -293,6 +328,9 @@ def test_no_core_module_names_a_codec(name):
 
     root = pathlib.Path(vecinfer_compile.__file__).parent
     allowed = {root / "codecs" / "registry.py", root / "commands" / "calibrate.py"}
-    naming = [str(path.relative_to(root)) for path in root.rglob("*.py")
-              if name in path.read_text().lower() and path not in allowed and (root / "codecs" / name) not in path.parents]
+    naming = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if name in path.read_text().lower() and path not in allowed and (root / "codecs" / name) not in path.parents
+    ]
     assert naming == []

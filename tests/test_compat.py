@@ -33,8 +33,16 @@ def test_forward_fills_the_cache_without_a_deprecation_warning():
     """On the installed transformers the keyword reaches the model (not its ``**kwargs``): the
     cache holds the prompt, and nothing warns."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).eval()
     cache = DynamicCache(config=model.config)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("error", FutureWarning)

@@ -4,8 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers.masking_utils import (sdpa_mask,
-                                        sliding_window_causal_mask_function)
+from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from vecinfer_compile.hf import decode_mask
 from vecinfer_compile.hf.compat import forward_cache_kwargs
@@ -33,8 +32,9 @@ def decode_calls(draw):
             pads = torch.randint(0, max(seen // 2, 1), (b,), generator=gen)
             mask = torch.arange(seen)[None, :] >= pads[:, None]
         mask = mask if draw(st.booleans()) else mask.long()
-    return dict(batch_size=b, q_length=1, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-                attention_mask=mask)
+    return dict(
+        batch_size=b, q_length=1, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=mask
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -46,15 +46,25 @@ def test_decode_step_mask_equals_sdpa_mask(call):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("change", [
-    dict(q_length=3),  # a chunk
-    dict(allow_is_causal_skip=True),  # may be None
-    dict(mask_function=sliding_window_causal_mask_function(4)),
-    dict(use_vmap=True),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(q_length=3),  # a chunk
+        dict(allow_is_causal_skip=True),  # may be None
+        dict(mask_function=sliding_window_causal_mask_function(4)),
+        dict(use_vmap=True),
+    ],
+)
 def test_other_calls_are_sdpa_mask_itself(change, monkeypatch):
-    call = dict(batch_size=2, q_length=1, kv_length=16, q_offset=5, kv_offset=0,
-                attention_mask=torch.ones(2, 6, dtype=torch.bool), allow_is_causal_skip=False)
+    call = dict(
+        batch_size=2,
+        q_length=1,
+        kv_length=16,
+        q_offset=5,
+        kv_offset=0,
+        attention_mask=torch.ones(2, 6, dtype=torch.bool),
+        allow_is_causal_skip=False,
+    )
     call.update(change)
     calls = []
     monkeypatch.setattr(decode_mask, "sdpa_mask", lambda *a, **k: calls.append(k) or sdpa_mask(*a, **k))
@@ -83,9 +93,17 @@ def test_model_decode_step_takes_the_fast_path(monkeypatch):
     from vecinfer_compile.testing import random_codebooks
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         attn_implementation="sdpa")).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     cb = random_codebooks(model.config, bits=2)
     ids = torch.randint(0, 96, (2, 12))
     am = torch.ones(2, 12, dtype=torch.long)
@@ -101,13 +119,18 @@ def test_model_decode_step_takes_the_fast_path(monkeypatch):
         fast = model(new, **forward_cache_kwargs(model, cache), **step).logits
     assert calls == [], "the decode step's mask went to sdpa_mask"
     with torch.no_grad():
-        model(torch.randint(0, 96, (2, 3)), **forward_cache_kwargs(model, cache), use_cache=True,
-              attention_mask=torch.cat([step["attention_mask"], torch.ones(2, 3, dtype=torch.long)], 1))
+        model(
+            torch.randint(0, 96, (2, 3)),
+            **forward_cache_kwargs(model, cache),
+            use_cache=True,
+            attention_mask=torch.cat([step["attention_mask"], torch.ones(2, 3, dtype=torch.long)], 1),
+        )
     assert len(calls) == 1  # a chunk of 3: sdpa_mask's own
     cache = _prefilled(model, cb, ids, am)
     calls.clear()
-    monkeypatch.setitem(AttentionMaskInterface._global_mapping, ATTN_NAME,
-                        lambda *a, **k: calls.append(k) or sdpa_mask(*a, **k))
+    monkeypatch.setitem(
+        AttentionMaskInterface._global_mapping, ATTN_NAME, lambda *a, **k: calls.append(k) or sdpa_mask(*a, **k)
+    )
     with torch.no_grad():
         slow = model(new, **forward_cache_kwargs(model, cache), **step).logits
     assert len(calls) == 1  # this step's mask came from sdpa_mask

@@ -15,13 +15,12 @@ import contextlib
 
 import pytest
 import torch
+from test_cache import generate, left_padded, random_codebooks, tiny_config  # noqa: E402
 from transformers import CompileConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import vecinfer_compile
 from vecinfer_compile.cache import VecInferCache
 from vecinfer_compile.cache.storage import LayerStorage
-
-from test_cache import generate, left_padded, random_codebooks, tiny_config  # noqa: E402
 
 DeferredStopCheck = pytest.importorskip("transformers.generation.utils").DeferredStopCheck
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -79,17 +78,43 @@ def test_record_undo_opcheck(residual):
 def _opaque_append():
     """``vecinfer::cache_append``'s torch form as an opaque op that mutates the cache buffers,
     as the CUDA append is (that kernel runs on CUDA only)."""
-    from vecinfer_compile.ops.append import append_reference
     from vecinfer_compile.ops.append import MUTATES as APPEND_MUTATES
+    from vecinfer_compile.ops.append import append_reference
 
     if not hasattr(torch.ops.vecinfer_test, "opaque_append"):
-        def opaque_append(key: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                          k_window: torch.Tensor, v_window: torch.Tensor, n_coded: torch.Tensor,
-                          n_window: torch.Tensor, arrivals: torch.Tensor, k_centroids: torch.Tensor,
-                          v_centroids: torch.Tensor, key_mean: torch.Tensor | None, lam: torch.Tensor | None,
-                          key_matrix: torch.Tensor | None) -> None:
-            append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-                             k_centroids, v_centroids, key_mean, lam, key_matrix)
+
+        def opaque_append(
+            key: torch.Tensor,
+            value: torch.Tensor,
+            k_codes: torch.Tensor,
+            v_codes: torch.Tensor,
+            k_window: torch.Tensor,
+            v_window: torch.Tensor,
+            n_coded: torch.Tensor,
+            n_window: torch.Tensor,
+            arrivals: torch.Tensor,
+            k_centroids: torch.Tensor,
+            v_centroids: torch.Tensor,
+            key_mean: torch.Tensor | None,
+            lam: torch.Tensor | None,
+            key_matrix: torch.Tensor | None,
+        ) -> None:
+            append_reference(
+                key,
+                value,
+                k_codes,
+                v_codes,
+                k_window,
+                v_window,
+                n_coded,
+                n_window,
+                arrivals,
+                k_centroids,
+                v_centroids,
+                key_mean,
+                lam,
+                key_matrix,
+            )
 
         op = torch.library.custom_op("vecinfer_test::opaque_append", opaque_append, mutates_args=APPEND_MUTATES)
         op.register_fake(lambda *args: None)
@@ -104,9 +129,26 @@ def test_compiled_step_records_the_window_before_an_opaque_append(monkeypatch):
     from test_cache import make_layer
 
     append = _opaque_append()
-    monkeypatch.setattr(LayerStorage, "append", lambda self, k, v, q: append(
-        k, v, self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-        self.append_arrivals, q.operands.key_centroids, q.operands.value_centroids, q.key_mean, q.lam, q.key_transform_matrix))
+    monkeypatch.setattr(
+        LayerStorage,
+        "append",
+        lambda self, k, v, q: append(
+            k,
+            v,
+            self.k_codes,
+            self.v_codes,
+            self.k_window,
+            self.v_window,
+            self.n_coded,
+            self.n_window,
+            self.append_arrivals,
+            q.operands.key_centroids,
+            q.operands.value_centroids,
+            q.key_mean,
+            q.lam,
+            q.key_transform_matrix,
+        ),
+    )
     layer = make_layer(1, 2, 16, 4, 16)
     gen = torch.Generator().manual_seed(0)
     layer.update(torch.randn(1, 2, 6, 16, generator=gen), torch.randn(1, 2, 6, 16, generator=gen))  # window full
@@ -154,8 +196,12 @@ def _deferred_equals_synced(model, cb, ids, mask, compile_config, deferring, mon
 
     def run(deferred):
         cache = VecInferCache(model, cb, batch_size=b, max_cache_len=prompt + 20, residual=residual)
-        kw = dict(max_new_tokens=12, do_sample=False, compile_config=compile_config,
-                  stopping_criteria=StoppingCriteriaList([_StopAtLength(prompt + stop)]))
+        kw = dict(
+            max_new_tokens=12,
+            do_sample=False,
+            compile_config=compile_config,
+            stopping_criteria=StoppingCriteriaList([_StopAtLength(prompt + stop)]),
+        )
         with deferring() if deferred else contextlib.nullcontext():
             return generate(model, ids, mask, cache, **kw), cache
 
@@ -172,7 +218,9 @@ def _deferred_equals_synced(model, cb, ids, mask, compile_config, deferring, mon
         a, b = a.storage, b.storage
         c, w = int(b.n_coded), int(b.n_window)
         assert (int(a.n_coded), int(a.n_window)) == (c, w) and w == residual
-        assert torch.equal(a.k_codes[:, :, :c], b.k_codes[:, :, :c]) and torch.equal(a.v_codes[:, :, :c], b.v_codes[:, :, :c])
+        assert torch.equal(a.k_codes[:, :, :c], b.k_codes[:, :, :c]) and torch.equal(
+            a.v_codes[:, :, :c], b.v_codes[:, :, :c]
+        )
         assert torch.equal(a.k_window, b.k_window) and torch.equal(a.v_window, b.v_window)
 
 
@@ -188,8 +236,9 @@ def _tiny_model(device, dtype, shape="gqa", method="vecinfer"):
     left-padded by 3) and their mask."""
     heads, kv_heads, head_dim = SHAPES[shape]
     torch.manual_seed(0)
-    cfg = tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      hidden_size=heads * head_dim)
+    cfg = tiny_config(
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, hidden_size=heads * head_dim
+    )
     model = LlamaForCausalLM(cfg).eval().to(device, dtype)
     ids, mask = left_padded(length=20, pad=3)
     return model, random_codebooks(cfg, method=method), ids.to(device), mask.to(device)
@@ -202,8 +251,11 @@ def _deferring_on_the_cpu(monkeypatch):
     original = DeferredStopCheck.__dict__["is_supported"].__func__
     with monkeypatch.context() as patch:
         patch.setattr(torch, "Event", _HostEvent)
-        patch.setattr(DeferredStopCheck, "is_supported", staticmethod(
-            lambda device, *args, **kwargs: original(torch.device("mps"), *args, **kwargs)))
+        patch.setattr(
+            DeferredStopCheck,
+            "is_supported",
+            staticmethod(lambda device, *args, **kwargs: original(torch.device("mps"), *args, **kwargs)),
+        )
         yield
 
 
@@ -216,10 +268,16 @@ def _cpu_compile_config():
     return config
 
 
-@pytest.mark.parametrize("shape, method, compiled", [
-    ("gqa", "vecinfer", False), ("gqa", "vecinfer", True), ("gqa", "qaware", True),
-    ("mqa", "vecinfer", True), ("mha", "qaware", False),
-])
+@pytest.mark.parametrize(
+    "shape, method, compiled",
+    [
+        ("gqa", "vecinfer", False),
+        ("gqa", "vecinfer", True),
+        ("gqa", "qaware", True),
+        ("mqa", "vecinfer", True),
+        ("mha", "qaware", False),
+    ],
+)
 def test_deferred_loop_through_the_cache_equals_the_synced_one(shape, method, compiled, monkeypatch):
     """transformers' deferred loop itself, on the CPU, batch 2 with left padding: eager and
     compiled (the compiled step records the undo state), GQA / MQA / MHA, head_dim 64 and 128,
@@ -238,8 +296,9 @@ def test_deferred_loop_on_a_sliding_window_model(monkeypatch):
 
     model = build("gemma3")
     ids, mask = left_padded(length=20, pad=3)
-    _deferred_equals_synced(model, random_codebooks(model.config), ids, mask, None,
-                            lambda: _deferring_on_the_cpu(monkeypatch), monkeypatch)
+    _deferred_equals_synced(
+        model, random_codebooks(model.config), ids, mask, None, lambda: _deferring_on_the_cpu(monkeypatch), monkeypatch
+    )
 
 
 @pytest.mark.cuda

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from vecinfer_compile.cli import main
-from vecinfer_compile.evaluation.gsm8k import (build_prompts, extract_prediction, normalize_number,
-                                               reference_answer)
+from vecinfer_compile.evaluation.gsm8k import build_prompts, extract_prediction, normalize_number, reference_answer
 
 ROWS = [
     {"question": "Tom has 3 apples and buys 2 more. How many apples?", "answer": "3 + 2 = <<3+2=5>>5\n#### 5"},
@@ -44,9 +43,31 @@ def test_gsm8k_cli_two_problems(tiny_dir, tmp_path, capsys):
     data = tmp_path / "gsm.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
     cb = default_codebooks_dir() / "vecinfer-2bit.safetensors"
-    rc = main(["gsm8k", "--model", str(tiny_dir), "--data", str(data), "--methods", "fp16,vecinfer,kivi",
-               "--bits", "2", "--codebooks", str(cb), "--shots", "2", "--limit", "2", "--residual", "16",
-               "--max-new-tokens", "12", "--json", "--no-progress"])
+    rc = main(
+        [
+            "gsm8k",
+            "--model",
+            str(tiny_dir),
+            "--data",
+            str(data),
+            "--methods",
+            "fp16,vecinfer,kivi",
+            "--bits",
+            "2",
+            "--codebooks",
+            str(cb),
+            "--shots",
+            "2",
+            "--limit",
+            "2",
+            "--residual",
+            "16",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["accuracy"]) == {"fp16", "vecinfer", "kivi"} and out["limit"] == 2
@@ -56,8 +77,9 @@ def test_gsm8k_cli_two_problems(tiny_dir, tmp_path, capsys):
 
 
 def test_gsm8k_cli_errors(tiny_dir, tmp_path, capsys):
-    assert main(["gsm8k", "--model", str(tiny_dir), "--data", str(tmp_path / "missing.jsonl"),
-                 "--methods", "fp16"]) == 2
+    assert (
+        main(["gsm8k", "--model", str(tiny_dir), "--data", str(tmp_path / "missing.jsonl"), "--methods", "fp16"]) == 2
+    )
     assert "does not exist" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")

@@ -16,19 +16,27 @@ import pytest
 import torch
 import transformers
 from transformers import (
-    Cohere2Config, Cohere2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Lfm2Config, Lfm2ForCausalLM,
-    Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Lfm2Config,
+    Lfm2ForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from vecinfer_compile.cache import VecInferCache, VecInferLayer
-
-from vecinfer_compile.hf.compat import cache_kwargs
 from vecinfer_compile.calibration import calibrate
 from vecinfer_compile.codebooks import load_codebooks
 from vecinfer_compile.evaluation.kv_bytes import cache_bytes
 from vecinfer_compile.evaluation.token_match import cache_tokens, simulate_tokens
-from vecinfer_compile.hf.compat import forward_cache_kwargs
+from vecinfer_compile.hf.compat import cache_kwargs, forward_cache_kwargs
 from vecinfer_compile.hf.layer_kinds import coded_layers, layer_kinds
 from vecinfer_compile.simulate import FULL_PRECISION, simulation
 from vecinfer_compile.testing import FixedIds, random_codebooks
@@ -36,30 +44,74 @@ from vecinfer_compile.testing import FixedIds, random_codebooks
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 WINDOW = 12  # the prompts are 40 tokens: every sliding layer drops keys
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=256, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    eos_token_id=2,
+    bos_token_id=1,
+)
 SLIDE, FULL = "sliding_attention", "full_attention"
 MODELS = {
     "mistral": (MistralForCausalLM, lambda: MistralConfig(sliding_window=WINDOW, num_hidden_layers=2, **COMMON)),
-    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(sliding_window=WINDOW, num_hidden_layers=3,
-                                                           layer_types=[SLIDE, FULL, SLIDE], **COMMON)),
+    "gemma3": (
+        Gemma3ForCausalLM,
+        lambda: Gemma3TextConfig(
+            sliding_window=WINDOW, num_hidden_layers=3, layer_types=[SLIDE, FULL, SLIDE], **COMMON
+        ),
+    ),
     # Gemma 4: full layers of another head_dim (global_head_dim), fewer KV heads, and values from
     # the key projection (attention_k_eq_v); only the full layers are coded, so the geometry is theirs
-    "gemma4": (lambda c: transformers.Gemma4ForCausalLM(c), lambda: transformers.Gemma4TextConfig(
-        sliding_window=WINDOW, num_hidden_layers=3, layer_types=[SLIDE, SLIDE, FULL], global_head_dim=32,
-        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=128, **COMMON)),
-    "cohere2": (Cohere2ForCausalLM, lambda: Cohere2Config(sliding_window=WINDOW, num_hidden_layers=2,
-                                                          layer_types=[SLIDE, FULL], **COMMON)),
-    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-                                                    num_hidden_layers=2, **COMMON)),
-    "llama4": (Llama4ForCausalLM, lambda: Llama4TextConfig(
-        attention_chunk_size=WINDOW, num_hidden_layers=2, layer_types=["chunked_attention", FULL],
-        intermediate_size_mlp=128, num_local_experts=2, **COMMON)),
+    "gemma4": (
+        lambda c: transformers.Gemma4ForCausalLM(c),
+        lambda: transformers.Gemma4TextConfig(
+            sliding_window=WINDOW,
+            num_hidden_layers=3,
+            layer_types=[SLIDE, SLIDE, FULL],
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=128,
+            **COMMON,
+        ),
+    ),
+    "cohere2": (
+        Cohere2ForCausalLM,
+        lambda: Cohere2Config(sliding_window=WINDOW, num_hidden_layers=2, layer_types=[SLIDE, FULL], **COMMON),
+    ),
+    "qwen2": (
+        Qwen2ForCausalLM,
+        lambda: Qwen2Config(
+            use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, num_hidden_layers=2, **COMMON
+        ),
+    ),
+    "llama4": (
+        Llama4ForCausalLM,
+        lambda: Llama4TextConfig(
+            attention_chunk_size=WINDOW,
+            num_hidden_layers=2,
+            layer_types=["chunked_attention", FULL],
+            intermediate_size_mlp=128,
+            num_local_experts=2,
+            **COMMON,
+        ),
+    ),
 }
 LLAMA4_STATIC_GENERATE_BROKEN = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24)
-CODED = {"mistral": [True, True], "gemma3": [False, True, False], "gemma4": [False, False, True], "cohere2": [False, True],
-         "qwen2": [True, False], "llama4": [False, True]}
+CODED = {
+    "mistral": [True, True],
+    "gemma3": [False, True, False],
+    "gemma4": [False, False, True],
+    "cohere2": [False, True],
+    "qwen2": [True, False],
+    "llama4": [False, True],
+}
 
 
 def build(name: str):
@@ -93,8 +145,10 @@ def test_greedy_tokens_through_the_cache_equal_the_simulate_path(name):
     the eager simulate path (sliding layers of a hybrid model in full precision there too, every
     layer under its own mask) give the same greedy tokens."""
     if name == "llama4" and LLAMA4_STATIC_GENERATE_BROKEN:
-        pytest.skip("transformers < 5.24 cannot generate Llama 4 with any static cache (its own StaticCache fails "
-                    "too: create_chunked_causal_mask() got an unexpected keyword argument 'block_sequence_ids')")
+        pytest.skip(
+            "transformers < 5.24 cannot generate Llama 4 with any static cache (its own StaticCache fails "
+            "too: create_chunked_causal_mask() got an unexpected keyword argument 'block_sequence_ids')"
+        )
     model = build(name)
     cb, ids = random_codebooks(model.config), prompt()
     cached = cache_tokens(model, ids, cb, new_tokens=12, residual=6, compiled=False)
@@ -140,9 +194,16 @@ def gemma4_wide_heads_match(compiled: bool, prefill_chunk: int) -> None:
     kernels' 64/128, so the Triton kernels read the codes), one global KV head, values from the key
     projection."""
     config = transformers.Gemma4TextConfig(
-        sliding_window=WINDOW, num_hidden_layers=3, layer_types=[SLIDE, SLIDE, FULL], global_head_dim=512,
-        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=128, **{**COMMON, "head_dim": 256})
+        sliding_window=WINDOW,
+        num_hidden_layers=3,
+        layer_types=[SLIDE, SLIDE, FULL],
+        global_head_dim=512,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+        **{**COMMON, "head_dim": 256},
+    )
     torch.manual_seed(0)
     model = transformers.Gemma4ForCausalLM(config).eval().cuda()
     assert_cache_equals_simulate(model, compiled=compiled, prefill_chunk=prefill_chunk)
@@ -156,8 +217,11 @@ def gemma4_wide_heads_match(compiled: bool, prefill_chunk: int) -> None:
 # must be either uint64 or have data_ptr method" with TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0.
 # The same variant through vecinfer_backend passes. Kept running (not strict) so that a torch that
 # fixes it shows as XPASS. docs/results.md, the hybrid-models section.
-_TORCH_PARTITION_CRASH = pytest.mark.xfail(reason="torch 2.11 Inductor launches a fused kernel with a non-tensor "
-                                           "argument under generate()'s own compile of the chunked prefill", strict=False)
+_TORCH_PARTITION_CRASH = pytest.mark.xfail(
+    reason="torch 2.11 Inductor launches a fused kernel with a non-tensor "
+    "argument under generate()'s own compile of the chunked prefill",
+    strict=False,
+)
 
 
 @pytest.mark.cuda
@@ -188,8 +252,9 @@ def test_the_sliding_window_is_honoured():
     for window in (WINDOW, None):
         torch.manual_seed(0)
         model = MistralForCausalLM(MistralConfig(sliding_window=window, num_hidden_layers=2, **COMMON)).eval()
-        cb_tokens[window] = cache_tokens(model, prompt(), random_codebooks(model.config), new_tokens=4, residual=6,
-                                         compiled=False)
+        cb_tokens[window] = cache_tokens(
+            model, prompt(), random_codebooks(model.config), new_tokens=4, residual=6, compiled=False
+        )
     assert cb_tokens[WINDOW] != cb_tokens[None]
 
 
@@ -207,8 +272,9 @@ def test_bytes_count_both_kinds_of_layer():
     cache = VecInferCache(model, random_codebooks(model.config), batch_size=1, max_cache_len=52, residual=6)
     with torch.no_grad():  # (transformers' layers allocate at their first update)
         model(prompt()[None], **forward_cache_kwargs(model, cache), use_cache=True)
-    windows = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
-                  if not isinstance(layer, VecInferLayer))
+    windows = sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if not isinstance(layer, VecInferLayer)
+    )
     assert windows == 2 * 2 * (1 * 2 * WINDOW * 16 * 4)  # two sliding layers, K and V, float32
     parts = cache_bytes(cache)
     assert parts.total == cache.kv_bytes() and parts.full_precision_layers >= windows
@@ -219,9 +285,16 @@ def test_clear_refusals():
     model = build("mistral")
     with pytest.raises(ValueError, match="pass residual <= 12"):
         VecInferCache(model, random_codebooks(model.config), max_cache_len=64, residual=16)
-    chunked = Llama4ForCausalLM(Llama4TextConfig(
-        attention_chunk_size=WINDOW, num_hidden_layers=2, layer_types=["chunked_attention"] * 2,
-        intermediate_size_mlp=128, num_local_experts=2, **COMMON))
+    chunked = Llama4ForCausalLM(
+        Llama4TextConfig(
+            attention_chunk_size=WINDOW,
+            num_hidden_layers=2,
+            layer_types=["chunked_attention"] * 2,
+            intermediate_size_mlp=128,
+            num_local_experts=2,
+            **COMMON,
+        )
+    )
     with pytest.raises(ValueError, match="nothing to compress"):
         VecInferCache(chunked, random_codebooks(chunked.config), max_cache_len=64)
     hybrid = VecInferCache(build("gemma3"), random_codebooks(build("gemma3").config), batch_size=2, max_cache_len=64)
@@ -234,8 +307,9 @@ def test_compiled_simulate_quantizes_the_coded_layers_only():
     """The backend on a plain forward (no cache) rewrites the SDPA of the layers the codebooks
     record as coded and leaves a hybrid model's sliding layers alone, so its logits equal the
     eager simulate path's; codebooks without the record (zero-config fits) rewrite every layer."""
-    import vecinfer_compile as vc
     from torch._dynamo.utils import counters
+
+    import vecinfer_compile as vc
 
     model, ids = build("gemma3"), prompt()[None]
     cb = random_codebooks(model.config)
@@ -246,8 +320,9 @@ def test_compiled_simulate_quantizes_the_coded_layers_only():
     torch._dynamo.reset()
     try:
         with torch.no_grad():
-            got = torch.compile(model, backend=vc.vecinfer_backend.configure(codebooks=cb, residual=4),
-                                fullgraph=True)(ids).logits
+            got = torch.compile(model, backend=vc.vecinfer_backend.configure(codebooks=cb, residual=4), fullgraph=True)(
+                ids
+            ).logits
     finally:
         torch._dynamo.reset()
     assert counters["vecinfer"]["sdpa_uncoded_layer"] == 2
@@ -293,9 +368,17 @@ def test_gemma4_batched_left_padded_generate_equals_the_simulate_path(method, gl
     if not hasattr(transformers, "Gemma4ForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
     config = transformers.Gemma4TextConfig(
-        sliding_window=WINDOW, num_hidden_layers=4, layer_types=[SLIDE, FULL] * 2, num_kv_shared_layers=2,
-        global_head_dim=64, num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True,
-        hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, **COMMON)
+        sliding_window=WINDOW,
+        num_hidden_layers=4,
+        layer_types=[SLIDE, FULL] * 2,
+        num_kv_shared_layers=2,
+        global_head_dim=64,
+        num_global_key_value_heads=global_kv_heads,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+        **COMMON,
+    )
     torch.manual_seed(0)
     assert_batched_padded_generate_equals_simulate(transformers.Gemma4ForCausalLM(config).eval(), method)
 
@@ -307,8 +390,13 @@ IDS = FixedIds(torch.randint(3, 128, (96,), generator=torch.Generator().manual_s
 def build_lfm2():
     """Two layers: a short convolution (no K/V) then full attention."""
     torch.manual_seed(0)
-    config = Lfm2Config(layer_types=["conv", FULL], num_hidden_layers=2, norm_eps=1e-5, conv_L_cache=3,
-                        **{k: v for k, v in COMMON.items() if k != "head_dim"})
+    config = Lfm2Config(
+        layer_types=["conv", FULL],
+        num_hidden_layers=2,
+        norm_eps=1e-5,
+        conv_L_cache=3,
+        **{k: v for k, v in COMMON.items() if k != "head_dim"},
+    )
     return Lfm2ForCausalLM(config).eval()
 
 
@@ -326,8 +414,9 @@ def test_layers_without_attention_get_no_codebooks(tmp_path):
     cache = VecInferCache(model, back, batch_size=1, max_cache_len=52, residual=6)
     assert [isinstance(layer, VecInferLayer) for layer in cache.layers] == [False, True]
     ids = prompt()
-    assert cache_tokens(model, ids, back, new_tokens=6, residual=6, compiled=False) == \
-        simulate_tokens(model, ids, back, new_tokens=6, residual=6)
+    assert cache_tokens(model, ids, back, new_tokens=6, residual=6, compiled=False) == simulate_tokens(
+        model, ids, back, new_tokens=6, residual=6
+    )
 
 
 def test_layers_without_attention_refusals(tmp_path):

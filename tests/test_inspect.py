@@ -27,18 +27,68 @@ def test_smoothing_reduces_outlier_ratio_synthetic():
 
 def test_inspect_cli_writes_pngs_and_summary(tiny_dir, sample_text_path, tmp_path, capsys):
     abl = tmp_path / "abl.json"
-    abl.write_text(json.dumps({"rows": [  # the fields `vecinfer ablation --out` writes that the plot reads
-        {"method": "fp16", "label": "full precision", "nominal_bits": 16, "bits": 16, "physical_bits_per_element": 16,
-         "ppl": 30.0},
-        {"method": "vecinfer", "label": "VecInfer", "nominal_bits": 2, "bits": 2, "physical_bits_per_element": 2,
-         "ppl": 33.0},
-        {"method": "kivi", "label": "KIVI", "nominal_bits": 2, "bits": 2, "physical_bits_per_element": 3, "ppl": 31.0},
-    ]}))
+    abl.write_text(
+        json.dumps(
+            {
+                "rows": [  # the fields `vecinfer ablation --out` writes that the plot reads
+                    {
+                        "method": "fp16",
+                        "label": "full precision",
+                        "nominal_bits": 16,
+                        "bits": 16,
+                        "physical_bits_per_element": 16,
+                        "ppl": 30.0,
+                    },
+                    {
+                        "method": "vecinfer",
+                        "label": "VecInfer",
+                        "nominal_bits": 2,
+                        "bits": 2,
+                        "physical_bits_per_element": 2,
+                        "ppl": 33.0,
+                    },
+                    {
+                        "method": "kivi",
+                        "label": "KIVI",
+                        "nominal_bits": 2,
+                        "bits": 2,
+                        "physical_bits_per_element": 3,
+                        "ppl": 31.0,
+                    },
+                ]
+            }
+        )
+    )
     out = tmp_path / "inspect"
-    rc = main(["inspect", "--model", str(tiny_dir), "--text", str(sample_text_path), "--calib-text",
-               str(sample_text_path), "--out", str(out), "--methods", "vq,vecinfer", "--tokens", "128",
-               "--seq-len", "128", "--max-tokens", "512", "--iters", "2", "--fit-vectors", "2048",
-               "--ablation-json", str(abl), "--json", "--no-progress"])
+    rc = main(
+        [
+            "inspect",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(sample_text_path),
+            "--calib-text",
+            str(sample_text_path),
+            "--out",
+            str(out),
+            "--methods",
+            "vq,vecinfer",
+            "--tokens",
+            "128",
+            "--seq-len",
+            "128",
+            "--max-tokens",
+            "512",
+            "--iters",
+            "2",
+            "--fit-vectors",
+            "2048",
+            "--ablation-json",
+            str(abl),
+            "--json",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     for name in ("key_absmax", "codebook_usage", "ppl_vs_bits"):
@@ -54,14 +104,48 @@ def test_inspect_cli_writes_pngs_and_summary(tiny_dir, sample_text_path, tmp_pat
 
 
 def test_inspect_cli_errors(tiny_dir, sample_text_path, tmp_path, capsys):
-    assert main(["inspect", "--model", str(tiny_dir), "--text", str(tmp_path / "nope.txt"),
-                 "--out", str(tmp_path)]) == 2
+    assert (
+        main(["inspect", "--model", str(tiny_dir), "--text", str(tmp_path / "nope.txt"), "--out", str(tmp_path)]) == 2
+    )
     assert "does not exist" in capsys.readouterr().err
-    assert main(["inspect", "--model", str(tiny_dir), "--text", str(sample_text_path), "--out", str(tmp_path),
-                 "--methods", "kivi"]) == 2
+    assert (
+        main(
+            [
+                "inspect",
+                "--model",
+                str(tiny_dir),
+                "--text",
+                str(sample_text_path),
+                "--out",
+                str(tmp_path),
+                "--methods",
+                "kivi",
+            ]
+        )
+        == 2
+    )
     assert "VQ methods" in capsys.readouterr().err
-    assert main(["inspect", "--model", str(tiny_dir), "--text", str(sample_text_path), "--out", str(tmp_path / "o"),
-                 "--tokens", "64", "--seq-len", "64", "--no-ppl", "--methods", "vq"]) == 2
+    assert (
+        main(
+            [
+                "inspect",
+                "--model",
+                str(tiny_dir),
+                "--text",
+                str(sample_text_path),
+                "--out",
+                str(tmp_path / "o"),
+                "--tokens",
+                "64",
+                "--seq-len",
+                "64",
+                "--no-ppl",
+                "--methods",
+                "vq",
+            ]
+        )
+        == 2
+    )
     assert "--calib-text" in capsys.readouterr().err
 
 
@@ -71,8 +155,15 @@ def test_codebook_usage_with_presets_that_differ_by_layer():
     from vecinfer_compile.evaluation.inspect import codebook_usage, format_summary
     from vecinfer_compile.testing import random_codebooks
 
-    geometry = {"num_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
-                "model_type": "llama", "vocab_size": 128}
+    geometry = {
+        "num_layers": 2,
+        "num_query_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "hidden_size": 64,
+        "model_type": "llama",
+        "vocab_size": 128,
+    }
     cb = random_codebooks(geometry, layer_bits=[2.0, 1.5])
     gen = torch.Generator().manual_seed(0)
     qkv = {l: (torch.randn(4, 64, 16, generator=gen), torch.randn(2, 64, 16, generator=gen), None) for l in (0, 1)}

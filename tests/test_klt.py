@@ -11,8 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vecinfer_compile.quant.klt import (KLT, gaussian_lloyd_max_distortion, greedy_allocation, lloyd_max,
-                                        rounded_water_filling, scalar_quantize)
+from vecinfer_compile.quant.klt import (
+    KLT,
+    gaussian_lloyd_max_distortion,
+    greedy_allocation,
+    lloyd_max,
+    rounded_water_filling,
+    scalar_quantize,
+)
 from vecinfer_compile.quant.rate_distortion import water_fill
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +76,12 @@ def test_lloyd_max_of_samples_and_nearest_levels():
     x = torch.randn(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     levels = lloyd_max(x, 2)
     assert levels.tolist() == pytest.approx([-0.798, 0.798], abs=0.01)
-    assert scalar_quantize(torch.tensor([-5.0, -0.1, 0.2, 3.0]), levels).tolist() == \
-        [levels[0].item(), levels[0].item(), levels[1].item(), levels[1].item()]
+    assert scalar_quantize(torch.tensor([-5.0, -0.1, 0.2, 3.0]), levels).tolist() == [
+        levels[0].item(),
+        levels[0].item(),
+        levels[1].item(),
+        levels[1].item(),
+    ]
     assert lloyd_max(x, 1).item() == pytest.approx(x.mean().item())
 
 
@@ -106,8 +116,24 @@ def test_study_end_to_end_on_the_tiny_model(tiny_dir, calibration_text_path, sam
     with pytest.raises(ValueError, match="the study needs 40960"):
         _study().main(["--model", str(tiny_dir), "--calib-text", str(sample_text_path)])
     out = tmp_path / "study.json"
-    _study().main(["--model", str(tiny_dir), "--calib-text", str(calibration_text_path), "--layers", "1",
-                   "--rows", "kmeans,g1,trellis", "--trellis-bits", "6", "--trellis-vectors", "64", "--json", str(out)])
+    _study().main(
+        [
+            "--model",
+            str(tiny_dir),
+            "--calib-text",
+            str(calibration_text_path),
+            "--layers",
+            "1",
+            "--rows",
+            "kmeans,g1,trellis",
+            "--trellis-bits",
+            "6",
+            "--trellis-vectors",
+            "64",
+            "--json",
+            str(out),
+        ]
+    )
     row = json.loads(out.read_text())["layers"]["1"]
     assert "| kmeans_256x4 |" in capsys.readouterr().out
     assert row["bound_flat"] == 1 / 16 and 0 < row["bound_wf_klt"] <= row["bound_sub4"] <= 1 / 16 + 1e-9

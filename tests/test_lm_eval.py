@@ -21,8 +21,9 @@ def test_lm_eval_harness_example(monkeypatch, capsys):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     results = example.main(["--docs", "2", "--doc-chars", "1500"])
-    full, eager, compiled = (results[k][0] for k in ("full precision", "VecInfer, eager simulate",
-                                                      "VecInfer, torch.compile"))
+    full, eager, compiled = (
+        results[k][0] for k in ("full precision", "VecInfer, eager simulate", "VecInfer, torch.compile")
+    )
     assert 1 < full < eager  # 2-bit K/V cost perplexity
     assert abs(compiled - eager) / eager < 0.02  # the compiled model computes what simulation does
     assert "| VecInfer, torch.compile |" in capsys.readouterr().out

@@ -16,25 +16,44 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers import (
-    DiffLlamaConfig, DiffLlamaForCausalLM, DogeConfig, DogeForCausalLM, FalconH1Config, FalconH1ForCausalLM,
-    Gemma3nForCausalLM, Gemma3nTextConfig, InklingTextConfig, JetMoeConfig, JetMoeForCausalLM, MllamaForCausalLM,
+    DiffLlamaConfig,
+    DiffLlamaForCausalLM,
+    DogeConfig,
+    DogeForCausalLM,
+    FalconH1Config,
+    FalconH1ForCausalLM,
+    Gemma3nForCausalLM,
+    Gemma3nTextConfig,
+    InklingTextConfig,
+    JetMoeConfig,
+    JetMoeForCausalLM,
+    MllamaForCausalLM,
     MllamaTextConfig,
 )
 from transformers.cache_utils import DummyLayer
 
 from vecinfer_compile.backend import vecinfer_backend
 from vecinfer_compile.cache import VecInferCache, VecInferHybridLayer, VecInferLayer
-from vecinfer_compile.hf.compat import cache_kwargs
 from vecinfer_compile.hf import attention_over_codes
-from vecinfer_compile.hf.compat import forward_cache_kwargs
+from vecinfer_compile.hf.compat import cache_kwargs, forward_cache_kwargs
 from vecinfer_compile.hf.layer_kinds import coded_layers, kv_producers
 from vecinfer_compile.simulate import simulation
 from vecinfer_compile.testing import cache_layer, random_codebooks, random_layer_codebooks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 PROMPT, NEW, RESIDUAL = 12, 4, 4
 
 
@@ -52,9 +71,17 @@ def greedy(model, **kwargs) -> tuple[list[int], list[torch.Tensor]]:
     ids = prompt()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True,
-                             **kwargs)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
     return out.sequences[0, PROMPT:].tolist(), [step[0] for step in out.logits]
 
 
@@ -85,8 +112,9 @@ def assert_same(got, want):
 def layer_with_tokens(tokens: int = 10, heads: int = 2, dim: int = 16) -> VecInferLayer:
     """A coded layer (4-slot window) holding ``tokens`` random tokens, whose model attends with
     ``vecinfer_sdpa`` (its updates return codes reads)."""
-    layer = cache_layer(random_layer_codebooks(heads, dim, seed=0), num_kv_heads=heads, head_dim=dim,
-                        max_cache_len=24, residual=4)
+    layer = cache_layer(
+        random_layer_codebooks(heads, dim, seed=0), num_kv_heads=heads, head_dim=dim, max_cache_len=24, residual=4
+    )
     layer.model_config = mock.Mock(_attn_implementation=attention_over_codes.ATTN_NAME)
     layer.update(torch.randn(1, heads, tokens, dim), torch.randn(1, heads, tokens, dim))
     return layer
@@ -188,9 +216,16 @@ def test_mllama_reads_a_cache_layers_keys():
 # -- layers that share K/V, hybrid layers ----------------------------------------------------------
 def gemma3n():
     config = Gemma3nTextConfig(
-        **{**COMMON, "num_hidden_layers": 4}, layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=8, num_kv_shared_layers=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128,
-        laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4)
+        **{**COMMON, "num_hidden_layers": 4},
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=8,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128,
+        laurel_rank=8,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 4,
+    )
     return build(Gemma3nForCausalLM, config)
 
 
@@ -216,9 +251,16 @@ def test_gemma4_kv_shared_layers_of_a_prefill_read_the_prompt_in_full_precision(
     if not hasattr(transformers, "Gemma4ForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
     config = transformers.Gemma4TextConfig(
-        **{**COMMON, "num_hidden_layers": 4}, layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=8, num_kv_shared_layers=2, global_head_dim=32, num_global_key_value_heads=1,
-        attention_k_eq_v=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128)
+        **{**COMMON, "num_hidden_layers": 4},
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=8,
+        num_kv_shared_layers=2,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+    )
     model = build(transformers.Gemma4ForCausalLM, config)
     assert kv_producers(model.config) == [0, 1, 0, 1] and coded_layers(model.config) == [False, True, False, True]
     cb = random_codebooks(model.config)
@@ -231,16 +273,27 @@ def test_gemma4_kv_shared_layers_of_a_prefill_read_the_prompt_in_full_precision(
 def test_hybrid_layers_hold_codes_beside_the_mixer_state():
     """Falcon-H1's layers put attention beside a Mamba mixer: the attention is coded, the conv and
     recurrent states kept (and counted), and generate equals the simulate path."""
-    config = FalconH1Config(**COMMON, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
-                            mamba_d_state=16, mamba_chunk_size=16)
+    config = FalconH1Config(
+        **COMMON,
+        mamba_d_ssm=128,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+    )
     model = build(FalconH1ForCausalLM, config)
     cb = random_codebooks(model.config)
     cache = VecInferCache(model, cb, batch_size=1, max_cache_len=PROMPT + NEW, residual=RESIDUAL)
     assert all(isinstance(layer, VecInferHybridLayer) for layer in cache.layers)
     with torch.no_grad():
         model(prompt(), **forward_cache_kwargs(model, cache), use_cache=True)
-    mixer = sum(t.nbytes for layer in cache.layers for states in (layer.conv_states, layer.recurrent_states)
-                for t in states.values())
+    mixer = sum(
+        t.nbytes
+        for layer in cache.layers
+        for states in (layer.conv_states, layer.recurrent_states)
+        for t in states.values()
+    )
     coded = sum(t.nbytes for t in {t.data_ptr(): t for layer in cache.layers for t in layer.static_tensors()}.values())
     assert mixer > 0 and cache.kv_bytes() == coded + mixer
     assert not cache.is_croppable  # so generate() never defers its stop check over it

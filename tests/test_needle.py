@@ -9,13 +9,15 @@ import random
 import pytest
 
 from vecinfer_compile.cli import main
-from vecinfer_compile.evaluation.needle import (build_prompt, is_correct, load_haystack, make_needle,
-                                                sentence_boundaries)
+from vecinfer_compile.evaluation.needle import build_prompt, is_correct, load_haystack, make_needle, sentence_boundaries
 
 SENTENCES = [
-    "The river ran quietly past the old mill.", "Children played near the wooden bridge.",
-    "A farmer counted his sheep before the storm.", "The library opened its doors at nine.",
-    "Snow covered the northern hills for weeks.", "She wrote a long letter to her brother.",
+    "The river ran quietly past the old mill.",
+    "Children played near the wooden bridge.",
+    "A farmer counted his sheep before the storm.",
+    "The library opened its doors at nine.",
+    "Snow covered the northern hills for weeks.",
+    "She wrote a long letter to her brother.",
 ]
 
 
@@ -57,21 +59,23 @@ def test_needle_depth_and_length(haystack, tokenizer, depth):
     text = load_haystack(haystack)
     filler = tokenizer(text, add_special_tokens=False)["input_ids"]
     bounds = sentence_boundaries(tokenizer, filler)
-    assert bounds and all(tokenizer.decode(filler[b - 1:b]).rstrip().endswith(".") for b in bounds[:20])
+    assert bounds and all(tokenizer.decode(filler[b - 1 : b]).rstrip().endswith(".") for b in bounds[:20])
     needle = make_needle("passkey", random.Random(3))
     p = build_prompt(tokenizer, filler, bounds, 300, depth, needle, random.Random(4), bos_id=1)
     assert len(p.ids) == 300 and p.ids[0] == 1
     needle_ids = tokenizer(needle.text, add_special_tokens=False)["input_ids"]
-    assert p.ids[p.needle_start:p.needle_start + len(needle_ids)] == needle_ids
+    assert p.ids[p.needle_start : p.needle_start + len(needle_ids)] == needle_ids
     # placed at the requested fraction of the filler, snapped to a sentence (<= ~12 tokens here)
     assert abs(p.depth_actual - depth) * p.filler_tokens <= 12
     if depth == 0.0:
         assert p.needle_start == 1
     if depth == 1.0:  # right before the question
         q = tokenizer(needle.question, add_special_tokens=False)["input_ids"]
-        assert p.ids[-len(q) - len(needle_ids):-len(q)] == needle_ids
+        assert p.ids[-len(q) - len(needle_ids) : -len(q)] == needle_ids
     else:  # snapped: the token before the needle ends a sentence
-        assert p.needle_start == 1 or tokenizer.decode(p.ids[p.needle_start - 1:p.needle_start]).rstrip().endswith(".")
+        assert p.needle_start == 1 or tokenizer.decode(p.ids[p.needle_start - 1 : p.needle_start]).rstrip().endswith(
+            "."
+        )
 
 
 def test_haystack_errors(tmp_path):
@@ -86,9 +90,29 @@ def test_haystack_errors(tmp_path):
 
 def test_needle_cli_json_grid_plot(haystack, tiny_dir, tmp_path, capsys):
     png = tmp_path / "grid.png"
-    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "64,96",
-               "--depths", "0,50,100", "--method", "fp16", "--trials", "2", "--max-new-tokens", "3",
-               "--json", "--plot", str(png), "--no-progress"])
+    rc = main(
+        [
+            "needle",
+            "--model",
+            str(tiny_dir),
+            "--haystack",
+            str(haystack),
+            "--lengths",
+            "64,96",
+            "--depths",
+            "0,50,100",
+            "--method",
+            "fp16",
+            "--trials",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--json",
+            "--plot",
+            str(png),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["lengths"] == [64, 96] and out["depths"] == [0, 50, 100]
@@ -104,17 +128,59 @@ def test_needle_cli_vecinfer_cache_and_table(haystack, tiny_dir, capsys):
     from vecinfer_compile.models import default_codebooks_dir
 
     cb = default_codebooks_dir() / "vecinfer-2bit.safetensors"
-    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "64",
-               "--depths", "50", "--method", "vecinfer", "--codebooks", str(cb), "--residual", "8",
-               "--trials", "1", "--max-new-tokens", "3", "--no-progress"])
+    rc = main(
+        [
+            "needle",
+            "--model",
+            str(tiny_dir),
+            "--haystack",
+            str(haystack),
+            "--lengths",
+            "64",
+            "--depths",
+            "50",
+            "--method",
+            "vecinfer",
+            "--codebooks",
+            str(cb),
+            "--residual",
+            "8",
+            "--trials",
+            "1",
+            "--max-new-tokens",
+            "3",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "| length \\ depth | 50% | mean |" in out and "VecInferCache" in out
 
 
 def test_needle_cli_kivi_says_simulate(haystack, tiny_dir, capsys):
-    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "64",
-               "--depths", "0", "--method", "kivi", "--bits", "2", "--residual", "8", "--trials", "1",
-               "--max-new-tokens", "2", "--no-progress"])
+    rc = main(
+        [
+            "needle",
+            "--model",
+            str(tiny_dir),
+            "--haystack",
+            str(haystack),
+            "--lengths",
+            "64",
+            "--depths",
+            "0",
+            "--method",
+            "kivi",
+            "--bits",
+            "2",
+            "--residual",
+            "8",
+            "--trials",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 0 and "SIMULATE" in capsys.readouterr().out
 
 
@@ -125,20 +191,53 @@ def test_needle_cli_prerope_runs_in_simulate_mode(haystack, tiny_dir, sample_tex
     from vecinfer_compile.models import load_model
 
     model, tok = load_model(tiny_dir, "float32", "cpu")
-    cb = calibrate(model, tok, sample_text_path.read_text(), bits=2, method="prerope", max_tokens=512,
-                   seq_len=128, iters=2, progress=False).save(tmp_path / "cb.safetensors")
-    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "64",
-               "--depths", "0", "--method", "prerope", "--codebooks", str(cb), "--residual", "8", "--trials", "1",
-               "--max-new-tokens", "2", "--no-progress"])
+    cb = calibrate(
+        model,
+        tok,
+        sample_text_path.read_text(),
+        bits=2,
+        method="prerope",
+        max_tokens=512,
+        seq_len=128,
+        iters=2,
+        progress=False,
+    ).save(tmp_path / "cb.safetensors")
+    rc = main(
+        [
+            "needle",
+            "--model",
+            str(tiny_dir),
+            "--haystack",
+            str(haystack),
+            "--lengths",
+            "64",
+            "--depths",
+            "0",
+            "--method",
+            "prerope",
+            "--codebooks",
+            str(cb),
+            "--residual",
+            "8",
+            "--trials",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 0 and "prerope 2-bit: runs in SIMULATE mode" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["--haystack", "/nonexistent/hay"], "does not exist"),
-    (["--lengths", "abc"], "comma-separated token counts"),
-    (["--depths", "150"], "[0, 100]"),
-    (["--method", "vecinfer"], "needs codebooks"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--haystack", "/nonexistent/hay"], "does not exist"),
+        (["--lengths", "abc"], "comma-separated token counts"),
+        (["--depths", "150"], "[0, 100]"),
+        (["--method", "vecinfer"], "needs codebooks"),
+    ],
+)
 def test_needle_cli_errors(haystack, tiny_dir, capsys, argv, msg):
     base = {"--haystack": str(haystack), "--lengths": "64", "--depths": "0"}
     for k, v in zip(argv[::2], argv[1::2]):
@@ -150,8 +249,23 @@ def test_needle_cli_errors(haystack, tiny_dir, capsys, argv, msg):
 
 
 def test_needle_too_long_for_haystack(haystack, tiny_dir, capsys):
-    assert main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "4000",
-                 "--depths", "0", "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "needle",
+                "--model",
+                str(tiny_dir),
+                "--haystack",
+                str(haystack),
+                "--lengths",
+                "4000",
+                "--depths",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "haystack" in err
 

@@ -24,14 +24,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ops_reference import decode_case, reference_decode
+from test_ops_triton import _check_rule, _cuda, _decode_baseline_err
 
 import vecinfer_compile.ops as ops
 from vecinfer_compile import log_once
-from vecinfer_compile.ops.coded_kv import bundle_coded_kv
-from test_ops_reference import decode_case, reference_decode
-from test_ops_triton import _check_rule, _cuda, _decode_baseline_err
-from vecinfer_compile.ops.cuda import decode as cuda_decode
 from vecinfer_compile.ops import decode, kernel_request
+from vecinfer_compile.ops.coded_kv import bundle_coded_kv
+from vecinfer_compile.ops.cuda import decode as cuda_decode
 from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
 from vecinfer_compile.presets import PRESETS
 
@@ -54,13 +54,22 @@ def test_cuda_source_compiles_for_sm90(kspec, vspec):
     value product, GQA 16 without)."""
     nvrtc_or_skip()
     lean = cuda_decode.Variant(128, 4, *kspec, *vspec, False).can_be_lean
-    for head_dim, group, fp16, nwarps, cluster in ((128, 4, False, 4, False), (128, 4, False, 4, True),
-                                                   (64, 16, True, 12, True), (64, 2, False, 4, True),
-                                                   (128, 3, True, 12, False)):
-        variant = cuda_decode.Variant(head_dim, group, *kspec, *vspec, fp16, cluster=cluster,
-                                      lean=lean and nwarps == 12)
-        image, is_cubin = compile_source(cuda_decode.source(), "vq_decode", 90,
-                                         ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), "-DMINB=1"])
+    for head_dim, group, fp16, nwarps, cluster in (
+        (128, 4, False, 4, False),
+        (128, 4, False, 4, True),
+        (64, 16, True, 12, True),
+        (64, 2, False, 4, True),
+        (128, 3, True, 12, False),
+    ):
+        variant = cuda_decode.Variant(
+            head_dim, group, *kspec, *vspec, fp16, cluster=cluster, lean=lean and nwarps == 12
+        )
+        image, is_cubin = compile_source(
+            cuda_decode.source(),
+            "vq_decode",
+            90,
+            ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), "-DMINB=1"],
+        )
         assert is_cubin and image[:4] == b"\x7fELF"
         assert b"vq_decode" in image
 
@@ -97,7 +106,10 @@ def test_variant_shared_memory_copies_and_launch_shapes():
     a100 = dict(smem_per_sm=164 * 1024)
     assert cuda_decode.Variant(128, 4, 256, 4, 256, 4, False, **a100).interleaved
     assert cuda_decode.launches_for(cuda_decode.Variant(128, 4, 4096, 8, 4096, 8, False, **a100))[:3] == [
-        (1, 12), (1, 8), (2, 4)]
+        (1, 12),
+        (1, 8),
+        (2, 4),
+    ]
     # the lean build puts the query fragments after non-interleaved books (NH x KSTEPS x 32 lanes x
     # 8 bytes) and keeps one block of codes; interleaved (256-entry) presets have none
     for (k, v), can in ((((4096, 4), (4096, 4)), True), (((4096, 8), (256, 8)), True), (((256, 4), (256, 4)), False)):
@@ -246,13 +258,27 @@ def test_decode_kernel_request(monkeypatch):
 
 def test_cuda_op_on_cpu_names_the_fix():
     gen = torch.Generator().manual_seed(0)
-    args = decode_case(gen, b=1, hkv=1, group=2, tmax=4, n_coded=2, r=2, n_window=1, d=128, kspec=(256, 4),
-                       vspec=(256, 4), with_start=False, dtype=torch.bfloat16)
+    args = decode_case(
+        gen,
+        b=1,
+        hkv=1,
+        group=2,
+        tmax=4,
+        n_coded=2,
+        r=2,
+        n_window=1,
+        d=128,
+        kspec=(256, 4),
+        vspec=(256, 4),
+        with_start=False,
+        dtype=torch.bfloat16,
+    )
     with pytest.raises(CudaBuildError, match="use the Triton kernel"):
         torch.ops.vecinfer.decode_attention_cuda(*args)
 
 
 # --- GPU -----------------------------------------------------------------------------------------
+
 
 def _decode(dtype, seed, **kw):
     gen = torch.Generator().manual_seed(seed)
@@ -318,8 +344,21 @@ def test_cuda_kernel_matches_reference(seed, specs, group, d, b, hkv, tmax, fill
     into the window, or hold window blocks only."""
     n_coded = round(fill * tmax)
     n_window = {"empty": 0, "partial": r // 2, "full": r}[window]
-    args = _decode(dtype, seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=r, n_window=n_window,
-                   d=d, kspec=specs[0], vspec=specs[1], with_start=with_start)
+    args = _decode(
+        dtype,
+        seed,
+        b=b,
+        hkv=hkv,
+        group=group,
+        tmax=tmax,
+        n_coded=n_coded,
+        r=r,
+        n_window=n_window,
+        d=d,
+        kspec=specs[0],
+        vspec=specs[1],
+        with_start=with_start,
+    )
     got = _kernel(args)
     if n_coded + n_window == 0:
         assert (got == 0).all()
@@ -332,30 +371,73 @@ def test_cuda_kernel_matches_reference(seed, specs, group, d, b, hkv, tmax, fill
 @pytest.mark.parametrize("specs", PRESET_SPECS)
 def test_cuda_kernel_long_context(specs):
     """Llama-3.1-8B geometry, 20k positions: many splits, every preset."""
-    args = _decode(torch.bfloat16, 7, b=2, hkv=8, group=4, tmax=20000, n_coded=19_873, r=128, n_window=77,
-                   d=128, kspec=specs[0], vspec=specs[1], with_start=True)
+    args = _decode(
+        torch.bfloat16,
+        7,
+        b=2,
+        hkv=8,
+        group=4,
+        tmax=20000,
+        n_coded=19_873,
+        r=128,
+        n_window=77,
+        d=128,
+        kspec=specs[0],
+        vspec=specs[1],
+        with_start=True,
+    )
     _check(args, _kernel(args))
 
 
 @pytest.mark.cuda
 @needs_cuda
 def test_op_dispatches_to_cuda_and_env_forces_triton(monkeypatch):
-    args = _decode(torch.bfloat16, 3, b=2, hkv=2, group=4, tmax=900, n_coded=800, r=128, n_window=50, d=128,
-                   kspec=(256, 4), vspec=(256, 4), with_start=False)
+    args = _decode(
+        torch.bfloat16,
+        3,
+        b=2,
+        hkv=2,
+        group=4,
+        tmax=900,
+        n_coded=800,
+        r=128,
+        n_window=50,
+        d=128,
+        kspec=(256, 4),
+        vspec=(256, 4),
+        with_start=False,
+    )
     monkeypatch.delenv(kernel_request.ENV, raising=False)
     assert decode.choose(args[0], args[1], args[3], args[4]) == "cuda"
     torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), _kernel(args), rtol=0, atol=0)
     monkeypatch.setenv(kernel_request.ENV, "triton")
-    torch.testing.assert_close(torch.ops.vecinfer.decode_attention(*args), ops.decode_attention_triton(*bundle_coded_kv(args, 1)),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.ops.vecinfer.decode_attention(*args),
+        ops.decode_attention_triton(*bundle_coded_kv(args, 1)),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.cuda
 @needs_cuda
 def test_float32_queries_run_triton_with_one_log_line(monkeypatch, caplog):
     monkeypatch.delenv(kernel_request.ENV, raising=False)
-    args = _decode(torch.float32, 4, b=1, hkv=2, group=2, tmax=100, n_coded=90, r=16, n_window=3, d=128,
-                   kspec=(256, 4), vspec=(256, 4), with_start=False)
+    args = _decode(
+        torch.float32,
+        4,
+        b=1,
+        hkv=2,
+        group=2,
+        tmax=100,
+        n_coded=90,
+        r=16,
+        n_window=3,
+        d=128,
+        kspec=(256, 4),
+        vspec=(256, 4),
+        with_start=False,
+    )
     log_once.forget()
     with caplog.at_level(logging.INFO, logger=kernel_request.log.name):
         assert decode.choose(args[0], args[1], args[3], args[4]) == "triton"
@@ -370,8 +452,23 @@ def test_float32_queries_run_triton_with_one_log_line(monkeypatch, caplog):
 @needs_cuda
 def test_cuda_kernel_in_a_cuda_graph_follows_the_length():
     """Captured once, replayed after the cache grew: the launch reads n_coded on the device."""
-    args = list(_decode(torch.bfloat16, 5, b=2, hkv=8, group=4, tmax=4096, n_coded=1000, r=128, n_window=128,
-                        d=128, kspec=(256, 4), vspec=(256, 4), with_start=False))
+    args = list(
+        _decode(
+            torch.bfloat16,
+            5,
+            b=2,
+            hkv=8,
+            group=4,
+            tmax=4096,
+            n_coded=1000,
+            r=128,
+            n_window=128,
+            d=128,
+            kspec=(256, 4),
+            vspec=(256, 4),
+            with_start=False,
+        )
+    )
     _kernel(args)  # compile and load outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -399,9 +496,26 @@ def test_persistent_arrival_counters_are_left_zero_across_shapes_graphs_and_stre
     shapes, a captured graph's replays and calls on a second stream, every counter is zero again and
     every output matches the reference."""
     monkeypatch.setattr(cuda_decode, "cluster_size", lambda *a: None)  # the cluster merge uses no counters
-    cases = [list(_decode(torch.bfloat16, 20 + i, b=b, hkv=hkv, group=4, tmax=t, n_coded=n, r=128, n_window=w, d=128,
-                          kspec=(256, 4), vspec=(256, 4), with_start=True))
-             for i, (b, hkv, t, n, w) in enumerate([(2, 8, 5000, 4900, 100), (1, 2, 300, 0, 7), (3, 4, 9000, 8999, 128)])]
+    cases = [
+        list(
+            _decode(
+                torch.bfloat16,
+                20 + i,
+                b=b,
+                hkv=hkv,
+                group=4,
+                tmax=t,
+                n_coded=n,
+                r=128,
+                n_window=w,
+                d=128,
+                kspec=(256, 4),
+                vspec=(256, 4),
+                with_start=True,
+            )
+        )
+        for i, (b, hkv, t, n, w) in enumerate([(2, 8, 5000, 4900, 100), (1, 2, 300, 0, 7), (3, 4, 9000, 8999, 128)])
+    ]
     for args in cases * 2:
         _check(args, _kernel(args))
     side = torch.cuda.Stream()
@@ -431,10 +545,26 @@ def test_cluster_merge_at_every_cluster_size(specs, monkeypatch):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("thread-block clusters need sm_90")
     sizes = set()
-    for i, (b, hkv, tmax) in enumerate([(1, 1, 60), (1, 2, 700), (1, 1, 1400), (1, 1, 2500), (2, 1, 3500),
-                                        (1, 1, 4096), (1, 8, 4096)]):
-        args = list(_decode(torch.bfloat16, 40 + i, b=b, hkv=hkv, group=4, tmax=tmax, n_coded=tmax - 9, r=128,
-                            n_window=100, d=128, kspec=specs[0], vspec=specs[1], with_start=True))
+    for i, (b, hkv, tmax) in enumerate(
+        [(1, 1, 60), (1, 2, 700), (1, 1, 1400), (1, 1, 2500), (2, 1, 3500), (1, 1, 4096), (1, 8, 4096)]
+    ):
+        args = list(
+            _decode(
+                torch.bfloat16,
+                40 + i,
+                b=b,
+                hkv=hkv,
+                group=4,
+                tmax=tmax,
+                n_coded=tmax - 9,
+                r=128,
+                n_window=100,
+                d=128,
+                kspec=specs[0],
+                vspec=specs[1],
+                with_start=True,
+            )
+        )
         variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
         built = cuda_decode.kernels_for(variant, args[0].device)
         splits = cuda_decode.num_splits(b * hkv, tmax, built.ctas_per_sm, ops.cuda.nvrtc.sm_count(0), built.nwarps)
@@ -462,11 +592,28 @@ def test_interleaved_books_give_separate_books_output_exactly(specs, monkeypatch
     """Interleaving changes where the 256-entry books sit in shared memory and how a gather's
     address is formed, not what is gathered or the order of the arithmetic: the output equals that
     of separate books bit for bit (short and long rows, a window, left padding, GQA 4 and 8)."""
-    for seed, (b, hkv, group, tmax, n_coded) in enumerate([(2, 4, 4, 3000, 2900), (3, 2, 8, 9000, 8871), (1, 8, 4, 200, 70)]):
-        args = _decode(torch.bfloat16, 60 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
-                       n_window=77, d=128, kspec=specs[0], vspec=specs[1], with_start=True)
+    for seed, (b, hkv, group, tmax, n_coded) in enumerate(
+        [(2, 4, 4, 3000, 2900), (3, 2, 8, 9000, 8871), (1, 8, 4, 200, 70)]
+    ):
+        args = _decode(
+            torch.bfloat16,
+            60 + seed,
+            b=b,
+            hkv=hkv,
+            group=group,
+            tmax=tmax,
+            n_coded=n_coded,
+            r=128,
+            n_window=77,
+            d=128,
+            kspec=specs[0],
+            vspec=specs[1],
+            with_start=True,
+        )
         _against_layout(args, monkeypatch, "interleaved", exact=True)
-        assert cuda_decode.variant_for(args[0], args[3], args[4], group).interleaved == (max(specs[0][0], specs[1][0]) <= 256)
+        assert cuda_decode.variant_for(args[0], args[3], args[4], group).interleaved == (
+            max(specs[0][0], specs[1][0]) <= 256
+        )
 
 
 def _sawtooth(direction: int, n_window: int, dtype: torch.dtype):
@@ -479,8 +626,23 @@ def _sawtooth(direction: int, n_window: int, dtype: torch.dtype):
     rows each warp would take a single block and never reach the lazy path)."""
     hkv = torch.cuda.get_device_properties(0).multi_processor_count
     tmax = 64 * 20 * 12
-    args = list(_decode(dtype, 11, b=1, hkv=hkv, group=4, tmax=tmax, n_coded=tmax, r=128, n_window=n_window,
-                        d=128, kspec=(256, 4), vspec=(256, 4), with_start=False))
+    args = list(
+        _decode(
+            dtype,
+            11,
+            b=1,
+            hkv=hkv,
+            group=4,
+            tmax=tmax,
+            n_coded=tmax,
+            r=128,
+            n_window=n_window,
+            d=128,
+            kspec=(256, 4),
+            vspec=(256, 4),
+            with_start=False,
+        )
+    )
     t = torch.arange(tmax, device="cuda")
     step = 12 * ((t // 64) % 20) + t % 5
     codes = step if direction > 0 else step.flip(0)
@@ -505,12 +667,17 @@ def test_lazy_softmax_follows_scores_that_climb_and_fall(dtype, direction, n_win
     _check(args, _kernel(args))
     variant = cuda_decode.variant_for(args[0], args[3], args[4], 4)
     built = cuda_decode.kernels_for(variant, args[0].device)
-    assert cuda_decode.num_splits(args[1].shape[1], args[1].shape[2], built.ctas_per_sm,
-                                  ops.cuda.nvrtc.sm_count(0), built.nwarps) == 1
+    assert (
+        cuda_decode.num_splits(
+            args[1].shape[1], args[1].shape[2], built.ctas_per_sm, ops.cuda.nvrtc.sm_count(0), built.nwarps
+        )
+        == 1
+    )
 
 
 _PAIRED_CASES = [(specs, 4, 128) for specs in PRESET_SPECS] + [
-    (((256, 4), (256, 4)), group, d) for group, d in ((1, 128), (3, 128), (2, 64), (8, 128))]
+    (((256, 4), (256, 4)), group, d) for group, d in ((1, 128), (3, 128), (2, 64), (8, 128))
+]
 
 
 @pytest.mark.cuda
@@ -523,8 +690,21 @@ def test_paired_value_product_matches_the_position_pairs(specs, group, d, monkey
     left padding; every preset at GQA 4, the 2-bit one at other groups and head_dim 64. (Each case
     compiles two variants: the random shapes of test_cuda_kernel_matches_reference cover the rest.)"""
     for seed, (b, hkv, tmax, n_coded) in enumerate([(2, 3, 3000, 2900), (1, 8, 200, 70)]):
-        args = _decode(torch.bfloat16, 80 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
-                       n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=True)
+        args = _decode(
+            torch.bfloat16,
+            80 + seed,
+            b=b,
+            hkv=hkv,
+            group=group,
+            tmax=tmax,
+            n_coded=n_coded,
+            r=128,
+            n_window=77,
+            d=d,
+            kspec=specs[0],
+            vspec=specs[1],
+            with_start=True,
+        )
         _against_layout(args, monkeypatch, "paired_values", exact=False)
         assert cuda_decode.variant_for(args[0], args[3], args[4], group).paired_values == (group <= 4)
 
@@ -549,18 +729,50 @@ def test_byte_books_give_16_bit_books_output_exactly(specs, monkeypatch):
     16-bit value a 16-bit book holds (the codebooks' centroids are 7-bit: make_codes snaps them as
     LayerCodebooks does), so its output equals the 16-bit book's bit for bit (short and long rows, a window,
     left padding, GQA 4 and 8, head_dim 64, float16 and bfloat16, float16 centroids near its range)."""
-    cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
-             (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16)]
+    cases = [
+        (2, 4, 4, 3000, 2900, 128, torch.bfloat16),
+        (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
+        (1, 8, 4, 200, 70, 128, torch.float16),
+        (1, 3, 4, 1500, 1400, 64, torch.float16),
+    ]
     for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
-        args = _decode(dtype, 90 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
-                       n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=True)
+        args = _decode(
+            dtype,
+            90 + seed,
+            b=b,
+            hkv=hkv,
+            group=group,
+            tmax=tmax,
+            n_coded=n_coded,
+            r=128,
+            n_window=77,
+            d=d,
+            kspec=specs[0],
+            vspec=specs[1],
+            with_start=True,
+        )
         _against_layout(args, monkeypatch, "byte_book", exact=True)
         variant = cuda_decode.variant_for(args[0], args[3], args[4], group)
         assert [variant.byte_book(*c.shape) for c in args[3:5]] == [c.shape[0] > 256 for c in args[3:5]]
     # float16 centroids of ~16,000 (a step of 256: -(1024 + 64) * step is past float16's range, so
     # the float16 widening adds before it multiplies) still equal the 16-bit book's
-    args = list(_decode(torch.float16, 95, b=1, hkv=2, group=4, tmax=700, n_coded=650, r=128, n_window=40,
-                        d=128, kspec=specs[0], vspec=specs[1], with_start=False))
+    args = list(
+        _decode(
+            torch.float16,
+            95,
+            b=1,
+            hkv=2,
+            group=4,
+            tmax=700,
+            n_coded=650,
+            r=128,
+            n_window=40,
+            d=128,
+            kspec=specs[0],
+            vspec=specs[1],
+            with_start=False,
+        )
+    )
     args[0], args[3], args[4] = args[0] / 4096, args[3] * 4096, args[4] * 4096
     byte = _kernel(args)
     with monkeypatch.context() as m:
@@ -584,12 +796,29 @@ def test_lean_build_gives_the_plain_builds_output(specs, monkeypatch):
     4, 8 and 16, head_dim 64, float16 and bfloat16). On the H200 one output of 4,096 differed from
     the plain build's, by 6e-8."""
     monkeypatch.setattr(cuda_decode, "LEAN_MIN_BLOCKS_PER_WARP", 0)
-    cases = [(2, 4, 4, 3000, 2900, 128, torch.bfloat16), (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
-             (1, 8, 4, 200, 70, 128, torch.float16), (1, 3, 4, 1500, 1400, 64, torch.float16),
-             (2, 1, 16, 4096, 4096, 64, torch.bfloat16), (1, 2, 4, 65, 64, 128, torch.bfloat16),
-             (2, 2, 1, 700, 650, 128, torch.bfloat16)]
+    cases = [
+        (2, 4, 4, 3000, 2900, 128, torch.bfloat16),
+        (3, 2, 8, 9000, 8871, 128, torch.bfloat16),
+        (1, 8, 4, 200, 70, 128, torch.float16),
+        (1, 3, 4, 1500, 1400, 64, torch.float16),
+        (2, 1, 16, 4096, 4096, 64, torch.bfloat16),
+        (1, 2, 4, 65, 64, 128, torch.bfloat16),
+        (2, 2, 1, 700, 650, 128, torch.bfloat16),
+    ]
     for seed, (b, hkv, group, tmax, n_coded, d, dtype) in enumerate(cases):
-        args = _decode(dtype, 130 + seed, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=128,
-                       n_window=77, d=d, kspec=specs[0], vspec=specs[1], with_start=seed % 2 == 0)
+        args = _decode(
+            dtype,
+            130 + seed,
+            b=b,
+            hkv=hkv,
+            group=group,
+            tmax=tmax,
+            n_coded=n_coded,
+            r=128,
+            n_window=77,
+            d=d,
+            kspec=specs[0],
+            vspec=specs[1],
+            with_start=seed % 2 == 0,
+        )
         _against_layout(args, monkeypatch, "can_be_lean", exact=False)
-

@@ -16,27 +16,28 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_ops_cuda_decode import needs_cuda, nvrtc_or_skip
-from vecinfer_compile.ops import kernel_request
-from vecinfer_compile.ops.append import append_through_window
+
+from vecinfer_compile.codecs.trellis.code import TrellisCodec
 from vecinfer_compile.codecs.trellis.cuda import append as cuda_ta
-from vecinfer_compile.ops.cuda.nvrtc import compile_source
 from vecinfer_compile.codecs.trellis.cuda.viterbi import BlockViterbiVariant
 from vecinfer_compile.codecs.trellis.operands import TrellisOperands, append, choose_append, encode
-from vecinfer_compile.codecs.trellis.code import TrellisCodec
 from vecinfer_compile.codecs.trellis.packing import packed_bytes
+from vecinfer_compile.ops import kernel_request
+from vecinfer_compile.ops.append import append_through_window
+from vecinfer_compile.ops.cuda.nvrtc import compile_source
 
 TMAX = 12
 
 
-@pytest.mark.parametrize("lbits, head_dim, widest, fp16", [(5, 64, 5, False), (8, 64, 4, True), (10, 128, 7, False),
-                                                           (10, 128, 10, True), (11, 128, 8, False)])
+@pytest.mark.parametrize(
+    "lbits, head_dim, widest, fp16",
+    [(5, 64, 5, False), (8, 64, 4, True), (10, 128, 7, False), (10, 128, 10, True), (11, 128, 8, False)],
+)
 def test_cuda_trellis_append_compiles_for_sm90(lbits, head_dim, widest, fp16):
     nvrtc_or_skip()
     variant = cuda_ta.TrellisAppendVariant(BlockViterbiVariant(lbits, head_dim, widest), fp16)
-    image, is_cubin = compile_source(cuda_ta.source(), "trellis_append", 90,
-                                     ["--std=c++17", *variant.defines()])
+    image, is_cubin = compile_source(cuda_ta.source(), "trellis_append", 90, ["--std=c++17", *variant.defines()])
     assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_append" in image
 
 
@@ -52,15 +53,30 @@ def _layer(gen, b, h, d, r, filled, keys, values, dtype, device):
     k_codes = torch.randint(0, 256, (b, h, TMAX, packed_bytes(keys.bits.cpu())), generator=gen, dtype=torch.uint8)
     v_codes = torch.randint(0, 256, (b, h, TMAX, packed_bytes(values.bits.cpu())), generator=gen, dtype=torch.uint8)
     k_window, v_window = (torch.randn(b, h, r, d, generator=gen).to(dtype) for _ in range(2))
-    return dict(k_codes=k_codes.to(device), v_codes=v_codes.to(device), k_window=k_window.to(device),
-                v_window=v_window.to(device), n_coded=torch.tensor(3, device=device),
-                n_window=torch.tensor(filled, device=device), arrivals=torch.zeros(1, dtype=torch.int32, device=device))
+    return dict(
+        k_codes=k_codes.to(device),
+        v_codes=v_codes.to(device),
+        k_window=k_window.to(device),
+        v_window=v_window.to(device),
+        n_coded=torch.tensor(3, device=device),
+        n_window=torch.tensor(filled, device=device),
+        arrivals=torch.zeros(1, dtype=torch.int32, device=device),
+    )
 
 
 def _torch_form(kt, value, layer, keys, values):
-    append_through_window(kt, value, layer["k_codes"], layer["v_codes"], layer["k_window"], layer["v_window"],
-                          layer["n_coded"], layer["n_window"], lambda x: encode(x, keys, layer["k_codes"].shape[-1]),
-                          lambda x: encode(x, values, layer["v_codes"].shape[-1]))
+    append_through_window(
+        kt,
+        value,
+        layer["k_codes"],
+        layer["v_codes"],
+        layer["k_window"],
+        layer["v_window"],
+        layer["n_coded"],
+        layer["n_window"],
+        lambda x: encode(x, keys, layer["k_codes"].shape[-1]),
+        lambda x: encode(x, values, layer["v_codes"].shape[-1]),
+    )
 
 
 def _assert_same_layer(got, want):
@@ -90,9 +106,17 @@ def test_the_torch_form_runs_off_cuda():
 @pytest.mark.cuda
 @needs_cuda
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), h=st.sampled_from([1, 2, 8]), d=st.sampled_from([64, 128]),
-       lbits=st.sampled_from([5, 8, 10]), r=st.sampled_from([0, 1, 5, 16]), start=st.sampled_from(["empty", "short", "full"]),
-       fp16=st.booleans(), value_bits=st.sampled_from([1.5, 2.0, 3.0]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    h=st.sampled_from([1, 2, 8]),
+    d=st.sampled_from([64, 128]),
+    lbits=st.sampled_from([5, 8, 10]),
+    r=st.sampled_from([0, 1, 5, 16]),
+    start=st.sampled_from(["empty", "short", "full"]),
+    fp16=st.booleans(),
+    value_bits=st.sampled_from([1.5, 2.0, 3.0]),
+)
 def test_cuda_trellis_append_matches_the_torch_form(seed, b, h, d, lbits, r, start, fp16, value_bits):
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.float16 if fp16 else torch.bfloat16

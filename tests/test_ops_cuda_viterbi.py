@@ -14,23 +14,25 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_ops_cuda_decode import needs_cuda, nvrtc_or_skip
 from test_ops_triton import _assert_optimal_walks, _trellis_case
-from vecinfer_compile.ops import kernel_request
+
 from vecinfer_compile.codecs.trellis.cuda import viterbi as cuda_viterbi
-from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
 from vecinfer_compile.codecs.trellis.packing import component_states, packed_bytes
+from vecinfer_compile.ops import kernel_request
+from vecinfer_compile.ops.cuda.nvrtc import CudaBuildError, compile_source
 
 
-@pytest.mark.parametrize("lbits, widest, head_dim", [(5, 5, 64), (8, 4, 128), (10, 7, 128), (10, 10, 64),
-                                                    (10, 10, 128)])
+@pytest.mark.parametrize(
+    "lbits, widest, head_dim", [(5, 5, 64), (8, 4, 128), (10, 7, 128), (10, 10, 64), (10, 10, 128)]
+)
 def test_cuda_viterbi_compiles_for_sm90(lbits, widest, head_dim):
     nvrtc_or_skip()
     variant = cuda_viterbi.ViterbiVariant(lbits, head_dim, widest)
     assert variant.warp_smem * variant.warps <= cuda_viterbi.SMEM_LIMIT
-    image, is_cubin = compile_source(cuda_viterbi.warp_source(), "trellis_viterbi_warp", 90,
-                                     ["--std=c++17", *variant.defines()])
+    image, is_cubin = compile_source(
+        cuda_viterbi.warp_source(), "trellis_viterbi_warp", 90, ["--std=c++17", *variant.defines()]
+    )
     assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_viterbi_warp" in image
 
 
@@ -39,8 +41,12 @@ def test_cuda_block_viterbi_compiles_for_sm90(lbits, widest, head_dim):
     nvrtc_or_skip()
     variant = cuda_viterbi.BlockViterbiVariant(lbits, head_dim, widest)
     assert variant.smem_bytes <= cuda_viterbi.BLOCK_SMEM_LIMIT
-    image, is_cubin = compile_source(cuda_viterbi.with_block_walk(cuda_viterbi.BLOCK_SOURCE), "trellis_viterbi_block", 90,
-                                     ["--std=c++17", *variant.defines()])
+    image, is_cubin = compile_source(
+        cuda_viterbi.with_block_walk(cuda_viterbi.BLOCK_SOURCE),
+        "trellis_viterbi_block",
+        90,
+        ["--std=c++17", *variant.defines()],
+    )
     assert is_cubin and image[:4] == b"\x7fELF" and b"trellis_viterbi_block" in image
 
 
@@ -76,7 +82,9 @@ def test_what_the_cuda_encoder_refuses():
         cuda_viterbi.viterbi_codes_cuda(x, bits, tables, kernel="thread")
     if torch.cuda.is_available():
         x12, bits12, tables12 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 12))
-        assert "2^12 states (the CUDA encoder takes 2^5 to 2^11)" in cuda_viterbi.unsupported_reason(x12, bits12, tables12)
+        assert "2^12 states (the CUDA encoder takes 2^5 to 2^11)" in cuda_viterbi.unsupported_reason(
+            x12, bits12, tables12
+        )
         x11, bits11, tables11 = (t.cuda() for t in _trellis_case(torch.Generator().manual_seed(0), 1, 1, 16, 11, 11))
         assert cuda_viterbi.unsupported_reason(x11, bits11, tables11) is None
         assert "2^11 states (the warp kernel takes" in cuda_viterbi.unsupported_reason(x11, bits11, tables11, "warp")
@@ -91,9 +99,15 @@ def _walks_of(codes, bits, lbits):
 @pytest.mark.cuda
 @needs_cuda
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([1, 3, 33]), h=st.sampled_from([1, 2, 8]),
-       d=st.sampled_from([64, 128]), lbits=st.sampled_from([5, 8, 10, 11]), widest=st.sampled_from([2, 4, 12]),
-       kernel=st.sampled_from(["block", "warp"]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.sampled_from([1, 3, 33]),
+    h=st.sampled_from([1, 2, 8]),
+    d=st.sampled_from([64, 128]),
+    lbits=st.sampled_from([5, 8, 10, 11]),
+    widest=st.sampled_from([2, 4, 12]),
+    kernel=st.sampled_from(["block", "warp"]),
+)
 def test_cuda_viterbi_codes_are_least_cost_walks(seed, n, h, d, lbits, widest, kernel):
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(seed), n, h, d, lbits, widest)
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
@@ -109,9 +123,14 @@ def test_cuda_viterbi_dispatch_and_graph_replay():
     from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_codes
     from vecinfer_compile.codecs.trellis.viterbi import choose_viterbi, viterbi_codes_gpu
 
-    x, bits, tables = _trellis_case(torch.Generator().manual_seed(1),
-                                   cuda_viterbi.warp_from(8, torch.cuda.get_device_properties(0).multi_processor_count),
-                                   8, 128, 10, 7)
+    x, bits, tables = _trellis_case(
+        torch.Generator().manual_seed(1),
+        cuda_viterbi.warp_from(8, torch.cuda.get_device_properties(0).multi_processor_count),
+        8,
+        128,
+        10,
+        7,
+    )
     x, bits, tables = x.cuda(), bits.cuda(), tables.cuda()
     nbytes = packed_bytes(bits)
     assert choose_viterbi(x, bits, tables) == "cuda" and choose_viterbi(x[:8], bits, tables) == "cuda"

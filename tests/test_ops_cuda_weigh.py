@@ -22,18 +22,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_ops_cuda_append import _args, _clone
 from test_ops_cuda_decode import PRESET_SPECS, needs_cuda, nvrtc_or_skip
-from vecinfer_compile.ops.cuda import append as cuda_append
-from vecinfer_compile.ops.cuda import weigh as cuda_weigh
+
 from vecinfer_compile.ops import append, encode, kernel_request
 from vecinfer_compile.ops.append import append_reference, encode_flush
+from vecinfer_compile.ops.cuda import append as cuda_append
+from vecinfer_compile.ops.cuda import weigh as cuda_weigh
 from vecinfer_compile.ops.cuda.nvrtc import compile_source
 from vecinfer_compile.presets import PRESETS
 from vecinfer_compile.quant.packing import unpack_codes
 from vecinfer_compile.quant.weighted_codes import weigh_stored, weighted_loss
-
 
 
 def spd(heads: int, dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -52,12 +51,15 @@ def assert_same_descent(x, start, got, want, centroids, metric, weight, what):
     """The kernel's stored codes ``got`` against torch's ``want`` from the codes ``start`` (all
     ``[B, H, T, W]``): see the module docstring."""
     c = centroids.float()
-    loss = {k: weighted_loss(x.float(), dequant(v, c), metric.float(), weight).double()
-            for k, v in (("start", start), ("got", got), ("want", want))}
+    loss = {
+        k: weighted_loss(x.float(), dequant(v, c), metric.float(), weight).double()
+        for k, v in (("start", start), ("got", got), ("want", want))
+    }
     scale = loss["start"].abs().mean() + 1e-6
     assert torch.all(loss["got"] <= loss["start"] + 1e-4 * scale), f"{what}: a row's loss rose above its start"
-    assert abs(float(loss["got"].mean() - loss["want"].mean())) <= 1e-3 * float(scale), \
+    assert abs(float(loss["got"].mean() - loss["want"].mean())) <= 1e-3 * float(scale), (
         f"{what}: mean loss {float(loss['got'].mean()):.6g} vs torch {float(loss['want'].mean()):.6g}"
+    )
     same = (unpack_codes(got, c.shape[0]) == unpack_codes(want, c.shape[0])).all(-1).float().mean()
     assert float(same) >= 0.9, f"{what}: codes equal on only {float(same):.1%} of the rows"
 
@@ -68,8 +70,7 @@ def test_cuda_weigh_source_compiles_for_sm90(kspec, vspec):
     for head_dim, fmt in ((128, 2), (64, 1), (256, 0)):
         variant = cuda_weigh.WeighVariant(head_dim, *kspec, *vspec, fmt)
         for name in ("vq_weigh_rows", "vq_weigh_flush"):
-            image, is_cubin = compile_source(cuda_weigh.source(), name, 90,
-                                             ["--std=c++17", *variant.defines()])
+            image, is_cubin = compile_source(cuda_weigh.source(), name, 90, ["--std=c++17", *variant.defines()])
             assert is_cubin and name.encode() in image
     append = cuda_append.AppendVariant(128, *kspec, *vspec, False, 1, False, True, encode=False)
     image, _ = compile_source(cuda_append.source(), "vq_append", 90, ["--std=c++17", *append.defines()])
@@ -115,6 +116,7 @@ def test_weigh_codes_takes_the_torch_descent_when_the_kernel_cannot_run(monkeypa
 
 # --- GPU -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.cuda
 @needs_cuda
 @settings(max_examples=40, deadline=None)
@@ -152,15 +154,30 @@ def test_one_subvector_the_kernel_finds_the_brute_force_optimum(weight):
     m = spd(2, 8, gen)
     got = cuda_weigh.weigh_rows_cuda(x.cuda(), encode_flush(x, c).cuda(), c.cuda(), m.cuda(), weight).cpu()
     every = c[None, None, None].expand(1, 2, 500, 256, 8)
-    losses = weighted_loss(x[:, :, :, None].expand_as(every).reshape(1, 2, -1, 8), every.reshape(1, 2, -1, 8),
-                           m, weight).reshape(1, 2, 500, 256)
+    losses = weighted_loss(
+        x[:, :, :, None].expand_as(every).reshape(1, 2, -1, 8), every.reshape(1, 2, -1, 8), m, weight
+    ).reshape(1, 2, 500, 256)
     chosen = losses.gather(-1, got.long())[..., 0]
     torch.testing.assert_close(chosen, losses.min(-1).values, rtol=1e-5, atol=1e-5)
 
 
 def _searched_args(gen, *, specs, b, hkv, d, tmax, r, n_coded, n_window, weight, metrics, dtype):
-    args = _args(gen, b=b, hkv=hkv, d=d, tmax=tmax, r=r, n_coded=n_coded, n_window=n_window, kspec=specs[0],
-                 vspec=specs[1], dtype=dtype, lam=True, matrix=1, device="cuda")
+    args = _args(
+        gen,
+        b=b,
+        hkv=hkv,
+        d=d,
+        tmax=tmax,
+        r=r,
+        n_coded=n_coded,
+        n_window=n_window,
+        kspec=specs[0],
+        vspec=specs[1],
+        dtype=dtype,
+        lam=True,
+        matrix=1,
+        device="cuda",
+    )
     args["key_parallel_weight"] = weight
     args["key_metric"] = spd(hkv, d, gen).cuda() if metrics else None
     args["value_metric"] = spd(hkv, d, gen).cuda() if metrics else None
@@ -176,10 +193,14 @@ def _check_searched(before, got, want, what):
     w = int(want["n_window"])  # slots past it hold nothing (the reference fills them with copies)
     assert torch.equal(got["v_window"][:, :, :w], want["v_window"][:, :, :w]), f"{what}: v_window"
     ulp = 2**-7 if got["k_window"].dtype == torch.bfloat16 else 2**-10
-    torch.testing.assert_close(got["k_window"][:, :, :w].float(), want["k_window"][:, :, :w].float(), rtol=ulp, atol=1e-3)
+    torch.testing.assert_close(
+        got["k_window"][:, :, :w].float(), want["k_window"][:, :, :w].float(), rtol=ulp, atol=1e-3
+    )
     flushed = int(want["n_coded"]) > c
-    for side, weight, metric in (("k", before["key_parallel_weight"], before["key_metric"]),
-                                 ("v", 1.0, before["value_metric"])):
+    for side, weight, metric in (
+        ("k", before["key_parallel_weight"], before["key_metric"]),
+        ("v", 1.0, before["value_metric"]),
+    ):
         codes, cent = got[f"{side}_codes"], before[f"{side}_centroids"]
         other = [s for s in range(codes.shape[2]) if not (flushed and s == c)]
         assert torch.equal(codes[:, :, other], before[f"{side}_codes"][:, :, other]), f"{what}: {side} codes beside {c}"
@@ -187,8 +208,16 @@ def _check_searched(before, got, want, what):
             x = before[f"{side}_window"][:, :, :1]
             start = encode_flush(x.float(), cent, weight)
             m = torch.eye(x.shape[-1], device=x.device).expand(x.shape[1], -1, -1) if metric is None else metric
-            assert_same_descent(x, start, codes[:, :, c:c + 1], want[f"{side}_codes"][:, :, c:c + 1], cent, m, weight,
-                                f"{what} {side}")
+            assert_same_descent(
+                x,
+                start,
+                codes[:, :, c : c + 1],
+                want[f"{side}_codes"][:, :, c : c + 1],
+                cent,
+                m,
+                weight,
+                f"{what} {side}",
+            )
 
 
 @pytest.mark.cuda
@@ -210,8 +239,20 @@ def test_searched_append_matches_reference(seed, specs, d, b, hkv, r, window, we
     if weight == 1.0 and not metrics:
         metrics = True  # plain nearest codes are test_ops_cuda_append's
     gen = torch.Generator().manual_seed(seed)
-    before = _searched_args(gen, specs=specs, b=b, hkv=hkv, d=d, tmax=40, r=r, n_coded=17,
-                            n_window=r if window == "full" else r // 2, weight=weight, metrics=metrics, dtype=dtype)
+    before = _searched_args(
+        gen,
+        specs=specs,
+        b=b,
+        hkv=hkv,
+        d=d,
+        tmax=40,
+        r=r,
+        n_coded=17,
+        n_window=r if window == "full" else r // 2,
+        weight=weight,
+        metrics=metrics,
+        dtype=dtype,
+    )
     assert append.choose_append(*before.values()) == "cuda"
     want, got = _clone(before), _clone(before)
     append_reference(*want.values())
@@ -224,8 +265,20 @@ def test_searched_append_matches_reference(seed, specs, d, b, hkv, r, window, we
 def test_searched_append_sequence_in_a_cuda_graph():
     """Both launches captured once and replayed 20 times against 20 reference appends."""
     gen = torch.Generator().manual_seed(5)
-    state = _searched_args(gen, specs=((256, 4), (256, 4)), b=2, hkv=8, d=128, tmax=64, r=5, n_coded=10,
-                           n_window=0, weight=8.0, metrics=True, dtype=torch.bfloat16)
+    state = _searched_args(
+        gen,
+        specs=((256, 4), (256, 4)),
+        b=2,
+        hkv=8,
+        d=128,
+        tmax=64,
+        r=5,
+        n_coded=10,
+        n_window=0,
+        weight=8.0,
+        metrics=True,
+        dtype=torch.bfloat16,
+    )
     want = _clone(state)
     keys = torch.randn(20, *state["key"].shape, generator=gen).to("cuda", torch.bfloat16)
     values = torch.randn(20, *state["value"].shape, generator=gen).to("cuda", torch.bfloat16)
@@ -250,8 +303,16 @@ def test_searched_append_sequence_in_a_cuda_graph():
     for side, x, weight, metric in (("k", kx, 8.0, state["key_metric"]), ("v", vx, 1.0, state["value_metric"])):
         cent = state[f"{side}_centroids"]
         start = encode_flush(x.float(), cent, weight)
-        assert_same_descent(x, start, state[f"{side}_codes"][:, :, 10:25], want[f"{side}_codes"][:, :, 10:25], cent,
-                            metric, weight, f"graph {side}")
+        assert_same_descent(
+            x,
+            start,
+            state[f"{side}_codes"][:, :, 10:25],
+            want[f"{side}_codes"][:, :, 10:25],
+            cent,
+            metric,
+            weight,
+            f"graph {side}",
+        )
 
 
 @pytest.mark.cuda
@@ -264,7 +325,8 @@ def test_weigh_codes_op_dispatches_to_the_kernel(monkeypatch):
     m = spd(2, 128, gen).cuda()
     start = encode_flush(x, c, 8.0)
     assert encode.choose_weigh(x, c) == "cuda"
-    assert torch.equal(torch.ops.vecinfer.weigh_codes(x, start, c, m, 8.0), cuda_weigh.weigh_rows_cuda(x, start, c, m, 8.0))
+    assert torch.equal(
+        torch.ops.vecinfer.weigh_codes(x, start, c, m, 8.0), cuda_weigh.weigh_rows_cuda(x, start, c, m, 8.0)
+    )
     monkeypatch.setenv(kernel_request.ENV, "triton")
     assert torch.equal(torch.ops.vecinfer.weigh_codes(x, start, c, m, 8.0), weigh_stored(x, start, c, m, 8.0))
-

@@ -6,11 +6,11 @@ import importlib
 
 import pytest
 import torch
+from test_ops_reference import attention_case, decode_case
 
 import vecinfer_compile.ops as ops
 from vecinfer_compile.ops.coded_kv import bundle_coded_kv
 from vecinfer_compile.quant import unpack_codes
-from test_ops_reference import attention_case, decode_case
 
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA_ONLY])]
@@ -28,16 +28,32 @@ def test_registration_is_idempotent():
     assert "Tensor? kv_start, float scale) -> Tensor" in schema
 
 
-@pytest.mark.parametrize("device,residual,mask_kind,causal", [
-    ("cpu", 2, "float", True),  # one CPU case: opcheck costs ~12 s per case here
-    pytest.param("cuda", 0, "none", True, marks=[pytest.mark.cuda, CUDA_ONLY]),
-    pytest.param("cuda", 3, "bool", False, marks=[pytest.mark.cuda, CUDA_ONLY]),
-    pytest.param("cuda", 2, "float", True, marks=[pytest.mark.cuda, CUDA_ONLY]),
-])
+@pytest.mark.parametrize(
+    "device,residual,mask_kind,causal",
+    [
+        ("cpu", 2, "float", True),  # one CPU case: opcheck costs ~12 s per case here
+        pytest.param("cuda", 0, "none", True, marks=[pytest.mark.cuda, CUDA_ONLY]),
+        pytest.param("cuda", 3, "bool", False, marks=[pytest.mark.cuda, CUDA_ONLY]),
+        pytest.param("cuda", 2, "float", True, marks=[pytest.mark.cuda, CUDA_ONLY]),
+    ],
+)
 def test_opcheck_attention(device, residual, mask_kind, causal):
     gen = torch.Generator().manual_seed(residual)
-    args = attention_case(gen, b=2, hkv=2, group=2, tq=5, tk=7, d=16, kspec=(256, 4), vspec=(4096, 8),
-                          mask_kind=mask_kind, causal=causal, residual=residual, dtype=torch.float32)
+    args = attention_case(
+        gen,
+        b=2,
+        hkv=2,
+        group=2,
+        tq=5,
+        tk=7,
+        d=16,
+        kspec=(256, 4),
+        vspec=(4096, 8),
+        mask_kind=mask_kind,
+        causal=causal,
+        residual=residual,
+        dtype=torch.float32,
+    )
     torch.library.opcheck(torch.ops.vecinfer.attention.default, to(args, device))
 
 
@@ -45,8 +61,21 @@ def test_opcheck_attention(device, residual, mask_kind, causal):
 @pytest.mark.parametrize("with_start", [False, True])
 def test_opcheck_decode(device, with_start):
     gen = torch.Generator().manual_seed(1)
-    args = decode_case(gen, b=2, hkv=2, group=4, tmax=9, n_coded=6, r=4, n_window=2, d=16, kspec=(256, 4),
-                       vspec=(256, 2), with_start=with_start, dtype=torch.bfloat16)
+    args = decode_case(
+        gen,
+        b=2,
+        hkv=2,
+        group=4,
+        tmax=9,
+        n_coded=6,
+        r=4,
+        n_window=2,
+        d=16,
+        kspec=(256, 4),
+        vspec=(256, 2),
+        with_start=with_start,
+        dtype=torch.bfloat16,
+    )
     torch.library.opcheck(torch.ops.vecinfer.decode_attention.default, to(args, device))
 
 
@@ -56,8 +85,21 @@ def test_cpu_decode_reads_the_filled_codes_only(n_coded, with_start, monkeypatch
     cache (so an eager step costs what the cache holds, not its capacity) and returns what the
     reference returns over every slot, masked."""
     gen = torch.Generator().manual_seed(5)
-    args = decode_case(gen, b=2, hkv=2, group=4, tmax=500, n_coded=n_coded, r=16, n_window=9, d=32,
-                       kspec=(4096, 4), vspec=(256, 4), with_start=with_start, dtype=torch.float32)
+    args = decode_case(
+        gen,
+        b=2,
+        hkv=2,
+        group=4,
+        tmax=500,
+        n_coded=n_coded,
+        r=16,
+        n_window=9,
+        d=32,
+        kspec=(4096, 4),
+        vspec=(256, 4),
+        with_start=with_start,
+        dtype=torch.float32,
+    )
     want = ops.reference.decode_attention(*bundle_coded_kv(args, 1))
     seen = []
     real = ops.reference.decode_attention
@@ -96,29 +138,66 @@ def test_quantize_is_dequantized_codes(entries):
 
 def _attention_args(**overrides):
     gen = torch.Generator().manual_seed(0)
-    args = dict(zip(
-        ["q", "k_codes", "v_codes", "k_centroids", "v_centroids", "k_full", "v_full", "attn_mask", "is_causal", "scale", "residual"],
-        attention_case(gen, b=1, hkv=1, group=2, tq=3, tk=3, d=16, kspec=(256, 4), vspec=(256, 4),
-                       mask_kind="none", causal=True, residual=0, dtype=torch.float32),
-    ))
+    args = dict(
+        zip(
+            [
+                "q",
+                "k_codes",
+                "v_codes",
+                "k_centroids",
+                "v_centroids",
+                "k_full",
+                "v_full",
+                "attn_mask",
+                "is_causal",
+                "scale",
+                "residual",
+            ],
+            attention_case(
+                gen,
+                b=1,
+                hkv=1,
+                group=2,
+                tq=3,
+                tk=3,
+                d=16,
+                kspec=(256, 4),
+                vspec=(256, 4),
+                mask_kind="none",
+                causal=True,
+                residual=0,
+                dtype=torch.float32,
+            ),
+        )
+    )
     args.update(overrides)
     return args
 
 
-@pytest.mark.parametrize("overrides,error,match", [
-    (dict(residual=2), ValueError, "needs k_full and v_full"),
-    (dict(k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.int32)), TypeError, "must be uint8 stored codes.*pack_codes"),
-    (dict(k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.int16)), TypeError, "must be uint8 stored codes.*pack_codes"),
-    # 12-bit codes given unpacked (one byte each) or at a wrong width
-    (dict(k_centroids=torch.randn(4096, 4), k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.uint8)), ValueError,
-     r"4 bytes per head vector but 4 12-bit codes .* stored in 6; pack them with .*pack_codes"),
-    (dict(k_codes=torch.zeros(1, 1, 3, 6, dtype=torch.uint8)), ValueError, "6 bytes per head vector but 4 8-bit codes"),
-    (dict(k_centroids=torch.randn(5000, 4)), ValueError, "at most 4096 entries"),
-    (dict(k_centroids=torch.randn(256, 3)), ValueError, "not divisible by the sub-vector size 3"),
-    (dict(k_centroids=torch.randn(256, 4, dtype=torch.float64)), TypeError, "centroids.float"),
-    (dict(q=torch.randn(1, 2, 3, 16, dtype=torch.float64)), TypeError, "float16, bfloat16 or float32"),
-    (dict(q=torch.randn(1, 3, 3, 16)), ValueError, "not a multiple of 1 KV heads|3 query heads"),
-])
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (dict(residual=2), ValueError, "needs k_full and v_full"),
+        (dict(k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.int32)), TypeError, "must be uint8 stored codes.*pack_codes"),
+        (dict(k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.int16)), TypeError, "must be uint8 stored codes.*pack_codes"),
+        # 12-bit codes given unpacked (one byte each) or at a wrong width
+        (
+            dict(k_centroids=torch.randn(4096, 4), k_codes=torch.zeros(1, 1, 3, 4, dtype=torch.uint8)),
+            ValueError,
+            r"4 bytes per head vector but 4 12-bit codes .* stored in 6; pack them with .*pack_codes",
+        ),
+        (
+            dict(k_codes=torch.zeros(1, 1, 3, 6, dtype=torch.uint8)),
+            ValueError,
+            "6 bytes per head vector but 4 8-bit codes",
+        ),
+        (dict(k_centroids=torch.randn(5000, 4)), ValueError, "at most 4096 entries"),
+        (dict(k_centroids=torch.randn(256, 3)), ValueError, "not divisible by the sub-vector size 3"),
+        (dict(k_centroids=torch.randn(256, 4, dtype=torch.float64)), TypeError, "centroids.float"),
+        (dict(q=torch.randn(1, 2, 3, 16, dtype=torch.float64)), TypeError, "float16, bfloat16 or float32"),
+        (dict(q=torch.randn(1, 3, 3, 16)), ValueError, "not a multiple of 1 KV heads|3 query heads"),
+    ],
+)
 def test_attention_errors_name_the_fix(overrides, error, match):
     args = _attention_args(**overrides)
     if "q" in overrides and overrides["q"].shape[1] == 3:
@@ -130,8 +209,23 @@ def test_attention_errors_name_the_fix(overrides, error, match):
 
 def test_decode_rejects_python_ints_for_lengths():
     gen = torch.Generator().manual_seed(0)
-    args = list(decode_case(gen, b=1, hkv=1, group=1, tmax=4, n_coded=2, r=2, n_window=1, d=16, kspec=(256, 4),
-                            vspec=(256, 4), with_start=False, dtype=torch.float32))
+    args = list(
+        decode_case(
+            gen,
+            b=1,
+            hkv=1,
+            group=1,
+            tmax=4,
+            n_coded=2,
+            r=2,
+            n_window=1,
+            d=16,
+            kspec=(256, 4),
+            vspec=(256, 4),
+            with_start=False,
+            dtype=torch.float32,
+        )
+    )
     args[5] = torch.tensor([2])
     with pytest.raises(TypeError, match="0-d int32/int64 tensor"):
         torch.ops.vecinfer.decode_attention(*args)

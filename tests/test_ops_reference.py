@@ -15,7 +15,10 @@ from vecinfer_compile.presets import PRESETS
 from vecinfer_compile.quant import codebook, hadamard_matrix, pack_codes, packed_width, unpack_codes
 from vecinfer_compile.quant.byte_centroids import snap_centroids
 
-SPECS = sorted({(p.key.entries, p.key.dims) for p in PRESETS.values()} | {(p.value.entries, p.value.dims) for p in PRESETS.values()})
+SPECS = sorted(
+    {(p.key.entries, p.key.dims) for p in PRESETS.values()}
+    | {(p.value.entries, p.value.dims) for p in PRESETS.values()}
+)
 
 
 def make_codes(gen, shape, entries, dims, head_dim):
@@ -88,8 +91,19 @@ def decode_case(gen, *, b, hkv, group, tmax, n_coded, r, n_window, d, kspec, vsp
     kw = torch.randn(b, hkv, r, d, generator=gen).to(dtype)
     vw = torch.randn(b, hkv, r, d, generator=gen).to(dtype)
     start = torch.randint(0, n_coded + n_window + 1, (b,), generator=gen, dtype=torch.int32) if with_start else None
-    return (q, kc, vc, kcent, vcent, torch.tensor(n_coded, dtype=torch.int32), kw, vw,
-            torch.tensor(n_window, dtype=torch.int64), start, d**-0.5)
+    return (
+        q,
+        kc,
+        vc,
+        kcent,
+        vcent,
+        torch.tensor(n_coded, dtype=torch.int32),
+        kw,
+        vw,
+        torch.tensor(n_window, dtype=torch.int64),
+        start,
+        d**-0.5,
+    )
 
 
 def expected_decode(args):
@@ -136,15 +150,43 @@ def assert_close(got, want, dtype):
 )
 def test_attention_matches_naive(seed, b, hkv, group, tq, extra, d, kspec, vspec, mask_kind, causal, residual, dtype):
     gen = torch.Generator().manual_seed(seed)
-    args = attention_case(gen, b=b, hkv=hkv, group=group, tq=tq, tk=tq + extra, d=d, kspec=kspec, vspec=vspec,
-                          mask_kind=mask_kind, causal=causal, residual=residual, dtype=dtype)
+    args = attention_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        tq=tq,
+        tk=tq + extra,
+        d=d,
+        kspec=kspec,
+        vspec=vspec,
+        mask_kind=mask_kind,
+        causal=causal,
+        residual=residual,
+        dtype=dtype,
+    )
     assert_close(torch.ops.vecinfer.attention(*args), expected_attention(args), dtype)
 
 
 def test_fully_masked_rows_are_zero():
     gen = torch.Generator().manual_seed(0)
-    args = list(attention_case(gen, b=1, hkv=1, group=2, tq=3, tk=4, d=8, kspec=(256, 4), vspec=(256, 4),
-                               mask_kind="none", causal=False, residual=0, dtype=torch.float32))
+    args = list(
+        attention_case(
+            gen,
+            b=1,
+            hkv=1,
+            group=2,
+            tq=3,
+            tk=4,
+            d=8,
+            kspec=(256, 4),
+            vspec=(256, 4),
+            mask_kind="none",
+            causal=False,
+            residual=0,
+            dtype=torch.float32,
+        )
+    )
     mask = torch.ones(1, 1, 3, 4, dtype=torch.bool)
     mask[..., 1, :] = False
     args[7] = mask
@@ -170,8 +212,21 @@ def test_fully_masked_rows_are_zero():
 )
 def test_decode_matches_naive(seed, b, hkv, group, tmax, frac, r, wfrac, d, kspec, vspec, with_start, dtype):
     gen = torch.Generator().manual_seed(seed)
-    args = decode_case(gen, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=round(frac * tmax), r=r,
-                       n_window=round(wfrac * r), d=d, kspec=kspec, vspec=vspec, with_start=with_start, dtype=dtype)
+    args = decode_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        tmax=tmax,
+        n_coded=round(frac * tmax),
+        r=r,
+        n_window=round(wfrac * r),
+        d=d,
+        kspec=kspec,
+        vspec=vspec,
+        with_start=with_start,
+        dtype=dtype,
+    )
     assert_close(torch.ops.vecinfer.decode_attention(*args), expected_decode(args), dtype)
 
 
@@ -206,4 +261,6 @@ def test_encode_matches_codebook_encode(seed, h, t, d, spec, smooth, rotate, dty
     want = codebook.encode(xt, cent)
     assert codes.shape == want.shape
     # Equal codes, up to exact ties broken differently by float rounding.
-    torch.testing.assert_close(_chosen_distance(xt, codes, cent), _chosen_distance(xt, want, cent), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _chosen_distance(xt, codes, cent), _chosen_distance(xt, want, cent), atol=1e-5, rtol=1e-5
+    )

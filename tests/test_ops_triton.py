@@ -20,11 +20,18 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ops_reference import (
+    SPECS,
+    attention_case,
+    decode_case,
+    expected_attention,
+    expected_decode,
+    make_codes,
+    reference_decode,
+)
 
 import vecinfer_compile.ops as ops
 from vecinfer_compile.ops.coded_kv import bundle_coded_kv
-from test_ops_reference import (SPECS, attention_case, decode_case, expected_attention, expected_decode, make_codes,
-                                reference_decode)
 from vecinfer_compile.quant import codebook, hadamard_matrix, unpack_codes
 from vecinfer_compile.quant.score_aware import parallel_loss
 
@@ -35,10 +42,18 @@ interp_only = pytest.mark.skipif(not INTERPRET, reason="run by test_kernels_unde
 @pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
 def test_kernels_under_triton_interpreter():
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-k", "test_interp_", "-p", "no:cacheprovider"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=600,
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
@@ -66,8 +81,21 @@ def _fp32_tol(got, want):
 )
 def test_interp_attention(seed, b, hkv, group, tq, extra, d, kspec, vspec, mask_kind, causal, residual):
     gen = torch.Generator().manual_seed(seed)
-    args = attention_case(gen, b=b, hkv=hkv, group=group, tq=tq, tk=tq + extra, d=d, kspec=kspec, vspec=vspec,
-                          mask_kind=mask_kind, causal=causal, residual=residual, dtype=torch.float32)
+    args = attention_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        tq=tq,
+        tk=tq + extra,
+        d=d,
+        kspec=kspec,
+        vspec=vspec,
+        mask_kind=mask_kind,
+        causal=causal,
+        residual=residual,
+        dtype=torch.float32,
+    )
     _fp32_tol(ops.attention_triton(*args), expected_attention(args))
 
 
@@ -77,8 +105,21 @@ def test_interp_decode_wide_heads(d):
     """Heads wider than 128 (Gemma 4's full layers: 512) run both kernels with fewer positions per
     step: a chunk of several steps and a window of several merge steps still give the reference."""
     gen = torch.Generator().manual_seed(d)
-    args = decode_case(gen, b=1, hkv=1, group=2, tmax=300, n_coded=290, r=40, n_window=37, d=d, kspec=(256, 4),
-                       vspec=(4096, 8), with_start=True, dtype=torch.float32)
+    args = decode_case(
+        gen,
+        b=1,
+        hkv=1,
+        group=2,
+        tmax=300,
+        n_coded=290,
+        r=40,
+        n_window=37,
+        d=d,
+        kspec=(256, 4),
+        vspec=(4096, 8),
+        with_start=True,
+        dtype=torch.float32,
+    )
     _fp32_tol(ops.decode_attention_triton(*bundle_coded_kv(args, 1)), expected_decode(args))
 
 
@@ -101,9 +142,21 @@ def test_interp_decode_wide_heads(d):
 )
 def test_interp_decode(score, seed, b, hkv, group, tmax, frac, r, wfrac, d, kspec, vspec, with_start):
     gen = torch.Generator().manual_seed(seed)
-    args = decode_case(gen, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=round(frac * tmax), r=r,
-                       n_window=round(wfrac * r), d=d, kspec=kspec, vspec=vspec, with_start=with_start,
-                       dtype=torch.float32)
+    args = decode_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        tmax=tmax,
+        n_coded=round(frac * tmax),
+        r=r,
+        n_window=round(wfrac * r),
+        d=d,
+        kspec=kspec,
+        vspec=vspec,
+        with_start=with_start,
+        dtype=torch.float32,
+    )
     _fp32_tol(ops.decode_attention_triton(*bundle_coded_kv(args, 1), score=score), expected_decode(args))
 
 
@@ -128,7 +181,7 @@ def test_interp_dequantize(seed, b, h, tmax, frac, d, spec, dtype, strided):
 
     gen = torch.Generator().manual_seed(seed)
     codes, cent = make_codes(gen, (b + int(strided), h, tmax), *spec, d)
-    codes = codes[int(strided):]
+    codes = codes[int(strided) :]
     length = round(frac * tmax)
     out = torch.full((b, tmax, h, d), float("nan"), dtype=dtype)
     dequantize_triton(codes, cent.to(dtype), length, out[:, :length])  # a strided view of out
@@ -139,8 +192,9 @@ def test_interp_dequantize(seed, b, h, tmax, frac, d, spec, dtype, strided):
 
 ENCODE_CONFIGS = {
     "default": ops.triton.encode.DEFAULT_CONFIG,
-    "other": ops.triton.encode.EncodeConfig(scan_block_n=1024, scan_unroll=8, scan_warps=4, dot_block_n=64,
-                                            dot_block_e=128),
+    "other": ops.triton.encode.EncodeConfig(
+        scan_block_n=1024, scan_unroll=8, scan_warps=4, dot_block_n=64, dot_block_e=128
+    ),
 }
 
 
@@ -169,8 +223,9 @@ def test_interp_encode(spec, config, d):
         torch.testing.assert_close(dist(got), dist(want), atol=1e-5, rtol=1e-5)
         # the interpreter rounds float32 -> bfloat16 toward zero, the GPU to nearest
         exact = x_in.dtype == torch.float32
-        torch.testing.assert_close(values.float(), cent[got.long()].reshape(x.shape), atol=0,
-                                   rtol=0 if exact else 2**-7)
+        torch.testing.assert_close(
+            values.float(), cent[got.long()].reshape(x.shape), atol=0, rtol=0 if exact else 2**-7
+        )
         assert (ops.encode_triton(x_in, lam_in, rot_in, cent, config=ENCODE_CONFIGS[config]) == stored).all()
 
 
@@ -235,13 +290,18 @@ def _assert_optimal_walks(x, bits, tables, walks):
 
 @interp_only
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 5), h=st.sampled_from([1, 2, 8]),
-       d=st.sampled_from([16, 64]), lbits=st.sampled_from([1, 3, 6]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 5),
+    h=st.sampled_from([1, 2, 8]),
+    d=st.sampled_from([16, 64]),
+    lbits=st.sampled_from([1, 3, 6]),
+)
 def test_interp_trellis_viterbi(seed, n, h, d, lbits):
     """The Viterbi kernel finds walks as cheap as the reference's: KV heads 1/2/8, widths 1..4; its
     packed output is those walks in the stored layout."""
-    from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_codes, viterbi_walks
     from vecinfer_compile.codecs.trellis.packing import pack_walks
+    from vecinfer_compile.codecs.trellis.triton_kernels import viterbi_codes, viterbi_walks
 
     x, bits, tables = _trellis_case(torch.Generator().manual_seed(seed), n, h, d, lbits)
     walks = viterbi_walks(x, bits, tables)
@@ -262,21 +322,30 @@ def test_interp_trellis_viterbi_steps_wider_than_a_byte():
 def _trellis_decode_case(gen: torch.Generator, b: int, hkv: int, group: int, tmax: int, d: int, lbits: int):
     """Random key and value codecs of 2 bits an element (:func:`random_trellis_codec`), random
     stored codes ``[b, hkv, tmax, 2d/8]`` (any string is a valid code) and queries ``[b, hkv*group, d]``."""
-    from vecinfer_compile.codecs.trellis.operands import TrellisOperands
     from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
+    from vecinfer_compile.codecs.trellis.operands import TrellisOperands
 
     keys, values = (TrellisOperands.of(random_trellis_codec(gen, hkv, d, 2.0, lbits), "cpu") for _ in range(2))
-    k_codes, v_codes = (torch.randint(0, 256, (b, hkv, tmax, d // 4), generator=gen, dtype=torch.uint8)
-                        for _ in range(2))
+    k_codes, v_codes = (
+        torch.randint(0, 256, (b, hkv, tmax, d // 4), generator=gen, dtype=torch.uint8) for _ in range(2)
+    )
     return torch.randn(b, hkv * group, d, generator=gen), k_codes, v_codes, keys, values
 
 
 @interp_only
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
-       group=st.sampled_from([1, 2, 4, 16]), tmax=st.integers(1, 90), d=st.sampled_from([16, 64]),
-       lbits=st.sampled_from([4, 10]), left_pad=st.booleans(), splits=st.sampled_from([None, 1, 3]),
-       count_on_device=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4, 16]),
+    tmax=st.integers(1, 90),
+    d=st.sampled_from([16, 64]),
+    lbits=st.sampled_from([4, 10]),
+    left_pad=st.booleans(),
+    splits=st.sampled_from([None, 1, 3]),
+    count_on_device=st.booleans(),
+)
 def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, splits, count_on_device):
     """Decode attention over trellis codes in the components = the reference (decode every key and
     value, then softmax): GQA 1-16, odd lengths, left padding (a row may have nothing to attend),
@@ -289,19 +358,26 @@ def test_interp_trellis_decode(seed, b, hkv, group, tmax, d, lbits, left_pad, sp
     q, k_codes, v_codes, keys, values = _trellis_decode_case(gen, b, hkv, group, tmax, d, lbits)
     n_coded = int(torch.randint(0, tmax + 1, (1,), generator=gen))
     start = torch.randint(0, n_coded + 2, (b,), generator=gen) if left_pad else None
-    want, want_lse = decode_reference(q, k_codes, v_codes, keys, values, n_coded, start, d ** -0.5)
+    want, want_lse = decode_reference(q, k_codes, v_codes, keys, values, n_coded, start, d**-0.5)
     count = torch.tensor(n_coded) if count_on_device else n_coded
-    o, lse = decode_components(*query_components(q, keys), k_codes, v_codes, keys, values, count, start,
-                               d ** -0.5, block_t=16, splits=splits)
+    o, lse = decode_components(
+        *query_components(q, keys), k_codes, v_codes, keys, values, count, start, d**-0.5, block_t=16, splits=splits
+    )
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(values_out(o, lse, values), want, atol=1e-4, rtol=1e-4)
 
 
 @interp_only
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), hkv=st.sampled_from([1, 3]), tmax=st.integers(1, 70),
-       d=st.sampled_from([16, 64]), lbits=st.sampled_from([4, 10]), dtype=st.sampled_from([torch.float32,
-                                                                                        torch.bfloat16]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    hkv=st.sampled_from([1, 3]),
+    tmax=st.integers(1, 70),
+    d=st.sampled_from([16, 64]),
+    lbits=st.sampled_from([4, 10]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_interp_trellis_entries_into(seed, b, hkv, tmax, d, lbits, dtype):
     """A chunk's prefix workspace of trellis codes: the unit entries of the first ``length`` slots of a
     row slice, position-major, as :meth:`TrellisOperands.entries` reads them (bf16 within its
@@ -314,7 +390,7 @@ def test_interp_trellis_entries_into(seed, b, hkv, tmax, d, lbits, dtype):
     out = torch.full((b, tmax, hkv, d), float("nan"), dtype=dtype)
     entries_into(k_codes[1:], keys, length, out[:, :length])
     want = keys.entries(k_codes[1:, :, :length].transpose(1, 2))
-    torch.testing.assert_close(out[:, :length].float(), want, atol=0, rtol=0 if dtype == torch.float32 else 2 ** -7)
+    torch.testing.assert_close(out[:, :length].float(), want, atol=0, rtol=0 if dtype == torch.float32 else 2**-7)
     assert out[:, length:].isnan().all()
 
 
@@ -327,8 +403,9 @@ def _sdpa_error(q, k, v, mask, causal, scale, want):
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.bfloat16()  # some SDPA backends want an additive mask in the query's dtype
-    out = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask,
-                                         is_causal=causal, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, is_causal=causal, scale=scale
+    )
     return (out.double().nan_to_num(0.0) - want).abs().max().item()
 
 
@@ -363,8 +440,21 @@ def test_cuda_attention(dtype, mask_kind, causal, residual, tq, tk, kspec, vspec
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(tq + tk)
-    args = attention_case(gen, b=2, hkv=4, group=4, tq=tq, tk=tk, d=128, kspec=kspec, vspec=vspec,
-                          mask_kind=mask_kind, causal=causal, residual=residual, dtype=dtype)
+    args = attention_case(
+        gen,
+        b=2,
+        hkv=4,
+        group=4,
+        tq=tq,
+        tk=tk,
+        d=128,
+        kspec=kspec,
+        vspec=vspec,
+        mask_kind=mask_kind,
+        causal=causal,
+        residual=residual,
+        dtype=dtype,
+    )
     if mask_kind == "bool":  # keep every row attending somewhere so SDPA has no NaN rows
         args[7][..., :, 0] = True
     args = _cuda(args)
@@ -376,7 +466,9 @@ def test_cuda_attention(dtype, mask_kind, causal, residual, tq, tk, kspec, vspec
         return
     q, kc, vc, kcent, vcent, _, _, mask, _, scale, _ = args
     plain = ops.reference.attention(q.float(), kc, vc, kcent, vcent, None, None, mask, causal, scale, 0).double()
-    base = _sdpa_error(q, ops.reference.dequantize(kc, kcent), ops.reference.dequantize(vc, vcent), mask, causal, scale, plain)
+    base = _sdpa_error(
+        q, ops.reference.dequantize(kc, kcent), ops.reference.dequantize(vc, vcent), mask, causal, scale, plain
+    )
     _check_rule(got, want, base)
 
 
@@ -385,8 +477,23 @@ test_cuda_attention = pytest.mark.cuda(test_cuda_attention)
 
 def _decode_args(dtype, score_seed, *, b, hkv, group, tmax, n_coded, r, n_window, kspec, vspec, with_start, d=128):
     gen = torch.Generator().manual_seed(score_seed)
-    return _cuda(decode_case(gen, b=b, hkv=hkv, group=group, tmax=tmax, n_coded=n_coded, r=r, n_window=n_window,
-                             d=d, kspec=kspec, vspec=vspec, with_start=with_start, dtype=dtype))
+    return _cuda(
+        decode_case(
+            gen,
+            b=b,
+            hkv=hkv,
+            group=group,
+            tmax=tmax,
+            n_coded=n_coded,
+            r=r,
+            n_window=n_window,
+            d=d,
+            kspec=kspec,
+            vspec=vspec,
+            with_start=with_start,
+            dtype=dtype,
+        )
+    )
 
 
 def _decode_baseline_err(args, want):
@@ -407,15 +514,33 @@ def test_cuda_decode_realistic(score, dtype, kspec, vspec):
     """B=2, Hq=32, Hkv=8, D=128, Tmax=5000 (4871 coded), R=128 (77 in the window)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    args = _decode_args(dtype, 0, b=2, hkv=8, group=4, tmax=5000, n_coded=4871, r=128, n_window=77,
-                        kspec=kspec, vspec=vspec, with_start=True)
+    args = _decode_args(
+        dtype,
+        0,
+        b=2,
+        hkv=8,
+        group=4,
+        tmax=5000,
+        n_coded=4871,
+        r=128,
+        n_window=77,
+        kspec=kspec,
+        vspec=vspec,
+        with_start=True,
+    )
     want = reference_decode(args)
     got = ops.decode_attention_triton(*bundle_coded_kv(args, 1), score=score, wrap=False)
     assert got.dtype == dtype
     _check_rule(got, want, _decode_baseline_err(args, want))
-    torch.testing.assert_close(torch.ops.vecinfer.decode_attention_triton(*args),
-                               ops.decode_attention_triton(*bundle_coded_kv(args, 1)), atol=0, rtol=0)
-    _check_rule(torch.ops.vecinfer.decode_attention(*args), want, _decode_baseline_err(args, want))  # CUDA kernel if it runs
+    torch.testing.assert_close(
+        torch.ops.vecinfer.decode_attention_triton(*args),
+        ops.decode_attention_triton(*bundle_coded_kv(args, 1)),
+        atol=0,
+        rtol=0,
+    )
+    _check_rule(
+        torch.ops.vecinfer.decode_attention(*args), want, _decode_baseline_err(args, want)
+    )  # CUDA kernel if it runs
 
 
 test_cuda_decode_realistic = pytest.mark.cuda(test_cuda_decode_realistic)
@@ -429,8 +554,21 @@ def test_cuda_decode_wide_heads(d, dtype):
     did not) and the output is the reference's, eagerly and through the op."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    args = _decode_args(dtype, d, b=2, hkv=2, group=4, tmax=3000, n_coded=2900, r=128, n_window=77,
-                        kspec=(256, 4), vspec=(256, 4), with_start=True, d=d)
+    args = _decode_args(
+        dtype,
+        d,
+        b=2,
+        hkv=2,
+        group=4,
+        tmax=3000,
+        n_coded=2900,
+        r=128,
+        n_window=77,
+        kspec=(256, 4),
+        vspec=(256, 4),
+        with_start=True,
+        d=d,
+    )
     want = reference_decode(args)
     _check_rule(ops.decode_attention_triton(*bundle_coded_kv(args, 1)), want, _decode_baseline_err(args, want))
     _check_rule(torch.ops.vecinfer.decode_attention(*args), want, _decode_baseline_err(args, want))
@@ -444,8 +582,20 @@ test_cuda_decode_wide_heads = pytest.mark.cuda(test_cuda_decode_wide_heads)
 def test_cuda_decode_edges(tmax, n_coded, n_window, score):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    args = _decode_args(torch.bfloat16, tmax, b=3, hkv=2, group=8, tmax=tmax, n_coded=n_coded, r=128,
-                        n_window=n_window, kspec=(256, 4), vspec=(4096, 8), with_start=False)
+    args = _decode_args(
+        torch.bfloat16,
+        tmax,
+        b=3,
+        hkv=2,
+        group=8,
+        tmax=tmax,
+        n_coded=n_coded,
+        r=128,
+        n_window=n_window,
+        kspec=(256, 4),
+        vspec=(4096, 8),
+        with_start=False,
+    )
     want = reference_decode(args)
     got = ops.decode_attention_triton(*bundle_coded_kv(args, 1), score=score)
     if n_coded + n_window == 0:
@@ -512,11 +662,38 @@ def test_cuda_compiled_ops_fullgraph_dynamic():
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
     for tq in (17, 64):
-        args = _cuda(attention_case(gen, b=1, hkv=2, group=4, tq=tq, tk=tq, d=128, kspec=(256, 4), vspec=(256, 4),
-                                    mask_kind="none", causal=True, residual=5, dtype=torch.bfloat16))
+        args = _cuda(
+            attention_case(
+                gen,
+                b=1,
+                hkv=2,
+                group=4,
+                tq=tq,
+                tk=tq,
+                d=128,
+                kspec=(256, 4),
+                vspec=(256, 4),
+                mask_kind="none",
+                causal=True,
+                residual=5,
+                dtype=torch.bfloat16,
+            )
+        )
         torch.testing.assert_close(compiled(*args), torch.ops.vecinfer.attention(*args), atol=2e-2, rtol=2e-2)
-    dec = _decode_args(torch.bfloat16, 1, b=2, hkv=8, group=4, tmax=1000, n_coded=900, r=128, n_window=3,
-                       kspec=(256, 4), vspec=(256, 4), with_start=False)
+    dec = _decode_args(
+        torch.bfloat16,
+        1,
+        b=2,
+        hkv=8,
+        group=4,
+        tmax=1000,
+        n_coded=900,
+        r=128,
+        n_window=3,
+        kspec=(256, 4),
+        vspec=(256, 4),
+        with_start=False,
+    )
     compiled_dec = torch.compile(lambda *a: torch.ops.vecinfer.decode_attention(*a), fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled_dec(*dec), torch.ops.vecinfer.decode_attention(*dec), atol=2e-2, rtol=2e-2)
 
@@ -552,7 +729,7 @@ def test_cuda_trellis_decode(group):
     start = torch.tensor([0, 17, 990])
     args = [t.cuda() for t in (q, k_codes, v_codes)]
     keys, values = (TrellisOperands(*(t.cuda() for t in ops)) for ops in (keys, values))
-    want, want_lse = decode_reference(*args, keys, values, 995, start.cuda(), 128 ** -0.5)
-    got, lse = decode_attention(*args, keys, values, 995, start.cuda(), 128 ** -0.5)
+    want, want_lse = decode_reference(*args, keys, values, 995, start.cuda(), 128**-0.5)
+    got, lse = decode_attention(*args, keys, values, 995, start.cuda(), 128**-0.5)
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

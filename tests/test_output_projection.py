@@ -17,17 +17,20 @@ from vecinfer_compile.testing import FixedIds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SIZE = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, bos_token_id=1,
-            eos_token_id=2)
+SIZE = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, bos_token_id=1, eos_token_id=2)
 MODELS = {  # name: (model class, config); 4 heads of 16 dims, the projection's attribute in the comment
-    "qwen3": (tf.Qwen3ForCausalLM, lambda: tf.Qwen3Config(intermediate_size=64, num_key_value_heads=2, head_dim=16,
-                                                            **SIZE)),  # o_proj
+    "qwen3": (
+        tf.Qwen3ForCausalLM,
+        lambda: tf.Qwen3Config(intermediate_size=64, num_key_value_heads=2, head_dim=16, **SIZE),
+    ),  # o_proj
     "gpt_neox": (tf.GPTNeoXForCausalLM, lambda: tf.GPTNeoXConfig(intermediate_size=64, **SIZE)),  # dense
     "phi": (tf.PhiForCausalLM, lambda: tf.PhiConfig(intermediate_size=64, **SIZE)),  # dense
     "falcon": (tf.FalconForCausalLM, lambda: tf.FalconConfig(**SIZE)),  # dense
     "opt": (tf.OPTForCausalLM, lambda: tf.OPTConfig(ffn_dim=64, word_embed_proj_dim=64, **SIZE)),  # out_proj
-    "gpt2": (tf.GPT2LMHeadModel, lambda: tf.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=128,
-                                                        bos_token_id=1, eos_token_id=2)),  # c_proj (Conv1D)
+    "gpt2": (
+        tf.GPT2LMHeadModel,
+        lambda: tf.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=128, bos_token_id=1, eos_token_id=2),
+    ),  # c_proj (Conv1D)
 }
 
 
@@ -42,8 +45,11 @@ def _model(name):
 
 def _projection_module(attention, weight):
     """The submodule of ``attention`` that holds ``weight`` (transposed for Conv1D)."""
-    return next(m for m in attention.children() if getattr(m, "weight", None) is not None
-                and weight.data_ptr() == m.weight.data_ptr())
+    return next(
+        m
+        for m in attention.children()
+        if getattr(m, "weight", None) is not None and weight.data_ptr() == m.weight.data_ptr()
+    )
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -73,6 +79,16 @@ def test_a_model_without_an_output_projection_is_refused_with_the_fix():
         attention.o_proj = torch.nn.Identity()
     with pytest.raises(ValueError, match=r"has none that maps its 4 x 16 head outputs .*--no-weighted-codes"):
         calibrate(model, IDS, "x", bits=2, method="qaware", seq_len=32, max_tokens=64, iters=2, progress=False)
-    cb = calibrate(model, IDS, "x", bits=2, method="qaware", weighted_codes=False, seq_len=32, max_tokens=64,
-                   iters=2, progress=False)
+    cb = calibrate(
+        model,
+        IDS,
+        "x",
+        bits=2,
+        method="qaware",
+        weighted_codes=False,
+        seq_len=32,
+        max_tokens=64,
+        iters=2,
+        progress=False,
+    )
     assert cb.layer(0).value_metric is None

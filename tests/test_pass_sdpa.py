@@ -98,7 +98,9 @@ class TestSnapshot(TestCase or object):
         with torch.no_grad():
             torch.compile(model, backend=capture, fullgraph=True)(ids, use_cache=False)
         self.assertEqual(counters["vecinfer"]["sdpa_rewrites"], 2)
-        self.assertExpectedInline(normalized(capture.new_nodes[0]), """\
+        self.assertExpectedInline(
+            normalized(capture.new_nodes[0]),
+            """\
 float_2 = call_method:float(q_embed)
 vecinfer_layer0_lam_q = get_attr:vecinfer_layer0_lam_q()
 mul_23 = call_function:mul(float_2, vecinfer_layer0_lam_q)
@@ -132,7 +134,8 @@ vecinfer_layer1_key_centroids = get_attr:vecinfer_layer1_key_centroids()
 vecinfer_layer1_value_centroids = get_attr:vecinfer_layer1_value_centroids()
 quantize_default_2 = call_function:vecinfer.quantize.default(to_18, None, None, vecinfer_layer1_key_centroids)
 quantize_default_3 = call_function:vecinfer.quantize.default(value_states_1, None, None, vecinfer_layer1_value_centroids)
-scaled_dot_product_attention_3 = call_function:scaled_dot_product_attention(to_17, quantize_default_2, quantize_default_3, attn_mask=attention_mask, dropout_p=0.0, is_causal=False, scale=0.25, enable_gqa=True)""")
+scaled_dot_product_attention_3 = call_function:scaled_dot_product_attention(to_17, quantize_default_2, quantize_default_3, attn_mask=attention_mask, dropout_p=0.0, is_causal=False, scale=0.25, enable_gqa=True)""",
+        )
         # HF's repeat_kv (getitem -> expand -> reshape) is gone: K/V stay at 2 KV heads.
         gm = capture.graphs[0]
         # Every SDPA left attends over quantize-dequantized K and V, never the originals.
@@ -144,13 +147,16 @@ scaled_dot_product_attention_3 = call_function:scaled_dot_product_attention(to_1
             assert not repeats_heads(op)
 
 
-@pytest.mark.parametrize("path,layer", [
-    ("L['self'].model.layers.3.self_attn", 3),
-    ("L['args'][0].model.layers.11.self_attn", 11),
-    ("L['self']._modules['model']._modules['layers']._modules['5']._modules['self_attn']", 5),
-    ("L['self'].encoder.block.2.layer.0.SelfAttention", 2),
-    ("L['self'].attn", None),
-])
+@pytest.mark.parametrize(
+    "path,layer",
+    [
+        ("L['self'].model.layers.3.self_attn", 3),
+        ("L['args'][0].model.layers.11.self_attn", 11),
+        ("L['self']._modules['model']._modules['layers']._modules['5']._modules['self_attn']", 5),
+        ("L['self'].encoder.block.2.layer.0.SelfAttention", 2),
+        ("L['self'].attn", None),
+    ],
+)
 def test_layer_from_module_path(path, layer):
     assert layer_from_module_path(path) == layer
 
@@ -173,8 +179,9 @@ def eager_dequantized(q, k, v, attn_mask, is_causal, layer, scale=None):
     t = layer.transform
     k_hat = t.keys_inverse(decode(encode(t.keys(k), layer.keys), layer.keys.float()))
     v_hat = decode(encode(v, layer.values), layer.values.float())
-    return F.scaled_dot_product_attention(q, k_hat.to(q.dtype), v_hat.to(q.dtype), attn_mask=attn_mask,
-                                          is_causal=is_causal, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, k_hat.to(q.dtype), v_hat.to(q.dtype), attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=True
+    )
 
 
 FUNCS = [(sdpa_kw, None), (sdpa_positional_repeat, 0.3)]

@@ -20,7 +20,7 @@ def test_perplexity_equals_model_loss(tiny_model, sample_text_path):
     losses = []
     with torch.no_grad():
         for w in range(windows):
-            x = ids[w * length:(w + 1) * length][None]
+            x = ids[w * length : (w + 1) * length][None]
             losses.append(model(input_ids=x, labels=x).loss.item())
     assert res.tokens == windows * (length - 1)
     expect = math.exp(sum(losses) / len(losses))  # equal token counts per window
@@ -122,8 +122,10 @@ def test_kv_bytes_matches_codebook_nbytes(tiny_model, sample_text_path):
 
     model, _ = tiny_model
     g = model_geometry(model.config)
-    layers = [LayerCodebooks(KeyTransform(64, torch.ones(2, 64), True), torch.zeros(256, 4), torch.zeros(256, 4))
-              for _ in range(4)]
+    layers = [
+        LayerCodebooks(KeyTransform(64, torch.ones(2, 64), True), torch.zeros(256, 4), torch.zeros(256, 4))
+        for _ in range(4)
+    ]
     cb = VecInferCodebooks("vecinfer", 2.0, layers, g)
     assert kv_bytes("vecinfer", 2, g).fixed_bytes == cb.nbytes() + 4 * 64 * 64  # + the cache's rotation
 

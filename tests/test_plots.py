@@ -12,11 +12,9 @@ import torch
 
 pytest.importorskip("matplotlib")
 
-from vecinfer_compile.evaluation.inspect import (STAGES, codebook_usage_figure,  # noqa: E402
-                                                 key_absmax_figure)
+from vecinfer_compile.evaluation.inspect import STAGES, codebook_usage_figure, key_absmax_figure  # noqa: E402
 from vecinfer_compile.evaluation.needle import NeedleResult, grid_figure, plot_grid  # noqa: E402
-from vecinfer_compile.evaluation.plots import (clipped_texts, plot_ppl_vs_bits,  # noqa: E402
-                                               ppl_vs_bits_figure)
+from vecinfer_compile.evaluation.plots import clipped_texts, plot_ppl_vs_bits, ppl_vs_bits_figure  # noqa: E402
 
 # docs/results.md's H200 ablation: plain VQ and smoothing-only are 275.200 vs 275.205 at 2 bits,
 # which drew one on top of the other; KIVI's points carry nominal-bit labels, one at the right edge.
@@ -40,8 +38,16 @@ def ablation_rows():
     rows = []
     for line in ABLATION.splitlines():
         method, label, nominal, physical, ppl = line.split()
-        rows.append({"method": method, "label": label.replace("-", " "), "nominal_bits": float(nominal),
-                     "bits": float(nominal), "physical_bits_per_element": float(physical), "ppl": float(ppl)})
+        rows.append(
+            {
+                "method": method,
+                "label": label.replace("-", " "),
+                "nominal_bits": float(nominal),
+                "bits": float(nominal),
+                "physical_bits_per_element": float(physical),
+                "ppl": float(ppl),
+            }
+        )
     return rows
 
 
@@ -56,7 +62,7 @@ def test_ppl_vs_bits_text_inside_and_points_apart():
     try:
         assert clipped_texts(fig) == []
         ax = fig.axes[0]
-        lines = {l.get_gid()[len("method:"):]: l for l in ax.get_lines() if (l.get_gid() or "").startswith("method:")}
+        lines = {l.get_gid()[len("method:") :]: l for l in ax.get_lines() if (l.get_gid() or "").startswith("method:")}
         assert set(lines) == {"vecinfer", "kivi", "vq", "smooth", "hadamard"}
         assert len({l.get_marker() for l in lines.values()}) == len(lines)  # a marker per method
         points = {m: ax.transData.transform(l.get_xydata()) for m, l in lines.items()}
@@ -76,9 +82,16 @@ def test_ppl_vs_bits_text_inside_and_points_apart():
 
 def test_ppl_vs_bits_full_ablation_and_one_row(tmp_path):
     rows = ablation_rows() + [
-        {"method": m, "label": m, "nominal_bits": 2.0, "bits": 2.0, "physical_bits_per_element": 2.0,
-         "ppl": 270.0 + i * 0.001}  # five more methods at the same point
-        for i, m in enumerate(["qaware", "qaware-nocenter", "qaware-nohadamard", "qaware-sqrt", "vecinfer-center"])]
+        {
+            "method": m,
+            "label": m,
+            "nominal_bits": 2.0,
+            "bits": 2.0,
+            "physical_bits_per_element": 2.0,
+            "ppl": 270.0 + i * 0.001,
+        }  # five more methods at the same point
+        for i, m in enumerate(["qaware", "qaware-nocenter", "qaware-nohadamard", "qaware-sqrt", "vecinfer-center"])
+    ]
     fig = ppl_vs_bits_figure(rows, title="a title long enough to need wrapping " * 4)
     try:
         assert clipped_texts(fig) == []
@@ -90,12 +103,19 @@ def test_ppl_vs_bits_full_ablation_and_one_row(tmp_path):
     assert path.is_file() and path.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("lengths,depths,title", [
-    ([64], [50.0], None),
-    ([64], [50.0], "needle (passkey): qaware-nohadamard 1.25-bit average (4/1/1/1/1/4/1/1/1/1/1/1 per layer)\n"
-                   "mean accuracy 1.00, 1 trials/cell"),
-    ([512, 1024, 2048], [0, 25, 50, 75, 100], None),
-])
+@pytest.mark.parametrize(
+    "lengths,depths,title",
+    [
+        ([64], [50.0], None),
+        (
+            [64],
+            [50.0],
+            "needle (passkey): qaware-nohadamard 1.25-bit average (4/1/1/1/1/4/1/1/1/1/1/1 per layer)\n"
+            "mean accuracy 1.00, 1 trials/cell",
+        ),
+        ([512, 1024, 2048], [0, 25, 50, 75, 100], None),
+    ],
+)
 def test_needle_grid_text_inside(lengths, depths, title, tmp_path):
     grid = [[(i + j) % 3 / 2 for j in range(len(depths))] for i in range(len(lengths))]
     result = NeedleResult("vecinfer", 2.0, "magic_number", lengths, depths, 16, grid, 128, "")
@@ -121,8 +141,12 @@ def fake_stats(layers: int, channels: int = 128):
         out[l] = {}
         for s in STAGES:
             a = torch.rand(channels, generator=gen) + 0.5
-            out[l][s] = {"absmax": a, "max": float(a.max()), "median": float(a.median()),
-                         "max_over_median": float(a.max() / a.median())}
+            out[l][s] = {
+                "absmax": a,
+                "max": float(a.max()),
+                "median": float(a.median()),
+                "max_over_median": float(a.max() / a.median()),
+            }
     return out
 
 
@@ -145,21 +169,44 @@ def fake_usage(dead: int, entries: int = 256, layers: int = 3):
     for l in range(layers):
         p = counts[l].double() / counts[l].sum()
         h = float(-(p[p > 0] * p[p > 0].log2()).sum())
-        per_layer.append({"layer": l, "used": entries - dead, "entries": entries, "dead_fraction": dead / entries,
-                          "entropy_bits": h, "effective_entries": 2 ** h, "key_rel_mse": 0.1,
-                          "score_rel_err": 0.2 + 0.01 * l, "score_rms": 0.5})
+        per_layer.append(
+            {
+                "layer": l,
+                "used": entries - dead,
+                "entries": entries,
+                "dead_fraction": dead / entries,
+                "entropy_bits": h,
+                "effective_entries": 2**h,
+                "key_rel_mse": 0.1,
+                "score_rel_err": 0.2 + 0.01 * l,
+                "score_rms": 0.5,
+            }
+        )
     mean = lambda k: sum(r[k] for r in per_layer) / layers  # noqa: E731
-    return {"method": "vq", "bits": 2.0, "entries": entries, "used": mean("used"),
-            "used_fraction": mean("used") / entries, "dead_fraction": mean("dead_fraction"),
-            "entropy_bits": mean("entropy_bits"), "max_entropy_bits": math.log2(entries),
-            "effective_entries": mean("effective_entries"), "effective_fraction": mean("effective_entries") / entries,
-            "key_rel_mse": 0.1, "score_rel_err": mean("score_rel_err"), "score_rms": 0.5, "per_layer": per_layer,
-            "counts": list(counts)}
+    return {
+        "method": "vq",
+        "bits": 2.0,
+        "entries": entries,
+        "used": mean("used"),
+        "used_fraction": mean("used") / entries,
+        "dead_fraction": mean("dead_fraction"),
+        "entropy_bits": mean("entropy_bits"),
+        "max_entropy_bits": math.log2(entries),
+        "effective_entries": mean("effective_entries"),
+        "effective_fraction": mean("effective_entries") / entries,
+        "key_rel_mse": 0.1,
+        "score_rel_err": mean("score_rel_err"),
+        "score_rms": 0.5,
+        "per_layer": per_layer,
+        "counts": list(counts),
+    }
 
 
 def test_codebook_usage_says_what_is_wrong():
-    fig = codebook_usage_figure({"vq": fake_usage(dead=128), "vecinfer": fake_usage(dead=0)},
-                                title="model: 2-bit key codebook usage on text.txt (2048 tokens)")
+    fig = codebook_usage_figure(
+        {"vq": fake_usage(dead=128), "vecinfer": fake_usage(dead=0)},
+        title="model: 2-bit key codebook usage on text.txt (2048 tokens)",
+    )
     try:
         assert clipped_texts(fig) == []
         assert "good:" in fig.get_suptitle()  # the figure says what to look for

@@ -42,8 +42,14 @@ def _hf_cos_sin(head_dim: int, positions: torch.Tensor, theta: float = 10000.0):
 
 
 @settings(max_examples=30, deadline=None)
-@given(b=st.integers(1, 3), t=st.integers(1, 9), head_dim=st.sampled_from([8, 16, 64]),
-       start=st.integers(0, 5000), theta=st.sampled_from([10000.0, 500000.0]), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 3),
+    t=st.integers(1, 9),
+    head_dim=st.sampled_from([8, 16, 64]),
+    start=st.integers(0, 5000),
+    theta=st.sampled_from([10000.0, 500000.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_rotation_is_transformers_rope_and_its_inverse_undoes_it(b, t, head_dim, start, theta, seed):
     gen = torch.Generator().manual_seed(seed)
     positions = start + torch.randint(0, 3, (b, t), generator=gen).cumsum(-1)  # per-row, gaps allowed
@@ -72,9 +78,13 @@ def test_partial_rotary_leaves_the_other_channels_and_one_row_of_positions_serve
 def test_pre_rope_transform_round_trips_and_has_no_query_side(hkv, t, rotate_, seed):
     gen = torch.Generator().manual_seed(seed)
     d = 16
-    transform = KeyTransform(d, 0.5 + torch.rand(hkv, d, generator=gen, dtype=torch.float64), rotate_,
-                             mean=torch.randn(hkv, d, generator=gen, dtype=torch.float64),
-                             rope_inv_freq=10000.0 ** -(torch.arange(0, d, 2, dtype=torch.float32) / d))
+    transform = KeyTransform(
+        d,
+        0.5 + torch.rand(hkv, d, generator=gen, dtype=torch.float64),
+        rotate_,
+        mean=torch.randn(hkv, d, generator=gen, dtype=torch.float64),
+        rope_inv_freq=10000.0 ** -(torch.arange(0, d, 2, dtype=torch.float32) / d),
+    )
     k = 5 * torch.randn(2, hkv, t, d, generator=gen, dtype=torch.float64)
     pos = torch.arange(t) + 100
     torch.testing.assert_close(transform.keys_inverse(transform.keys(k, pos), pos), k)
@@ -103,8 +113,9 @@ def test_value_predictor_recovers_a_linear_map_and_never_raises_the_residual():
 def test_key_positions_follow_the_queries_position_ids():
     assert torch.equal(key_positions(None, 4, "cpu"), torch.arange(4))
     left_padded = torch.tensor([[7], [4]])  # the decode step of two rows, the second padded by 3
-    assert torch.equal(key_positions(left_padded, 8, "cpu"), torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7],
-                                                                          [-3, -2, -1, 0, 1, 2, 3, 4]]))
+    assert torch.equal(
+        key_positions(left_padded, 8, "cpu"), torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [-3, -2, -1, 0, 1, 2, 3, 4]])
+    )
     with pytest.raises(ValueError, match="multimodal RoPE"):
         key_positions(torch.zeros(3, 1, 4, dtype=torch.long), 4, "cpu")
 
@@ -143,8 +154,17 @@ def test_simulate_is_the_oracle_built_from_transformers_rope(method, kv_heads, h
 @pytest.fixture(scope="module")
 def calibrated(tiny_model, sample_text_path):
     model, tok = tiny_model
-    return calibrate(model, tok, sample_text_path.read_text(), bits=2, method="prerope", max_tokens=1024,
-                     seq_len=256, iters=3, progress=False)
+    return calibrate(
+        model,
+        tok,
+        sample_text_path.read_text(),
+        bits=2,
+        method="prerope",
+        max_tokens=1024,
+        seq_len=256,
+        iters=3,
+        progress=False,
+    )
 
 
 def test_calibration_stores_the_models_rope_and_a_predictor_that_helps(calibrated, tiny_model, sample_text_path):
@@ -202,8 +222,9 @@ def test_other_families_calibrate_and_simulate(family, sample_text_path):
     finds their rotary embedding, and simulation with the window covering every key is exact."""
     model = tiny_model(family, sliding_window=16) if family == "mistral" else tiny_model(family)
     ids = torch.randint(3, 120, (1, 600), generator=torch.Generator().manual_seed(0))
-    cb = calibrate(model, FixedIds(ids[0]), "ids", bits=2, method="prerope", max_tokens=600, seq_len=200, iters=2,
-                   progress=False)
+    cb = calibrate(
+        model, FixedIds(ids[0]), "ids", bits=2, method="prerope", max_tokens=600, seq_len=200, iters=2, progress=False
+    )
     assert torch.equal(cb.layer(0).transform.rope_inv_freq, model_rope_frequencies(model, 16))
     x = ids[:, :40]
     with torch.no_grad():

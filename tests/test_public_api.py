@@ -26,8 +26,11 @@ def test_every_file_the_package_reads_is_in_its_package_data():
     root = repo / "vecinfer_compile"
     pyproject = tomllib.loads((repo / "pyproject.toml").read_text())
     globs = pyproject["tool"]["setuptools"]["package-data"]["vecinfer_compile"]
-    files = [p.relative_to(root).as_posix() for p in root.rglob("*")
-             if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+    files = [
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    ]
     assert any(f.startswith("ops/cuda/") for f in files)
     missed = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
     assert not missed, f"add globs for {missed} to [tool.setuptools.package-data] in pyproject.toml"

@@ -22,8 +22,15 @@ from vecinfer_compile.quant.query_aware import RIDGE_FLOOR, query_aware_matrices
 from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.testing import random_codebooks, random_layer_codebooks, tiny_model
 
-CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     num_hidden_layers=2, intermediate_size=64, vocab_size=128)
+CONFIG = LlamaConfig(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    vocab_size=128,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,8 +74,13 @@ def test_score_error_is_euclidean_error_symbolically():
 
 
 @settings(max_examples=25, deadline=None)
-@given(hkv=st.integers(1, 3), group=st.integers(1, 3), d=st.sampled_from([16, 32]),
-       ridge=st.sampled_from([1e-3, 1e-2, 1.0]), seed=st.integers(0, 2**16))
+@given(
+    hkv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    d=st.sampled_from([16, 32]),
+    ridge=st.sampled_from([1e-3, 1e-2, 1.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_expected_score_error_equals_transformed_euclidean_error(hkv, group, d, ridge, seed):
     """Over the calibration queries themselves: ``mean_q (q e^T)^2 = s (|e A|^2 - e R e^T)`` with
     ``s = trace(S) / D`` (the normalisation of :func:`query_aware_matrices`) and ``R`` the ridge
@@ -85,7 +97,7 @@ def test_expected_score_error_equals_transformed_euclidean_error(hkv, group, d, 
         t = KeyTransform(d, rotate=rotate, key_matrix=a, query_matrix=b)
         et = t.keys(e[None])[0]  # the transform is linear: the error maps like a key
         ridged = ridge * torch.diagonal(s, dim1=1, dim2=2) / mean_eig[:, None] + RIDGE_FLOOR  # [hkv, d]
-        got = mean_eig[:, None] * ((et ** 2).sum(-1) - (e ** 2 * ridged[:, None]).sum(-1))
+        got = mean_eig[:, None] * ((et**2).sum(-1) - (e**2 * ridged[:, None]).sum(-1))
         torch.testing.assert_close(got, expected, rtol=2e-4, atol=1e-6 * expected.abs().max().item())
 
 
@@ -97,8 +109,9 @@ def _equal_error_cost(a: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torc
 
 
 @settings(max_examples=20, deadline=None)
-@given(hkv=st.integers(1, 2), d=st.sampled_from([8, 16]), ridge=st.sampled_from([1e-3, 1e-1]),
-       seed=st.integers(0, 2**16))
+@given(
+    hkv=st.integers(1, 2), d=st.sampled_from([8, 16]), ridge=st.sampled_from([1e-3, 1e-1]), seed=st.integers(0, 2**16)
+)
 def test_geomean_minimises_the_equal_error_score_cost(hkv, d, ridge, seed):
     """The ``geomean`` matrix reaches the Cauchy-Schwarz bound ``trace((C^1/2 S C^1/2)^1/2)^2``
     of the equal-error cost and beats the identity, ``S^(1/2)`` and random SPD matrices."""
@@ -122,13 +135,22 @@ def test_geomean_minimises_the_equal_error_score_cost(hkv, d, ridge, seed):
 
 
 @settings(max_examples=25, deadline=None)
-@given(b=st.integers(1, 2), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
-       t=st.integers(1, 9), d=st.sampled_from([16, 32, 48]), rotate=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    t=st.integers(1, 9),
+    d=st.sampled_from([16, 32, 48]),
+    rotate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_transform_preserves_scores_and_inverts(b, hkv, group, t, d, rotate, seed):
     """``q~ K~^T == q K^T`` (GQA, odd lengths, block Hadamard for 48) and ``keys_inverse`` undoes ``keys``."""
     gen = torch.Generator().manual_seed(seed)
-    a, bm = query_aware_matrices(second_moment(anisotropic_queries(hkv, 128, d, seed), hkv),
-                                 second_moment(anisotropic_queries(hkv, 128, d, seed + 1), hkv))
+    a, bm = query_aware_matrices(
+        second_moment(anisotropic_queries(hkv, 128, d, seed), hkv),
+        second_moment(anisotropic_queries(hkv, 128, d, seed + 1), hkv),
+    )
     tr = KeyTransform(d, rotate=rotate, key_matrix=a, query_matrix=bm)
     q = torch.randn(b, hkv * group, t, d, generator=gen, dtype=torch.float64)
     k = torch.randn(b, hkv, t + 2, d, generator=gen, dtype=torch.float64)
@@ -139,8 +161,12 @@ def test_transform_preserves_scores_and_inverts(b, hkv, group, t, d, rotate, see
 
 
 @settings(max_examples=20, deadline=None)
-@given(hkv=st.integers(1, 2), d=st.sampled_from([8, 16]), ridge=st.sampled_from([1e-2, 1e-1, 1.0]),
-       seed=st.integers(0, 2**16))
+@given(
+    hkv=st.integers(1, 2),
+    d=st.sampled_from([8, 16]),
+    ridge=st.sampled_from([1e-2, 1e-1, 1.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_the_transform_follows_a_rescaling_of_key_channels(hkv, d, ridge, seed):
     """Keys ``K G`` and queries ``q G^(-1)`` (``G`` diagonal, a few channels 6-16x: the scores do
     not change) give ``P' = G^(-1) P G^(-1)`` (``P = A A``), so ``K~`` only turns by an orthogonal
@@ -166,8 +192,12 @@ def test_matrices_are_the_ridged_square_root():
     s_n = s / (torch.diagonal(s, dim1=1, dim2=2).sum(-1) / 16)[:, None, None]
     s_r = s_n + torch.diag_embed(0.05 * torch.diagonal(s_n, dim1=1, dim2=2) + RIDGE_FLOOR)
     torch.testing.assert_close((a.double() @ a.double()), s_r, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(a.double().transpose(1, 2) @ b.double(), torch.eye(16, dtype=torch.float64).expand(2, 16, 16),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        a.double().transpose(1, 2) @ b.double(),
+        torch.eye(16, dtype=torch.float64).expand(2, 16, 16),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_query_aware_inputs_are_checked():
@@ -235,7 +265,10 @@ def test_broken_query_aware_files_name_the_fix(tmp_path):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "qaware2"}))
     with pytest.raises(ValueError, match="takes no query-aware matrices"):
         load_codebooks(_rewrite(path, tmp_path, meta={"method": "hadamard"}))
-    with pytest.raises(ValueError, match="reads vecinfer-codebooks/8, vecinfer-codebooks/7, vecinfer-codebooks/6, vecinfer-codebooks/5, vecinfer-codebooks/4"):
+    with pytest.raises(
+        ValueError,
+        match="reads vecinfer-codebooks/8, vecinfer-codebooks/7, vecinfer-codebooks/6, vecinfer-codebooks/5, vecinfer-codebooks/4",
+    ):
         load_codebooks(_rewrite(path, tmp_path, meta={"format": "vecinfer-codebooks/9"}))
 
 
@@ -246,8 +279,9 @@ def test_calibrate_collects_queries_and_stores_the_matrices(tiny, sample_text_pa
 
     model, tokenizer = tiny
     text = sample_text_path.read_text()
-    cb = calibrate(model, tokenizer, text, bits=2, method="qaware", ridge=0.1, max_tokens=512,
-                   seq_len=256, iters=2, progress=False)
+    cb = calibrate(
+        model, tokenizer, text, bits=2, method="qaware", ridge=0.1, max_tokens=512, seq_len=256, iters=2, progress=False
+    )
     assert cb.metadata["qaware_ridge"] == 0.1
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:512]
     keys, _, queries = collect_kv(model, torch.tensor(ids), 256, False, with_queries=True)
@@ -268,8 +302,18 @@ def test_calibrate_retrieval_allocation(tiny, sample_text_path):
     from vecinfer_compile.calibration import calibrate
 
     model, tokenizer = tiny
-    cb = calibrate(model, tokenizer, sample_text_path.read_text(), bits=2, method="qaware",
-                   allocate="retrieval", max_tokens=512, seq_len=256, iters=2, progress=False)
+    cb = calibrate(
+        model,
+        tokenizer,
+        sample_text_path.read_text(),
+        bits=2,
+        method="qaware",
+        allocate="retrieval",
+        max_tokens=512,
+        seq_len=256,
+        iters=2,
+        progress=False,
+    )
     assert cb.bits == 2.0 and all(l.transform.key_matrix is not None for l in cb.layers)
 
 
@@ -285,9 +329,18 @@ def tiny(tiny_dir):
 def _qaware_codebooks(model, rotate=True, seed=0):
     """Random codebooks of ``qaware`` (centred) or ``qaware-nohadamard`` (uncentred)."""
     geo = model_geometry(model.config)
-    layers = [random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], seed=seed + i, smooth=False,
-                                     rotate=rotate, query_aware=True, center=rotate)
-              for i in range(geo["num_layers"])]
+    layers = [
+        random_layer_codebooks(
+            geo["num_kv_heads"],
+            geo["head_dim"],
+            seed=seed + i,
+            smooth=False,
+            rotate=rotate,
+            query_aware=True,
+            center=rotate,
+        )
+        for i in range(geo["num_layers"])
+    ]
     return VecInferCodebooks("qaware" if rotate else "qaware-nohadamard", 2.0, layers, geo)
 
 
@@ -335,12 +388,18 @@ def test_cache_window_is_exact_and_codes_are_read():
     import warnings
 
     from vecinfer_compile.cache import VecInferCache
-
     from vecinfer_compile.hf.compat import cache_kwargs
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      num_hidden_layers=2, intermediate_size=64, vocab_size=128)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        vocab_size=128,
+    )
     model = LlamaForCausalLM(cfg).eval()
     cb = _qaware_codebooks(model)
     ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(2))
@@ -386,37 +445,103 @@ def test_cli_calibrate_then_eval_ppl_and_ridge_errors(capsys, tmp_path, tiny_dir
 
     out = tmp_path / "qa.safetensors"
     base = ["--model", str(tiny_dir), "--text", str(sample_text_path)]
-    assert main(["calibrate", *base, "--bits", "2", "--method", "qaware", "--ridge", "0.5", "--out", str(out),
-                 "--max-tokens", "512", "--seq-len", "256", "--iters", "2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                *base,
+                "--bits",
+                "2",
+                "--method",
+                "qaware",
+                "--ridge",
+                "0.5",
+                "--out",
+                str(out),
+                "--max-tokens",
+                "512",
+                "--seq-len",
+                "256",
+                "--iters",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert load_codebooks(out).metadata["qaware_ridge"] == 0.5
     capsys.readouterr()
-    assert main(["eval-ppl", *base, "--method", "qaware", "--codebooks", str(out), "--windows", "1",
-                 "--window-len", "64", "--json", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "eval-ppl",
+                *base,
+                "--method",
+                "qaware",
+                "--codebooks",
+                str(out),
+                "--windows",
+                "1",
+                "--window-len",
+                "64",
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["method"] == "qaware" and math.isfinite(result["ppl"])
     assert main(["calibrate", *base, "--bits", "2", "--method", "vecinfer", "--ridge", "0.5", "--out", "x"]) == 2
     assert "--ridge is for the query-aware methods" in capsys.readouterr().err
 
 
-def test_calibrate_states_the_real_precision_and_the_fixed_and_per_token_bytes(capsys, tmp_path, tiny_dir,
-                                                                               sample_text_path):
+def test_calibrate_states_the_real_precision_and_the_fixed_and_per_token_bytes(
+    capsys, tmp_path, tiny_dir, sample_text_path
+):
     """It said "bytes as fp16" of a float32 file, and nothing of what a cache then holds."""
     from vecinfer_compile.cli import main
 
     out = tmp_path / "qa.safetensors"
-    assert main(["calibrate", "--model", str(tiny_dir), "--text", str(sample_text_path), "--bits", "2",
-                 "--method", "qaware", "--out", str(out), "--max-tokens", "512", "--seq-len", "256", "--iters",
-                 "2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(tiny_dir),
+                "--text",
+                str(sample_text_path),
+                "--bits",
+                "2",
+                "--method",
+                "qaware",
+                "--out",
+                str(out),
+                "--max-tokens",
+                "512",
+                "--seq-len",
+                "256",
+                "--iters",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "fp16" not in printed
     # tiny: 4 layers, 2 KV heads, head_dim 64; float32
     matrices, codebooks, means = 4 * 2 * 2 * 64 * 64 * 4, 4 * 2 * 256 * 4 * 4, 4 * 2 * 64 * 4
     metrics = matrices  # qaware's error-weighted codes: a key and a value metric per layer and KV head
     total = matrices + codebooks + means + metrics
-    assert (f"state: {total:,} bytes of float32, the precision the cache uses it in (codebooks {codebooks:,}, "
-            f"query-aware matrices {matrices:,}, key means {means:,}, error metrics {metrics:,})") in printed
-    assert (f"a VecInferCache of this model: {total:,} bytes fixed, whatever its length, "
-            "+ 256 bytes per token (full precision: 2,048)") in printed
+    assert (
+        f"state: {total:,} bytes of float32, the precision the cache uses it in (codebooks {codebooks:,}, "
+        f"query-aware matrices {matrices:,}, key means {means:,}, error metrics {metrics:,})"
+    ) in printed
+    assert (
+        f"a VecInferCache of this model: {total:,} bytes fixed, whatever its length, "
+        "+ 256 bytes per token (full precision: 2,048)"
+    ) in printed
 
 
 def test_the_file_stores_the_state_in_the_precision_the_cache_uses(tmp_path):
@@ -443,8 +568,10 @@ def test_cache_bytes_report_the_fixed_state_apart_from_the_tokens(tiny_dir):
 
     config = AutoConfig.from_pretrained(tiny_dir)
     cb = random_codebooks(config, 2.0, "qaware")
-    short, long = (cache_bytes(VecInferCache(config, cb, batch_size=b, max_cache_len=n, residual=16,
-                                             dtype=torch.bfloat16)) for b, n in ((1, 64), (3, 640)))
+    short, long = (
+        cache_bytes(VecInferCache(config, cb, batch_size=b, max_cache_len=n, residual=16, dtype=torch.bfloat16))
+        for b, n in ((1, 64), (3, 640))
+    )
     acc = kv_bytes("qaware", 2, config, residual=16, weighted_codes=False)  # random codebooks have no metrics
     assert short.fixed == long.fixed == acc.fixed_bytes == cb.nbytes() == 296_960
     assert short.bytes_per_token == long.bytes_per_token == acc.bytes_per_token == 256
@@ -458,7 +585,9 @@ def test_cache_bytes_report_the_fixed_state_apart_from_the_tokens(tiny_dir):
     for i in weighted.attention_layers():
         layer = weighted.layer(i)
         layer.key_metric, layer.value_metric = (torch.eye(64).expand(2, 64, 64).clone() for _ in range(2))
-    held = cache_bytes(VecInferCache(config, weighted, batch_size=1, max_cache_len=64, residual=16, dtype=torch.bfloat16))
+    held = cache_bytes(
+        VecInferCache(config, weighted, batch_size=1, max_cache_len=64, residual=16, dtype=torch.bfloat16)
+    )
     assert held.fixed == weighted.nbytes() == 296_960 + metrics
     n = acc.break_even_tokens()
     assert acc.total(n) < n * acc.fp16_bytes_per_token <= acc.total(n - 1) + acc.fp16_bytes_per_token
@@ -483,8 +612,9 @@ def test_cuda_compiled_decode(dtype):
     model = LlamaForCausalLM(cfg).eval().to("cuda", dtype)
     cb = random_codebooks(cfg, 2.0, "qaware")
     ids, mask = left_padded(length=40, pad=7)
-    eager, compiled, backend, _, _ = _compiled_vs_eager(model, cb, ids.cuda(), mask.cuda(), tmax=80, residual=8,
-                                                        new_tokens=8)
+    eager, compiled, backend, _, _ = _compiled_vs_eager(
+        model, cb, ids.cuda(), mask.cuda(), tmax=80, residual=8, new_tokens=8
+    )
     _check_rewritten_graph(backend.graphs[0], cfg.num_hidden_layers, 80, cfg.head_dim)
     if dtype == torch.float32:
         assert torch.equal(compiled, eager)
@@ -503,8 +633,30 @@ def test_needle_runs_through_the_query_aware_cache(tmp_path, tiny_dir, capsys):
     haystack.mkdir()
     (haystack / "a.txt").write_text("The sea was calm and the ship sailed on through the night. " * 60)
     cb = random_codebooks(AutoConfig.from_pretrained(tiny_dir), 2.0, "qaware").save(tmp_path / "qa.safetensors")
-    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--lengths", "64",
-               "--depths", "50", "--method", "qaware", "--codebooks", str(cb), "--residual", "8",
-               "--trials", "1", "--max-new-tokens", "3", "--json", "--no-progress"])
+    rc = main(
+        [
+            "needle",
+            "--model",
+            str(tiny_dir),
+            "--haystack",
+            str(haystack),
+            "--lengths",
+            "64",
+            "--depths",
+            "50",
+            "--method",
+            "qaware",
+            "--codebooks",
+            str(cb),
+            "--residual",
+            "8",
+            "--trials",
+            "1",
+            "--max-new-tokens",
+            "3",
+            "--json",
+            "--no-progress",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["method"] == "qaware" and "VecInferCache" in out["note"]

@@ -40,8 +40,12 @@ def _qk_case(draw_shape, dtype, seed):
 
 
 shapes = st.tuples(
-    st.integers(1, 2), st.integers(1, 3), st.sampled_from([1, 2, 4]), st.integers(1, 9),
-    st.integers(1, 17), st.sampled_from([16, 32, 64, 80, 96, 128]),
+    st.integers(1, 2),
+    st.integers(1, 3),
+    st.sampled_from([1, 2, 4]),
+    st.integers(1, 9),
+    st.integers(1, 17),
+    st.sampled_from([16, 32, 64, 80, 96, 128]),
 )
 
 
@@ -143,8 +147,7 @@ def test_kmeans_rejects_nan():
 
 
 @settings(max_examples=25, deadline=None)
-@given(bits=st.sampled_from([2, 4]), t=st.integers(1, 70), seed=st.integers(0, 1000),
-       scale=st.floats(1e-3, 1e3))
+@given(bits=st.sampled_from([2, 4]), t=st.integers(1, 70), seed=st.integers(0, 1000), scale=st.floats(1e-3, 1e3))
 def test_kivi_error_is_at_most_half_a_step(bits, t, seed, scale):
     x = torch.randn(1, 2, t, 64, generator=torch.Generator().manual_seed(seed)) * scale
     for fn, per_channel in ((kivi_keys, True), (kivi_values, False)):

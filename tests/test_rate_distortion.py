@@ -59,7 +59,7 @@ def test_channel_error_is_the_predicted_distortion_and_falls_with_the_rate():
         assert torch.allclose(x_hat.mean(0), fresh.mean(0), atol=0.05)
         errors.append(channel.relative_error)
     # a skewed spectrum beats the equal-variance 2^-2R (water-filling), and a bit buys about 4x
-    assert (errors[1] < 2 ** -4).all() and (errors[0] / errors[1] > 3).all()
+    assert (errors[1] < 2**-4).all() and (errors[0] / errors[1] > 3).all()
 
 
 @settings(max_examples=25, deadline=None)
@@ -158,10 +158,32 @@ def test_needle_ideal_quantizer_runs_every_row_on_the_tiny_model(tmp_path, tiny_
     haystack.mkdir()
     (haystack / "a.txt").write_text(sample_text_path.read_text(encoding="utf-8"), encoding="utf-8")
     out = tmp_path / "rows.json"
-    _script().main(["--model", str(tiny_dir), "--haystack", str(haystack), "--calib-text", str(sample_text_path),
-                    "--codebooks", str(TINY_CODEBOOKS), "--rows", "fp,codes,ideal@30,ideal@0.25",
-                    "--calib-tokens", "512", "--lengths", "160", "--depths", "0,100", "--trials", "2",
-                    "--residual", "16", "--json", str(out)])
+    _script().main(
+        [
+            "--model",
+            str(tiny_dir),
+            "--haystack",
+            str(haystack),
+            "--calib-text",
+            str(sample_text_path),
+            "--codebooks",
+            str(TINY_CODEBOOKS),
+            "--rows",
+            "fp,codes,ideal@30,ideal@0.25",
+            "--calib-tokens",
+            "512",
+            "--lengths",
+            "160",
+            "--depths",
+            "0,100",
+            "--trials",
+            "2",
+            "--residual",
+            "16",
+            "--json",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())
     assert [r["row"] for r in rows] == ["fp", "codes", "ideal@30 (noise seed 0)", "ideal@0.25 (noise seed 0)"]
     assert all(0 <= c <= 1 for r in rows for line in r["grid"] for c in line)

@@ -29,7 +29,7 @@ def _layer(hq=4, hkv=2, d=16, lengths=(24, 24, 20, 24), seed=0):
     ck = kmeans(kt.reshape(-1, 4), 16, iters=5, seed=seed).centroids
     cv = kmeans(v.reshape(-1, 4), 16, iters=5, seed=seed + 1).centroids
     w = torch.randn(8, hq * d, generator=gen) / d
-    return q, k, v, list(lengths), transform, ck, cv, LayerAttention(w, d ** -0.5)
+    return q, k, v, list(lengths), transform, ck, cv, LayerAttention(w, d**-0.5)
 
 
 def _loss(q, k, v, lengths, transform, ck, cv, attn):
@@ -41,11 +41,17 @@ def _loss(q, k, v, lengths, transform, ck, cv, attn):
     for n in lengths:
         s = slice(start, start + n)
         start += n
+
         def out(kk, vv):
-            o = F.scaled_dot_product_attention(q[:, s], kk[:, s].repeat_interleave(rep, 0),
-                                               vv[:, s].repeat_interleave(rep, 0), is_causal=True,
-                                               scale=attn.scaling)
+            o = F.scaled_dot_product_attention(
+                q[:, s],
+                kk[:, s].repeat_interleave(rep, 0),
+                vv[:, s].repeat_interleave(rep, 0),
+                is_causal=True,
+                scale=attn.scaling,
+            )
             return o.transpose(0, 1).reshape(n, -1) @ attn.out_weight.T
+
         total += (out(k_hat, v_hat) - out(k, v)).pow(2).mean().item()
     return total / len(lengths)
 
@@ -57,7 +63,7 @@ def test_refinement_lowers_the_attention_output_error_it_reports(hq, hkv):
     assert ck2.shape == ck.shape and cv2.shape == cv.shape and ck2.dtype == cv2.dtype == torch.float32
     assert after < 0.9 * before
     # the reported losses are the definition's, over the probe windows (the first SMALL.windows)
-    probe = lengths[:SMALL.windows]
+    probe = lengths[: SMALL.windows]
     n = sum(probe)
     args = (q[:, :n], k[:, :n], v[:, :n], probe, transform)
     assert before == pytest.approx(_loss(*args, ck, cv, attn), rel=1e-4)
@@ -87,8 +93,7 @@ def test_sliding_window_mask_is_transformers(length, window):
 
     mask = _mask(length, window, "cpu")
     fn = sliding_window_causal_mask_function(window) if window else None
-    expected = sdpa_mask(1, length, length, allow_is_causal_skip=False,
-                         **({"mask_function": fn} if fn else {}))[0, 0]
+    expected = sdpa_mask(1, length, length, allow_is_causal_skip=False, **({"mask_function": fn} if fn else {}))[0, 0]
     got = torch.ones(length, length, dtype=torch.bool).tril() if mask is None else mask
     assert torch.equal(got, expected)
 
@@ -105,7 +110,7 @@ def test_layer_attention_reads_the_module():
     assert torch.equal(attn.out_weight, module.o_proj.weight) and attn.scaling == module.scaling
     assert attn.sliding_window == getattr(module, "sliding_window", None)
     bare = LayerAttention.of(None, None, 16)
-    assert bare.out_weight is None and bare.scaling == 16 ** -0.5 and bare.sliding_window is None
+    assert bare.out_weight is None and bare.scaling == 16**-0.5 and bare.sliding_window is None
 
 
 def test_calibration_refines_qaware_only(tiny_model, sample_text_path, tmp_path):
@@ -131,8 +136,9 @@ def test_calibration_refines_qaware_only(tiny_model, sample_text_path, tmp_path)
     assert "k-means" in recipe_mismatch(old, "qaware")  # a qaware file written before refinement
     older = dataclasses.replace(plain, method="qaware")  # and before its score-aware, error-weighted codes
     assert "parallel weight 1" in recipe_mismatch(older, "qaware")
-    isotropic = dataclasses.replace(refined, metadata={k: v for k, v in refined.metadata.items()
-                                                       if k != "qaware_ridge_form"})  # and before its diagonal ridge
+    isotropic = dataclasses.replace(
+        refined, metadata={k: v for k, v in refined.metadata.items() if k != "qaware_ridge_form"}
+    )  # and before its diagonal ridge
     assert "older ridge (ridge * I)" in recipe_mismatch(isotropic, "qaware", SMALL)
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -37,9 +37,14 @@ def dequant(idx, centroids):
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 40), subs=st.integers(1, 8), dims=st.sampled_from([1, 2, 4, 8]),
-       entries=st.sampled_from([2, 16, 256]), weight=st.sampled_from([1.0, 1.5, 8.0, 100.0]),
-       seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, 40),
+    subs=st.integers(1, 8),
+    dims=st.sampled_from([1, 2, 4, 8]),
+    entries=st.sampled_from([2, 16, 256]),
+    weight=st.sampled_from([1.0, 1.5, 8.0, 100.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_property_never_worse_than_nearest_and_one_is_nearest(rows, subs, dims, entries, weight, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, subs * dims, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
@@ -74,13 +79,20 @@ def test_it_removes_the_k_means_shrinkage():
     par_plain, sq_plain = errors(nearest(x))
     par_aware, sq_aware = errors(score_aware_indices(x, centroids, 8.0, nearest))
     assert par_plain.mean() > 0.3 * par_plain.abs().mean()  # the shrinkage is there
-    assert (par_aware ** 2).mean() < 0.25 * (par_plain ** 2).mean()
+    assert (par_aware**2).mean() < 0.25 * (par_plain**2).mean()
     assert sq_aware < 1.5 * sq_plain
 
 
 @settings(max_examples=40, deadline=None)
-@given(b=st.integers(1, 2), h=st.integers(1, 3), t=st.integers(1, 9), dims=st.sampled_from([2, 4, 8]),
-       entries=st.sampled_from([16, 256, 4096]), weight=st.sampled_from([1.0, 8.0]), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    t=st.integers(1, 9),
+    dims=st.sampled_from([2, 4, 8]),
+    entries=st.sampled_from([16, 256, 4096]),
+    weight=st.sampled_from([1.0, 8.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_property_every_torch_encoder_agrees(b, h, t, dims, entries, weight, seed):
     """quant.codebook.encode (simulate, calibration), the op's reference (prefill, compiled
     simulate) and the cache append's flush form give codes of the same loss: the same codes but
@@ -118,8 +130,16 @@ def test_a_bad_weight_is_refused(bad):
 
 
 def tiny_config():
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+    )
 
 
 def test_the_file_keeps_the_weight_and_refuses_a_bad_one(tmp_path):
@@ -130,5 +150,3 @@ def test_the_file_keeps_the_weight_and_refuses_a_bad_one(tmp_path):
     cb.metadata["key_parallel_weight"] = 0.0
     with pytest.raises(ValueError, match="parallel weight"):
         load_codebooks(cb.save(tmp_path / "bad.safetensors"))
-
-

@@ -8,12 +8,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import vecinfer_compile as vc
 from vecinfer_compile.simulate import simulated_attention
-
 from vecinfer_compile.testing import random_codebooks as make_codebooks
 
-CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     num_hidden_layers=2, intermediate_size=64, vocab_size=128,
-                     attn_implementation="sdpa")
+CONFIG = LlamaConfig(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    vocab_size=128,
+    attn_implementation="sdpa",
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,7 @@ def _explicit(q, k, v, kh, vh, residual):
 
 
 @settings(max_examples=20, deadline=None)
-@given(t=st.integers(1, 12), residual=st.integers(0, 14), rep=st.sampled_from([1, 2]),
-       seed=st.integers(0, 1000))
+@given(t=st.integers(1, 12), residual=st.integers(0, 14), rep=st.sampled_from([1, 2]), seed=st.integers(0, 1000))
 def test_window_semantics_match_the_literal_rule(t, residual, rep, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 2 * rep, t, 8, generator=g)

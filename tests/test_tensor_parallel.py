@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import vecinfer_compile as vc
 from vecinfer_compile.backend import VecInferBackend
 from vecinfer_compile.codebooks import LayerCodebooks
-from vecinfer_compile.quant.transform import KeyTransform
 from vecinfer_compile.hf.tensor_parallel import TPShard, local_layer, model_shard, total_kv_bytes
+from vecinfer_compile.quant.transform import KeyTransform
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "vecinfer_compile" / "data"
@@ -38,9 +38,13 @@ def test_local_layer_cuts_per_head_state_and_keeps_codebooks_whole():
     local = local_layer(layer, TPShard(1, 2).kv_heads(2))
     assert torch.equal(local.transform.lam, layer.transform.lam[1:2])
     assert local.keys is layer.keys and local.values is layer.values
-    qa = LayerCodebooks(KeyTransform(4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)),
-                        torch.zeros(256, 4), torch.zeros(256, 4),
-                        key_metric=torch.randn(2, 4, 4), value_metric=torch.randn(2, 4, 4))
+    qa = LayerCodebooks(
+        KeyTransform(4, None, True, torch.randn(2, 4, 4), torch.randn(2, 4, 4)),
+        torch.zeros(256, 4),
+        torch.zeros(256, 4),
+        key_metric=torch.randn(2, 4, 4),
+        value_metric=torch.randn(2, 4, 4),
+    )
     cut = local_layer(qa, slice(0, 1))
     assert torch.equal(cut.transform.key_matrix, qa.transform.key_matrix[:1])
     assert torch.equal(cut.transform.query_matrix, qa.transform.query_matrix[:1])
@@ -99,8 +103,16 @@ def _free_port() -> int:
 
 def _torchrun(*args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
@@ -113,20 +125,37 @@ def one_process():
 
 
 def _greedy(model, ids, new_tokens, residual):
-    cache = vc.VecInferCache(model, vc.load_codebooks(CODEBOOKS), batch_size=1,
-                             max_cache_len=ids.shape[1] + new_tokens, residual=residual)
+    cache = vc.VecInferCache(
+        model, vc.load_codebooks(CODEBOOKS), batch_size=1, max_cache_len=ids.shape[1] + new_tokens, residual=residual
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **vc.cache_kwargs(cache),
-                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist(), cache
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            **vc.cache_kwargs(cache),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist(), cache
 
 
 def test_example_two_ranks_compiled_decode_equals_one_process(one_process):
     """examples/tensor_parallel.py, decode compiled by the backend on 2 ranks: the same greedy
     tokens as one process, every attention call on codes, each rank holding half the KV heads."""
-    out = _torchrun("examples/tensor_parallel.py", "--model", str(TINY), "--codebooks", str(CODEBOOKS),
-                    "--residual", "4", "--max-new-tokens", "8", "--json")
+    out = _torchrun(
+        "examples/tensor_parallel.py",
+        "--model",
+        str(TINY),
+        "--codebooks",
+        str(CODEBOOKS),
+        "--residual",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    )
     report = json.loads(out.strip().splitlines()[-1])
     sys.path.insert(0, str(ROOT / "examples"))
     try:
@@ -144,8 +173,9 @@ def test_example_two_ranks_compiled_decode_equals_one_process(one_process):
 
 def test_two_ranks_eager_tokens_and_simulate_logits_equal_one_process(one_process, tmp_path):
     ids = torch.arange(5, 30)[None]
-    _torchrun("tests/tp_worker.py", str(TINY), str(CODEBOOKS), ",".join(map(str, ids[0].tolist())),
-              str(tmp_path / "rank0.pt"))
+    _torchrun(
+        "tests/tp_worker.py", str(TINY), str(CODEBOOKS), ",".join(map(str, ids[0].tolist())), str(tmp_path / "rank0.pt")
+    )
     tp = torch.load(tmp_path / "rank0.pt")
     assert tp["kv_heads"] == 1 and tp["sdpa_rewrites"] == 4
     cb = vc.load_codebooks(CODEBOOKS)
@@ -173,8 +203,20 @@ def test_bench_generate_tp_mode_two_ranks(tmp_path):
         assert load_script("generate", benchmarks_dir()).main([*smoke, "--save-model", str(model_dir)]) == []
     finally:
         torch.set_num_threads(threads)  # --smoke pins one thread
-    out = _torchrun("benchmarks/bench_generate.py", *smoke, "--tp-model", str(model_dir), "--methods", "ours,fp16",
-                    "--cases", "2x16", "--new-tokens", "2", "--json", str(rows_json))
+    out = _torchrun(
+        "benchmarks/bench_generate.py",
+        *smoke,
+        "--tp-model",
+        str(model_dir),
+        "--methods",
+        "ours,fp16",
+        "--cases",
+        "2x16",
+        "--new-tokens",
+        "2",
+        "--json",
+        str(rows_json),
+    )
     rows = json.loads(rows_json.read_text())
     assert [r["method"] for r in rows] == ["ours", "fp16"]
     for r in rows:

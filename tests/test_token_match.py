@@ -44,20 +44,54 @@ def test_cache_matches_simulate_on_tiny_model(tiny_model, sample_text_path, resi
 
 def test_match_cli_json(capsys, tiny_dir, sample_text_path):
     cb = default_codebooks_dir() / "vecinfer-2bit.safetensors"
-    code = main(["match", "--model", str(tiny_dir), "--codebooks", str(cb), "--text", str(sample_text_path),
-                 "--prompts", "1", "--prompt-len", "48", "--new-tokens", "6", "--residual", "8", "--json",
-                 "--no-progress", "--device", "cpu"])
+    code = main(
+        [
+            "match",
+            "--model",
+            str(tiny_dir),
+            "--codebooks",
+            str(cb),
+            "--text",
+            str(sample_text_path),
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "48",
+            "--new-tokens",
+            "6",
+            "--residual",
+            "8",
+            "--json",
+            "--no-progress",
+            "--device",
+            "cpu",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out)
-    assert (result["prompts"], result["identical_prompts"], result["tied_prompts"], result["new_tokens"]) == (1, 1, 0, 6)
+    assert (result["prompts"], result["identical_prompts"], result["tied_prompts"], result["new_tokens"]) == (
+        1,
+        1,
+        0,
+        6,
+    )
     assert result["results"][0]["parted_at_tie"] is False
     assert result["results"][0]["cache"] == result["results"][0]["simulate"]
 
 
 def test_match_cli_missing_codebooks_is_one_line(capsys, tiny_dir, sample_text_path, tmp_path):
-    code = main(["match", "--model", str(tiny_dir), "--codebooks", str(tmp_path / "nope.safetensors"),
-                 "--text", str(sample_text_path)])
+    code = main(
+        [
+            "match",
+            "--model",
+            str(tiny_dir),
+            "--codebooks",
+            str(tmp_path / "nope.safetensors"),
+            "--text",
+            str(sample_text_path),
+        ]
+    )
     _, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "nope.safetensors" in err
 
@@ -70,16 +104,42 @@ def test_match_cli_prefill_chunk(capsys, monkeypatch, tiny_dir, sample_text_path
 
     seen = []
     real = tm._generate
-    monkeypatch.setattr(tm, "_generate", lambda model, ids, n, **kw: seen.append(kw.get("prefill_chunk_size"))
-                        or real(model, ids, n, **kw))
+    monkeypatch.setattr(
+        tm,
+        "_generate",
+        lambda model, ids, n, **kw: seen.append(kw.get("prefill_chunk_size")) or real(model, ids, n, **kw),
+    )
     fp_prefill = []
     real_sim = tm._simulate_run
-    monkeypatch.setattr(tm, "_simulate_run", lambda *a, **kw: fp_prefill.append(kw["full_precision_prefill"])
-                        or real_sim(*a, **kw))
+    monkeypatch.setattr(
+        tm, "_simulate_run", lambda *a, **kw: fp_prefill.append(kw["full_precision_prefill"]) or real_sim(*a, **kw)
+    )
     cb = default_codebooks_dir() / "vecinfer-2bit.safetensors"
-    code = main(["match", "--model", str(tiny_dir), "--codebooks", str(cb), "--text", str(sample_text_path),
-                 "--prompts", "1", "--prompt-len", "48", "--new-tokens", "6", "--residual", "8", "--json",
-                 "--no-progress", "--device", "cpu", "--prefill-chunk", "16"])
+    code = main(
+        [
+            "match",
+            "--model",
+            str(tiny_dir),
+            "--codebooks",
+            str(cb),
+            "--text",
+            str(sample_text_path),
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "48",
+            "--new-tokens",
+            "6",
+            "--residual",
+            "8",
+            "--json",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--prefill-chunk",
+            "16",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out)
@@ -115,5 +175,7 @@ def test_a_mismatch_within_one_rounding_step_is_a_tie():
     assert not result(0.125, 0.25).parted_at_tie(torch.bfloat16)
     assert not result(0.0625, 0.0625, top=3.0).parted_at_tie(torch.bfloat16)  # the step at 3 is 1/64
     assert not result(0.0625, 0.01).parted_at_tie(torch.float32)
-    assert not MatchResult(4, [5, 6], [5, 6], [1.0, 0.0], [1.0, 0.0], [9.0, 9.0], [9.0, 9.0]).parted_at_tie(torch.bfloat16)
+    assert not MatchResult(4, [5, 6], [5, 6], [1.0, 0.0], [1.0, 0.0], [9.0, 9.0], [9.0, 9.0]).parted_at_tie(
+        torch.bfloat16
+    )
     assert not MatchResult(4, [5, 6], [5, 7]).parted_at_tie(torch.bfloat16)  # nothing recorded

@@ -30,9 +30,13 @@ def test_property_viterbi_finds_the_best_walk(lbits, bits, seed):
     walk = viterbi(x, bits, luts)
     err = ((reconstruct(walk, bits, luts) - x) ** 2).sum(1)
     for n in range(x.shape[0]):  # every code sequence, by brute force
-        best = min(sum((x[n, t].item() - luts[k][s].item()) ** 2 for t, (k, s) in
-                       enumerate(zip(bits, _walk_of(list(codes), bits, lbits))))
-                   for codes in itertools.product(*[range(2 ** k) for k in bits]))
+        best = min(
+            sum(
+                (x[n, t].item() - luts[k][s].item()) ** 2
+                for t, (k, s) in enumerate(zip(bits, _walk_of(list(codes), bits, lbits)))
+            )
+            for codes in itertools.product(*[range(2**k) for k in bits])
+        )
         assert err[n].item() == pytest.approx(best, rel=1e-5, abs=1e-6)
         walk_n = walk[n].tolist()  # and the walk is one the shift register can take
         prev = 0

@@ -12,8 +12,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from vecinfer_compile.codecs.trellis.walk import reconstruct
 from vecinfer_compile.codecs.trellis.code import TrellisCodec
+from vecinfer_compile.codecs.trellis.walk import reconstruct
 
 
 def skewed_keys(h: int, n: int, d: int, seed: int = 0) -> torch.Tensor:
@@ -26,19 +26,25 @@ def skewed_keys(h: int, n: int, d: int, seed: int = 0) -> torch.Tensor:
 
 def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     centred = x - x.mean(-2, keepdim=True)
-    return float(((x - x_hat) ** 2).sum() / (centred ** 2).sum())
+    return float(((x - x_hat) ** 2).sum() / (centred**2).sum())
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.sampled_from([1, 2, 8]), st.sampled_from([16, 64, 128]), st.sampled_from([1.0, 2.0, 1.5]),
-       st.integers(1, 3), st.integers(1, 9), st.integers(0, 99))
+@given(
+    st.sampled_from([1, 2, 8]),
+    st.sampled_from([16, 64, 128]),
+    st.sampled_from([1.0, 2.0, 1.5]),
+    st.integers(1, 3),
+    st.integers(1, 9),
+    st.integers(0, 99),
+)
 def test_property_every_head_spends_exactly_the_budget_and_decodes_its_walk(h, d, bits, batch, t, seed):
     """KV heads 1/2/8 (MQA to MHA-sized groups), head_dim 16/64/128, batch 1-3, odd lengths."""
     keys = skewed_keys(h, 200, d, seed)
     codec = TrellisCodec.fit(keys, bits, 4, train_vectors=64, rounds=1, seed=seed)
     assert codec.bits.sum(1).tolist() == [round(bits * d)] * h
     assert codec.bits_per_element() == bits and int(codec.bits.max()) <= 4
-    x = keys[:, :batch * t].reshape(h, batch, t, d).transpose(0, 1)  # [B, H, T, D]
+    x = keys[:, : batch * t].reshape(h, batch, t, d).transpose(0, 1)  # [B, H, T, D]
     walks = codec.encode(x)
     out = codec.decode(walks, x.shape, x.dtype)
     assert out.shape == x.shape and out.dtype == x.dtype
@@ -85,8 +91,19 @@ def trellis_file(tiny_model, tmp_path_factory):
     from vecinfer_compile.models import default_text_path
 
     model, tokenizer = tiny_model
-    cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=512, seq_len=128, iters=1,
-                   key_codec="trellis", value_codec="trellis", codec_options={"states": 16}, progress=False)
+    cb = calibrate(
+        model,
+        tokenizer,
+        default_text_path().read_text(),
+        bits=2,
+        max_tokens=512,
+        seq_len=128,
+        iters=1,
+        key_codec="trellis",
+        value_codec="trellis",
+        codec_options={"states": 16},
+        progress=False,
+    )
     return cb, cb.save(tmp_path_factory.mktemp("trellis") / "tiny-trellis.safetensors")
 
 
@@ -115,8 +132,11 @@ def test_the_fixed_bytes_count_the_codecs_state(trellis_file, tiny_model):
     cb, _ = trellis_file
     model, _ = tiny_model
     cache = VecInferCache(model, cb, batch_size=1, max_cache_len=8, residual=2)
-    operands = sum(t.numel() * t.element_size() for layer in cache.coded_layers()
-                   for t in layer.quantizer.codec.operand_tensors(layer.quantizer.operands))
+    operands = sum(
+        t.numel() * t.element_size()
+        for layer in cache.coded_layers()
+        for t in layer.quantizer.codec.operand_tensors(layer.quantizer.operands)
+    )
     state = cb.state_bytes()
     codecs = state["key codec"] + state["value codec"]
     rotation = 4 * 64 * 64  # vecinfer's Hadamard, which the cache holds
@@ -127,8 +147,9 @@ def test_the_fixed_bytes_count_the_codecs_state(trellis_file, tiny_model):
     assert f"{fixed + codecs - books:,} bytes fixed" in memory_summary(cb)
 
 
-def test_simulate_codes_keys_and_values_by_the_codecs_and_the_compiled_simulate_path_refuses_them(trellis_file,
-                                                                                                 tiny_model):
+def test_simulate_codes_keys_and_values_by_the_codecs_and_the_compiled_simulate_path_refuses_them(
+    trellis_file, tiny_model
+):
     from vecinfer_compile import vecinfer_backend
     from vecinfer_compile.simulate import LayerSimulator
 
@@ -144,8 +165,11 @@ def test_simulate_codes_keys_and_values_by_the_codecs_and_the_compiled_simulate_
     torch.testing.assert_close(v_hat, layer.values.quantize_dequantize(v))
     compiled = torch.compile(model, backend=vecinfer_backend.configure(codebooks=cb), fullgraph=True)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="code keys with the trellis codec and values with the trellis codec, which "
-                                        "vecinfer_backend runs over a VecInferCache only.*run it uncompiled"):
+    with pytest.raises(
+        Exception,
+        match="code keys with the trellis codec and values with the trellis codec, which "
+        "vecinfer_backend runs over a VecInferCache only.*run it uncompiled",
+    ):
         compiled(torch.arange(3, 12)[None])
 
 
@@ -163,15 +187,16 @@ def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(tre
     k, v = (torch.randn(2, 2, 12, 64, generator=gen) for _ in range(2))
     layer.update(k[:, :, :9], v[:, :, :9])
     for t in range(9, 12):
-        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     assert layer.storage.k_codes.shape[-1] == layer.storage.v_codes.shape[-1] == 2 * 64 // 8
     assert int(layer.storage.n_coded) == 8 and int(layer.storage.n_window) == 4
     k_read, v_read = layer.dequantized()
     kt = codebooks.transform.keys(k[:, :, :8])
     want_k = codebooks.transform.keys_inverse(codebooks.keys.quantize_dequantize(kt))
     torch.testing.assert_close(k_read[:, :, :8], want_k, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(v_read[:, :, :8], codebooks.values.quantize_dequantize(v[:, :, :8]),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        v_read[:, :, :8], codebooks.values.quantize_dequantize(v[:, :, :8]), atol=1e-4, rtol=1e-4
+    )
     torch.testing.assert_close(k_read[:, :, 8:12], k[:, :, 8:12], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v_read[:, :, 8:12], v[:, :, 8:12])
     # a decode step's attention over the codes (in the components) and the window = SDPA over that read,
@@ -181,7 +206,8 @@ def test_an_eager_cache_holds_trellis_codes_and_reads_what_the_codec_decodes(tre
     mask[:, :, :, 12:] = False
     mask[1, :, :, :3] = False
     want = torch.nn.functional.scaled_dot_product_attention(
-        q, k_read.repeat_interleave(2, 1), v_read.repeat_interleave(2, 1), attn_mask=mask)
+        q, k_read.repeat_interleave(2, 1), v_read.repeat_interleave(2, 1), attn_mask=mask
+    )
     torch.testing.assert_close(layer.attend(q, mask, None), want, atol=1e-4, rtol=1e-4)
 
 
@@ -280,12 +306,36 @@ def test_the_trial_script_runs_its_rows_on_the_tiny_model(tmp_path, tiny_dir, sa
     import key_codec_trial
 
     out = tmp_path / "trial.json"
-    key_codec_trial.main(["--model", str(tiny_dir), "--calib-text", str(sample_text_path), "--codebooks",
-                          str(default_codebooks_dir() / "vecinfer-2bit.safetensors"), "--ppl-text",
-                          str(sample_text_path), "--rows", "codes,trellis@4,trellis-unscaled@4", "--calib-tokens",
-                          "1025", "--heldout-tokens", "512", "--train-vectors", "256", "--rounds", "1",
-                          "--ppl-windows", "1", "--ppl-window-len", "128", "--json", str(out),
-                          "--save-dir", str(tmp_path)])
+    key_codec_trial.main(
+        [
+            "--model",
+            str(tiny_dir),
+            "--calib-text",
+            str(sample_text_path),
+            "--codebooks",
+            str(default_codebooks_dir() / "vecinfer-2bit.safetensors"),
+            "--ppl-text",
+            str(sample_text_path),
+            "--rows",
+            "codes,trellis@4,trellis-unscaled@4",
+            "--calib-tokens",
+            "1025",
+            "--heldout-tokens",
+            "512",
+            "--train-vectors",
+            "256",
+            "--rounds",
+            "1",
+            "--ppl-windows",
+            "1",
+            "--ppl-window-len",
+            "128",
+            "--json",
+            str(out),
+            "--save-dir",
+            str(tmp_path),
+        ]
+    )
     rows = {r["row"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"codes", "trellis@4", "trellis-unscaled@4"}
     for r in rows.values():
@@ -337,8 +387,14 @@ def test_cuda_compiled_trellis_cache_gives_the_eager_cache_tokens(trellis_file, 
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.sampled_from([1, 2, 8]), st.sampled_from([16, 64, 128]), st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0]),
-       st.sampled_from([2, 5, 8, 12]), st.integers(1, 7), st.integers(0, 99))
+@given(
+    st.sampled_from([1, 2, 8]),
+    st.sampled_from([16, 64, 128]),
+    st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0]),
+    st.sampled_from([2, 5, 8, 12]),
+    st.integers(1, 7),
+    st.integers(0, 99),
+)
 def test_property_packed_codes_take_the_budget_and_give_back_every_state(h, d, bits, lbits, n, seed):
     """The stored string is exactly ``bits * D`` bits a token and head, and every component's state
     read from its window equals the Viterbi walk's (KV heads 1/2/8, head_dim 16/64/128, 1-3 bits)."""
@@ -373,7 +429,9 @@ def test_calibration_refuses_a_trellis_too_small_for_the_bits(tiny_model):
 
     model, tokenizer = tiny_model
     with pytest.raises(ValueError, match="2 bits need more than 2 trellis states: raise --trellis-states"):
-        calibrate(model, tokenizer, "text " * 50, bits=2, value_codec="trellis", codec_options={"states": 2}, progress=False)
+        calibrate(
+            model, tokenizer, "text " * 50, bits=2, value_codec="trellis", codec_options={"states": 2}, progress=False
+        )
 
 
 def test_the_kernels_operands_decode_stored_codes_as_the_codec_decodes_its_walks():
@@ -405,65 +463,98 @@ def test_a_centred_query_aware_cache_layer_reads_and_attends_through_the_codecs(
     gen = torch.Generator().manual_seed(d + hkv)
     base = random_layer_codebooks(hkv, d, query_aware=True, smooth=False, center=True, seed=hkv)
     codecs = {side: random_trellis_codec(gen, hkv, d, 2.0, 8) for side in ("keys", "values")}
-    with pytest.raises(ValueError, match="keys with the trellis codec and the values with the codebooks codec.*one codec"):
-        cache_layer(dataclasses.replace(base, keys=codecs["keys"]), num_kv_heads=hkv, head_dim=d,
-                    max_cache_len=20, residual=3, batch_size=2)
+    with pytest.raises(
+        ValueError, match="keys with the trellis codec and the values with the codebooks codec.*one codec"
+    ):
+        cache_layer(
+            dataclasses.replace(base, keys=codecs["keys"]),
+            num_kv_heads=hkv,
+            head_dim=d,
+            max_cache_len=20,
+            residual=3,
+            batch_size=2,
+        )
     layer = dataclasses.replace(base, **codecs)
     cached = cache_layer(layer, num_kv_heads=hkv, head_dim=d, max_cache_len=20, residual=3, batch_size=2)
     k, v = (torch.randn(2, hkv, 13, d, generator=gen) for _ in range(2))
     cached.update(k[:, :, :11], v[:, :, :11])
     for t in (11, 12):
-        cached.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        cached.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     k_read, v_read = cached.dequantized()
     kt = layer.transform.keys(k[:, :, :10])
     want_k = layer.transform.keys_inverse(layer.keys.quantize_dequantize(kt))
     torch.testing.assert_close(k_read[:, :, :10], want_k, atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(v_read[:, :, :10], layer.values.quantize_dequantize(v[:, :, :10]), atol=2e-4,
-                               rtol=2e-4)
+    torch.testing.assert_close(v_read[:, :, :10], layer.values.quantize_dequantize(v[:, :, :10]), atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(k_read[:, :, 10:13], k[:, :, 10:13], atol=2e-4, rtol=2e-4)
     q = torch.randn(2, hkv * group, 1, d, generator=gen)
     mask = torch.zeros(2, 1, 1, 20, dtype=torch.bool)
     mask[:, :, :, :13] = True
     mask[0, :, :, :4] = False
     want = torch.nn.functional.scaled_dot_product_attention(
-        q, k_read.repeat_interleave(group, 1), v_read.repeat_interleave(group, 1), attn_mask=mask)
+        q, k_read.repeat_interleave(group, 1), v_read.repeat_interleave(group, 1), attn_mask=mask
+    )
     torch.testing.assert_close(cached.attend(q, mask, None), want, atol=2e-4, rtol=2e-4)
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
-       group=st.sampled_from([1, 2, 4, 16]), d=st.sampled_from([64, 128]), n_coded=st.integers(0, 37),
-       residual=st.integers(1, 9), fill=st.sampled_from(["empty", "partial", "full"]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), left_pad=st.booleans())
-def test_property_a_decode_step_attends_as_sdpa_over_the_read(seed, b, hkv, group, d, n_coded, residual, fill, dtype,
-                                                               left_pad):
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 3),
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4, 16]),
+    d=st.sampled_from([64, 128]),
+    n_coded=st.integers(0, 37),
+    residual=st.integers(1, 9),
+    fill=st.sampled_from(["empty", "partial", "full"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    left_pad=st.booleans(),
+)
+def test_property_a_decode_step_attends_as_sdpa_over_the_read(
+    seed, b, hkv, group, d, n_coded, residual, fill, dtype, left_pad
+):
     """``decode_step`` (the codes in the components, the window exactly, merged by log-sum-exp) = SDPA
     over what ``read`` gives for the same slots: GQA 1-16, head_dim 64/128, float32/bf16/fp16, odd
     lengths, the window empty, partial or full, left padding (a padded row still attends something)."""
+    from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
     from vecinfer_compile.codecs.trellis.operands import TrellisOperands, decode_step
     from vecinfer_compile.codecs.trellis.reference import read
-    from vecinfer_compile.codecs.trellis.code import random_code as random_trellis_codec
 
     gen = torch.Generator().manual_seed(seed)
     n_window = {"empty": 0, "partial": (residual + 1) // 2, "full": residual}[fill]
     assume(n_coded + n_window > 0)
     keys, values = (TrellisOperands.of(random_trellis_codec(gen, hkv, d, 2.0, 6), "cpu") for _ in range(2))
     slots = n_coded + residual + 3
-    k_codes, v_codes = (torch.randint(0, 256, (b, hkv, slots, d // 4), generator=gen, dtype=torch.uint8)
-                        for _ in range(2))
+    k_codes, v_codes = (
+        torch.randint(0, 256, (b, hkv, slots, d // 4), generator=gen, dtype=torch.uint8) for _ in range(2)
+    )
     k_window, v_window = (torch.randn(b, hkv, residual, d, generator=gen).to(dtype) for _ in range(2))
     q = torch.randn(b, hkv * group, 1, d, generator=gen).to(dtype)
     start = torch.randint(0, n_coded + n_window, (b,), generator=gen) if left_pad else None
-    got = decode_step(q, k_codes, v_codes, torch.tensor(n_coded), k_window, v_window, torch.tensor(n_window), start,
-                      d ** -0.5, keys, values)
+    got = decode_step(
+        q,
+        k_codes,
+        v_codes,
+        torch.tensor(n_coded),
+        k_window,
+        v_window,
+        torch.tensor(n_window),
+        start,
+        d**-0.5,
+        keys,
+        values,
+    )
     k, v = read(k_codes, v_codes, n_coded, k_window, v_window, n_window, keys, values)
     slot = torch.arange(slots)
     mask = (slot < n_coded + n_window)[None].expand(b, slots)
     if start is not None:
         mask = mask & (slot[None] >= start[:, None])
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask[:, None, None],
-        scale=d ** -0.5)
+        q.float(),
+        k.repeat_interleave(group, 1),
+        v.repeat_interleave(group, 1),
+        attn_mask=mask[:, None, None],
+        scale=d**-0.5,
+    )
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
@@ -483,8 +574,20 @@ def test_the_needle_attention_diagnostic_runs_on_the_tiny_model(trellis_file, ti
     haystack.mkdir()
     (haystack / "filler.txt").write_text(default_text_path().read_text())
     books = f"{tiny_dir.parent / 'tiny_codebooks' / 'vecinfer-2bit.safetensors'},{trellis_path}"
-    common = ["--model", str(tiny_dir), "--haystack", str(haystack), "--codebooks", books, "--lengths", "96",
-              "--depths", "0,50", "--trials", "1"]
+    common = [
+        "--model",
+        str(tiny_dir),
+        "--haystack",
+        str(haystack),
+        "--codebooks",
+        books,
+        "--lengths",
+        "96",
+        "--depths",
+        "0,50",
+        "--trials",
+        "1",
+    ]
     coded = needle_attention_mass.main(common + ["--residual", "0"])
     kept = needle_attention_mass.main(common + ["--residual", "1000"])
     assert len(coded) == len(kept) == 2 * 4  # two files, the tiny model's 4 layers
@@ -507,13 +610,32 @@ def test_a_qaware_trellis_file_compiles_on_an_mqa_model_with_the_eager_tokens(ti
     from vecinfer_compile.models import default_text_path
 
     _, tokenizer = tiny_model
-    config = transformers.Qwen2Config(vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                                      max_position_embeddings=256)
+    config = transformers.Qwen2Config(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    cb = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, method="qaware", max_tokens=512,
-                   seq_len=128, iters=1, key_codec="trellis", value_codec="trellis", codec_options={"states": 16}, progress=False)
+    cb = calibrate(
+        model,
+        tokenizer,
+        default_text_path().read_text(),
+        bits=2,
+        method="qaware",
+        max_tokens=512,
+        seq_len=128,
+        iters=1,
+        key_codec="trellis",
+        value_codec="trellis",
+        codec_options={"states": 16},
+        progress=False,
+    )
     ids = torch.arange(3, 43) % config.vocab_size
     eager = cache_tokens(model, ids, cb, new_tokens=12, residual=8, compiled=False)
     assert eager == simulate_tokens(model, ids, cb, new_tokens=12, residual=8)
@@ -533,14 +655,47 @@ def test_needle_refuses_a_keys_only_file_in_one_line(tiny_model, tiny_dir, tmp_p
     from vecinfer_compile.models import default_text_path
 
     model, tokenizer = tiny_model
-    path = calibrate(model, tokenizer, default_text_path().read_text(), bits=2, max_tokens=256, seq_len=128, iters=1,
-                     key_codec="trellis", codec_options={"states": 16}, progress=False).save(tmp_path / "keys-only.safetensors")
+    path = calibrate(
+        model,
+        tokenizer,
+        default_text_path().read_text(),
+        bits=2,
+        max_tokens=256,
+        seq_len=128,
+        iters=1,
+        key_codec="trellis",
+        codec_options={"states": 16},
+        progress=False,
+    ).save(tmp_path / "keys-only.safetensors")
     haystack = tmp_path / "haystack"
     haystack.mkdir()
     (haystack / "filler.txt").write_text(default_text_path().read_text())
-    rc = main(["needle", "--model", str(tiny_dir), "--haystack", str(haystack), "--codebooks", str(path),
-               "--method", "vecinfer", "--bits", "2", "--lengths", "96", "--depths", "50", "--trials", "1",
-               "--residual", "8", "--device", "cpu", "--no-progress"])
+    rc = main(
+        [
+            "needle",
+            "--model",
+            str(tiny_dir),
+            "--haystack",
+            str(haystack),
+            "--codebooks",
+            str(path),
+            "--method",
+            "vecinfer",
+            "--bits",
+            "2",
+            "--lengths",
+            "96",
+            "--depths",
+            "50",
+            "--trials",
+            "1",
+            "--residual",
+            "8",
+            "--device",
+            "cpu",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "keys with the trellis codec and the values with the codebooks codec" in err[0]

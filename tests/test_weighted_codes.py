@@ -44,9 +44,17 @@ def dequant(idx, centroids):
 
 
 @settings(max_examples=50, deadline=None)
-@given(b=st.integers(1, 2), h=st.integers(1, 3), t=st.integers(1, 12), subs=st.integers(1, 6),
-       dims=st.sampled_from([1, 2, 4, 8]), entries=st.sampled_from([2, 16, 256]),
-       weight=st.sampled_from([1.0, 8.0]), sweeps=st.integers(1, 3), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    t=st.integers(1, 12),
+    subs=st.integers(1, 6),
+    dims=st.sampled_from([1, 2, 4, 8]),
+    entries=st.sampled_from([2, 16, 256]),
+    weight=st.sampled_from([1.0, 8.0]),
+    sweeps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_property_the_descent_never_raises_the_loss(b, h, t, subs, dims, entries, weight, sweeps, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(b, h, t, subs * dims, generator=gen) * 2
@@ -62,7 +70,9 @@ def test_property_the_descent_never_raises_the_loss(b, h, t, subs, dims, entries
 
 
 @settings(max_examples=30, deadline=None)
-@given(t=st.integers(1, 30), dims=st.sampled_from([2, 4]), weight=st.sampled_from([1.0, 8.0]), seed=st.integers(0, 2**16))
+@given(
+    t=st.integers(1, 30), dims=st.sampled_from([2, 4]), weight=st.sampled_from([1.0, 8.0]), seed=st.integers(0, 2**16)
+)
 def test_property_one_subvector_takes_the_exact_optimum(t, dims, weight, seed):
     """With one sub-vector per head vector a sweep is an exhaustive search: it must find the
     centroid of the lowest loss (brute force over every centroid)."""
@@ -72,15 +82,21 @@ def test_property_one_subvector_takes_the_exact_optimum(t, dims, weight, seed):
     m = spd(2, dims, gen, spread=3.0)
     idx = weighted_indices(x, codebook.encode(x, c).long(), c, m, weight, sweeps=1)
     every = c[None, None, None].expand(1, 2, t, 64, dims)
-    losses = weighted_loss(x[:, :, :, None].expand_as(every).reshape(1, 2, t * 64, dims),
-                           every.reshape(1, 2, t * 64, dims), m, weight).reshape(1, 2, t, 64)
+    losses = weighted_loss(
+        x[:, :, :, None].expand_as(every).reshape(1, 2, t * 64, dims), every.reshape(1, 2, t * 64, dims), m, weight
+    ).reshape(1, 2, t, 64)
     chosen = losses.gather(-1, idx)
     torch.testing.assert_close(chosen[..., 0], losses.min(-1).values, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=20, deadline=None)
-@given(b=st.integers(1, 2), t=st.integers(2, 40), entries=st.sampled_from([16, 256]),
-       weight=st.sampled_from([1.0, 8.0]), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    t=st.integers(2, 40),
+    entries=st.sampled_from([16, 256]),
+    weight=st.sampled_from([1.0, 8.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_property_the_codes_do_not_depend_on_the_chunking(b, t, entries, weight, seed):
     """The descent runs over chunks of tokens (:data:`CHUNK_ELEMENTS` losses at a time); one token
     a chunk gives the codes of one chunk for all."""
@@ -125,7 +141,7 @@ def test_value_metric_is_o_proj_gram_per_kv_head():
     w = torch.randn(24, 4 * 8, generator=gen)  # hidden 24, 4 query heads of 8, 2 KV heads
     got = value_metric(w, num_kv_heads=2, head_dim=8)
     for h in range(2):
-        blocks = [w[:, g * 8:(g + 1) * 8] for g in (2 * h, 2 * h + 1)]
+        blocks = [w[:, g * 8 : (g + 1) * 8] for g in (2 * h, 2 * h + 1)]
         gram = sum(b.T @ b for b in blocks)
         torch.testing.assert_close(got[h], gram / gram.diagonal().mean())
     with pytest.raises(ValueError, match="not H_q \\* head_dim"):
@@ -140,8 +156,16 @@ def test_key_metric_adds_the_normalised_query_moment_to_the_identity():
 
 
 def tiny_config(layers: int = 1):
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+    )
 
 
 def with_metrics(cb, seed: int = 0):
@@ -165,8 +189,8 @@ def test_the_file_keeps_the_metrics_and_refuses_half_of_them(tmp_path):
     for i in (0, 1):
         torch.testing.assert_close(back.layer(i).key_metric, cb.layer(i).key_metric)
         torch.testing.assert_close(back.layer(i).value_metric, cb.layer(i).value_metric)
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(tmp_path / "cb.safetensors"), framework="pt") as f:
         meta = f.metadata()
@@ -185,15 +209,21 @@ def test_property_the_flush_and_codebook_encoders_agree(b, t, weight, seed):
     x = torch.randn(b, 2, t, 16, generator=gen)
     c = torch.randn(16, 4, generator=gen)
     m = spd(2, 16, gen, 2.0)
-    ways = {"codebook": codebook.encode(x, c, weight, m).long(),
-            "flush": unpack_codes(encode_flush(x, c, weight, m), 16)}
+    ways = {
+        "codebook": codebook.encode(x, c, weight, m).long(),
+        "flush": unpack_codes(encode_flush(x, c, weight, m), 16),
+    }
     losses = {k: weighted_loss(x, dequant(v, c), m, weight) for k, v in ways.items()}
     torch.testing.assert_close(losses["flush"], losses["codebook"], rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
-@given(r=st.integers(0, 5), sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6), weighted=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+    r=st.integers(0, 5),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_property_the_cache_stores_the_codebooks_codes(r, sizes, weighted, seed):
     """Prefill, chunks and one-token appends all encode as the codebooks say: score-aware keys
     (weight 8) and nearest-centroid values, then, with metrics, both lowered under them."""
@@ -209,22 +239,34 @@ def test_property_the_cache_stores_the_codebooks_codes(r, sizes, weighted, seed)
     n = int(layer.storage.n_coded)
     identity = torch.eye(32).expand(2, 32, 32)
     s, qz = layer.storage, layer.quantizer
-    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.operands.key_centroids, lc.key_metric, 8.0),
-                               (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.operands.value_centroids, lc.value_metric, 1.0)):
+    for x, stored, c, m, w in (
+        (torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.operands.key_centroids, lc.key_metric, 8.0),
+        (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.operands.value_centroids, lc.value_metric, 1.0),
+    ):
         got = dequant(unpack_codes(stored[:, :, :n], c.shape[0]), c)
         expected = dequant(codebook.encode(x, c, w, m).long(), c)
         loss_metric = identity if m is None else m
-        torch.testing.assert_close(weighted_loss(x, got, loss_metric, w), weighted_loss(x, expected, loss_metric, w),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            weighted_loss(x, got, loss_metric, w), weighted_loss(x, expected, loss_metric, w), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_the_cache_refuses_a_metric_of_the_wrong_shape():
     lc = random_codebooks(tiny_config(), bits=2.0, method="qaware").layer(0)
     with pytest.raises(ValueError, match="error metric must be a float"):
         quantizer = LayerQuantizer.from_codebooks(
-            dataclasses.replace(lc, key_metric=torch.eye(32)[None], value_metric=torch.eye(32)[None]), device="cpu")
-        VecInferLayer(quantizer, batch_size=1, num_kv_heads=2, head_dim=32, max_cache_len=8, residual=2,
-                      dtype=torch.float32, device="cpu")
+            dataclasses.replace(lc, key_metric=torch.eye(32)[None], value_metric=torch.eye(32)[None]), device="cpu"
+        )
+        VecInferLayer(
+            quantizer,
+            batch_size=1,
+            num_kv_heads=2,
+            head_dim=32,
+            max_cache_len=8,
+            residual=2,
+            dtype=torch.float32,
+            device="cpu",
+        )
 
 
 def test_calibration_stores_the_metrics_the_model_gives(tmp_path):
@@ -236,8 +278,19 @@ def test_calibration_stores_the_metrics_the_model_gives(tmp_path):
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(2)).eval()
     text = "the quick brown fox jumps over the lazy dog. " * 40
-    cb = calibrate(model, CharIds(), text, bits=2, method="qaware", max_tokens=1024, seq_len=256, iters=2,
-                   refine=None, weighted_codes=True, progress=False)
+    cb = calibrate(
+        model,
+        CharIds(),
+        text,
+        bits=2,
+        method="qaware",
+        max_tokens=1024,
+        seq_len=256,
+        iters=2,
+        refine=None,
+        weighted_codes=True,
+        progress=False,
+    )
     assert cb.weighted_codes
     for i in (0, 1):
         layer = cb.layer(i)
@@ -248,8 +301,18 @@ def test_calibration_stores_the_metrics_the_model_gives(tmp_path):
         torch.testing.assert_close(km.diagonal(dim1=-2, dim2=-1).mean(-1), torch.full((2,), 2.0))
         assert torch.linalg.eigvalsh(km).min() >= 1 - 1e-4
     with pytest.raises(ValueError, match="use --method qaware"):
-        calibrate(model, CharIds(), text, bits=2, method="prerope", max_tokens=1024, seq_len=256, iters=2,
-                  weighted_codes=True, progress=False)
+        calibrate(
+            model,
+            CharIds(),
+            text,
+            bits=2,
+            method="prerope",
+            max_tokens=1024,
+            seq_len=256,
+            iters=2,
+            weighted_codes=True,
+            progress=False,
+        )
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -270,8 +333,11 @@ def test_cache_matches_simulate_on_tiny_model(tiny_model, sample_text_path, comp
 
 KINDS = {  # attention kinds beside the tiny Llama's GQA: (model class, config class, config overrides)
     "sliding window (Mistral)": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=8)),
-    "sliding and full layers (Gemma 3)": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
-        sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "sliding and full layers (Gemma 3)": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    ),
     "MHA (Qwen2)": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=4)),
     "MQA (Llama)": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=1)),
 }
@@ -286,26 +352,39 @@ def test_the_cache_follows_simulate_with_qaware_defaults_across_attention_kinds(
     import transformers
 
     from vecinfer_compile.cache import VecInferCache
-
-    from vecinfer_compile.hf.compat import cache_kwargs
     from vecinfer_compile.calibration import calibrate
+    from vecinfer_compile.hf.compat import cache_kwargs
     from vecinfer_compile.simulate import simulation
 
     model_cls, config_cls, overrides = KINDS[kind]
-    config = getattr(transformers, config_cls)(**{
-        **dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=16, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0), **overrides})
+    config = getattr(transformers, config_cls)(
+        **{
+            **dict(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_hidden_layers=2,
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=0,
+            ),
+            **overrides,
+        }
+    )
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     text = "the quick brown fox jumps over the lazy dog. " * 8
-    cb = calibrate(model, CharIds(), text, bits=2, method="qaware", max_tokens=256, seq_len=64, iters=2,
-                   progress=False)
+    cb = calibrate(model, CharIds(), text, bits=2, method="qaware", max_tokens=256, seq_len=64, iters=2, progress=False)
     assert cb.weighted_codes and cb.key_parallel_weight == 8.0
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
 
     def generate(**kwargs):
-        out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             **kwargs)
+        out = model.generate(
+            ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs
+        )
         return out.sequences, torch.stack(out.logits, 1)
 
     with simulation(model, "qaware", bits=2, codebooks=cb, residual=4, full_precision_prefill=True):
@@ -349,7 +428,10 @@ def test_simulate_reads_the_metrics(tiny_model, sample_text_path):
     ids = torch.randint(3, 200, (1, 64), generator=torch.Generator().manual_seed(0))
     plain = load_codebooks(default_codebooks_dir() / "vecinfer-2bit.safetensors")
     logits = {}
-    for name, cb in (("plain", plain), ("weighted", with_metrics(load_codebooks(default_codebooks_dir() / "vecinfer-2bit.safetensors")))):
+    for name, cb in (
+        ("plain", plain),
+        ("weighted", with_metrics(load_codebooks(default_codebooks_dir() / "vecinfer-2bit.safetensors"))),
+    ):
         with simulation(model, "vecinfer", bits=2, codebooks=cb), torch.no_grad():
             logits[name] = model(input_ids=ids).logits
     assert (logits["plain"] - logits["weighted"]).abs().max() > 1e-3
@@ -373,8 +455,16 @@ def test_cuda_cache_stores_weighted_codes(dtype):
         pytest.skip("needs CUDA")
     cb = with_metrics(random_codebooks(tiny_config(), bits=2.0, method="qaware", seed=3), 3)
     lc = cb.layer(0)
-    layer = cache_layer(lc, num_kv_heads=2, head_dim=32, max_cache_len=320, residual=8, key_parallel_weight=8.0,
-                        dtype=dtype, device="cuda")
+    layer = cache_layer(
+        lc,
+        num_kv_heads=2,
+        head_dim=32,
+        max_cache_len=320,
+        residual=8,
+        key_parallel_weight=8.0,
+        dtype=dtype,
+        device="cuda",
+    )
     gen = torch.Generator().manual_seed(0)
     kts, vs = [], []
     for t in (300, 1, 1, 1, 1):
@@ -385,8 +475,10 @@ def test_cuda_cache_stores_weighted_codes(dtype):
     n = int(layer.storage.n_coded)
     assert n == 304 - 8
     s, qz = layer.storage, layer.quantizer
-    for x, stored, c, m, w in ((torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.operands.key_centroids, lc.key_metric, 8.0),
-                               (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.operands.value_centroids, lc.value_metric, 1.0)):
+    for x, stored, c, m, w in (
+        (torch.cat(kts, 2)[:, :, :n], s.k_codes, qz.operands.key_centroids, lc.key_metric, 8.0),
+        (torch.cat(vs, 2)[:, :, :n], s.v_codes, qz.operands.value_centroids, lc.value_metric, 1.0),
+    ):
         m = m.cuda()
         got = dequant(unpack_codes(stored[:, :, :n], c.shape[0]), c)
         expected = dequant(codebook.encode(x.float(), c, w, m).long(), c)

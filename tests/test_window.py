@@ -20,9 +20,11 @@ def test_cache_mask_cases():
 
 def test_simulate_mask_is_the_definition():
     m = simulate_mask(3, 5, 2)  # queries at positions 2, 3, 4
-    assert m.tolist() == [[False, True, True, False, False],
-                          [False, False, True, True, False],
-                          [False, False, False, True, True]]
+    assert m.tolist() == [
+        [False, True, True, False, False],
+        [False, False, True, True, False],
+        [False, False, False, True, True],
+    ]
     assert not simulate_mask(4, 4, 0).any()
 
 

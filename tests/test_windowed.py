@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ops_reference import SPECS, assert_close, attention_case, dequant64, naive_attention
 from torch._dynamo.utils import counters
 
 import vecinfer_compile.ops as ops
-from test_ops_reference import SPECS, assert_close, attention_case, dequant64, naive_attention
 from vecinfer_compile.ops.split_attention.windowed import window_plan, windowed_attention
 
 MASK_KINDS = ["none", "bool", "float", "left_pad", "left_pad_float"]
@@ -48,8 +48,23 @@ def make_mask(gen, kind, b, hq, tq, tk):
 def windowed_case(gen, *, b, hkv, group, tq, tk, d, mask_kind, causal, residual, dtype, kspec=(256, 4), vspec=(256, 4)):
     """``vecinfer::attention`` arguments (codes + full K/V in ``dtype``) and the matching
     ``windowed_attention`` arguments (dequantized K^/V^ in ``dtype``)."""
-    args = list(attention_case(gen, b=b, hkv=hkv, group=group, tq=tq, tk=tk, d=d, kspec=kspec, vspec=vspec,
-                               mask_kind="none", causal=causal, residual=residual, dtype=dtype))
+    args = list(
+        attention_case(
+            gen,
+            b=b,
+            hkv=hkv,
+            group=group,
+            tq=tq,
+            tk=tk,
+            d=d,
+            kspec=kspec,
+            vspec=vspec,
+            mask_kind="none",
+            causal=causal,
+            residual=residual,
+            dtype=dtype,
+        )
+    )
     args[5], args[6] = args[5].to(dtype), args[6].to(dtype)
     args[7] = make_mask(gen, mask_kind, b, hkv * group, tq, tk)
     q, kc, vc, kcent, vcent, kf, vf = args[:7]
@@ -62,7 +77,9 @@ def expected(args):
     """float64 naive attention over the (dtype-rounded) dequantized and full K/V."""
     q, kc, vc, kcent, vcent, kf, vf, mask, causal, scale, residual = args
     dt = q.dtype
-    return naive_attention(q, dequant64(kc, kcent).to(dt), dequant64(vc, vcent).to(dt), kf, vf, mask, causal, scale, residual)
+    return naive_attention(
+        q, dequant64(kc, kcent).to(dt), dequant64(vc, vcent).to(dt), kf, vf, mask, causal, scale, residual
+    )
 
 
 def run_windowed(win_args, op_args):
@@ -87,15 +104,29 @@ def run_windowed(win_args, op_args):
     residual=st.sampled_from([1, 3, 16, 128]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_windowed_matches_naive_and_reference_op(seed, b, hkv, group, tq, extra, d, kspec, vspec, mask_kind, causal,
-                                                 residual, dtype):
+def test_windowed_matches_naive_and_reference_op(
+    seed, b, hkv, group, tq, extra, d, kspec, vspec, mask_kind, causal, residual, dtype
+):
     """Eager windowed attention == float64 naive == ``vecinfer::attention`` over GQA ratios,
     Tq != Tk both ways, T < R and T > R, T not a multiple of R, masks (broadcast dims, left
     padding, fully masked rows), causal or not, fp32 and bf16 (at bf16 tolerance)."""
     gen = torch.Generator().manual_seed(seed)
     tk = max(1, tq + extra)
-    op_args, win_args = windowed_case(gen, b=b, hkv=hkv, group=group, tq=tq, tk=tk, d=d, mask_kind=mask_kind,
-                                      causal=causal, residual=residual, dtype=dtype, kspec=kspec, vspec=vspec)
+    op_args, win_args = windowed_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        tq=tq,
+        tk=tk,
+        d=d,
+        mask_kind=mask_kind,
+        causal=causal,
+        residual=residual,
+        dtype=dtype,
+        kspec=kspec,
+        vspec=vspec,
+    )
     got = run_windowed(win_args, op_args)
     assert got.shape == op_args[0].shape
     assert_close(got, expected(op_args), dtype)
@@ -144,8 +175,19 @@ def test_flash_band_plan_matches_naive(seed, b, hkv, group, tq, extra, causal, r
 def _check_flash_band(seed, b, hkv, group, tq, extra, causal, residual):
     gen = torch.Generator().manual_seed(seed)
     tk = tq + extra
-    op_args, win_args = windowed_case(gen, b=b, hkv=hkv, group=group, tq=tq, tk=tk, d=16, mask_kind="none",
-                                      causal=causal, residual=residual, dtype=torch.bfloat16)
+    op_args, win_args = windowed_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        tq=tq,
+        tk=tk,
+        d=16,
+        mask_kind="none",
+        causal=causal,
+        residual=residual,
+        dtype=torch.bfloat16,
+    )
     q, k_hat, kf, v_hat, vf = win_args
     plan = window_plan(q, kf, None, causal, residual)
     assert plan.flash_band == ((tq, residual - extra) if causal else (tk, residual)) and plan.band_bias is None
@@ -171,7 +213,9 @@ def test_plan_bias_form_without_causality_or_with_a_mask():
     see a quantized key; the band bias keeps the mask's batch and head dims."""
     q, k = torch.zeros(2, 4, 6, 8), torch.zeros(2, 2, 9, 8)
     plan = window_plan(q, k, None, False, 2)
-    assert plan.shift is None and tuple(plan.quant_bias.shape) == (1, 1, 7, 9) and plan.quant_bias.dtype == torch.float32
+    assert (
+        plan.shift is None and tuple(plan.quant_bias.shape) == (1, 1, 7, 9) and plan.quant_bias.dtype == torch.float32
+    )
     mask = torch.ones(2, 4, 6, 9, dtype=torch.bool)
     mask[1, 3, 2] = False
     plan = window_plan(q, k, mask, True, 2)
@@ -206,8 +250,9 @@ def _compiled_case(tq, tk, mask_kind, causal, residual, dtype, device, *, d=32, 
     """(inputs of _compiled_forward on ``device``, the float64 expected output on ``device``, the
     bool mask that _compiled_forward builds, on ``device``, or None)."""
     gen = torch.Generator().manual_seed(tq * 1000 + tk)
-    op_args, win_args = windowed_case(gen, b=2, hkv=2, group=group, tq=tq, tk=tk, d=d, mask_kind="none",
-                                      causal=causal, residual=residual, dtype=dtype)
+    op_args, win_args = windowed_case(
+        gen, b=2, hkv=2, group=group, tq=tq, tk=tk, d=d, mask_kind="none", causal=causal, residual=residual, dtype=dtype
+    )
     pad = torch.tensor([0, min(3, tk - 1)])
     op_args = list(op_args)
     if mask_kind != "none":
@@ -258,12 +303,21 @@ def _dense_sdpa_baseline(q, k_hat, k, v_hat, v, mask, causal, scale, residual):
         visible = visible & torch.cat([j <= i, j <= i], -1)
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
     if mask is not None:
-        mask = mask.float() if mask.dtype != torch.bool else torch.zeros(mask.shape, device=q.device).masked_fill(
-            ~mask, float("-inf"))
+        mask = (
+            mask.float()
+            if mask.dtype != torch.bool
+            else torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
+        )
         bias = bias + torch.cat([mask, mask], -1)
     bias = bias.masked_fill(~visible, float("-inf"))
-    out = F.scaled_dot_product_attention(q, torch.cat([k_hat, k], 2), torch.cat([v_hat, v], 2), attn_mask=bias.to(q.dtype),
-                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q,
+        torch.cat([k_hat, k], 2),
+        torch.cat([v_hat, v], 2),
+        attn_mask=bias.to(q.dtype),
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return out.nan_to_num(0.0)
 
 
@@ -292,8 +346,19 @@ def test_cuda_eager_windowed_property(seed, b, hkv, group, tq, extra, d, mask_ki
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(seed)
     tk = tq + extra
-    op_args, win_args = windowed_case(gen, b=b, hkv=hkv, group=group, tq=tq, tk=tk, d=d, mask_kind=mask_kind,
-                                      causal=causal, residual=residual, dtype=dtype)
+    op_args, win_args = windowed_case(
+        gen,
+        b=b,
+        hkv=hkv,
+        group=group,
+        tq=tq,
+        tk=tk,
+        d=d,
+        mask_kind=mask_kind,
+        causal=causal,
+        residual=residual,
+        dtype=dtype,
+    )
     want = expected(op_args).cuda()
     q, k_hat, k, v_hat, v = (t.cuda() for t in win_args)
     mask = None if op_args[7] is None else op_args[7].cuda()
@@ -302,26 +367,31 @@ def test_cuda_eager_windowed_property(seed, b, hkv, group, tq, extra, d, mask_ki
     assert (plan.flash_band is not None) == (mask is None)  # no mask: FlashAttention-2's window runs the band
     got = windowed_attention(q, k_hat, k, v_hat, v, plan, scale)
     err = (got.double() - want).abs().max().item()
-    base = (_dense_sdpa_baseline(q, k_hat, k, v_hat, v, mask, causal, scale, residual).double() - want).abs().max().item()
+    base = (
+        (_dense_sdpa_baseline(q, k_hat, k, v_hat, v, mask, causal, scale, residual).double() - want).abs().max().item()
+    )
     assert err <= 2 * base + 2e-3, f"err {err:.3g} > 2 * SDPA {dtype} err {base:.3g} + 2e-3"
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,mask_kind,causal,residual,tq,tk,d", [
-    (torch.bfloat16, "none", True, 128, 1024, 1024, 128),   # cuDNN (sm90+) or flash, shifted; flash band
-    (torch.bfloat16, "none", True, 128, 200, 333, 128),     # as above, Tk > Tq: shift 0
-    (torch.float16, "none", True, 37, 300, 320, 128),       # as above, shift 17
-    (torch.bfloat16, "none", True, 128, 1, 300, 128),       # one query
-    (torch.bfloat16, "none", True, 128, 100, 100, 128),     # T < R: no quantized key
-    (torch.bfloat16, "none", False, 37, 200, 333, 128),     # efficient, rule bias; flash band
-    (torch.bfloat16, "bool", True, 128, 200, 333, 128),     # efficient, mask bias; torch band
-    (torch.bfloat16, "float", True, 5, 1024, 1024, 128),
-    (torch.float16, "bool", False, 128, 200, 333, 128),
-    (torch.bfloat16, "none", True, 16, 300, 300, 36),       # head dim 36: the padded kernels, torch band
-    (torch.float32, "none", True, 128, 1024, 1024, 128),    # efficient, is_causal, shifted
-    (torch.float32, "float", True, 37, 200, 333, 128),
-    (torch.float32, "none", True, 128, 333, 200, 128),      # Tk < Tq: bias form
-])
+@pytest.mark.parametrize(
+    "dtype,mask_kind,causal,residual,tq,tk,d",
+    [
+        (torch.bfloat16, "none", True, 128, 1024, 1024, 128),  # cuDNN (sm90+) or flash, shifted; flash band
+        (torch.bfloat16, "none", True, 128, 200, 333, 128),  # as above, Tk > Tq: shift 0
+        (torch.float16, "none", True, 37, 300, 320, 128),  # as above, shift 17
+        (torch.bfloat16, "none", True, 128, 1, 300, 128),  # one query
+        (torch.bfloat16, "none", True, 128, 100, 100, 128),  # T < R: no quantized key
+        (torch.bfloat16, "none", False, 37, 200, 333, 128),  # efficient, rule bias; flash band
+        (torch.bfloat16, "bool", True, 128, 200, 333, 128),  # efficient, mask bias; torch band
+        (torch.bfloat16, "float", True, 5, 1024, 1024, 128),
+        (torch.float16, "bool", False, 128, 200, 333, 128),
+        (torch.bfloat16, "none", True, 16, 300, 300, 36),  # head dim 36: the padded kernels, torch band
+        (torch.float32, "none", True, 128, 1024, 1024, 128),  # efficient, is_causal, shifted
+        (torch.float32, "float", True, 37, 200, 333, 128),
+        (torch.float32, "none", True, 128, 333, 200, 128),  # Tk < Tq: bias form
+    ],
+)
 def test_cuda_compiled_windowed(dtype, mask_kind, causal, residual, tq, tk, d):
     """Compiled (fullgraph) on CUDA against the float64 reference, with the low-precision rule:
     err(ours) <= 2 * err(torch SDPA in ``dtype`` over [K^ ; K~] with the composed mask
@@ -329,8 +399,20 @@ def test_cuda_compiled_windowed(dtype, mask_kind, causal, residual, tq, tk, d):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(tq + tk)
-    op_args, win_args = windowed_case(gen, b=2, hkv=2, group=4, tq=tq, tk=tk, d=d, mask_kind=mask_kind,
-                                      causal=causal, residual=residual, dtype=dtype, vspec=(256, 4))
+    op_args, win_args = windowed_case(
+        gen,
+        b=2,
+        hkv=2,
+        group=4,
+        tq=tq,
+        tk=tk,
+        d=d,
+        mask_kind=mask_kind,
+        causal=causal,
+        residual=residual,
+        dtype=dtype,
+        vspec=(256, 4),
+    )
     want = expected(op_args).cuda()
     q, k_hat, k, v_hat, v = (t.cuda() for t in win_args)
     mask = None if op_args[7] is None else op_args[7].cuda()
@@ -352,7 +434,9 @@ def test_cuda_compiled_windowed(dtype, mask_kind, causal, residual, tq, tk, d):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mask_kind,dtype", [("bool", torch.bfloat16), ("none", torch.bfloat16), ("float", torch.float32)])
+@pytest.mark.parametrize(
+    "mask_kind,dtype", [("bool", torch.bfloat16), ("none", torch.bfloat16), ("float", torch.float32)]
+)
 def test_cuda_compiled_mask_inside_graph_dynamic(mask_kind, dtype):
     """The FlexAttention crash on a GPU: a mask computed inside the compiled graph, dynamic=True,
     two lengths in a row (one graph with symbolic lengths), then a third with Tq != Tk."""
@@ -370,7 +454,12 @@ def test_cuda_compiled_mask_inside_graph_dynamic(mask_kind, dtype):
         if dtype == torch.float32:
             assert err <= 1e-3, (tq, tk, err)
         else:
-            base = (_dense_sdpa_baseline(*inputs[:5], mask, causal, 128**-0.5, residual).double() - want).abs().max().item()
+            base = (
+                (_dense_sdpa_baseline(*inputs[:5], mask, causal, 128**-0.5, residual).double() - want)
+                .abs()
+                .max()
+                .item()
+            )
             assert err <= 2 * base + 2e-3, (tq, tk, err, base)
         if n == 1:
             assert counters["stats"]["unique_graphs"] == 1
@@ -410,8 +499,9 @@ def test_backend_dynamic_with_padding_mask_matches_eager_simulate():
     model = tiny_model("llama")
     layers = [random_layer_codebooks(2, 16, bits=2.0, seed=i) for i in range(2)]
     codebooks = VecInferCodebooks("vecinfer", 2.0, layers, model_geometry(model.config))
-    compiled = torch.compile(model, backend=vecinfer_backend.configure(codebooks, residual=5), fullgraph=True,
-                             dynamic=True)
+    compiled = torch.compile(
+        model, backend=vecinfer_backend.configure(codebooks, residual=5), fullgraph=True, dynamic=True
+    )
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():

@@ -72,7 +72,9 @@ def allocate_bits(bits: float, cost: dict[float, list[float]], pinned: list[int]
     layers = len(cost[bits])
     budget = 2 * layers
     if 4 * len(pinned) + (layers - len(pinned)) > budget:
-        raise ValueError(f"cannot pin {len(pinned)} of {layers} layers at {2 * bits:g} bits within a {bits:g}-bit average")
+        raise ValueError(
+            f"cannot pin {len(pinned)} of {layers} layers at {2 * bits:g} bits within a {bits:g}-bit average"
+        )
     best: dict[int, tuple[float, list[float]]] = {0: (0.0, [])}
     for layer in range(layers):
         options = [choices[2]] if layer in pinned else list(choices)
@@ -99,8 +101,9 @@ def _probe_vocabulary(text: str) -> tuple[list[str], list[str]]:
 
 
 @torch.no_grad()
-def retrieval_scores(model, tokenizer, text: str, *, probes: int = 16, seq_len: int = 1024,
-                     seed: int = 0, progress: bool = True) -> list[float]:
+def retrieval_scores(
+    model, tokenizer, text: str, *, probes: int = 16, seq_len: int = 1024, seed: int = 0, progress: bool = True
+) -> list[float]:
     """Per-layer retrieval score in [0, 1] (module docstring, step 1) from ``probes`` synthetic
     documents of ``seq_len`` tokens built from ``text``."""
 
@@ -114,10 +117,12 @@ def retrieval_scores(model, tokenizer, text: str, *, probes: int = 16, seq_len: 
         question = tokenizer(QUESTION.format(name=name), add_special_tokens=False)["input_ids"]
         n_fill = seq_len - len(fact) - len(question)
         if n_fill < 16 or len(filler) <= n_fill:
-            raise ValueError(f"retrieval probes of {seq_len} tokens need more calibration text than {len(filler)} tokens")
+            raise ValueError(
+                f"retrieval probes of {seq_len} tokens need more calibration text than {len(filler)} tokens"
+            )
         start = rng.randrange(len(filler) - n_fill)
         depth = rng.randrange(n_fill)
-        doc = filler[start:start + depth] + fact + filler[start + depth:start + n_fill] + question
+        doc = filler[start : start + depth] + fact + filler[start + depth : start + n_fill] + question
         keys, _, queries = collect_kv(model, torch.tensor(doc), len(doc), progress=False, with_queries=True)
         offset = keys[0].shape[1] - len(doc)  # 1 when a BOS token was prepended
         lo = offset + depth
@@ -126,7 +131,7 @@ def retrieval_scores(model, tokenizer, text: str, *, probes: int = 16, seq_len: 
             q = queries[layer][:, -1]  # [Hq, D]
             k = keys[layer].repeat_interleave(q.shape[0] // keys[layer].shape[0], 0)  # [Hq, T, D]
             probs = (torch.einsum("hd,htd->ht", q, k) / math.sqrt(q.shape[-1])).softmax(-1)
-            scores.append(probs[:, lo:lo + len(fact)].sum(-1).max().item())
+            scores.append(probs[:, lo : lo + len(fact)].sum(-1).max().item())
         totals = scores if totals is None else [a + b for a, b in zip(totals, scores)]
     return [t / probes for t in totals]
 
@@ -135,8 +140,9 @@ def pinned_layers(scores: list[float]) -> list[int]:
     """Layers scoring at least half the best and ``MIN_RETRIEVAL_MASS``, best first, at most a
     third of the layers."""
     top = max(scores)
-    keep = [i for i in sorted(range(len(scores)), key=lambda i: -scores[i])
-            if scores[i] >= max(top / 2, MIN_RETRIEVAL_MASS)]
+    keep = [
+        i for i in sorted(range(len(scores)), key=lambda i: -scores[i]) if scores[i] >= max(top / 2, MIN_RETRIEVAL_MASS)
+    ]
     return sorted(keep[: len(scores) // 3])
 
 
@@ -148,9 +154,17 @@ class _ExactLayer(LayerSimulator):
 
 
 @torch.no_grad()
-def loss_sensitivity(model, token_ids: torch.Tensor, fitted: dict[int, dict[float, LayerCodebooks]],
-                     method: str, *, residual: int, windows: int, window_len: int,
-                     progress: bool = True) -> dict[float, list[float]]:
+def loss_sensitivity(
+    model,
+    token_ids: torch.Tensor,
+    fitted: dict[int, dict[float, LayerCodebooks]],
+    method: str,
+    *,
+    residual: int,
+    windows: int,
+    window_len: int,
+    progress: bool = True,
+) -> dict[float, list[float]]:
     """``{b: [loss increase in nats/token per layer]}`` for every preset ``b`` in ``fitted[0]``:
     layer ``i`` quantized with ``fitted[i][b]`` (residual window ``residual``), the others exact,
     on the first ``windows`` windows of ``window_len`` tokens of ``token_ids: [N]``."""
@@ -182,18 +196,36 @@ def loss_sensitivity(model, token_ids: torch.Tensor, fitted: dict[int, dict[floa
     return out
 
 
-def retrieval_allocation(model, tokenizer, text: str, token_ids: torch.Tensor,
-                         fitted: dict[int, dict[float, LayerCodebooks]], bits: float, method: str, *,
-                         seq_len: int, residual: int, seed: int = 0, windows: int = 4,
-                         progress: bool = True) -> Allocation:
+def retrieval_allocation(
+    model,
+    tokenizer,
+    text: str,
+    token_ids: torch.Tensor,
+    fitted: dict[int, dict[float, LayerCodebooks]],
+    bits: float,
+    method: str,
+    *,
+    seq_len: int,
+    residual: int,
+    seed: int = 0,
+    windows: int = 4,
+    progress: bool = True,
+) -> Allocation:
     """The ``"retrieval"`` allocation (module docstring). ``fitted[layer][b]``: that layer's
     codebooks at every preset of :func:`allocation_choices`; ``token_ids: [N]`` calibration
     tokens, whose first ``windows`` windows of ``seq_len`` measure the loss increases;
     ``residual``: the cache's full-precision window."""
     windows = max(1, min(windows, token_ids.numel() // seq_len))
-    sensitivity = loss_sensitivity(model, token_ids, fitted, method, residual=residual,
-                                   windows=windows, window_len=min(seq_len, token_ids.numel()),
-                                   progress=progress)
+    sensitivity = loss_sensitivity(
+        model,
+        token_ids,
+        fitted,
+        method,
+        residual=residual,
+        windows=windows,
+        window_len=min(seq_len, token_ids.numel()),
+        progress=progress,
+    )
     scores = retrieval_scores(model, tokenizer, text, seq_len=seq_len, seed=seed, progress=progress)
     pinned = pinned_layers(scores)
     return Allocation(allocate_bits(bits, sensitivity, pinned), scores, sensitivity, pinned)

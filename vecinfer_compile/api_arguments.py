@@ -23,8 +23,10 @@ def check_model(model, where: str) -> None:
     """TypeError unless ``model`` is a loaded model (a torch module with a Hugging Face config)."""
     if not (hasattr(model, "config") and hasattr(model, "parameters")):
         got = f"the path {model!r}" if isinstance(model, (str, os.PathLike)) else f"a {type(model).__name__}"
-        raise TypeError(f"{where} needs a loaded model, got {got}: pass "
-                        "transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR)")
+        raise TypeError(
+            f"{where} needs a loaded model, got {got}: pass "
+            "transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR)"
+        )
 
 
 def check_calibrate(model, tokenizer, texts, **counts: tuple[int, int]) -> None:
@@ -41,8 +43,10 @@ def check_texts(texts) -> list[str]:
     """Calibration text: a string, or a list of strings, with more than white space in it."""
     items = [texts] if isinstance(texts, str) else texts
     if not isinstance(items, (list, tuple)) or not all(isinstance(t, str) for t in items):
-        raise TypeError(f"texts must be a string or a list of strings, got {type(texts).__name__}: read the "
-                        "file first, e.g. Path(FILE).read_text()")
+        raise TypeError(
+            f"texts must be a string or a list of strings, got {type(texts).__name__}: read the "
+            "file first, e.g. Path(FILE).read_text()"
+        )
     if not any(t.strip() for t in items):
         raise ValueError("the calibration text is empty: give at least a few thousand tokens of text")
     return list(items)
@@ -55,9 +59,11 @@ def check_tokenizer(tokenizer, text: str, where: str = "calibrate") -> None:
     on nothing."""
     if tokenizer is None or not callable(tokenizer):
         got = "None" if tokenizer is None else f"a {type(tokenizer).__name__}"
-        raise TypeError(f"{where} needs the model's tokenizer, got {got}: pass "
-                        "transformers.AutoTokenizer.from_pretrained(MODEL_DIR), the folder holding its "
-                        "tokenizer.json (or tokenizer.model / vocab.json)")
+        raise TypeError(
+            f"{where} needs the model's tokenizer, got {got}: pass "
+            "transformers.AutoTokenizer.from_pretrained(MODEL_DIR), the folder holding its "
+            "tokenizer.json (or tokenizer.model / vocab.json)"
+        )
     sample = text[:2000]
     if not sample.strip():
         return
@@ -65,10 +71,12 @@ def check_tokenizer(tokenizer, text: str, where: str = "calibrate") -> None:
     unknown = getattr(tokenizer, "unk_token_id", None)
     if not ids or (unknown is not None and len(sample) > 20 and all(i == unknown for i in ids)):
         source = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
-        raise ValueError(f"the tokenizer of {source} turns {len(sample):,} characters of text into "
-                         f"{'no tokens' if not ids else 'only its unknown token'}: it has no vocabulary (its "
-                         "tokenizer.json / tokenizer.model / vocab.json missing): copy the model's tokenizer "
-                         "files into its folder")
+        raise ValueError(
+            f"the tokenizer of {source} turns {len(sample):,} characters of text into "
+            f"{'no tokens' if not ids else 'only its unknown token'}: it has no vocabulary (its "
+            "tokenizer.json / tokenizer.model / vocab.json missing): copy the model's tokenizer "
+            "files into its folder"
+        )
 
 
 def codebooks_arg(codebooks):
@@ -86,5 +94,7 @@ def check_codebooks_type(codebooks) -> None:
     from .codebooks import VecInferCodebooks
 
     if codebooks is not None and not isinstance(codebooks, VecInferCodebooks):
-        raise TypeError(f"codebooks must be a path, a VecInferCodebooks (load_codebooks(path) or calibrate(...)) or "
-                        f"None, got {type(codebooks).__name__}")
+        raise TypeError(
+            f"codebooks must be a path, a VecInferCodebooks (load_codebooks(path) or calibrate(...)) or "
+            f"None, got {type(codebooks).__name__}"
+        )

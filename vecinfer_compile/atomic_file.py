@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def check_new_path(path: str | Path, *, overwrite: bool = False) -> Path:
@@ -24,8 +24,9 @@ def check_new_path(path: str | Path, *, overwrite: bool = False) -> Path:
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory: give a file path, e.g. {path / 'codebooks.safetensors'}")
     if not parent.exists():
-        raise FileNotFoundError(f"cannot write {path}: its folder {parent} does not exist: create it first "
-                                f"(mkdir -p {parent})")
+        raise FileNotFoundError(
+            f"cannot write {path}: its folder {parent} does not exist: create it first (mkdir -p {parent})"
+        )
     if not parent.is_dir():
         raise NotADirectoryError(f"cannot write {path}: {parent} is a file, not a directory")
     if path.exists() and not overwrite:
@@ -41,8 +42,9 @@ def write_new(path: str | Path, write: Callable[[Path], object], *, overwrite: b
     try:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot write {path}: cannot create a file in {path.parent} "
-                                 f"({exc.strerror or exc})") from None
+        raise OSError(
+            exc.errno, f"cannot write {path}: cannot create a file in {path.parent} ({exc.strerror or exc})"
+        ) from None
     os.close(fd)
     tmp = Path(name)
     try:
@@ -61,11 +63,15 @@ def _move_if_new(tmp: Path, path: Path) -> None:
     try:
         os.link(tmp, path)  # fails, atomically, if path exists
     except FileExistsError:
-        raise FileExistsError(f"{path} was created by something else while this was being written (another run "
-                              "with the same output?): it is kept as it is and nothing was written; give a new "
-                              "path") from None
+        raise FileExistsError(
+            f"{path} was created by something else while this was being written (another run "
+            "with the same output?): it is kept as it is and nothing was written; give a new "
+            "path"
+        ) from None
     except OSError:  # a file system without hard links: check, then rename (a race window remains)
         if path.exists():
-            raise FileExistsError(f"{path} was created by something else while this was being written: it is "
-                                  "kept as it is and nothing was written; give a new path") from None
+            raise FileExistsError(
+                f"{path} was created by something else while this was being written: it is "
+                "kept as it is and nothing was written; give a new path"
+            ) from None
         os.rename(tmp, path)

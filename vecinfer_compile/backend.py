@@ -41,15 +41,19 @@ from torch._dynamo.utils import counters
 from . import ops  # noqa: F401  (registers torch.ops.vecinfer.*)
 from .calibration.fit import FitSettings, LayerSamples, fit_layer
 from .codebooks import LayerCodebooks, VecInferCodebooks, load_codebooks
-from .methods import VQ_METHODS, check_runs_over_codes
+from .hf.tensor_parallel import TPShard, graph_shard, local_kv_heads, local_layer
 from .kernel_env import env_kernel
+from .methods import VQ_METHODS, check_runs_over_codes
 from .ops.kernel_request import check_kernel_name
 from .passes import SdpaSite, find_sdpa_sites, record_nodes, rewrite_sdpa
 from .passes.cache_append import rewrite_cache_append
-from .passes.cache_attention import (CACHE_READ_META, keep_prefill_in_full_precision, rewrite_cache_attention,
-                                   updates_a_cache)
+from .passes.cache_attention import (
+    CACHE_READ_META,
+    keep_prefill_in_full_precision,
+    rewrite_cache_attention,
+    updates_a_cache,
+)
 from .presets import get_preset
-from .hf.tensor_parallel import TPShard, graph_shard, local_kv_heads, local_layer
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +78,15 @@ class BackendConfig:
     decode_kernel: str | None = None
 
 
-def _resolve(codebooks, bits: float | None, method: str | None, residual: int, quantize: bool,
-             decode_kernel: str | None = None) -> BackendConfig:
+def _resolve(
+    codebooks, bits: float | None, method: str | None, residual: int, quantize: bool, decode_kernel: str | None = None
+) -> BackendConfig:
     if isinstance(codebooks, (str, Path)):
         codebooks = load_codebooks(codebooks)
     if method is None:  # a codebook file says its method; a zero-config fit is VecInfer's
         method = codebooks.method if isinstance(codebooks, VecInferCodebooks) else "vecinfer"
     if method not in VQ_METHODS:
-        raise ValueError(
-            f"vecinfer_backend runs the VQ methods {', '.join(VQ_METHODS)}; got method {method!r}"
-        )
+        raise ValueError(f"vecinfer_backend runs the VQ methods {', '.join(VQ_METHODS)}; got method {method!r}")
     check_runs_over_codes(method)
     if residual < 0:
         raise ValueError(f"residual must be >= 0, got {residual}")
@@ -92,9 +95,7 @@ def _resolve(codebooks, bits: float | None, method: str | None, residual: int, q
     else:
         env_kernel()  # a bad $VECINFER_KERNEL refused now, not when a CUDA op first asks
     if codebooks is not None and not isinstance(codebooks, VecInferCodebooks):
-        raise TypeError(
-            f"codebooks must be a path, a VecInferCodebooks or None, got {type(codebooks).__name__}"
-        )
+        raise TypeError(f"codebooks must be a path, a VecInferCodebooks or None, got {type(codebooks).__name__}")
     if codebooks is None and VQ_METHODS[method].query_aware:
         raise ValueError(
             f"method {method!r} needs calibrated codebooks (its key transform is fitted to the model's "
@@ -131,15 +132,22 @@ def _config_patches(mode: str | None, options: dict | None) -> dict:
     return patches
 
 
-def _fit_layer(keys: list[torch.Tensor], values: list[torch.Tensor], config: BackendConfig,
-               layer: int) -> LayerCodebooks:
+def _fit_layer(
+    keys: list[torch.Tensor], values: list[torch.Tensor], config: BackendConfig, layer: int
+) -> LayerCodebooks:
     """Smoothing factors and codebooks from recorded ``[B, Hkv, T, D]`` keys/values
     (:func:`~vecinfer_compile.calibration.fit.fit_layer`, seeded by the layer index)."""
     head_dim = keys[0].shape[-1]
     k = torch.cat([x.float().transpose(0, 1).reshape(x.shape[1], -1, head_dim) for x in keys], 1)
     v = torch.cat([x.float().reshape(-1, head_dim) for x in values], 0)
-    fit = fit_layer(LayerSamples(k, v), VQ_METHODS[config.method], [config.bits], FitSettings(FIT_ITERS),
-                    key_seed=layer, value_seed=layer)
+    fit = fit_layer(
+        LayerSamples(k, v),
+        VQ_METHODS[config.method],
+        [config.bits],
+        FitSettings(FIT_ITERS),
+        key_seed=layer,
+        value_seed=layer,
+    )
     return fit.codebooks[config.bits]
 
 
@@ -174,7 +182,7 @@ class VecInferBackend:
         residual: int = 0,
         quantize: bool = True,
         decode_kernel: str | None = None,
-    ) -> "VecInferBackend":
+    ) -> VecInferBackend:
         """A new backend. codebooks: a file from ``vecinfer calibrate``, loaded codebooks, or None
         to fit them from the first call; bits: bit-width (default 2, or the codebooks'); method:
         one of :data:`vecinfer_compile.methods.VQ_METHODS` (default: the codebooks' own, or
@@ -185,18 +193,19 @@ class VecInferBackend:
         environment variable VECINFER_KERNEL, else auto)."""
         return VecInferBackend(_resolve(codebooks, bits, method, residual, quantize, decode_kernel))
 
-    def __deepcopy__(self, memo) -> "VecInferBackend":
+    def __deepcopy__(self, memo) -> VecInferBackend:
         # HF's CompileConfig deep-copies its backend; keep one object so fitted codebooks persist.
         return self
 
     def __repr__(self) -> str:
         c = self.config
         source = "fit-on-first-call" if c.codebooks is None else "given"
-        return (f"VecInferBackend(bits={c.bits:g}, method={c.method!r}, codebooks={source}, "
-                f"residual={c.residual}, quantize={c.quantize}, decode_kernel={c.decode_kernel!r})")
+        return (
+            f"VecInferBackend(bits={c.bits:g}, method={c.method!r}, codebooks={source}, "
+            f"residual={c.residual}, quantize={c.quantize}, decode_kernel={c.decode_kernel!r})"
+        )
 
-    def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
-                 options: dict | None = None):
+    def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
         if self.config.decode_kernel is None:
             env_kernel()  # the default backend is not configured: a bad $VECINFER_KERNEL refused here
         with_cache = updates_a_cache(gm)  # then no attention of it is simulate-quantized
@@ -211,19 +220,23 @@ class VecInferBackend:
             if given is not None:
                 given.check_compiled_simulate()
             layers = self._layers(gm, example_inputs, sites)
-            rewrite_sdpa(gm, sites, layers, quantize=self.config.quantize, residual=self.config.residual,
-                         key_parallel_weight=1.0 if given is None else given.key_parallel_weight)
+            rewrite_sdpa(
+                gm,
+                sites,
+                layers,
+                quantize=self.config.quantize,
+                residual=self.config.residual,
+                key_parallel_weight=1.0 if given is None else given.key_parallel_weight,
+            )
         elif not (with_cache or all_sites or cache_reads or self.fitted or self._warned_no_sdpa):
             self._warned_no_sdpa = True
             log.warning(
                 "vecinfer: this graph has no F.scaled_dot_product_attention call, so nothing is "
                 "quantized in it. If the model has attention, load it with "
-                "attn_implementation=\"sdpa\" (or call model.set_attn_implementation(\"sdpa\")) "
+                'attn_implementation="sdpa" (or call model.set_attn_implementation("sdpa")) '
                 "and compile with fullgraph=True to find graph breaks"
             )
-        return torch._inductor.compile_fx.compile_fx(
-            gm, example_inputs, config_patches=_config_patches(mode, options)
-        )
+        return torch._inductor.compile_fx.compile_fx(gm, example_inputs, config_patches=_config_patches(mode, options))
 
     def _coded(self, sites: list[SdpaSite]) -> list[SdpaSite]:
         """The sites of layers a VecInferCache codes, as the codebooks record them (a model of
@@ -247,8 +260,11 @@ class VecInferBackend:
             return {s.layer: self._given_layer(codebooks, s, shard) for s in sites}
         stale = [s for s in sites if s.layer in self.fitted and not _fits(self.fitted[s.layer], s)]
         if stale:
-            log.info("vecinfer: layer(s) %s were fitted for attention of another geometry (another "
-                     "model?); fitting them again from this call", sorted({s.layer for s in stale}))
+            log.info(
+                "vecinfer: layer(s) %s were fitted for attention of another geometry (another "
+                "model?); fitting them again from this call",
+                sorted({s.layer for s in stale}),
+            )
             for s in stale:
                 del self.fitted[s.layer]
         missing = [s for s in sites if s.layer not in self.fitted]
@@ -263,8 +279,11 @@ class VecInferBackend:
         total = geometry["num_kv_heads"]
         heads, local = local_kv_heads(shard, total)
         if site.layer >= geometry["num_layers"] or site.head_dim != geometry["head_dim"] or site.kv_heads != local:
-            where = "" if shard is None else (
-                f" (tensor parallel rank {shard.rank} of {shard.size}: {local} of their KV heads per rank)")
+            where = (
+                ""
+                if shard is None
+                else (f" (tensor parallel rank {shard.rank} of {shard.size}: {local} of their KV heads per rank)")
+            )
             raise ValueError(
                 f"vecinfer: attention layer {site.layer} ({site.kv_heads} KV heads, head_dim "
                 f"{site.head_dim}) does not fit codebooks calibrated for {geometry['num_layers']} "
@@ -286,8 +305,9 @@ class VecInferBackend:
         first = recorded[sites[0].key]
         tokens = first.shape[0] * first.shape[2]
         if not self.config.quantize:  # transform-only check: the fit is smoothing factors, no advice
-            log.info("vecinfer: fitted smoothing factors for %d layer(s) from this call's %d token(s)",
-                     len(by_layer), tokens)
+            log.info(
+                "vecinfer: fitted smoothing factors for %d layer(s) from this call's %d token(s)", len(by_layer), tokens
+            )
             return
         if self._warned_fit:  # once per backend: a warning, since it decides the accuracy
             return
@@ -296,8 +316,12 @@ class VecInferBackend:
             "vecinfer: no codebooks given; fitted %g-bit %s codebooks for %d layer(s) from this "
             "call's %d token(s) — calibrate for better accuracy: `vecinfer calibrate --model "
             "MODEL_DIR --text CALIBRATION.txt --bits %g --out cb.safetensors`, then "
-            "vecinfer_backend.configure(codebooks=\"cb.safetensors\")",
-            self.config.bits, self.config.method, len(by_layer), tokens, self.config.bits,
+            'vecinfer_backend.configure(codebooks="cb.safetensors")',
+            self.config.bits,
+            self.config.method,
+            len(by_layer),
+            tokens,
+            self.config.bits,
         )
 
 

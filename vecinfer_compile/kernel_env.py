@@ -25,10 +25,16 @@ def env_kernel() -> str:
     value = os.environ.get(name, "").strip().lower() or "auto"
     if value not in KERNELS:
         renamed = f" (renamed {ENV}: set that instead)" if name == OLD_ENV else ""
-        raise ValueError(f"{name}={os.environ[name]!r} is not a kernel choice: use one of "
-                         f"{', '.join(KERNELS)}, or unset it (auto){renamed}")
+        raise ValueError(
+            f"{name}={os.environ[name]!r} is not a kernel choice: use one of "
+            f"{', '.join(KERNELS)}, or unset it (auto){renamed}"
+        )
     if name == OLD_ENV and OLD_ENV not in _warned:
         _warned.add(OLD_ENV)
-        warnings.warn(f"{OLD_ENV} is renamed {ENV} (it chooses the append, encode and Viterbi kernels too, "
-                      f"not only decode): set {ENV}={value}", FutureWarning, stacklevel=2)
+        warnings.warn(
+            f"{OLD_ENV} is renamed {ENV} (it chooses the append, encode and Viterbi kernels too, "
+            f"not only decode): set {ENV}={value}",
+            FutureWarning,
+            stacklevel=2,
+        )
     return value

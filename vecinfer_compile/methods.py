@@ -37,9 +37,24 @@ from dataclasses import dataclass
 
 from .presets import get_preset
 
-METHODS = ("fp16", "vecinfer", "kivi", "vq", "smooth", "hadamard", "qaware", "qaware-nearest", "qaware-scoreaware",
-           "qaware-norefine", "qaware-nocenter", "qaware-nohadamard", "qaware-sqrt", "vecinfer-center", "prerope",
-           "prerope-keys")
+METHODS = (
+    "fp16",
+    "vecinfer",
+    "kivi",
+    "vq",
+    "smooth",
+    "hadamard",
+    "qaware",
+    "qaware-nearest",
+    "qaware-scoreaware",
+    "qaware-norefine",
+    "qaware-nocenter",
+    "qaware-nohadamard",
+    "qaware-sqrt",
+    "vecinfer-center",
+    "prerope",
+    "prerope-keys",
+)
 KIVI_BITS = (2, 4)
 
 
@@ -72,11 +87,19 @@ VQ_METHODS: dict[str, KeyTransformSpec] = {
     "vq": KeyTransformSpec(smooth=False, rotate=False),
     "smooth": KeyTransformSpec(smooth=True, rotate=False),
     "hadamard": KeyTransformSpec(smooth=False, rotate=True),
-    "qaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True, refine=True,
-                               key_parallel_weight=8.0, weighted_codes=True),
+    "qaware": KeyTransformSpec(
+        smooth=False,
+        rotate=True,
+        query_aware="geomean",
+        center=True,
+        refine=True,
+        key_parallel_weight=8.0,
+        weighted_codes=True,
+    ),
     "qaware-nearest": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True, refine=True),
-    "qaware-scoreaware": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True, refine=True,
-                                          key_parallel_weight=8.0),
+    "qaware-scoreaware": KeyTransformSpec(
+        smooth=False, rotate=True, query_aware="geomean", center=True, refine=True, key_parallel_weight=8.0
+    ),
     "qaware-norefine": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean", center=True),
     "qaware-nocenter": KeyTransformSpec(smooth=False, rotate=True, query_aware="geomean"),
     "qaware-nohadamard": KeyTransformSpec(smooth=False, rotate=False, query_aware="geomean"),

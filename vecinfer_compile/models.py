@@ -74,11 +74,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
-        raise ValueError(f"device {device!r} asked for, but this torch ({torch.__version__}) is {build}: "
-                         "use device 'cpu' (--device cpu), or install a CUDA build of torch on a GPU machine")
+        raise ValueError(
+            f"device {device!r} asked for, but this torch ({torch.__version__}) is {build}: "
+            "use device 'cpu' (--device cpu), or install a CUDA build of torch on a GPU machine"
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s): "
-                         f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise ValueError(
+            f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s): "
+            f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
     return dev
 
 
@@ -108,8 +112,10 @@ def load_tokenizer(model_dir: str | Path | None = None):
     except (TypeError, ValueError):
         raise
     except Exception as exc:  # tokenizers' own errors: a vocabulary that does not fit the tokenizer's settings
-        raise ValueError(f"the tokenizer of {model_dir} cannot tokenize text ({_one_line(exc)}): its tokenizer "
-                         "files do not belong together; copy the model's own tokenizer files into it") from exc
+        raise ValueError(
+            f"the tokenizer of {model_dir} cannot tokenize text ({_one_line(exc)}): its tokenizer "
+            "files do not belong together; copy the model's own tokenizer files into it"
+        ) from exc
     return tokenizer
 
 

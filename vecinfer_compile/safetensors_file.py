@@ -16,8 +16,12 @@ from pathlib import Path
 
 HEADER_LIMIT = 100_000_000  # safetensors' own bound on the JSON header
 # The bits of the exponent, all set for inf and NaN, by dtype: (unsigned view, mask).
-_EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000),
-             "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
+_EXPONENT = {
+    "F64": ("<u8", 0x7FF0000000000000),
+    "F32": ("<u4", 0x7F800000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+}
 
 
 class DamagedFile(ValueError):
@@ -39,8 +43,10 @@ def read_header(path: str | Path) -> tuple[dict, int]:
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         raw = f.read(min(length, HEADER_LIMIT))
     if 0 < length <= HEADER_LIMIT and len(raw) < length and raw[:1] == b"{":
-        raise TruncatedFile(f"{path} is truncated: its header alone is {8 + length:,} bytes, the file holds "
-                            f"{size:,} (an interrupted copy or write): copy it again, or recalibrate")
+        raise TruncatedFile(
+            f"{path} is truncated: its header alone is {8 + length:,} bytes, the file holds "
+            f"{size:,} (an interrupted copy or write): copy it again, or recalibrate"
+        )
     if not 0 < length <= min(HEADER_LIMIT, size - 8):
         raise DamagedFile(f"{path} is not a safetensors file (no header)")
     try:
@@ -53,16 +59,20 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     try:
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     except (TypeError, KeyError, IndexError, ValueError):
-        raise DamagedFile(f"{path} is not a safetensors file (a tensor entry of its header has no "
-                          "data_offsets)") from None
+        raise DamagedFile(
+            f"{path} is not a safetensors file (a tensor entry of its header has no data_offsets)"
+        ) from None
     if start + end > size:
-        raise TruncatedFile(f"{path} is truncated: its header describes {start + end:,} bytes, the file holds "
-                            f"{size:,} (an interrupted copy or write): copy it again, or recalibrate")
+        raise TruncatedFile(
+            f"{path} is truncated: its header describes {start + end:,} bytes, the file holds "
+            f"{size:,} (an interrupted copy or write): copy it again, or recalibrate"
+        )
     return header, start
 
 
-def nonfinite_tensors(path: str | Path, header: dict | None = None,
-                      start: int | None = None) -> list[tuple[str, int, int]]:
+def nonfinite_tensors(
+    path: str | Path, header: dict | None = None, start: int | None = None
+) -> list[tuple[str, int, int]]:
     """``[(name, bad, total)]``: the floating-point tensors of ``path`` that hold NaN or inf, with
     how many of their values do, in the header's order. Reads the data with numpy, not torch."""
     import numpy as np
@@ -89,6 +99,8 @@ def describe_nonfinite(path: str | Path, bad: list[tuple[str, int, int]]) -> str
     names = ", ".join(f"{name!r} ({count:,} of {total:,} values)" for name, count, total in bad[:3])
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
     one = len(bad) == 1
-    return (f"{path}: tensor{'' if one else 's'} {names}{more} hold{'s' if one else ''} NaN or inf (a corrupt "
-            "file, or a calibration that diverged): "
-            "recalibrate with `vecinfer calibrate`")
+    return (
+        f"{path}: tensor{'' if one else 's'} {names}{more} hold{'s' if one else ''} NaN or inf (a corrupt "
+        "file, or a calibration that diverged): "
+        "recalibrate with `vecinfer calibrate`"
+    )

@@ -28,15 +28,14 @@ single-token decode calls see quantized keys beyond the window.
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .api_arguments import check_codebooks_type, check_count, codebooks_arg
-from .hf.attention_support import check_attention_call, needs_unskipped_masks, unskipped_sdpa_mask
 from .codebooks import VecInferCodebooks
+from .hf.attention_support import check_attention_call, needs_unskipped_masks, unskipped_sdpa_mask
 from .hf.layer_kinds import kv_producers, some_coded_layers
 from .methods import VQ_METHODS, check_method
 from .quant.kivi import kivi_keys, kivi_values
@@ -72,8 +71,9 @@ class LayerSimulator:
         self.prefilling = self.producer.prefilling if self.producer is not None else tq > 1
         return self.prefilling
 
-    def quantize_kv(self, k: torch.Tensor, v: torch.Tensor,
-                    position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_kv(
+        self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v: [B, H_kv, T, D]`` -> dequantized ``(k_hat, v_hat)`` in the original domain and
         dtype. Pre-RoPE keys (:mod:`.quant.rope`) take their positions from the call's queries'
         ``position_ids: [B|1, Tq]`` (:func:`key_positions`); predicted values are
@@ -86,8 +86,9 @@ class LayerSimulator:
         if layer.transform.rope_inv_freq is not None:
             positions = key_positions(position_ids, k.shape[2], k.device)
         kt = layer.transform.keys(k, positions)
-        kt_hat = layer.key_codec.quantize_dequantize(layer.keys, kt, metric=layer.key_metric,
-                                                     parallel_weight=self.codebooks.key_parallel_weight)
+        kt_hat = layer.key_codec.quantize_dequantize(
+            layer.keys, kt, metric=layer.key_metric, parallel_weight=self.codebooks.key_parallel_weight
+        )
         k_hat = layer.transform.keys_inverse(kt_hat, positions).to(k.dtype)
         if layer.value_predictor is None:
             return k_hat, layer.value_codec.quantize_dequantize(layer.values, v, metric=layer.value_metric)
@@ -104,8 +105,10 @@ def key_positions(position_ids: torch.Tensor | None, tk: int, device) -> torch.T
     if position_ids is None:
         return torch.arange(tk, device=device)
     if position_ids.dim() != 2:
-        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} (several position axes, as in "
-                         "multimodal RoPE): the pre-RoPE methods undo one rotary position per token; use --method qaware")
+        raise ValueError(
+            f"position_ids of shape {tuple(position_ids.shape)} (several position axes, as in "
+            "multimodal RoPE): the pre-RoPE methods undo one rotary position per token; use --method qaware"
+        )
     return position_ids[:, -1:].to(device) - (tk - 1) + torch.arange(tk, device=device)
 
 
@@ -151,17 +154,27 @@ def biased_mask(position_bias, attn_mask, is_causal, tq, tk):
     return position_bias + attn_mask
 
 
-def vecinfer_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
-                               scaling=None, is_causal=None, position_bias=None, **kwargs):
+def vecinfer_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, position_bias=None, **kwargs
+):
     """The ``"vecinfer"`` attention implementation (transformers' AttentionInterface
     signature). query ``[B, Hq, Tq, D]``, key/value ``[B, Hkv, Tk, D]``, position_bias None or
     additive, broadcastable to ``[B, Hq, Tq, Tk]``; returns ``([B, Tq, Hq, D], None)``."""
     check_attention_call(module, query, key, value, kwargs)
     sim: LayerSimulator | str | None = getattr(module, "vecinfer_simulator", None)
     if sim == FULL_PRECISION:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, position_bias=position_bias,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            position_bias=position_bias,
+            **kwargs,
+        )
     if sim is None:
         raise RuntimeError(
             "attn_implementation='vecinfer' needs quantizers: call "
@@ -171,8 +184,11 @@ def vecinfer_attention_forward(module, query, key, value, attention_mask, dropou
         raise ValueError("vecinfer simulation is for evaluation: call model.eval() (dropout > 0)")
     tq = query.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    causal = bool(tq > 1 and attention_mask is None and (is_causal if is_causal is not None
-                                                         else getattr(module, "is_causal", True)))
+    causal = bool(
+        tq > 1
+        and attention_mask is None
+        and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    )
     if position_bias is not None:
         attention_mask, causal = biased_mask(position_bias, attention_mask, causal, tq, key.shape[2]), False
     if sim.is_prefill(tq):
@@ -209,8 +225,15 @@ def attention_modules(model):
     return mods
 
 
-def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | str | None = None,
-                      residual: int = 0, full_precision_prefill: bool = False):
+def enable_simulation(
+    model,
+    method: str,
+    *,
+    bits: float,
+    codebooks: VecInferCodebooks | str | None = None,
+    residual: int = 0,
+    full_precision_prefill: bool = False,
+):
     """Make ``model`` attend over quantized K/V (see module docstring). ``fp16`` restores plain
     SDPA. VQ methods need ``codebooks`` (checked against the model, bits and method).
     ``codebooks`` may be a codebook file's path. Returns the model."""
@@ -223,8 +246,7 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
     if method in VQ_METHODS:
         if codebooks is None:
             raise ValueError(
-                f"method {method!r} needs codebooks: vecinfer_compile.calibrate(...) or "
-                "load_codebooks(path)"
+                f"method {method!r} needs codebooks: vecinfer_compile.calibrate(...) or load_codebooks(path)"
             )
         codebooks.check_model(model.config, bits=bits, method=method)
         codebooks.check_weights(model)  # warns once if calibrated on another model's weights
@@ -233,9 +255,11 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
     coded = some_coded_layers(model.config)
     modules = attention_modules(model)
     for module in modules:
-        module.vecinfer_simulator = LayerSimulator(
-            method, float(bits), residual, codebooks, module.layer_idx, full_precision_prefill
-        ) if coded[module.layer_idx] else FULL_PRECISION
+        module.vecinfer_simulator = (
+            LayerSimulator(method, float(bits), residual, codebooks, module.layer_idx, full_precision_prefill)
+            if coded[module.layer_idx]
+            else FULL_PRECISION
+        )
     simulators = {m.layer_idx: m.vecinfer_simulator for m in modules}
     for i, producer in enumerate(kv_producers(model.config)):
         if producer != i and isinstance(simulators.get(i), LayerSimulator):
@@ -245,12 +269,20 @@ def enable_simulation(model, method: str, *, bits: float, codebooks: VecInferCod
 
 
 @contextlib.contextmanager
-def simulation(model, method: str, *, bits: float, codebooks: VecInferCodebooks | str | None = None,
-               residual: int = 0, full_precision_prefill: bool = False):
+def simulation(
+    model,
+    method: str,
+    *,
+    bits: float,
+    codebooks: VecInferCodebooks | str | None = None,
+    residual: int = 0,
+    full_precision_prefill: bool = False,
+):
     """``with simulation(model, "vecinfer", bits=2, codebooks=cb): ...``: :func:`enable_simulation`
     inside the block, the model's own attention again after it (also on an exception)."""
-    enable_simulation(model, method, bits=bits, codebooks=codebooks, residual=residual,
-                      full_precision_prefill=full_precision_prefill)
+    enable_simulation(
+        model, method, bits=bits, codebooks=codebooks, residual=residual, full_precision_prefill=full_precision_prefill
+    )
     try:
         yield model
     finally:

@@ -113,28 +113,45 @@ def make_attention_inputs(case: AttentionCase, seed: int = 0) -> dict:
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def tiny_model(family: str = "llama", *, layers: int = 2, attn_implementation: str = "sdpa",
-               seed: int = 0, **overrides):
+def tiny_model(
+    family: str = "llama", *, layers: int = 2, attn_implementation: str = "sdpa", seed: int = 0, **overrides
+):
     """A random causal LM of ``family`` with hidden 64, 4 query heads, 2 KV heads, head_dim 16,
     vocab 128 (``overrides`` replace any config field), in eval mode and float32."""
     import transformers
 
-    names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-             "qwen3": "Qwen3Config"}
+    names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
     if family not in names:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(names)}")
-    fields = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, vocab_size=128, num_hidden_layers=layers, max_position_embeddings=256)
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        num_hidden_layers=layers,
+        max_position_embeddings=256,
+    )
     config = getattr(transformers, names[family])(**{**fields, **overrides})
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, seed: int = 0,
-                           smooth: bool = True, rotate: bool = True, query_aware: bool = False,
-                           center: bool = False, pre_rope: bool = False,
-                           predict_values: bool = False) -> LayerCodebooks:
+def random_layer_codebooks(
+    kv_heads: int,
+    head_dim: int,
+    *,
+    bits: float = 2.0,
+    seed: int = 0,
+    smooth: bool = True,
+    rotate: bool = True,
+    query_aware: bool = False,
+    center: bool = False,
+    pre_rope: bool = False,
+    predict_values: bool = False,
+) -> LayerCodebooks:
     """Random smoothing factors in [0.5, 2) (or, ``query_aware``, the matrices of a random SPD
     query moment), with ``center`` a Gaussian key mean of scale 3, with ``pre_rope`` Llama's
     default RoPE frequencies (base 10000), with ``predict_values`` a random value predictor
@@ -146,14 +163,18 @@ def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, s
     if query_aware:
         queries = torch.randn(kv_heads, 4 * head_dim, head_dim, generator=gen)
         queries = queries * (0.2 + 3 * torch.rand(head_dim, generator=gen))  # anisotropic
-        keys = torch.randn(kv_heads, 4 * head_dim, head_dim, generator=gen) @ torch.randn(head_dim, head_dim, generator=gen)
+        keys = torch.randn(kv_heads, 4 * head_dim, head_dim, generator=gen) @ torch.randn(
+            head_dim, head_dim, generator=gen
+        )
         matrices = query_aware_matrices(second_moment(queries, kv_heads), second_moment(keys, kv_heads))
     mean = 3 * torch.randn(kv_heads, head_dim, generator=gen) if center else None
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim) if pre_rope else None
     predictor = None
     if predict_values:
-        predictor = ValuePredictor(0.3 * torch.randn(kv_heads, head_dim, head_dim, generator=gen),
-                                   torch.randn(kv_heads, head_dim, generator=gen))
+        predictor = ValuePredictor(
+            0.3 * torch.randn(kv_heads, head_dim, head_dim, generator=gen),
+            torch.randn(kv_heads, head_dim, generator=gen),
+        )
     return LayerCodebooks(
         KeyTransform(head_dim, lam, rotate, *matrices, mean=mean, rope_inv_freq=inv_freq),
         torch.randn(preset.key.entries, preset.key.dims, generator=gen),
@@ -162,8 +183,14 @@ def random_layer_codebooks(kv_heads: int, head_dim: int, *, bits: float = 2.0, s
     )
 
 
-def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecinfer",
-                     seed: int = 0, *, layer_bits: list[float] | None = None) -> VecInferCodebooks:
+def random_codebooks(
+    config_or_geometry,
+    bits: float = 2.0,
+    method: str = "vecinfer",
+    seed: int = 0,
+    *,
+    layer_bits: list[float] | None = None,
+) -> VecInferCodebooks:
     """Random codebooks for every layer of a model (a HF config or a
     :func:`~vecinfer_compile.codebooks.model_geometry` dict): for tests and speed benchmarks,
     never for accuracy. Layer ``i`` uses seed ``seed + i`` and the preset ``layer_bits[i]``
@@ -174,13 +201,26 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
     geo = config_or_geometry if isinstance(config_or_geometry, dict) else model_geometry(config_or_geometry)
     spec = VQ_METHODS[method]
     per_layer = [float(bits)] * geo["num_layers"] if layer_bits is None else list(layer_bits)
-    no_kv = [False] * len(per_layer) if isinstance(config_or_geometry, dict) else \
-        [kind in NO_KV_KINDS for kind in layer_kinds(config_or_geometry)]
+    no_kv = (
+        [False] * len(per_layer)
+        if isinstance(config_or_geometry, dict)
+        else [kind in NO_KV_KINDS for kind in layer_kinds(config_or_geometry)]
+    )
     layers = [
-        None if no_kv[i] else
-        random_layer_codebooks(geo["num_kv_heads"], geo["head_dim"], bits=b, seed=seed + i,
-                               smooth=spec.smooth, rotate=spec.rotate, query_aware=bool(spec.query_aware),
-                               center=spec.center, pre_rope=spec.pre_rope, predict_values=spec.predict_values)
+        None
+        if no_kv[i]
+        else random_layer_codebooks(
+            geo["num_kv_heads"],
+            geo["head_dim"],
+            bits=b,
+            seed=seed + i,
+            smooth=spec.smooth,
+            rotate=spec.rotate,
+            query_aware=bool(spec.query_aware),
+            center=spec.center,
+            pre_rope=spec.pre_rope,
+            predict_values=spec.predict_values,
+        )
         for i, b in enumerate(per_layer)
     ]
     if not isinstance(config_or_geometry, dict):
@@ -189,15 +229,33 @@ def random_codebooks(config_or_geometry, bits: float = 2.0, method: str = "vecin
     return VecInferCodebooks(method, average_bits(per_layer), layers, geo, metadata, layer_bits=per_layer)
 
 
-def cache_layer(layer: LayerCodebooks, *, num_kv_heads: int, head_dim: int, max_cache_len: int, residual: int,
-                key_parallel_weight: float = 1.0, batch_size: int = 1, dtype=torch.float32, device="cpu"):
+def cache_layer(
+    layer: LayerCodebooks,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    max_cache_len: int,
+    residual: int,
+    key_parallel_weight: float = 1.0,
+    batch_size: int = 1,
+    dtype=torch.float32,
+    device="cpu",
+):
     """A :class:`~vecinfer_compile.cache.VecInferLayer` holding ``layer``'s codebooks, transform
     and error metrics, as :class:`~vecinfer_compile.VecInferCache` builds one (tests of one layer)."""
     from .cache import LayerQuantizer, VecInferLayer
 
     quantizer = LayerQuantizer.from_codebooks(layer, device=device, key_parallel_weight=key_parallel_weight)
-    return VecInferLayer(quantizer, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         max_cache_len=max_cache_len, residual=residual, dtype=dtype, device=device)
+    return VecInferLayer(
+        quantizer,
+        batch_size=batch_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_cache_len=max_cache_len,
+        residual=residual,
+        dtype=dtype,
+        device=device,
+    )
 
 
 @dataclass
@@ -223,8 +281,9 @@ def _logits(output) -> torch.Tensor:
 LOW_PRECISION_RTOL = 2e-2  # 16-bit models: the transform rounds q~ and K~ once more than eager
 
 
-def check_model(model, inputs=None, *, atol: float | None = None, rtol: float | None = None,
-                backend=None) -> CheckReport:
+def check_model(
+    model, inputs=None, *, atol: float | None = None, rtol: float | None = None, backend=None
+) -> CheckReport:
     """Compile ``model`` (a HF causal LM in eval mode) with the key transform but no quantization
     and assert that (1) its logits match eager within ``atol + rtol * |eager|`` and (2) every
     attention layer's SDPA was rewritten (``counters["vecinfer"]["sdpa_rewrites"]`` grows by the
@@ -251,7 +310,7 @@ def check_model(model, inputs=None, *, atol: float | None = None, rtol: float | 
     if rewrites != layers:
         raise AssertionError(
             f"vecinfer rewrote {rewrites} SDPA call(s) for {layers} attention layers: load the model "
-            "with attn_implementation=\"sdpa\" and make sure it compiles with fullgraph=True"
+            'with attn_implementation="sdpa" and make sure it compiles with fullgraph=True'
         )
     scale = expected.abs().max().item()
     low_precision = expected.dtype in (torch.float16, torch.bfloat16)

@@ -49,16 +49,34 @@ class VecInferLayer(CacheLayerMixin):
     is_croppable = True  # the last one-token step only, while recording its past (crop)
     is_sliding = False  # per layer from model_config (__init__)
 
-    def __init__(self, quantizer: LayerQuantizer, *, num_kv_heads: int, head_dim: int, max_cache_len: int,
-                 residual: int, dtype: torch.dtype, device, batch_size: int | None = None, layer_idx: int = 0,
-                 model_config=None):
+    def __init__(
+        self,
+        quantizer: LayerQuantizer,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        max_cache_len: int,
+        residual: int,
+        dtype: torch.dtype,
+        device,
+        batch_size: int | None = None,
+        layer_idx: int = 0,
+        model_config=None,
+    ):
         super().__init__()
         quantizer.check_fits(num_kv_heads, head_dim, layer_idx)
         device = indexed_device(device)
         self.quantizer = quantizer
-        self.storage = LayerStorage(num_kv_heads=num_kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
-                                    residual=residual, dtype=dtype, device=device,
-                                    code_widths=quantizer.code_widths(head_dim), layer_idx=layer_idx)
+        self.storage = LayerStorage(
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_cache_len=max_cache_len,
+            residual=residual,
+            dtype=dtype,
+            device=device,
+            code_widths=quantizer.code_widths(head_dim),
+            layer_idx=layer_idx,
+        )
         self.k_head_dim = self.v_head_dim = head_dim
         self.dtype, self.device, self.layer_idx = dtype, device, layer_idx
         self.model_config = model_config
@@ -152,8 +170,9 @@ class VecInferLayer(CacheLayerMixin):
         """Decode attention of ``q: [B, Hq, 1, D]`` over the codes and window (:func:`.reads.attend`)."""
         return reads.attend(self.storage, self.quantizer, q, attn_mask, scale)
 
-    def attend_chunk(self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None,
-                     keys: ChunkKeys) -> torch.Tensor:
+    def attend_chunk(
+        self, q: torch.Tensor, attn_mask: torch.Tensor | None, scale: float | None, keys: ChunkKeys
+    ) -> torch.Tensor:
         """Attention of an eager chunk ``q: [B, Hq, C, D]`` over the codes (:func:`.reads.attend_chunk`)."""
         return reads.attend_chunk(self.storage, self.quantizer, q, attn_mask, scale, keys)
 
@@ -261,14 +280,14 @@ class VecInferLayer(CacheLayerMixin):
         if self.is_initialized:
             self.storage.reorder(beam_idx)
 
-    def row_view(self, start: int, stop: int) -> "VecInferLayer":
+    def row_view(self, start: int, stop: int) -> VecInferLayer:
         """An empty layer over rows ``[start, stop)`` of this one's buffers (:meth:`.LayerStorage.row_view`);
         :meth:`VecInferCache.filling_rows <vecinfer_compile.cache.VecInferCache.filling_rows>` uses it."""
         part = copy.copy(self)
         part.storage = self.storage.row_view(start, stop)
         return part
 
-    def take_length(self, part: "VecInferLayer", rows: str) -> None:
+    def take_length(self, part: VecInferLayer, rows: str) -> None:
         """Adopt the length of ``part``, a filled :meth:`row_view` (:meth:`.LayerStorage.take_length`)."""
         self.storage.take_length(part.storage, rows)
 
@@ -315,9 +334,13 @@ class VecInferHybridLayer(VecInferLayer, LinearAttentionLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
-            raise NotImplementedError("this hybrid layer's mixer state cannot be rolled back with its attention's: "
-                                      "a step cannot be undone (generate() then keeps its per-step stop check)")
+            raise NotImplementedError(
+                "this hybrid layer's mixer state cannot be rolled back with its attention's: "
+                "a step cannot be undone (generate() then keeps its per-step stop check)"
+            )
 
-    def row_view(self, start: int, stop: int) -> "VecInferLayer":
-        raise NotImplementedError("filling_rows needs every layer's state per row; this hybrid model's mixer "
-                                  "state is not: prefill the whole batch")
+    def row_view(self, start: int, stop: int) -> VecInferLayer:
+        raise NotImplementedError(
+            "filling_rows needs every layer's state per row; this hybrid model's mixer "
+            "state is not: prefill the whole batch"
+        )

@@ -25,12 +25,12 @@ import copy
 import torch
 from transformers.cache_utils import Cache, StaticCache
 
-from ..hf import attention_over_codes
 from ..codebooks import VecInferCodebooks, model_geometry
+from ..hf import attention_over_codes
 from ..hf.layer_kinds import HYBRID_KINDS, SLIDING, check_codable, kv_producers, layer_kinds
-from ..methods import check_runs_over_codes
 from ..hf.tensor_parallel import local_kv_heads, local_layer, model_shard, total_kv_bytes
 from ..kernel_env import env_kernel
+from ..methods import check_runs_over_codes
 from .layer import VecInferHybridLayer, VecInferLayer
 from .quantizer import LayerQuantizer
 from .storage import count_bytes, indexed_device
@@ -87,12 +87,17 @@ def _check_takes_a_generic_cache(model: torch.nn.Module) -> None:
     import sys
 
     module = sys.modules.get(type(model).__module__)
-    own = [name for name, obj in (vars(module) if module else {}).items()
-           if inspect.isclass(obj) and issubclass(obj, Cache) and obj.__module__ == module.__name__]
+    own = [
+        name
+        for name, obj in (vars(module) if module else {}).items()
+        if inspect.isclass(obj) and issubclass(obj, Cache) and obj.__module__ == module.__name__
+    ]
     if own:
-        raise ValueError(f"{type(model).__name__} keeps a cache class of its own ({', '.join(own)}) and accepts "
-                         "no other, so a VecInferCache cannot hold its K/V: use the simulate path "
-                         "(vecinfer_compile.simulation) to measure accuracy, or transformers' own cache")
+        raise ValueError(
+            f"{type(model).__name__} keeps a cache class of its own ({', '.join(own)}) and accepts "
+            "no other, so a VecInferCache cannot hold its K/V: use the simulate path "
+            "(vecinfer_compile.simulation) to measure accuracy, or transformers' own cache"
+        )
 
 
 def _dtype_of(model_or_config, config) -> torch.dtype:
@@ -105,8 +110,18 @@ def _dtype_of(model_or_config, config) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def _layers(config, codebooks: VecInferCodebooks, coded: list[bool], shard, *, max_cache_len: int,
-            batch_size: int | None, residual: int, dtype: torch.dtype, device: torch.device) -> list:
+def _layers(
+    config,
+    codebooks: VecInferCodebooks,
+    coded: list[bool],
+    shard,
+    *,
+    max_cache_len: int,
+    batch_size: int | None,
+    residual: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list:
     """One cache layer per decoder layer of ``config``: a coded layer where ``coded`` says so and the
     layer stores its own K/V (a hybrid one beside a state-space mixer), with the quantizer state cut
     to the rank's KV heads under tensor parallelism (``shard``); elsewhere transformers' own static
@@ -124,14 +139,25 @@ def _layers(config, codebooks: VecInferCodebooks, coded: list[bool], shard, *, m
             layers.append(static[i])
             continue
         lc = codebooks.layer(i) if shard is None else local_layer(codebooks.layer(i), heads)
-        quantizer = LayerQuantizer.from_codebooks(lc, device=device, key_parallel_weight=codebooks.key_parallel_weight,
-                                                  rotations=rotations)
+        quantizer = LayerQuantizer.from_codebooks(
+            lc, device=device, key_parallel_weight=codebooks.key_parallel_weight, rotations=rotations
+        )
         mixer = {"number_of_states": static[i].number_of_states} if kinds[i] in HYBRID_KINDS else {}
-        layers.append((VecInferHybridLayer if mixer else VecInferLayer)(
-            quantizer, **mixer, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=geometry["head_dim"],
-            max_cache_len=max_cache_len, residual=residual, dtype=dtype, device=device, layer_idx=i,
-            model_config=config,
-        ))
+        layers.append(
+            (VecInferHybridLayer if mixer else VecInferLayer)(
+                quantizer,
+                **mixer,
+                batch_size=batch_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=geometry["head_dim"],
+                max_cache_len=max_cache_len,
+                residual=residual,
+                dtype=dtype,
+                device=device,
+                layer_idx=i,
+                model_config=config,
+            )
+        )
     return layers
 
 
@@ -240,8 +266,17 @@ class VecInferCache(Cache):
             device = getattr(model_or_config, "device", None) or "cpu"
         device = indexed_device(device)
         self.tp_shard = model_shard(model_or_config)  # None unless the model is tensor parallel
-        layers = _layers(config, codebooks, coded, self.tp_shard, max_cache_len=max_cache_len, batch_size=batch_size,
-                         residual=residual, dtype=dtype, device=device)
+        layers = _layers(
+            config,
+            codebooks,
+            coded,
+            self.tp_shard,
+            max_cache_len=max_cache_len,
+            batch_size=batch_size,
+            residual=residual,
+            dtype=dtype,
+            device=device,
+        )
         super().__init__(layers=layers)
         self.codebooks = codebooks
         # (no `max_cache_len` attribute: transformers 5.17 has a read-only property of that name;
@@ -260,8 +295,10 @@ class VecInferCache(Cache):
         length; every group must end at the same length, and the cache must be empty before the
         first (``reset()`` it). Needs ``batch_size=`` at construction (the buffers exist)."""
         if not all(isinstance(layer, VecInferLayer) for layer in self.layers):
-            raise NotImplementedError("filling_rows needs every layer coded; this model keeps some layers in "
-                                      "transformers' own cache layers: prefill the whole batch")
+            raise NotImplementedError(
+                "filling_rows needs every layer coded; this model keeps some layers in "
+                "transformers' own cache layers: prefill the whole batch"
+            )
         if not all(layer.is_initialized for layer in self.layers):
             raise RuntimeError("filling_rows needs the cache's buffers: build it with batch_size=")
         batch = self.layers[0].batch_size
@@ -295,8 +332,9 @@ class VecInferCache(Cache):
         coded layer at ``max_cache_len`` in the cache dtype, the other layers as they are."""
         coded = self.coded_layers()
         if not coded[0].is_initialized:
-            raise RuntimeError("the cache has no batch size yet: it allocates at its first update "
-                               "(or build it with batch_size=)")
+            raise RuntimeError(
+                "the cache has no batch size yet: it allocates at its first update (or build it with batch_size=)"
+            )
         l0 = coded[0]
         per_layer = 2 * l0.batch_size * l0.num_heads * l0.max_cache_len * l0.head_dim
         others = sum(t.numel() * t.element_size() for layer in self.layers for t in full_precision_tensors(layer))

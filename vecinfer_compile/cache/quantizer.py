@@ -55,8 +55,9 @@ class LayerQuantizer:
             raise ValueError("key_metric and value_metric go together (error-weighted codes of keys and values)")
 
     @classmethod
-    def from_codebooks(cls, layer: LayerCodebooks, *, device, key_parallel_weight: float = 1.0,
-                       rotations: dict | None = None) -> "LayerQuantizer":
+    def from_codebooks(
+        cls, layer: LayerCodebooks, *, device, key_parallel_weight: float = 1.0, rotations: dict | None = None
+    ) -> LayerQuantizer:
         """``layer``'s state in float32 on ``device``, with the Hadamard folded into the query-aware
         matrices. ``rotations``: a dict the layers of one cache share, so that they hold one
         rotation tensor."""
@@ -79,12 +80,20 @@ class LayerQuantizer:
                 f"these codebooks code the keys with the {codec.name} codec and the values with the "
                 f"{layer.value_codec.name} codec: a VecInferCache codes both sides with one codec (calibrate with "
                 f"--key-codec {codec.name} --value-codec {codec.name}); such a file runs in the simulate path "
-                "(eval-ppl, ablation)")
+                "(eval-ppl, ablation)"
+            )
         return cls(
-            codec=codec, operands=codec.operands(layer, device), codes=(layer.keys, layer.values),
-            lam=_on(t.lam, device), rotation=rotation, key_matrix=key_matrix, key_read=key_read,
-            key_mean=_on(t.mean, device), key_parallel_weight=key_parallel_weight,
-            key_metric=_on(layer.key_metric, device), value_metric=_on(layer.value_metric, device),
+            codec=codec,
+            operands=codec.operands(layer, device),
+            codes=(layer.keys, layer.values),
+            lam=_on(t.lam, device),
+            rotation=rotation,
+            key_matrix=key_matrix,
+            key_read=key_read,
+            key_mean=_on(t.mean, device),
+            key_parallel_weight=key_parallel_weight,
+            key_metric=_on(layer.key_metric, device),
+            value_metric=_on(layer.value_metric, device),
         )
 
     def check_fits(self, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
@@ -120,8 +129,14 @@ class LayerQuantizer:
     def tensors(self) -> list[torch.Tensor]:
         """The codec's operands and the key transform, as the layer's bytes count them (the error
         metrics are left out)."""
-        ts = [*self.codec.operand_tensors(self.operands), self.lam, self.rotation, self.key_matrix, self.key_read,
-              self.key_mean]
+        ts = [
+            *self.codec.operand_tensors(self.operands),
+            self.lam,
+            self.rotation,
+            self.key_matrix,
+            self.key_read,
+            self.key_mean,
+        ]
         return [t for t in ts if t is not None]
 
     def inverse_keys(self, kt: torch.Tensor) -> torch.Tensor:

@@ -29,11 +29,18 @@ from .storage import LayerStorage
 
 log = logging.getLogger(__name__)
 
-DECODE_READ_BYTES = 1 << 30  # dequantized + repeated K/V of one row group of an eager step whose mask the op cannot read
+DECODE_READ_BYTES = (
+    1 << 30
+)  # dequantized + repeated K/V of one row group of an eager step whose mask the op cannot read
 
 
-def read(storage: LayerStorage, quantizer: LayerQuantizer, length: int | None = None, rows: slice = slice(None),
-         window: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def read(
+    storage: LayerStorage,
+    quantizer: LayerQuantizer,
+    length: int | None = None,
+    rows: slice = slice(None),
+    window: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The codec's read op (:meth:`~vecinfer_compile.codecs.base.Codec.read_kv`: K in the original
     domain, V), then, for the query-aware methods,
     ``K = (K~.float() @ key_read).to(dtype)`` (a plain matmul that
@@ -68,8 +75,9 @@ def dequantized(storage: LayerStorage, quantizer: LayerQuantizer) -> tuple[torch
     return read(storage, quantizer)
 
 
-def with_chunk(storage: LayerStorage, before: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def with_chunk(
+    storage: LayerStorage, before: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager: the dequantized read of a chunk ``k``, ``v: [B, H, C, D]`` after its append:
     ``before`` (the layer's read of its valid slots before the append) padded to every slot, with
     the chunk's own ``k``, ``v`` at the slots after the tokens held before."""
@@ -83,8 +91,9 @@ def with_chunk(storage: LayerStorage, before: tuple[torch.Tensor, torch.Tensor],
     return rk.index_copy(2, pos, k), rv.index_copy(2, pos, v)
 
 
-def chunk_keys(storage: LayerStorage, quantizer: LayerQuantizer, kt: torch.Tensor, v: torch.Tensor,
-               n_coded: int, n_window: int) -> ChunkKeys:
+def chunk_keys(
+    storage: LayerStorage, quantizer: LayerQuantizer, kt: torch.Tensor, v: torch.Tensor, n_coded: int, n_window: int
+) -> ChunkKeys:
     """What a chunk's attention over the codes needs, taken before its append: the window's
     ``n_window`` slots then the chunk (``kt`` its keys transformed, ``v``: ``[B, H, C, D]``),
     position-major."""
@@ -117,13 +126,22 @@ def dense(storage: LayerStorage, quantizer: LayerQuantizer, chunk: ChunkKeys | N
         return dequantized(storage, quantizer)
     device = storage.device
     full = torch.tensor(chunk.k_full.shape[1], device=device)
-    window = (torch.tensor(chunk.n_coded, device=device), chunk.k_full.transpose(1, 2),
-              chunk.v_full.transpose(1, 2), full)
+    window = (
+        torch.tensor(chunk.n_coded, device=device),
+        chunk.k_full.transpose(1, 2),
+        chunk.v_full.transpose(1, 2),
+        full,
+    )
     return read(storage, quantizer, window=window)
 
 
-def attend(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, attn_mask: torch.Tensor | None,
-           scale: float | None) -> torch.Tensor:
+def attend(
+    storage: LayerStorage,
+    quantizer: LayerQuantizer,
+    q: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
     """Decode attention of one query token ``q: [B, Hq, 1, D]`` over the codes and window:
     the codec's decode (:meth:`~vecinfer_compile.codecs.base.Codec.decode`, the compiled decode step's op). ``attn_mask``: None or HF's
     ``[B|1, 1|Hq, 1, L]`` (bool True = attend, or additive float): left padding, the first
@@ -137,28 +155,45 @@ def attend(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, at
             raise ValueError(f"attn_mask must be 4-d [B, H, 1, L], got {tuple(attn_mask.shape)}")
         kv_start = kv_start_from_mask(attn_mask, q)
         if not bool(mask_is_a_range(attn_mask, kv_start, s.n_coded + s.n_window)):  # host sync
-            log_once(log, logging.INFO, "mask", "vecinfer: an eager decode mask is not left padding over the valid slots (holes, "
-                              "per-head differences or a bias): that step attends over the dequantized cache")
+            log_once(
+                log,
+                logging.INFO,
+                "mask",
+                "vecinfer: an eager decode mask is not left padding over the valid slots (holes, "
+                "per-head differences or a bias): that step attends over the dequantized cache",
+            )
             return sdpa_by_rows(s, qz, q, attn_mask, scale, attn_mask.shape[-1])
     q_t = transform_queries(q, qz.lam, qz.rotation, qz.key_read)
-    scale = s.head_dim ** -0.5 if scale is None else float(scale)
+    scale = s.head_dim**-0.5 if scale is None else float(scale)
     return qz.codec.decode(s, qz, q_t, kv_start, scale)
 
 
-def attend_chunk(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, attn_mask: torch.Tensor | None,
-                 scale: float | None, keys: ChunkKeys) -> torch.Tensor:
+def attend_chunk(
+    storage: LayerStorage,
+    quantizer: LayerQuantizer,
+    q: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    keys: ChunkKeys,
+) -> torch.Tensor:
     """Attention of an eager chunk of ``C`` query tokens ``q: [B, Hq, C, D]`` by the rule of
     :mod:`vecinfer_compile.ops.split_attention.chunk` (``keys``: :func:`chunk_keys` before the append):
     the coded prefix and the full-precision window and chunk, merged by log-sum-exp, on CUDA
     without any dequantized copy of the whole batch. ``attn_mask``: HF's ``[B|1, 1|Hq, C, S]``
     over the layer's slots, or None (:func:`~vecinfer_compile.ops.split_attention.chunk.attend_masked`)."""
     q_t = transform_queries(q, quantizer.lam, quantizer.rotation, quantizer.key_read)
-    scale = storage.head_dim ** -0.5 if scale is None else float(scale)
+    scale = storage.head_dim**-0.5 if scale is None else float(scale)
     return chunk_attention.attend_masked(q_t, keys, attn_mask, scale, storage.max_cache_len)
 
 
-def sdpa_by_rows(storage: LayerStorage, quantizer: LayerQuantizer, q: torch.Tensor, attn_mask: torch.Tensor,
-                 scale: float | None, length: int) -> torch.Tensor:
+def sdpa_by_rows(
+    storage: LayerStorage,
+    quantizer: LayerQuantizer,
+    q: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float | None,
+    length: int,
+) -> torch.Tensor:
     """SDPA of ``q: [B, Hq, T, D]`` over the first ``length`` slots dequantized, with
     ``attn_mask: [B|1, 1|Hq, T, length]``, a row group at a time (:data:`DECODE_READ_BYTES`)."""
     b, hq, t, d = q.shape

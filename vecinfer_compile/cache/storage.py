@@ -34,8 +34,18 @@ class LayerStorage:
     """The buffers of one coded layer (the module docstring gives the shapes); ``batch_size`` is
     None until :meth:`allocate`."""
 
-    def __init__(self, *, num_kv_heads: int, head_dim: int, max_cache_len: int, residual: int,
-                 dtype: torch.dtype, device: torch.device, code_widths: tuple[int, int], layer_idx: int = 0):
+    def __init__(
+        self,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        max_cache_len: int,
+        residual: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        code_widths: tuple[int, int],
+        layer_idx: int = 0,
+    ):
         if residual < 0:
             raise ValueError(f"residual must be >= 0, got {residual}")
         if max_cache_len < 1:
@@ -72,8 +82,16 @@ class LayerStorage:
 
     def tensors(self) -> list[torch.Tensor]:
         """The buffers whose bytes the layer counts (all but the append's scratch counter)."""
-        ts = [self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-              self.undo_counts, self.undo_kv]
+        ts = [
+            self.k_codes,
+            self.v_codes,
+            self.k_window,
+            self.v_window,
+            self.n_coded,
+            self.n_window,
+            self.undo_counts,
+            self.undo_kv,
+        ]
         return [t for t in ts if t is not None]
 
     # -- checks --------------------------------------------------------------------------------
@@ -149,8 +167,15 @@ class LayerStorage:
 
     def reset(self) -> None:
         if self.batch_size is not None:
-            for t in (self.k_codes, self.v_codes, self.k_window, self.v_window, self.n_coded, self.n_window,
-                      self.append_arrivals):
+            for t in (
+                self.k_codes,
+                self.v_codes,
+                self.k_window,
+                self.v_window,
+                self.n_coded,
+                self.n_window,
+                self.append_arrivals,
+            ):
                 t.zero_()
         self.empty = True
 
@@ -164,15 +189,17 @@ class LayerStorage:
     def allocate_undo(self) -> None:
         if self.undo_kv is None or self.undo_kv.shape[1] != self.batch_size:
             self.undo_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-            self.undo_kv = torch.zeros(2, self.batch_size, self.num_heads, self.head_dim, dtype=self.dtype,
-                                       device=self.device)
+            self.undo_kv = torch.zeros(
+                2, self.batch_size, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device
+            )
             for t in (self.undo_counts, self.undo_kv):
                 torch._dynamo.mark_static_address(t)
 
     def record_undo(self) -> None:
         """Before an update: the counters and window slot 0 (the token a full window moves into the codes)."""
-        torch.ops.vecinfer.record_undo(self.undo_counts, self.undo_kv, self.n_coded, self.n_window,
-                                       self.k_window, self.v_window)
+        torch.ops.vecinfer.record_undo(
+            self.undo_counts, self.undo_kv, self.n_coded, self.n_window, self.k_window, self.v_window
+        )
 
     def undo_last_token(self) -> None:
         """Undo the last update, recorded by :meth:`record_undo`, when it appended one token: the
@@ -194,7 +221,7 @@ class LayerStorage:
         self.n_window.fill_(was_window)
 
     # -- row views (filling a batch a few rows at a time) ----------------------------------------
-    def row_view(self, start: int, stop: int) -> "LayerStorage":
+    def row_view(self, start: int, stop: int) -> LayerStorage:
         """Empty storage over rows ``[start, stop)`` of these buffers (views: what it stores lands
         here) with counters of its own."""
         part = copy.copy(self)
@@ -206,7 +233,7 @@ class LayerStorage:
         part.empty = True
         return part
 
-    def take_length(self, part: "LayerStorage", rows: str) -> None:
+    def take_length(self, part: LayerStorage, rows: str) -> None:
         """Adopt the counters of ``part`` (a filled :meth:`row_view`): the first group filled sets
         them, every later one must end at the same length."""
         got = (int(part.n_coded), int(part.n_window))

@@ -6,16 +6,17 @@ the call it compiles."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from ..codebooks import LayerCodebooks
 from ..codecs import registry
 from ..codecs.base import FitContext
+from ..hf.output_projection import NAMES as OUTPUT_PROJECTION_NAMES
+from ..hf.output_projection import output_projection_weight
 from ..methods import KeyTransformSpec
-from ..hf.output_projection import NAMES as OUTPUT_PROJECTION_NAMES, output_projection_weight
 from ..quant.query_aware import DEFAULT_RIDGE, query_aware_matrices, second_moment
 from ..quant.refine import LayerAttention, RefineConfig
 from ..quant.rope import rotate
@@ -67,8 +68,15 @@ class FitSettings:
 
     def context(self, bits: float, metric: torch.Tensor | None, seed: int) -> FitContext:
         """What a codec's fit of one side at ``bits`` gets (:class:`~vecinfer_compile.codecs.base.FitContext`)."""
-        return FitContext(bits=bits, metric=metric, seed=seed, iters=self.iters, max_vectors=self.max_vectors,
-                          device=self.device, options=self.codec_options or {})
+        return FitContext(
+            bits=bits,
+            metric=metric,
+            seed=seed,
+            iters=self.iters,
+            max_vectors=self.max_vectors,
+            device=self.device,
+            options=self.codec_options or {},
+        )
 
 
 @dataclass
@@ -98,25 +106,41 @@ def fit_key_transform(samples: LayerSamples, spec: KeyTransformSpec, settings: F
     return KeyTransform(keys.shape[-1], lam, spec.rotate, *matrices, mean=mean, rope_inv_freq=inv_freq)
 
 
-def error_metrics(module, out_weight: torch.Tensor | None, transform: KeyTransform, queries: torch.Tensor,
-                  num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def error_metrics(
+    module,
+    out_weight: torch.Tensor | None,
+    transform: KeyTransform,
+    queries: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(key_metric, value_metric)`` ``[H_kv, D, D]`` of one layer (:mod:`.quant.weighted_codes`):
     the code-domain second moment of the calibration ``queries: [H_q, N, D]`` (post-RoPE) per KV
     head, and the Gram matrix of the attention ``module``'s output projection ``out_weight``
     (:func:`~vecinfer_compile.hf.output_projection.output_projection_weight`; None is refused)."""
     if out_weight is None:
-        raise ValueError(f"weighted codes weigh value errors through the attention's output projection, and "
-                         f"{type(module).__name__} has none that maps its {queries.shape[0]} x {head_dim} head outputs "
-                         f"(looked for {', '.join(OUTPUT_PROJECTION_NAMES)}): calibrate with --no-weighted-codes "
-                         "(weighted_codes=False)")
+        raise ValueError(
+            f"weighted codes weigh value errors through the attention's output projection, and "
+            f"{type(module).__name__} has none that maps its {queries.shape[0]} x {head_dim} head outputs "
+            f"(looked for {', '.join(OUTPUT_PROJECTION_NAMES)}): calibrate with --no-weighted-codes "
+            "(weighted_codes=False)"
+        )
     q = transform.queries(queries[None].float())[0]  # [H_q, N, D]
     group = q.reshape(num_kv_heads, -1, q.shape[-1])  # [H_kv, group * N, D] (repeat_kv's grouping)
     moment = (group.transpose(1, 2).double() @ group.double()).float() / max(1, q.shape[1])
     return key_metric(moment), value_metric(out_weight, num_kv_heads, head_dim)
 
 
-def fit_layer(samples: LayerSamples, spec: KeyTransformSpec, bits: Sequence[float], settings: FitSettings, *,
-              key_seed: int, value_seed: int, module=None) -> LayerFit:
+def fit_layer(
+    samples: LayerSamples,
+    spec: KeyTransformSpec,
+    bits: Sequence[float],
+    settings: FitSettings,
+    *,
+    key_seed: int,
+    value_seed: int,
+    module=None,
+) -> LayerFit:
     """Fit one attention layer at each preset of ``bits`` (one key transform for all of them).
 
     Keys are coded in the transform's domain; for the methods that predict values, the value
@@ -137,8 +161,11 @@ def fit_layer(samples: LayerSamples, spec: KeyTransformSpec, bits: Sequence[floa
     out_weight = None
     if refine is not None or settings.weighted_codes:
         out_weight = output_projection_weight(module, queries.shape[0], head_dim)
-    key_w, value_w = error_metrics(module, out_weight, transform, queries, num_kv_heads,
-                                   head_dim) if settings.weighted_codes else (None, None)
+    key_w, value_w = (
+        error_metrics(module, out_weight, transform, queries, num_kv_heads, head_dim)
+        if settings.weighted_codes
+        else (None, None)
+    )
     device = settings.device or k_t.device
     fit = LayerFit({})
     for b in bits:
@@ -152,8 +179,19 @@ def fit_layer(samples: LayerSamples, spec: KeyTransformSpec, bits: Sequence[floa
         refined = None
         if refine is not None and key_codec is value_codec:
             attn = LayerAttention.of(module, out_weight, head_dim)
-            refined = key_codec.refine(queries, keys, values, samples.lengths, transform, key_code, value_code,
-                                       attn, refine, seed=key_seed, device=settings.device)
+            refined = key_codec.refine(
+                queries,
+                keys,
+                values,
+                samples.lengths,
+                transform,
+                key_code,
+                value_code,
+                attn,
+                refine,
+                seed=key_seed,
+                device=settings.device,
+            )
         if refined is not None:
             key_code, value_code, before, after = refined
             fit.loss_ratio[b] = round(after / before, 4) if before > 0 else 1.0

@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 
 from ..codebooks import VecInferCodebooks
+from ..hf.weight_fingerprint import weight_fingerprint
 from ..methods import VQ_METHODS
 from ..quant.query_aware import RIDGE_FORM
 from ..quant.refine import RefineConfig
-from ..hf.weight_fingerprint import weight_fingerprint
 from .plan import CalibrationPlan
 
 
@@ -24,8 +24,17 @@ def text_hash(texts: list[str] | str) -> str:
     return h.hexdigest()[:16]
 
 
-def calibration_metadata(model, plan: CalibrationPlan, texts: list[str] | str, tokens: int, *, seq_len: int,
-                         iters: int, seed: int, loss_ratio: dict[str, float]) -> dict:
+def calibration_metadata(
+    model,
+    plan: CalibrationPlan,
+    texts: list[str] | str,
+    tokens: int,
+    *,
+    seq_len: int,
+    iters: int,
+    seed: int,
+    loss_ratio: dict[str, float],
+) -> dict:
     """The metadata of codebooks calibrated on ``model`` by ``plan`` from ``tokens`` tokens of
     ``texts``; ``loss_ratio``: refinement's attention-output loss after / before, by ``"layer/bits"``."""
     fingerprint = weight_fingerprint(model.named_parameters())
@@ -44,8 +53,9 @@ def calibration_metadata(model, plan: CalibrationPlan, texts: list[str] | str, t
     }
 
 
-def recipe_mismatch(codebooks: VecInferCodebooks, method: str,
-                    refine: RefineConfig | None = RefineConfig()) -> str | None:
+def recipe_mismatch(
+    codebooks: VecInferCodebooks, method: str, refine: RefineConfig | None = RefineConfig()
+) -> str | None:
     """Why ``codebooks`` (a file of ``method``) differ from what :func:`calibrate` fits for
     ``method`` with ``refine``, or None when they do not. A codebook cache checks it so that it
     never hands back files of an older recipe (``qaware`` files from before its refinement or
@@ -53,14 +63,20 @@ def recipe_mismatch(codebooks: VecInferCodebooks, method: str,
     spec = VQ_METHODS[method]
     form = codebooks.metadata.get("qaware_ridge_form")
     if spec.query_aware and form != RIDGE_FORM:
-        return (f"its query-aware matrices were fitted with an older ridge ({form or 'ridge * I'}), "
-                f"{method!r} with a {RIDGE_FORM} one")
+        return (
+            f"its query-aware matrices were fitted with an older ridge ({form or 'ridge * I'}), "
+            f"{method!r} with a {RIDGE_FORM} one"
+        )
     if codebooks.key_parallel_weight != spec.key_parallel_weight:
-        return (f"it encodes keys with parallel weight {codebooks.key_parallel_weight:g}, {method!r} with "
-                f"{spec.key_parallel_weight:g}")
+        return (
+            f"it encodes keys with parallel weight {codebooks.key_parallel_weight:g}, {method!r} with "
+            f"{spec.key_parallel_weight:g}"
+        )
     if codebooks.weighted_codes != spec.weighted_codes:
-        return (f"it {'has' if codebooks.weighted_codes else 'has no'} error metrics, which {method!r} "
-                f"{'does not use' if codebooks.weighted_codes else 'needs'}")
+        return (
+            f"it {'has' if codebooks.weighted_codes else 'has no'} error metrics, which {method!r} "
+            f"{'does not use' if codebooks.weighted_codes else 'needs'}"
+        )
     want = refine.as_dict() if VQ_METHODS[method].refine and refine is not None else None
     have = codebooks.metadata.get("refine")
     have = None if have is None else {k: v for k, v in have.items() if k != "loss_ratio"}

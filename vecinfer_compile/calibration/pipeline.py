@@ -81,17 +81,46 @@ def calibrate(
     weight fingerprint in its metadata (:meth:`VecInferCodebooks.check_weights` compares another
     model with it); ``.save(path)`` writes it.
     """
-    check_calibrate(model, tokenizer, texts, max_tokens=(max_tokens, 1), seq_len=(seq_len, 2), iters=(iters, 1),
-                    seed=(seed, 0), max_fit_vectors=(max_fit_vectors, 1), residual=(residual, 0))
-    plan = plan_calibration(model, bits, method, layer_bits=layer_bits, allocate=allocate, ridge=ridge,
-                            refine=refine, key_parallel_weight=key_parallel_weight, weighted_codes=weighted_codes,
-                            key_codec=key_codec, value_codec=value_codec, codec_options=codec_options)
+    check_calibrate(
+        model,
+        tokenizer,
+        texts,
+        max_tokens=(max_tokens, 1),
+        seq_len=(seq_len, 2),
+        iters=(iters, 1),
+        seed=(seed, 0),
+        max_fit_vectors=(max_fit_vectors, 1),
+        residual=(residual, 0),
+    )
+    plan = plan_calibration(
+        model,
+        bits,
+        method,
+        layer_bits=layer_bits,
+        allocate=allocate,
+        ridge=ridge,
+        refine=refine,
+        key_parallel_weight=key_parallel_weight,
+        weighted_codes=weighted_codes,
+        key_codec=key_codec,
+        value_codec=value_codec,
+        codec_options=codec_options,
+    )
     device = device or next(model.parameters()).device
     token_ids = calibration_token_ids(tokenizer, texts, max_tokens)
     recording = record(model, token_ids, plan, seq_len, progress)
-    settings = FitSettings(iters=iters, max_vectors=max_fit_vectors, device=device, ridge=ridge,
-                           rope_inv_freq=plan.rope_inv_freq, refine=plan.refine, weighted_codes=plan.weighted_codes,
-                           key_codec=plan.key_codec, value_codec=plan.value_codec, codec_options=plan.codec_options)
+    settings = FitSettings(
+        iters=iters,
+        max_vectors=max_fit_vectors,
+        device=device,
+        ridge=ridge,
+        rope_inv_freq=plan.rope_inv_freq,
+        refine=plan.refine,
+        weighted_codes=plan.weighted_codes,
+        key_codec=plan.key_codec,
+        value_codec=plan.value_codec,
+        codec_options=plan.codec_options,
+    )
     needs_modules = plan.refine is not None or plan.weighted_codes
     modules = {m.layer_idx: m for m in attention_modules(model)} if needs_modules else {}
     fitted: dict[int, dict[float, LayerCodebooks]] = {}
@@ -103,21 +132,42 @@ def calibrate(
             if not plan.gets_codebooks(layer, samples.keys):
                 continue  # an uncoded layer of another geometry: no codebooks
             layer_seed = seed + 1000 * layer
-            fit = fit_layer(samples, plan.spec, plan.candidates[layer], settings, key_seed=layer_seed,
-                            value_seed=layer_seed + 1, module=modules.get(layer))
+            fit = fit_layer(
+                samples,
+                plan.spec,
+                plan.candidates[layer],
+                settings,
+                key_seed=layer_seed,
+                value_seed=layer_seed + 1,
+                module=modules.get(layer),
+            )
             fitted[layer] = fit.codebooks
             loss_ratio.update({f"{layer}/{b:g}": ratio for b, ratio in fit.loss_ratio.items()})
-    metadata = calibration_metadata(model, plan, texts, int(token_ids.numel()), seq_len=seq_len, iters=iters,
-                                    seed=seed, loss_ratio=loss_ratio)
+    metadata = calibration_metadata(
+        model, plan, texts, int(token_ids.numel()), seq_len=seq_len, iters=iters, seed=seed, loss_ratio=loss_ratio
+    )
     if allocate == "retrieval":
         text = texts if isinstance(texts, str) else "\n".join(texts)
-        allocation = retrieval_allocation(model, tokenizer, text, token_ids, fitted, float(bits),
-                                          method, seq_len=seq_len, residual=residual, seed=seed,
-                                          progress=progress)
+        allocation = retrieval_allocation(
+            model,
+            tokenizer,
+            text,
+            token_ids,
+            fitted,
+            float(bits),
+            method,
+            seq_len=seq_len,
+            residual=residual,
+            seed=seed,
+            progress=progress,
+        )
         layer_bits = allocation.layer_bits
         metadata["allocation"] = {**allocation.as_dict(), "residual": residual}
-        log.info("retrieval allocation: layer bits %s (retrieval scores %s)", layer_bits,
-                 [round(s, 3) for s in allocation.retrieval])
+        log.info(
+            "retrieval allocation: layer bits %s (retrieval scores %s)",
+            layer_bits,
+            [round(s, 3) for s in allocation.retrieval],
+        )
     for i, producer in enumerate(kv_producers(model.config)):  # a layer reading another's K/V: its codebooks
         if producer != i and producer in fitted:
             fitted[i] = fitted[producer]

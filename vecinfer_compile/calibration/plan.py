@@ -9,9 +9,9 @@ import torch
 
 from ..allocate import allocation_choices
 from ..codebooks import model_geometry
+from ..codecs import registry
 from ..hf.layer_kinds import coded_layers
 from ..methods import VQ_METHODS, KeyTransformSpec, check_method
-from ..codecs import registry
 from ..presets import get_preset
 from ..quant.refine import RefineConfig
 from ..quant.rope import model_rope_frequencies
@@ -57,11 +57,21 @@ class CalibrationPlan:
         return self.coded[layer] or (keys.shape[0], keys.shape[-1]) == (geometry["num_kv_heads"], geometry["head_dim"])
 
 
-def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list[float] | None,
-                     allocate: str | None, ridge: float, refine: RefineConfig | None,
-                     key_parallel_weight: float | None, weighted_codes: bool | None,
-                     key_codec: str | None = None, value_codec: str | None = None,
-                     codec_options: dict | None = None) -> CalibrationPlan:
+def plan_calibration(
+    model,
+    bits: float | None,
+    method: str,
+    *,
+    layer_bits: list[float] | None,
+    allocate: str | None,
+    ridge: float,
+    refine: RefineConfig | None,
+    key_parallel_weight: float | None,
+    weighted_codes: bool | None,
+    key_codec: str | None = None,
+    value_codec: str | None = None,
+    codec_options: dict | None = None,
+) -> CalibrationPlan:
     """The plan of :func:`~vecinfer_compile.calibrate` for ``model`` (its arguments of
     the same names), or a ValueError naming the fix for arguments it cannot run."""
     if layer_bits is not None and allocate is not None:
@@ -88,16 +98,19 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
         preset.key.check_head_dim(head_dim)
         preset.value.check_head_dim(head_dim)
     spec = VQ_METHODS[method]
-    key_parallel_weight = check_parallel_weight(spec.key_parallel_weight if key_parallel_weight is None
-                                                else key_parallel_weight)
+    key_parallel_weight = check_parallel_weight(
+        spec.key_parallel_weight if key_parallel_weight is None else key_parallel_weight
+    )
     weighted_codes = spec.weighted_codes if weighted_codes is None else bool(weighted_codes)
     if spec.rotate:
         KeyTransform(head_dim).rotation(torch.float32, "cpu")  # clear error for bad head dims
     if spec.query_aware and not ridge > 0:
         raise ValueError(f"ridge must be > 0 (it keeps the query moment invertible), got {ridge}")
     if weighted_codes and (spec.pre_rope or spec.predict_values):
-        raise ValueError(f"weighted codes need keys whose scores the query transform keeps exact and plain value "
-                         f"codes; method {method!r} has neither: use --method qaware (or vecinfer)")
+        raise ValueError(
+            f"weighted codes need keys whose scores the query transform keeps exact and plain value "
+            f"codes; method {method!r} has neither: use --method qaware (or vecinfer)"
+        )
     key_codec, value_codec = key_codec or registry.DEFAULT, value_codec or registry.DEFAULT
     codec_options = dict(codec_options or {})
     for side, name in (("key", key_codec), ("value", value_codec)):
@@ -120,12 +133,21 @@ def plan_calibration(model, bits: float | None, method: str, *, layer_bits: list
     )
 
 
-def _check_codec(side: str, name: str, options: dict, spec: KeyTransformSpec, method: str,
-                 candidates: list[tuple[float, ...]], head_dim: int) -> None:
+def _check_codec(
+    side: str,
+    name: str,
+    options: dict,
+    spec: KeyTransformSpec,
+    method: str,
+    candidates: list[tuple[float, ...]],
+    head_dim: int,
+) -> None:
     """A ValueError naming the fix for a codec of ``side`` (``"key"`` or ``"value"``), its options, the
     method or the bits it cannot run."""
     codec = registry.get(name)
     if name != registry.DEFAULT and spec.predict_values:
-        raise ValueError(f"method {method!r} predicts values from the default codec's key codes; the {name} {side} "
-                         "codec needs plain key and value codes: use --method qaware (or vecinfer)")
+        raise ValueError(
+            f"method {method!r} predicts values from the default codec's key codes; the {name} {side} "
+            "codec needs plain key and value codes: use --method qaware (or vecinfer)"
+        )
     codec.check_plan(sorted({b for c in candidates for b in c}), head_dim, options)

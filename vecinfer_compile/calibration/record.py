@@ -68,12 +68,16 @@ def check_recorded_layers(config, recorded: list[int], *, per_layer_bits: bool) 
     missing = [i for i in range(len(kinds)) if i not in recorded]
     outside = [i for i in recorded if not 0 <= i < len(kinds)]
     if any(i < 0 for i in outside):
-        raise ValueError(f"an attention module has layer index {min(outside)}: one attention block shared by "
-                         "several decoder layers, whose K/V per-layer codebooks cannot describe: this model is "
-                         "not supported")
+        raise ValueError(
+            f"an attention module has layer index {min(outside)}: one attention block shared by "
+            "several decoder layers, whose K/V per-layer codebooks cannot describe: this model is "
+            "not supported"
+        )
     if outside:
-        raise ValueError(f"recorded attention in layers {outside}, which the config's {len(kinds)} decoder "
-                         "layers do not have: the config does not describe this model")
+        raise ValueError(
+            f"recorded attention in layers {outside}, which the config's {len(kinds)} decoder "
+            "layers do not have: the config does not describe this model"
+        )
     attention = [i for i in missing if kinds[i] not in NO_KV_KINDS]
     if attention:
         raise ValueError(
@@ -83,6 +87,8 @@ def check_recorded_layers(config, recorded: list[int], *, per_layer_bits: bool) 
             "so their K/V cannot be calibrated: this model is not supported"
         )
     if missing and per_layer_bits:
-        raise ValueError(f"layers {missing} have no attention ({sorted({kinds[i] for i in missing})}): per-layer "
-                         "bits (layer_bits / allocate='retrieval') are for models whose every layer has "
-                         "attention; calibrate one preset (bits=...)")
+        raise ValueError(
+            f"layers {missing} have no attention ({sorted({kinds[i] for i in missing})}): per-layer "
+            "bits (layer_bits / allocate='retrieval') are for models whose every layer has "
+            "attention; calibrate one preset (bits=...)"
+        )

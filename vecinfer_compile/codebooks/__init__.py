@@ -9,5 +9,12 @@ from .file_format import FORMAT
 from .load import load_codebooks
 from .model import LayerCodebooks, VecInferCodebooks, average_bits, geometry_fingerprint, model_geometry
 
-__all__ = ["FORMAT", "LayerCodebooks", "VecInferCodebooks", "average_bits", "geometry_fingerprint",
-           "load_codebooks", "model_geometry"]
+__all__ = [
+    "FORMAT",
+    "LayerCodebooks",
+    "VecInferCodebooks",
+    "average_bits",
+    "geometry_fingerprint",
+    "load_codebooks",
+    "model_geometry",
+]

@@ -21,11 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ..methods import VQ_METHODS
 from ..codecs.registry import DEFAULT as DEFAULT_CODEC
+from ..methods import VQ_METHODS
 from .file_format import FORMAT
 
-FORMAT_V1, FORMAT_V2, FORMAT_V3, FORMAT_V4, FORMAT_V5, FORMAT_V6, FORMAT_V7 = (f"vecinfer-codebooks/{n}" for n in range(1, 8))
+FORMAT_V1, FORMAT_V2, FORMAT_V3, FORMAT_V4, FORMAT_V5, FORMAT_V6, FORMAT_V7 = (
+    f"vecinfer-codebooks/{n}" for n in range(1, 8)
+)
 OLDER_FORMATS = (FORMAT_V7, FORMAT_V6, FORMAT_V5, FORMAT_V4, FORMAT_V3, FORMAT_V2, FORMAT_V1)
 
 
@@ -41,9 +43,16 @@ def upgrade(meta: dict, tensors: dict[str, torch.Tensor], source: str | Path) ->
             "ones converted): recalibrate with this version (`vecinfer calibrate`) or install the version that wrote it"
         )
     meta, tensors = dict(meta), dict(tensors)
-    steps = {FORMAT_V1: _v1_to_v2, FORMAT_V2: _v2_to_v3, FORMAT_V3: _v3_to_v4, FORMAT_V4: _v4_to_v5,
-             FORMAT_V5: _v5_to_v6, FORMAT_V6: _v6_to_v7, FORMAT_V7: _v7_to_v8}
-    for fmt in reversed(OLDER_FORMATS[:OLDER_FORMATS.index(old) + 1]):
+    steps = {
+        FORMAT_V1: _v1_to_v2,
+        FORMAT_V2: _v2_to_v3,
+        FORMAT_V3: _v3_to_v4,
+        FORMAT_V4: _v4_to_v5,
+        FORMAT_V5: _v5_to_v6,
+        FORMAT_V6: _v6_to_v7,
+        FORMAT_V7: _v7_to_v8,
+    }
+    for fmt in reversed(OLDER_FORMATS[: OLDER_FORMATS.index(old) + 1]):
         steps[fmt](meta, tensors, source)
     meta.update(format=FORMAT, converted_from=old)
     return meta, tensors
@@ -53,8 +62,10 @@ def _num_layers(meta: dict, source) -> int:
     try:
         return int(meta["geometry"]["num_layers"])
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{source}: its metadata has no geometry with num_layers (corrupt file): recalibrate "
-                         "with `vecinfer calibrate`") from None
+        raise ValueError(
+            f"{source}: its metadata has no geometry with num_layers (corrupt file): recalibrate "
+            "with `vecinfer calibrate`"
+        ) from None
 
 
 def _v1_to_v2(meta: dict, tensors: dict, source) -> None:
@@ -65,8 +76,10 @@ def _v1_to_v2(meta: dict, tensors: dict, source) -> None:
         if stacked is None:
             raise ValueError(f"{source}: tensor '{kind}_centroids' is missing (corrupt file)")
         if stacked.dim() != 3 or stacked.shape[0] != num_layers:
-            raise ValueError(f"{source}: {kind}_centroids has shape {tuple(stacked.shape)}, its geometry says "
-                             f"[{num_layers}, entries, dims] (corrupt file)")
+            raise ValueError(
+                f"{source}: {kind}_centroids has shape {tuple(stacked.shape)}, its geometry says "
+                f"[{num_layers}, entries, dims] (corrupt file)"
+            )
         tensors.update({f"layers.{i}.{kind}_centroids": c for i, c in enumerate(stacked)})
     if "bits" in meta:  # else the reader names the missing field
         meta["layer_bits"] = [float(meta["bits"])] * num_layers

@@ -33,20 +33,37 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..methods import VQ_METHODS
 from ..codecs import registry
 from ..codecs.base import SIDES
+from ..hf.weight_fingerprint import check_fingerprint
+from ..methods import VQ_METHODS
 from ..quant.transform import KeyTransform
 from ..quant.value_prediction import ValuePredictor
-from ..hf.weight_fingerprint import check_fingerprint
 from .model import LayerCodebooks, VecInferCodebooks, geometry_fingerprint
 
 FORMAT = "vecinfer-codebooks/8"
 MATRIX_TOLERANCE = 1e-3  # max |A^T B - I| of a stored pair (float32 inverses of a ridge-conditioned S)
-FILE_FIELDS = ("format", "method", "bits", "layer_bits", "attention_layers", "geometry", "fingerprint",
-               "key_codec", "value_codec")
-READ_FIELDS = ("method", "bits", "geometry", "layer_bits", "attention_layers", "uncentred_keys",
-               "key_codec", "value_codec")  # not kept as metadata
+FILE_FIELDS = (
+    "format",
+    "method",
+    "bits",
+    "layer_bits",
+    "attention_layers",
+    "geometry",
+    "fingerprint",
+    "key_codec",
+    "value_codec",
+)
+READ_FIELDS = (
+    "method",
+    "bits",
+    "geometry",
+    "layer_bits",
+    "attention_layers",
+    "uncentred_keys",
+    "key_codec",
+    "value_codec",
+)  # not kept as metadata
 
 
 def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
@@ -94,8 +111,11 @@ def save_codebooks(codebooks: VecInferCodebooks, path: str | Path) -> Path:
         "fingerprint": geometry_fingerprint(codebooks.geometry),
         "package_version": __version__,
     }
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-              metadata={"vecinfer": json.dumps(meta, sort_keys=True)})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(path),
+        metadata={"vecinfer": json.dumps(meta, sort_keys=True)},
+    )
     path.chmod(0o666 & ~_umask())  # safetensors creates the file 0600; honour the umask
     return path
 
@@ -111,12 +131,15 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
     JSON object) and ``tensors``, checked strictly (a ValueError naming the file ``path`` and the fix for
     anything missing, misshapen or inconsistent)."""
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} has format {meta.get('format')!r}, not {FORMAT}: read it with load_codebooks, "
-                         "which converts older formats")
+        raise ValueError(
+            f"{path} has format {meta.get('format')!r}, not {FORMAT}: read it with load_codebooks, "
+            "which converts older formats"
+        )
     missing = [name for name in FILE_FIELDS if name not in meta]
     if missing:
-        raise ValueError(f"{path}: its metadata lacks {', '.join(missing)} (corrupt file): recalibrate with "
-                         "`vecinfer calibrate`")
+        raise ValueError(
+            f"{path}: its metadata lacks {', '.join(missing)} (corrupt file): recalibrate with `vecinfer calibrate`"
+        )
     geometry = meta["geometry"]
     if "weight_fingerprint" in meta:
         check_fingerprint(meta["weight_fingerprint"], str(path))
@@ -124,27 +147,34 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
         raise ValueError(f"{path}: metadata fingerprint does not match its geometry (corrupt file)")
     method, bits = meta["method"], float(meta["bits"])
     if method not in VQ_METHODS:
-        raise ValueError(f"{path} is for method {method!r}, which this version does not know "
-                         f"({', '.join(VQ_METHODS)}): install the version that wrote it")
+        raise ValueError(
+            f"{path} is for method {method!r}, which this version does not know "
+            f"({', '.join(VQ_METHODS)}): install the version that wrote it"
+        )
     spec = VQ_METHODS[method]
     num_layers = geometry["num_layers"]
 
     present = _attention_layers(path, meta, num_layers)
     layer_bits = [float(b) for b in meta["layer_bits"]]
     if len(layer_bits) != num_layers:
-        raise ValueError(f"{path}: layer_bits has {len(layer_bits)} entries, its geometry says {num_layers} layers "
-                         "(corrupt file)")
+        raise ValueError(
+            f"{path}: layer_bits has {len(layer_bits)} entries, its geometry says {num_layers} layers (corrupt file)"
+        )
     codes = {side: _side_codes(path, side, meta, tensors, present, layer_bits, geometry) for side in SIDES}
     lam = tensors.get("lam")
     if spec.smooth and lam is None:
         raise ValueError(f"{path}: method {method!r} needs smoothing factors but the file has none")
     if lam is not None and tuple(lam.shape) != (len(present), geometry["num_kv_heads"], geometry["head_dim"]):
-        raise ValueError(f"{path}: lam has shape {tuple(lam.shape)}, its {len(present)} attention layers need "
-                         f"{(len(present), geometry['num_kv_heads'], geometry['head_dim'])} (corrupt file)")
+        raise ValueError(
+            f"{path}: lam has shape {tuple(lam.shape)}, its {len(present)} attention layers need "
+            f"{(len(present), geometry['num_kv_heads'], geometry['head_dim'])} (corrupt file)"
+        )
     uncentred = meta.get("uncentred_keys", False)
     if uncentred and (not spec.center or "key_mean" in tensors):
-        raise ValueError(f"{path}: its metadata says uncentred_keys, which only a centring method's file without "
-                         "'key_mean' may say (corrupt file): recalibrate with `vecinfer calibrate`")
+        raise ValueError(
+            f"{path}: its metadata says uncentred_keys, which only a centring method's file without "
+            "'key_mean' may say (corrupt file): recalibrate with `vecinfer calibrate`"
+        )
     key_m, query_m = _query_aware_matrices(path, tensors, method, spec.query_aware, geometry, len(present))
     mean = _key_mean(path, tensors, method, spec.center and not uncentred, geometry, len(present))
     inv_freq, value_m, value_b = _pre_rope_state(path, tensors, method, spec, geometry, len(present))
@@ -152,9 +182,15 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
     layers: list[LayerCodebooks | None] = [None] * num_layers
     for n, i in enumerate(present):  # n: the layer's row in the stacked tensors
         layers[i] = LayerCodebooks(
-            KeyTransform(geometry["head_dim"], lam[n] if lam is not None else None, spec.rotate,
-                         None if key_m is None else key_m[n], None if query_m is None else query_m[n],
-                         mean=None if mean is None else mean[n], rope_inv_freq=inv_freq),
+            KeyTransform(
+                geometry["head_dim"],
+                lam[n] if lam is not None else None,
+                spec.rotate,
+                None if key_m is None else key_m[n],
+                None if query_m is None else query_m[n],
+                mean=None if mean is None else mean[n],
+                rope_inv_freq=inv_freq,
+            ),
             codes["key"][n],
             codes["value"][n],
             None if value_m is None else ValuePredictor(value_m[n], value_b[n]),
@@ -165,21 +201,26 @@ def read_codebooks(meta: dict, tensors: dict[str, torch.Tensor], path: str | Pat
     return VecInferCodebooks(method, bits, layers, geometry, keep, layer_bits)
 
 
-def _side_codes(path: Path, side: str, meta: dict, tensors: dict, present: list[int], layer_bits: list[float],
-               geometry: dict) -> list:
+def _side_codes(
+    path: Path, side: str, meta: dict, tensors: dict, present: list[int], layer_bits: list[float], geometry: dict
+) -> list:
     """The codes of ``side`` (``"key"`` or ``"value"``) of every attention layer, read by the codec the
     metadata names (checked strictly by it); a file holding another registered codec's section of
     ``side`` is refused as corrupt."""
     name = meta.get(f"{side}_codec")
     if name not in registry.names():
-        raise ValueError(f"{path}: {side} codec {name!r} is unknown to this version (it knows "
-                         f"{', '.join(registry.names())}): install the version that wrote it")
+        raise ValueError(
+            f"{path}: {side} codec {name!r} is unknown to this version (it knows "
+            f"{', '.join(registry.names())}): install the version that wrote it"
+        )
     codec = registry.get(name)
     for other in registry.all_codecs():
         stray = [] if other is codec else other.tensor_names(side, tensors)
         if stray:
-            raise ValueError(f"{path}: it has {stray[:3]} of the {other.name} codec but its metadata names the "
-                             f"{name} codec for the {side}s (corrupt file): recalibrate with `vecinfer calibrate`")
+            raise ValueError(
+                f"{path}: it has {stray[:3]} of the {other.name} codec but its metadata names the "
+                f"{name} codec for the {side}s (corrupt file): recalibrate with `vecinfer calibrate`"
+            )
     return codec.read(side, tensors, path=path, present=present, layer_bits=layer_bits, geometry=geometry)
 
 
@@ -190,13 +231,17 @@ def _error_metrics(path: Path, tensors: dict, geometry: dict, layers: int):
     if not present:
         return None, None
     if len(present) != 2:
-        raise ValueError(f"{path}: error-weighted codes need tensors 'key_metric' and 'value_metric' but the "
-                         f"file has only {present} (corrupt file): recalibrate with `vecinfer calibrate --weighted-codes`")
+        raise ValueError(
+            f"{path}: error-weighted codes need tensors 'key_metric' and 'value_metric' but the "
+            f"file has only {present} (corrupt file): recalibrate with `vecinfer calibrate --weighted-codes`"
+        )
     shape = (layers, geometry["num_kv_heads"], geometry["head_dim"], geometry["head_dim"])
     for name in present:
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{path}: {name} has shape {tuple(tensors[name].shape)}, its {layers} attention layers "
-                             f"need {shape} (corrupt file)")
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(tensors[name].shape)}, its {layers} attention layers "
+                f"need {shape} (corrupt file)"
+            )
     return tensors["key_metric"], tensors["value_metric"]
 
 
@@ -204,10 +249,14 @@ def _attention_layers(path: Path, meta: dict, num_layers: int) -> list[int]:
     """The layers of a file that have codebooks, checked: format 5 lists them (a hybrid model's
     layers without attention have none); in older formats every layer has them."""
     present = meta.get("attention_layers", list(range(num_layers)))
-    if (not present or present != sorted(set(present))
-            or not all(isinstance(i, int) and 0 <= i < num_layers for i in present)):
-        raise ValueError(f"{path}: attention_layers {present} is not an increasing list of layers below "
-                         f"{num_layers} (corrupt file)")
+    if (
+        not present
+        or present != sorted(set(present))
+        or not all(isinstance(i, int) and 0 <= i < num_layers for i in present)
+    ):
+        raise ValueError(
+            f"{path}: attention_layers {present} is not an increasing list of layers below {num_layers} (corrupt file)"
+        )
     return present
 
 
@@ -218,27 +267,34 @@ def _query_aware_matrices(path: Path, tensors: dict, method: str, needed: bool, 
     present = [name for name in ("key_matrix", "query_matrix") if name in tensors]
     if not needed:
         if present:
-            raise ValueError(f"{path}: method {method!r} takes no query-aware matrices but the file has "
-                             f"{present} (corrupt file): recalibrate with `vecinfer calibrate`")
+            raise ValueError(
+                f"{path}: method {method!r} takes no query-aware matrices but the file has "
+                f"{present} (corrupt file): recalibrate with `vecinfer calibrate`"
+            )
         return None, None
     if len(present) != 2:
-        raise ValueError(f"{path}: method {method!r} needs tensors 'key_matrix' and 'query_matrix' but "
-                         f"the file has {present or 'neither'}: recalibrate with `vecinfer calibrate "
-                         f"--method {method}`")
+        raise ValueError(
+            f"{path}: method {method!r} needs tensors 'key_matrix' and 'query_matrix' but "
+            f"the file has {present or 'neither'}: recalibrate with `vecinfer calibrate "
+            f"--method {method}`"
+        )
     a, b = tensors["key_matrix"], tensors["query_matrix"]
     expect = (layers, geometry["num_kv_heads"], geometry["head_dim"], geometry["head_dim"])
     for name, t in (("key_matrix", a), ("query_matrix", b)):
         if tuple(t.shape) != expect:
-            raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, its geometry needs {expect} "
-                             f"[layers, kv_heads, head_dim, head_dim]: recalibrate with `vecinfer "
-                             f"calibrate --method {method}`")
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(t.shape)}, its geometry needs {expect} "
+                f"[layers, kv_heads, head_dim, head_dim]: recalibrate with `vecinfer "
+                f"calibrate --method {method}`"
+            )
     eye = torch.eye(expect[-1], dtype=torch.float64)
     err = (a.double().transpose(-1, -2) @ b.double() - eye).abs().amax().item()
     if not err <= MATRIX_TOLERANCE:
-        raise ValueError(f"{path}: query_matrix is not the inverse transpose of key_matrix (max error "
-                         f"{err:.3g}; scores would change): recalibrate with `vecinfer calibrate --method {method}`")
+        raise ValueError(
+            f"{path}: query_matrix is not the inverse transpose of key_matrix (max error "
+            f"{err:.3g}; scores would change): recalibrate with `vecinfer calibrate --method {method}`"
+        )
     return a.float(), b.float()
-
 
 
 def _pre_rope_state(path: Path, tensors: dict, method: str, spec, geometry: dict, layers: int):
@@ -247,26 +303,39 @@ def _pre_rope_state(path: Path, tensors: dict, method: str, spec, geometry: dict
     needed = {"rope_inv_freq": spec.pre_rope, "value_matrix": spec.predict_values, "value_bias": spec.predict_values}
     for name, wanted in needed.items():
         if wanted and name not in tensors:
-            raise ValueError(f"{path}: method {method!r} needs tensor {name!r} but the file has none: "
-                             f"recalibrate with `vecinfer calibrate --method {method}`")
+            raise ValueError(
+                f"{path}: method {method!r} needs tensor {name!r} but the file has none: "
+                f"recalibrate with `vecinfer calibrate --method {method}`"
+            )
         if not wanted and name in tensors:
-            raise ValueError(f"{path}: method {method!r} takes no {name!r} but the file has it (corrupt file): "
-                             "recalibrate with `vecinfer calibrate`")
+            raise ValueError(
+                f"{path}: method {method!r} takes no {name!r} but the file has it (corrupt file): "
+                "recalibrate with `vecinfer calibrate`"
+            )
     h, d = geometry["num_kv_heads"], geometry["head_dim"]
     inv_freq = tensors.get("rope_inv_freq")
     if inv_freq is not None and not (inv_freq.dim() == 1 and 0 < 2 * inv_freq.shape[0] <= d):
-        raise ValueError(f"{path}: rope_inv_freq has shape {tuple(inv_freq.shape)}, head_dim {d} needs [r/2] with "
-                         f"r <= {d} (corrupt file)")
+        raise ValueError(
+            f"{path}: rope_inv_freq has shape {tuple(inv_freq.shape)}, head_dim {d} needs [r/2] with "
+            f"r <= {d} (corrupt file)"
+        )
     matrix, bias = tensors.get("value_matrix"), tensors.get("value_bias")
     if matrix is not None and (tuple(matrix.shape) != (layers, h, d, d) or tuple(bias.shape) != (layers, h, d)):
-        raise ValueError(f"{path}: value_matrix / value_bias have shapes {tuple(matrix.shape)} / {tuple(bias.shape)}, "
-                         f"its geometry needs {(layers, h, d, d)} / {(layers, h, d)} (corrupt file)")
+        raise ValueError(
+            f"{path}: value_matrix / value_bias have shapes {tuple(matrix.shape)} / {tuple(bias.shape)}, "
+            f"its geometry needs {(layers, h, d, d)} / {(layers, h, d)} (corrupt file)"
+        )
     for name, t in (("rope_inv_freq", inv_freq), ("value_matrix", matrix), ("value_bias", bias)):
         if t is not None and not torch.isfinite(t).all():
-            raise ValueError(f"{path}: {name} holds NaN or inf (corrupt file): recalibrate with "
-                             f"`vecinfer calibrate --method {method}`")
-    return (None if inv_freq is None else inv_freq.float(), None if matrix is None else matrix.float(),
-            None if bias is None else bias.float())
+            raise ValueError(
+                f"{path}: {name} holds NaN or inf (corrupt file): recalibrate with "
+                f"`vecinfer calibrate --method {method}`"
+            )
+    return (
+        None if inv_freq is None else inv_freq.float(),
+        None if matrix is None else matrix.float(),
+        None if bias is None else bias.float(),
+    )
 
 
 def _key_mean(path: Path, tensors: dict, method: str, centred: bool, geometry: dict, layers: int):
@@ -276,17 +345,24 @@ def _key_mean(path: Path, tensors: dict, method: str, centred: bool, geometry: d
     mean = tensors.get("key_mean")
     if not centred:
         if mean is not None:
-            raise ValueError(f"{path}: method {method!r} does not centre keys but the file has 'key_mean' "
-                             "(corrupt file): recalibrate with `vecinfer calibrate`")
+            raise ValueError(
+                f"{path}: method {method!r} does not centre keys but the file has 'key_mean' "
+                "(corrupt file): recalibrate with `vecinfer calibrate`"
+            )
         return None
     if mean is None:
-        raise ValueError(f"{path}: method {method!r} needs tensor 'key_mean' but the file has none: "
-                         f"recalibrate with `vecinfer calibrate --method {method}`")
+        raise ValueError(
+            f"{path}: method {method!r} needs tensor 'key_mean' but the file has none: "
+            f"recalibrate with `vecinfer calibrate --method {method}`"
+        )
     expect = (layers, geometry["num_kv_heads"], geometry["head_dim"])
     if tuple(mean.shape) != expect:
-        raise ValueError(f"{path}: key_mean has shape {tuple(mean.shape)}, its geometry needs {expect} "
-                         f"[layers, kv_heads, head_dim]: recalibrate with `vecinfer calibrate --method {method}`")
+        raise ValueError(
+            f"{path}: key_mean has shape {tuple(mean.shape)}, its geometry needs {expect} "
+            f"[layers, kv_heads, head_dim]: recalibrate with `vecinfer calibrate --method {method}`"
+        )
     if not torch.isfinite(mean).all():
-        raise ValueError(f"{path}: key_mean holds NaN or inf (corrupt file): recalibrate with "
-                         f"`vecinfer calibrate --method {method}`")
+        raise ValueError(
+            f"{path}: key_mean holds NaN or inf (corrupt file): recalibrate with `vecinfer calibrate --method {method}`"
+        )
     return mean.float()

@@ -30,8 +30,11 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"{path} is not a safetensors file: {exc}") from exc
-    bad = [(name, int((~t.isfinite()).sum()), t.numel()) for name, t in tensors.items()
-           if t.is_floating_point() and not bool(t.isfinite().all())]
+    bad = [
+        (name, int((~t.isfinite()).sum()), t.numel())
+        for name, t in tensors.items()
+        if t.is_floating_point() and not bool(t.isfinite().all())
+    ]
     if bad:
         raise ValueError(describe_nonfinite(path, bad))
     if raw is None:
@@ -39,11 +42,13 @@ def load_codebooks(path: str | Path) -> VecInferCodebooks:
     try:
         meta = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: its vecinfer metadata is not JSON ({exc}; corrupt file): recalibrate with "
-                         "`vecinfer calibrate`") from exc
+        raise ValueError(
+            f"{path}: its vecinfer metadata is not JSON ({exc}; corrupt file): recalibrate with `vecinfer calibrate`"
+        ) from exc
     if not isinstance(meta, dict):
-        raise ValueError(f"{path}: its vecinfer metadata is not a JSON object (corrupt file): recalibrate with "
-                         "`vecinfer calibrate`")
+        raise ValueError(
+            f"{path}: its vecinfer metadata is not a JSON object (corrupt file): recalibrate with `vecinfer calibrate`"
+        )
     if meta.get("format") != FORMAT:
         meta, tensors = upgrade(meta, tensors, path)
     return read_codebooks(meta, tensors, path)

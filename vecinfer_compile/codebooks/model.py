@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from ..codecs.base import Codec
-from ..codecs.registry import DEFAULT as DEFAULT_CODEC, of as codec_of
+from ..codecs.registry import DEFAULT as DEFAULT_CODEC
+from ..codecs.registry import of as codec_of
+from ..hf.weight_fingerprint import TOLERANCE, fingerprint_distance, graph_weights, weight_fingerprint
 from ..presets import Preset, get_preset
 from ..quant.score_aware import check_parallel_weight
 from ..quant.transform import KeyTransform
 from ..quant.value_prediction import ValuePredictor
-from ..hf.weight_fingerprint import TOLERANCE, fingerprint_distance, graph_weights, weight_fingerprint
 
 log = logging.getLogger(__package__)  # vecinfer_compile.codebooks, whichever module logs
 
@@ -141,9 +142,11 @@ class VecInferCodebooks:
     def __repr__(self) -> str:
         g = self.geometry
         per_layer = "" if self.layer_bits is None else f", layer_bits={self.layer_bits}"
-        return (f"VecInferCodebooks(method={self.method!r}, bits={self.bits:g}{per_layer}, "
-                f"layers={len(self.layers)}, kv_heads={g.get('num_kv_heads')}, head_dim={g.get('head_dim')}, "
-                f"{self.nbytes():,} bytes)")
+        return (
+            f"VecInferCodebooks(method={self.method!r}, bits={self.bits:g}{per_layer}, "
+            f"layers={len(self.layers)}, kv_heads={g.get('num_kv_heads')}, head_dim={g.get('head_dim')}, "
+            f"{self.nbytes():,} bytes)"
+        )
 
     @property
     def preset(self) -> Preset:
@@ -172,13 +175,17 @@ class VecInferCodebooks:
         than the default: the compiled backend's rewrite of attention without a VecInferCache (the
         compiled simulate path) codes with the codebooks; the others run compiled over a
         VecInferCache, and in the eager simulate path."""
-        coded = [f"{kind} with the {name} codec" for kind, name in zip(("keys", "values"), self.codecs)
-                 if name != DEFAULT_CODEC]
+        coded = [
+            f"{kind} with the {name} codec"
+            for kind, name in zip(("keys", "values"), self.codecs)
+            if name != DEFAULT_CODEC
+        ]
         if coded:
             raise ValueError(
                 f"these codebooks code {' and '.join(coded)}, which vecinfer_backend runs over a VecInferCache "
                 "only (generate with cache=VecInferCache(...)); this graph attends without one: run it uncompiled "
-                "(the simulate path: vecinfer eval-ppl), or calibrate with the default codec")
+                "(the simulate path: vecinfer eval-ppl), or calibrate with the default codec"
+            )
 
     @property
     def key_parallel_weight(self) -> float:
@@ -202,9 +209,11 @@ class VecInferCodebooks:
         if not 0 <= index < len(self.layers):
             raise IndexError(f"codebooks cover {len(self.layers)} layers, asked for layer {index}")
         if self.layers[index] is None:
-            raise ValueError(f"layer {index} has no attention in the calibrated model (a linear-attention, "
-                             f"convolution or state-space layer), so it has no codebooks; its attention "
-                             f"layers are {self.attention_layers()}")
+            raise ValueError(
+                f"layer {index} has no attention in the calibrated model (a linear-attention, "
+                f"convolution or state-space layer), so it has no codebooks; its attention "
+                f"layers are {self.attention_layers()}"
+            )
         return self.layers[index]
 
     def state_bytes(self) -> dict[str, int]:
@@ -217,16 +226,23 @@ class VecInferCodebooks:
         counts: dict[str, int] = {}
         for layer in filter(None, self.layers):
             t = layer.transform
-            parts = (("smoothing factors", t.lam), ("query-aware matrices", t.key_matrix),
-                     ("query-aware matrices", t.query_matrix), ("key means", t.mean),
-                     ("error metrics", layer.key_metric), ("error metrics", layer.value_metric))
+            parts = (
+                ("smoothing factors", t.lam),
+                ("query-aware matrices", t.key_matrix),
+                ("query-aware matrices", t.query_matrix),
+                ("key means", t.mean),
+                ("error metrics", layer.key_metric),
+                ("error metrics", layer.value_metric),
+            )
             for side, code in (("key", layer.keys), ("value", layer.values)):
                 codec = codec_of(code)
                 kind = "codebooks" if codec.name == DEFAULT_CODEC else f"{side} codec"
                 parts += tuple((kind, t) for t in codec.state_tensors(code))
             if layer.value_predictor is not None:
-                parts += (("value predictors", layer.value_predictor.matrix),
-                          ("value predictors", layer.value_predictor.bias))
+                parts += (
+                    ("value predictors", layer.value_predictor.matrix),
+                    ("value predictors", layer.value_predictor.bias),
+                )
             for kind, tensor in parts:
                 if tensor is not None:
                     counts[kind] = counts.get(kind, 0) + STATE_BYTES * tensor.numel()
@@ -278,8 +294,10 @@ class VecInferCodebooks:
         calibrated on a model; or the model has no recognisable q/k/v projection), with a one-time
         info line."""
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"check_weights needs the model itself (a torch.nn.Module), not a "
-                            f"{type(model).__name__}: a config holds no weights")
+            raise TypeError(
+                f"check_weights needs the model itself (a torch.nn.Module), not a "
+                f"{type(model).__name__}: a config holds no weights"
+            )
         name = getattr(getattr(model, "config", None), "_name_or_path", "") or None
         return self._compare_weights(weight_fingerprint(model.named_parameters()), name)
 
@@ -295,15 +313,21 @@ class VecInferCodebooks:
         ``model_name`` (None: unknown)."""
         stored = self.metadata.get("weight_fingerprint")
         if stored is None:
-            self._note("no-fingerprint", "these codebooks record no weight fingerprint (written before "
-                       "vecinfer_compile recorded one, or not calibrated on a model): whether they were "
-                       "calibrated for this model is not checked; recalibrate to have it checked")
+            self._note(
+                "no-fingerprint",
+                "these codebooks record no weight fingerprint (written before "
+                "vecinfer_compile recorded one, or not calibrated on a model): whether they were "
+                "calibrated for this model is not checked; recalibrate to have it checked",
+            )
             return None
         found = None if current is None else fingerprint_distance(stored, current)
         if found is None:
-            self._note("not-comparable", f"cannot check these codebooks against the weights of "
-                       f"{model_name or 'the compiled model'} (none of the calibrated model's attention "
-                       "projections found in it)")
+            self._note(
+                "not-comparable",
+                f"cannot check these codebooks against the weights of "
+                f"{model_name or 'the compiled model'} (none of the calibrated model's attention "
+                "projections found in it)",
+            )
             return None
         distance, weight = found
         if distance <= TOLERANCE:
@@ -325,10 +349,15 @@ class VecInferCodebooks:
             return True
         if "context" not in self._reported:
             self._reported.add("context")
-            log.warning("vecinfer: these codebooks were calibrated on %d-token sequences; positions past %d "
-                        "(up to %d here) are quantized worse than the ones calibration saw: recalibrate with "
-                        "`vecinfer calibrate --seq-len %d` (or longer) for contexts this long", calibrated,
-                        calibrated, length, length)
+            log.warning(
+                "vecinfer: these codebooks were calibrated on %d-token sequences; positions past %d "
+                "(up to %d here) are quantized worse than the ones calibration saw: recalibrate with "
+                "`vecinfer calibrate --seq-len %d` (or longer) for contexts this long",
+                calibrated,
+                calibrated,
+                length,
+                length,
+            )
         return False
 
     def _note(self, kind: str, message: str) -> None:

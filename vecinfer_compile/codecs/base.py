@@ -98,8 +98,9 @@ class Codec(ABC):
         default accepts everything."""
         return None
 
-    def refine(self, queries, keys, values, lengths, transform, key_code, value_code, attention, config, *,
-               seed: int, device):
+    def refine(
+        self, queries, keys, values, lengths, transform, key_code, value_code, attention, config, *, seed: int, device
+    ):
         """Both sides' codes of a layer moved to lower its attention-output error, as
         ``(key_code, value_code, loss before, loss after)``; None where this codec's codes are not
         refined (the refining methods then keep its fit)."""
@@ -111,8 +112,16 @@ class Codec(ABC):
         """The file's tensors of ``side``'s codes (one a layer of ``present``, the attention layers)."""
 
     @abstractmethod
-    def read(self, side: str, tensors: dict[str, torch.Tensor], *, path: str | Path, present: list[int],
-             layer_bits: list[float], geometry: dict) -> list:
+    def read(
+        self,
+        side: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        path: str | Path,
+        present: list[int],
+        layer_bits: list[float],
+        geometry: dict,
+    ) -> list:
         """The side codes of ``present``'s layers from a file's ``tensors``, checked strictly: a
         ValueError naming ``path`` and the fix for anything missing, misshapen or not finite."""
 
@@ -123,8 +132,9 @@ class Codec(ABC):
 
     # -- the simulate path ------------------------------------------------------------------------
     @abstractmethod
-    def quantize_dequantize(self, code, x: torch.Tensor, *, metric: torch.Tensor | None = None,
-                            parallel_weight: float = 1.0) -> torch.Tensor:
+    def quantize_dequantize(
+        self, code, x: torch.Tensor, *, metric: torch.Tensor | None = None, parallel_weight: float = 1.0
+    ) -> torch.Tensor:
         """``x [B, H, T, D]`` coded and decoded, in ``x``'s dtype (``parallel_weight``: score-aware
         key codes, where the codec has them)."""
 
@@ -173,8 +183,9 @@ class Codec(ABC):
         query-aware matrix and mean left to the caller) and V ``[B, H, S, D]``."""
 
     @abstractmethod
-    def decode(self, storage, quantizer, q_t: torch.Tensor, kv_start: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
+    def decode(
+        self, storage, quantizer, q_t: torch.Tensor, kv_start: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         """One query token ``q_t: [B, Hq, 1, D]`` (in ``K~``'s domain) over the codes and window ->
         ``[B, Hq, 1, D]`` in ``q_t``'s dtype; slots before ``kv_start [B]`` hidden."""
 

@@ -16,27 +16,57 @@ from .arguments import codebook_file, count, device_arg, model_dir, output_dir, 
 
 
 def add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
-    p.add_argument("--model", required=required, metavar="DIR", type=model_dir,
-                   help="Hugging Face model directory" + ("" if required else " (default: the embedded tiny model)"))
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights/activations dtype (default float32)")
-    p.add_argument("--device", default="auto", type=device_arg,
-                   help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument(
+        "--model",
+        required=required,
+        metavar="DIR",
+        type=model_dir,
+        help="Hugging Face model directory" + ("" if required else " (default: the embedded tiny model)"),
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights/activations dtype (default float32)",
+    )
+    p.add_argument(
+        "--device", default="auto", type=device_arg, help="cpu, cuda, cuda:1, ... (default: cuda if available)"
+    )
 
 
 def add_window_args(p: argparse.ArgumentParser, windows: int, window_len: int) -> None:
-    p.add_argument("--windows", type=count(1), default=windows, metavar="N",
-                   help=f"number of non-overlapping windows scored (default {windows})")
-    p.add_argument("--window-len", type=count(2), default=window_len, metavar="L",
-                   help=f"tokens per window (default {window_len}; at most the model's max_position_embeddings)")
+    p.add_argument(
+        "--windows",
+        type=count(1),
+        default=windows,
+        metavar="N",
+        help=f"number of non-overlapping windows scored (default {windows})",
+    )
+    p.add_argument(
+        "--window-len",
+        type=count(2),
+        default=window_len,
+        metavar="L",
+        help=f"tokens per window (default {window_len}; at most the model's max_position_embeddings)",
+    )
 
 
 def add_calib_args(p: argparse.ArgumentParser, max_tokens: int = 32768) -> None:
-    p.add_argument("--max-tokens", type=count(1), default=max_tokens, metavar="N",
-                   help=f"calibration tokens at most (default {max_tokens})")
-    p.add_argument("--seq-len", type=count(2), default=1024, metavar="L",
-                   help="calibration sequence length (default 1024); calibrate at the longest context you will "
-                        "run: positions past it are quantized worse")
+    p.add_argument(
+        "--max-tokens",
+        type=count(1),
+        default=max_tokens,
+        metavar="N",
+        help=f"calibration tokens at most (default {max_tokens})",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=count(2),
+        default=1024,
+        metavar="L",
+        help="calibration sequence length (default 1024); calibrate at the longest context you will "
+        "run: positions past it are quantized worse",
+    )
     p.add_argument("--iters", type=count(1), default=20, metavar="N", help="k-means iterations (default 20)")
     p.add_argument("--seed", type=count(0), default=0, metavar="S", help="k-means seed (default 0)")
 
@@ -51,9 +81,13 @@ def add_codebook_source_args(p: argparse.ArgumentParser, codebooks_help: str, ca
 
 def add_cache_backend_arg(p: argparse.ArgumentParser) -> None:
     """``--backend eager|compile``: how the cache's decode step runs."""
-    p.add_argument("--backend", choices=["eager", "compile"], default="eager",
-                   help="the cache's decode step: eager (default), or compiled with vecinfer_backend "
-                        "(the fused kernel over codes)")
+    p.add_argument(
+        "--backend",
+        choices=["eager", "compile"],
+        default="eager",
+        help="the cache's decode step: eager (default), or compiled with vecinfer_backend "
+        "(the fused kernel over codes)",
+    )
 
 
 def add_progress_arg(p: argparse.ArgumentParser) -> None:

@@ -17,21 +17,33 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("ablation", help=HELP, description=HELP + ".")
     add_model_args(p)
     p.add_argument("--text", required=True, metavar="FILE", type=text_file("text file"), help="evaluation text")
-    p.add_argument("--calib-text", required=True, metavar="FILE", type=text_file("calibration text"),
-                   help="calibration text")
+    p.add_argument(
+        "--calib-text", required=True, metavar="FILE", type=text_file("calibration text"), help="calibration text"
+    )
     add_window_args(p, 16, 1024)
     p.add_argument("--residual", type=count(0), default=0, metavar="R", help="full-precision window (default 0)")
     p.add_argument("--backend", choices=["eager", "compile"], default="eager")
-    p.add_argument("--rows", default=None, metavar="M:B,...",
-                   help="only these rows, e.g. fp16:16,vecinfer:2,kivi:2 (default: the full ablation)")
+    p.add_argument(
+        "--rows",
+        default=None,
+        metavar="M:B,...",
+        help="only these rows, e.g. fp16:16,vecinfer:2,kivi:2 (default: the full ablation)",
+    )
     add_calib_args(p)
-    p.add_argument("--out-codebooks", metavar="DIR", default=None, type=output_dir,
-                   help="cache codebooks here (reused when present)")
-    p.add_argument("--plot", metavar="PNG", default=None, type=new_file,
-                   help="write perplexity vs bits plot (a new file)")
+    p.add_argument(
+        "--out-codebooks",
+        metavar="DIR",
+        default=None,
+        type=output_dir,
+        help="cache codebooks here (reused when present)",
+    )
+    p.add_argument(
+        "--plot", metavar="PNG", default=None, type=new_file, help="write perplexity vs bits plot (a new file)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", metavar="FILE", default=None, type=new_file,
-                   help="also write the JSON result here (a new file)")
+    p.add_argument(
+        "--out", metavar="FILE", default=None, type=new_file, help="also write the JSON result here (a new file)"
+    )
     add_progress_arg(p)
     p.set_defaults(func=run)
 
@@ -75,17 +87,35 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, args.dtype, args.device, tokenizer=tokenizer)
     check_positions(model, args.window_len, "--window-len")
     results = run_rows(
-        model, tokenizer, ids, rows or ABLATION_ROWS, calib_text=load_text(args.calib_text), windows=args.windows,
-        window_len=args.window_len, cache_dir=args.out_codebooks, max_tokens=args.max_tokens,
-        seq_len=args.seq_len, iters=args.iters, seed=args.seed, residual=args.residual,
-        backend=args.backend, progress=args.progress,
+        model,
+        tokenizer,
+        ids,
+        rows or ABLATION_ROWS,
+        calib_text=load_text(args.calib_text),
+        windows=args.windows,
+        window_len=args.window_len,
+        cache_dir=args.out_codebooks,
+        max_tokens=args.max_tokens,
+        seq_len=args.seq_len,
+        iters=args.iters,
+        seed=args.seed,
+        residual=args.residual,
+        backend=args.backend,
+        progress=args.progress,
     )
     seconds = time.perf_counter() - t0
     result = {
-        "model": str(args.model), "text": str(args.text), "calib_text": str(args.calib_text),
-        "windows": args.windows, "window_len": args.window_len, "residual": args.residual,
-        "backend": args.backend, "max_tokens": args.max_tokens, "iters": args.iters,
-        "rows": [r.as_dict() for r in results], "seconds": round(seconds, 2),
+        "model": str(args.model),
+        "text": str(args.text),
+        "calib_text": str(args.calib_text),
+        "windows": args.windows,
+        "window_len": args.window_len,
+        "residual": args.residual,
+        "backend": args.backend,
+        "max_tokens": args.max_tokens,
+        "iters": args.iters,
+        "rows": [r.as_dict() for r in results],
+        "seconds": round(seconds, 2),
     }
     if args.plot:
         from ..evaluation.plots import plot_ppl_vs_bits
@@ -93,9 +123,11 @@ def run(args) -> int:
         plot_ppl_vs_bits(results, args.plot, title=f"{Path(args.model).name}: perplexity vs physical KV bits")
         result["plot"] = str(args.plot)
     if not save_and_print_json(args, result):
-        print(f"{args.model} on {args.text}: {args.windows} windows x {args.window_len} tokens, "
-              f"calibrated on {args.calib_text} (<= {args.max_tokens} tokens), residual {args.residual}, "
-              f"backend {args.backend}\n")
+        print(
+            f"{args.model} on {args.text}: {args.windows} windows x {args.window_len} tokens, "
+            f"calibrated on {args.calib_text} (<= {args.max_tokens} tokens), residual {args.residual}, "
+            f"backend {args.backend}\n"
+        )
         print(format_table(results))
         if args.plot:
             print(f"\nplot: {args.plot}")

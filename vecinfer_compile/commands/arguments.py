@@ -99,8 +99,9 @@ def number_list(kind, what: str, low: float, high: float = math.inf):
 def device_arg(text: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (whether that GPU exists is checked on loading)."""
     if not DEVICE.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda, cuda:N or auto "
-                                         "(cuda when available)")
+        raise argparse.ArgumentTypeError(
+            f"unknown device {text!r}: use cpu, cuda, cuda:N or auto (cuda when available)"
+        )
     return text
 
 
@@ -115,8 +116,15 @@ def _existing(text: str, what: str, *, folder: bool) -> Path:
     """``text`` as a path to an existing folder (or file); ArgumentTypeError naming what it is instead."""
     path = _path(text)
     if not (path.is_dir() if folder else path.is_file()):
-        state = ("does not exist" if not path.exists() else "is not a directory" if folder else
-                 "is a directory, not a file" if path.is_dir() else "is not a regular file")
+        state = (
+            "does not exist"
+            if not path.exists()
+            else "is not a directory"
+            if folder
+            else "is a directory, not a file"
+            if path.is_dir()
+            else "is not a regular file"
+        )
         raise argparse.ArgumentTypeError(f"{what} {text} {state}")
     return path
 
@@ -134,20 +142,26 @@ def model_dir(text: str) -> str:
     tokens) and weights."""
     path = _existing(text, "model directory", folder=True)
     if not (path / "config.json").is_file():
-        raise argparse.ArgumentTypeError(f"model directory {text} has no config.json: not a Hugging Face "
-                                         "model directory")
+        raise argparse.ArgumentTypeError(
+            f"model directory {text} has no config.json: not a Hugging Face model directory"
+        )
     try:
         json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"{path / 'config.json'} is not valid JSON ({exc}): copy the model's "
-                                         "config.json again") from None
+        raise argparse.ArgumentTypeError(
+            f"{path / 'config.json'} is not valid JSON ({exc}): copy the model's config.json again"
+        ) from None
     names = [p.name for p in path.iterdir()]
     if not any(n in TOKENIZER_FILES or n.endswith(TOKENIZER_SUFFIXES) or n.startswith("vocab.") for n in names):
-        raise argparse.ArgumentTypeError(f"model directory {text} has no tokenizer (no tokenizer.json, "
-                                         "tokenizer.model or vocab.json): copy the model's tokenizer files into it")
+        raise argparse.ArgumentTypeError(
+            f"model directory {text} has no tokenizer (no tokenizer.json, "
+            "tokenizer.model or vocab.json): copy the model's tokenizer files into it"
+        )
     if not any(n.endswith(WEIGHT_SUFFIXES) for n in names):
-        raise argparse.ArgumentTypeError(f"model directory {text} has no weights (no *.safetensors or "
-                                         "pytorch_model*.bin): copy the model's weight files into it")
+        raise argparse.ArgumentTypeError(
+            f"model directory {text} has no weights (no *.safetensors or "
+            "pytorch_model*.bin): copy the model's weight files into it"
+        )
     return text
 
 
@@ -176,7 +190,8 @@ def text_file(what: str):
         except UnicodeDecodeError as exc:
             raise argparse.ArgumentTypeError(
                 f"{what} {text} is not UTF-8 (byte {exc.start}: 0x{data[exc.start]:02x}); convert it, e.g. "
-                f"`iconv -f latin1 -t utf-8 FILE > FILE.utf8.txt`") from None
+                f"`iconv -f latin1 -t utf-8 FILE > FILE.utf8.txt`"
+            ) from None
         if not content.strip():
             raise argparse.ArgumentTypeError(f"{what} {text} holds only white space")
         return text
@@ -222,14 +237,16 @@ def new_file_in_folder(text: str) -> str:
     new_file(text)
     parent = _path(text).parent
     if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text}: its folder {parent} does not exist: create it "
-                                         f"first (mkdir -p {parent})")
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: its folder {parent} does not exist: create it first (mkdir -p {parent})"
+        )
     try:  # a file written there for real: os.access says yes to root on a read-only file system
         with tempfile.TemporaryFile(dir=parent):
             pass
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write {text}: cannot create a file in {parent} "
-                                         f"({exc.strerror or exc})") from None
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: cannot create a file in {parent} ({exc.strerror or exc})"
+        ) from None
     return text
 
 
@@ -273,8 +290,8 @@ def codebook_header(path: str) -> dict:
         return meta
     except (ValueError, KeyError, TypeError):
         raise argparse.ArgumentTypeError(
-            f"codebook file {path} is not a codebook file of `vecinfer calibrate` (no vecinfer safetensors "
-            "header)") from None
+            f"codebook file {path} is not a codebook file of `vecinfer calibrate` (no vecinfer safetensors header)"
+        ) from None
 
 
 def method_with_codebooks(method: str | None, codebooks: str | None, default: str | None = None) -> str:
@@ -282,12 +299,13 @@ def method_with_codebooks(method: str | None, codebooks: str | None, default: st
     neither says, or when both say and disagree."""
     recorded = None if codebooks is None else codebook_header(codebooks).get("method")
     if method is not None and recorded is not None and method != recorded:
-        raise ValueError(f"--method {method} disagrees with {codebooks}, calibrated for {recorded}: drop "
-                         f"--method (the file's method is used) or pass the codebooks of {method}")
+        raise ValueError(
+            f"--method {method} disagrees with {codebooks}, calibrated for {recorded}: drop "
+            f"--method (the file's method is used) or pass the codebooks of {method}"
+        )
     chosen = method or recorded or default
     if chosen is None:
-        raise ValueError(f"give --method (one of: {', '.join(METHODS)}), or --codebooks FILE whose "
-                         "method is used")
+        raise ValueError(f"give --method (one of: {', '.join(METHODS)}), or --codebooks FILE whose method is used")
     return chosen
 
 
@@ -297,8 +315,10 @@ def bits_with_codebooks(method: str, bits: float | None, codebooks: str | None) 
     if codebooks is not None and method in VQ_METHODS:
         recorded = codebook_header(codebooks)["bits"]
         if bits is not None and float(bits) != recorded:
-            raise ValueError(f"{codebooks}: these codebooks are for {recorded:g} bits, not {bits:g}: drop --bits (the "
-                             f"file's bits are used) or calibrate at {bits:g} bits")
+            raise ValueError(
+                f"{codebooks}: these codebooks are for {recorded:g} bits, not {bits:g}: drop --bits (the "
+                f"file's bits are used) or calibrate at {bits:g} bits"
+            )
         bits = recorded
     return normalize_bits(method, bits)
 
@@ -310,8 +330,10 @@ def check_vq_sources(methods, codebooks: str | None, calib_text: str | None, cac
     if codebooks is not None and len(needs) > 1:
         raise ValueError(f"--codebooks is one file for one method; {needs} need --calib-text instead")
     if needs and codebooks is None and calib_text is None and cache_dir is None:
-        raise ValueError(f"method {needs[0]!r} needs codebooks: pass --codebooks FILE (from `vecinfer "
-                         "calibrate`) or --calib-text FILE to calibrate now")
+        raise ValueError(
+            f"method {needs[0]!r} needs codebooks: pass --codebooks FILE (from `vecinfer "
+            "calibrate`) or --calib-text FILE to calibrate now"
+        )
     if not needs and (codebooks is not None or calib_text is not None):
         raise ValueError(f"method {methods[0]!r} takes no codebooks; drop --codebooks/--calib-text")
 
@@ -323,8 +345,10 @@ def check_quantizes(residual: int, reach: int, what: str, fix: str | None = None
     if residual <= reach:
         return
     fix = fix or f"use --residual at most {reach}"
-    raise ValueError(f"nothing would be quantized: the full-precision window (--residual {residual}) covers "
-                     f"every key {what} reads; {fix}")
+    raise ValueError(
+        f"nothing would be quantized: the full-precision window (--residual {residual}) covers "
+        f"every key {what} reads; {fix}"
+    )
 
 
 def model_config(model_dir: str | Path | None) -> dict:
@@ -372,8 +396,9 @@ def check_positions(model, tokens: int, what: str) -> None:
     model loads; nothing happens when it states no limit)."""
     limit = _position_limit(model)
     if limit is not None and tokens > limit:
-        raise ValueError(f"{what} needs {tokens} positions, past the model's max_position_embeddings ({limit}): "
-                         f"use at most {limit}")
+        raise ValueError(
+            f"{what} needs {tokens} positions, past the model's max_position_embeddings ({limit}): use at most {limit}"
+        )
 
 
 def check_layer_count(model_dir: str | Path | None, layer_bits: list | None) -> None:
@@ -381,8 +406,10 @@ def check_layer_count(model_dir: str | Path | None, layer_bits: list | None) -> 
     ``model_dir`` has layers (``num_hidden_layers`` of its config.json), before it loads."""
     layers = _config_int(model_config(model_dir), "num_hidden_layers", "n_layer")
     if layer_bits is not None and layers is not None and len(layer_bits) != layers:
-        raise ValueError(f"--layer-bits gives {len(layer_bits)} presets, but the model in {model_dir} has {layers} "
-                         f"layers (num_hidden_layers in its config.json): give one preset per layer")
+        raise ValueError(
+            f"--layer-bits gives {len(layer_bits)} presets, but the model in {model_dir} has {layers} "
+            f"layers (num_hidden_layers in its config.json): give one preset per layer"
+        )
 
 
 def check_codebooks_layers(codebooks: str | None, model_dir: str | Path | None) -> None:
@@ -395,5 +422,7 @@ def check_codebooks_layers(codebooks: str | None, model_dir: str | Path | None) 
     geometry = codebook_header(codebooks).get("geometry")
     theirs = geometry.get("num_layers") if isinstance(geometry, dict) else None
     if layers is not None and isinstance(theirs, int) and theirs != layers:
-        raise ValueError(f"{codebooks}: these codebooks were calibrated for another model (num_layers: codebooks "
-                         f"{theirs} vs model {layers}, {model_dir}): run `vecinfer calibrate` on this model")
+        raise ValueError(
+            f"{codebooks}: these codebooks were calibrated for another model (num_layers: codebooks "
+            f"{theirs} vs model {layers}, {model_dir}): run `vecinfer calibrate` on this model"
+        )

@@ -17,21 +17,29 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-HELP = ("run a benchmark of the source checkout: decode, prefill, chunked-prefill, memory, generate, simulate, encode, "
-        "append, ceiling, mask "
-        "(GPU; --smoke on CPU)")
+HELP = (
+    "run a benchmark of the source checkout: decode, prefill, chunked-prefill, memory, generate, simulate, encode, "
+    "append, ceiling, mask "
+    "(GPU; --smoke on CPU)"
+)
 
 SCRIPTS: dict[str, tuple[str, str]] = {
     "decode": ("bench_decode_attention.py", "decode attention kernel vs FP16 SDPA (GPU)"),
     "memory": ("bench_memory.py", "KV bytes and peak memory vs HF dynamic/static caches (--smoke: CPU)"),
-    "generate": ("bench_generate.py", "generate() decode tokens/s vs HF static compiled / dynamic eager (--smoke: CPU)"),
+    "generate": (
+        "bench_generate.py",
+        "generate() decode tokens/s vs HF static compiled / dynamic eager (--smoke: CPU)",
+    ),
     "prefill": ("bench_prefill_attention.py", "a prefill chunk's attention over codes vs FP16 flash (GPU)"),
     "chunked-prefill": ("bench_chunked_prefill.py", "generate()'s chunked prefill, compiled vs eager (--smoke: CPU)"),
     "simulate": ("bench_simulate_attention.py", "compiled simulate (prefill) attention vs SDPA (GPU)"),
     "encode": ("bench_encode.py", "encode / quantize kernels vs compiled PyTorch nearest centroid (GPU)"),
     "append": ("bench_append.py", "a decode step's cache append: nearest vs score-aware vs error-weighted codes (GPU)"),
     "ceiling": ("bench_gather_ceiling.py", "Triton code-read and centroid-gather floors of decode vs FP16 SDPA (GPU)"),
-    "mask": ("bench_decode_mask.py", "host time of a decode step's attention mask: transformers' sdpa_mask vs ours (--smoke: CPU)"),
+    "mask": (
+        "bench_decode_mask.py",
+        "host time of a decode step's attention mask: transformers' sdpa_mask vs ours (--smoke: CPU)",
+    ),
 }
 ENV_DIR = "VECINFER_BENCHMARKS_DIR"
 
@@ -39,14 +47,24 @@ ENV_DIR = "VECINFER_BENCHMARKS_DIR"
 def register(subparsers) -> None:
     listing = "; ".join(f"{name}: {what}" for name, (_, what) in SCRIPTS.items())
     p = subparsers.add_parser(
-        "bench", help=HELP, description=HELP + ". " + listing + ".",
+        "bench",
+        help=HELP,
+        description=HELP + ". " + listing + ".",
         epilog="Arguments after the benchmark's name are the script's own: `vecinfer bench NAME --help`.",
     )
-    p.add_argument("--benchmarks-dir", metavar="DIR", default=None,
-                   help=f"folder holding the bench_*.py scripts (default: ${ENV_DIR}, else <checkout>/benchmarks)")
+    p.add_argument(
+        "--benchmarks-dir",
+        metavar="DIR",
+        default=None,
+        help=f"folder holding the bench_*.py scripts (default: ${ENV_DIR}, else <checkout>/benchmarks)",
+    )
     p.add_argument("benchmark", choices=list(SCRIPTS), help="which benchmark")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                   help="arguments for the script (e.g. --smoke, --cases 1x4096)")
+    p.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="arguments for the script (e.g. --smoke, --cases 1x4096)",
+    )
     p.set_defaults(func=run)
 
 

@@ -13,21 +13,40 @@ HELP = "full precision vs VecInfer vs KIVI perplexity on the embedded tiny model
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help=HELP, description=HELP + ".")
-    p.add_argument("--model", metavar="DIR", default=None, type=model_dir,
-                   help="model directory (default: embedded tiny model)")
-    p.add_argument("--text", metavar="FILE", default=None, type=text_file("text file"),
-                   help="text (default: embedded public-domain sample); its second half calibrates, "
-                        "its first half is scored")
+    p.add_argument(
+        "--model", metavar="DIR", default=None, type=model_dir, help="model directory (default: embedded tiny model)"
+    )
+    p.add_argument(
+        "--text",
+        metavar="FILE",
+        default=None,
+        type=text_file("text file"),
+        help="text (default: embedded public-domain sample); its second half calibrates, its first half is scored",
+    )
     add_window_args(p, 8, 256)
-    p.add_argument("--recalibrate", action="store_true",
-                   help="calibrate now instead of using the codebooks shipped for the embedded model "
-                        "(k-means on the CPU: several minutes)")
-    p.add_argument("--calib-tokens", type=count(1), default=8192, metavar="N",
-                   help="calibration tokens when calibrating (default 8192)")
-    p.add_argument("--iters", type=count(1), default=10, metavar="N",
-                   help="k-means iterations when calibrating (default 10)")
-    p.add_argument("--save-codebooks", metavar="DIR", default=None, type=output_dir,
-                   help="save the codebooks calibrated here (implies --recalibrate)")
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="calibrate now instead of using the codebooks shipped for the embedded model "
+        "(k-means on the CPU: several minutes)",
+    )
+    p.add_argument(
+        "--calib-tokens",
+        type=count(1),
+        default=8192,
+        metavar="N",
+        help="calibration tokens when calibrating (default 8192)",
+    )
+    p.add_argument(
+        "--iters", type=count(1), default=10, metavar="N", help="k-means iterations when calibrating (default 10)"
+    )
+    p.add_argument(
+        "--save-codebooks",
+        metavar="DIR",
+        default=None,
+        type=output_dir,
+        help="save the codebooks calibrated here (implies --recalibrate)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="auto", type=device_arg)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -39,8 +58,18 @@ def run(args) -> int:
     check_positions(args.model, args.window_len, "--window-len")  # a given model: from config.json, before it loads
     from ..evaluation.ablation import DEMO_ROWS, format_table, run_rows
     from ..evaluation.perplexity import make_windows
-    from ..models import (check_file, check_model_dir, default_codebooks_dir, default_model_dir,
-                          default_text_path, load_model, load_text, load_tokenizer, split_text, tokenize)
+    from ..models import (
+        check_file,
+        check_model_dir,
+        default_codebooks_dir,
+        default_model_dir,
+        default_text_path,
+        load_model,
+        load_text,
+        load_tokenizer,
+        split_text,
+        tokenize,
+    )
 
     model_path = check_model_dir(args.model or default_model_dir())
     text_path = check_file(args.text or default_text_path())
@@ -56,9 +85,18 @@ def run(args) -> int:
     shipped = args.model is None and args.text is None and not (args.recalibrate or args.save_codebooks)
     search = (default_codebooks_dir(),) if shipped else ()
     rows = run_rows(
-        model, tokenizer, ids, DEMO_ROWS, calib_text=calib_text, windows=args.windows,
-        window_len=args.window_len, cache_dir=args.save_codebooks, search_dirs=search,
-        max_tokens=args.calib_tokens, seq_len=min(1024, args.calib_tokens), iters=args.iters,
+        model,
+        tokenizer,
+        ids,
+        DEMO_ROWS,
+        calib_text=calib_text,
+        windows=args.windows,
+        window_len=args.window_len,
+        cache_dir=args.save_codebooks,
+        search_dirs=search,
+        max_tokens=args.calib_tokens,
+        seq_len=min(1024, args.calib_tokens),
+        iters=args.iters,
         progress=args.progress,
     )
     seconds = time.perf_counter() - t0
@@ -74,13 +112,20 @@ def run(args) -> int:
         f"key-transform state) are paid once per model, whatever the length."
     )
     if args.json:
-        print_json({
-            "model": str(model_path), "text": str(text_path), "embedded_text_in_training": embedded_text,
-            "windows": args.windows, "window_len": args.window_len, "calib_tokens": args.calib_tokens,
-            "calibration": "second half of the text; evaluation: first half",
-            "shipped_codebooks": shipped,
-            "rows": [r.as_dict() for r in rows], "seconds": round(seconds, 2),
-        })
+        print_json(
+            {
+                "model": str(model_path),
+                "text": str(text_path),
+                "embedded_text_in_training": embedded_text,
+                "windows": args.windows,
+                "window_len": args.window_len,
+                "calib_tokens": args.calib_tokens,
+                "calibration": "second half of the text; evaluation: first half",
+                "shipped_codebooks": shipped,
+                "rows": [r.as_dict() for r in rows],
+                "seconds": round(seconds, 2),
+            }
+        )
     else:
         print(note)
         print()

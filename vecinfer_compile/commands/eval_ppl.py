@@ -6,30 +6,60 @@ import time
 
 from ..methods import METHODS
 from . import add_calib_args, add_codebook_source_args, add_model_args, add_progress_arg, add_window_args, print_json
-from .arguments import (bits_arg, bits_with_codebooks, check_codebooks_layers, check_positions, check_quantizes,
-                        check_vq_sources, count, method_with_codebooks, text_file)
+from .arguments import (
+    bits_arg,
+    bits_with_codebooks,
+    check_codebooks_layers,
+    check_positions,
+    check_quantizes,
+    check_vq_sources,
+    count,
+    method_with_codebooks,
+    text_file,
+)
 
 HELP = "perplexity of one method on a text"
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("eval-ppl", help=HELP, description=HELP + ". Windows are scored "
-                              "independently; no BOS is added (see evaluation/perplexity.py).")
+    p = subparsers.add_parser(
+        "eval-ppl",
+        help=HELP,
+        description=HELP + ". Windows are scored independently; no BOS is added (see evaluation/perplexity.py).",
+    )
     add_model_args(p)
     p.add_argument("--text", required=True, metavar="FILE", type=text_file("text file"), help="UTF-8 text to score")
-    p.add_argument("--method", choices=METHODS, default=None, metavar="METHOD",
-                   help=f"one of {', '.join(METHODS)} (default: the method --codebooks was calibrated for; "
-                        "fp16 is the model unquantized, in --dtype)")
-    p.add_argument("--bits", type=bits_arg, default=None,
-                   help="bits per element: VQ presets 4, 3, 2, 1.5, 1.25, 1; KIVI 2 or 4 "
-                        "(default: the codebooks' bits, else 2; ignored for fp16)")
-    add_codebook_source_args(p, "codebooks from `vecinfer calibrate`", "calibrate now on this text",
-                             "with --calib-text: save the codebooks in DIR (and reuse them when present)")
-    p.add_argument("--residual", type=count(0), default=0, metavar="R",
-                   help="most recent R tokens stay full precision (default 0)")
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default=None,
+        metavar="METHOD",
+        help=f"one of {', '.join(METHODS)} (default: the method --codebooks was calibrated for; "
+        "fp16 is the model unquantized, in --dtype)",
+    )
+    p.add_argument(
+        "--bits",
+        type=bits_arg,
+        default=None,
+        help="bits per element: VQ presets 4, 3, 2, 1.5, 1.25, 1; KIVI 2 or 4 "
+        "(default: the codebooks' bits, else 2; ignored for fp16)",
+    )
+    add_codebook_source_args(
+        p,
+        "codebooks from `vecinfer calibrate`",
+        "calibrate now on this text",
+        "with --calib-text: save the codebooks in DIR (and reuse them when present)",
+    )
+    p.add_argument(
+        "--residual", type=count(0), default=0, metavar="R", help="most recent R tokens stay full precision (default 0)"
+    )
     add_window_args(p, 16, 1024)
-    p.add_argument("--backend", choices=["eager", "compile"], default="eager",
-                   help="eager simulation, or torch.compile with the vecinfer backend")
+    p.add_argument(
+        "--backend",
+        choices=["eager", "compile"],
+        default="eager",
+        help="eager simulation, or torch.compile with the vecinfer backend",
+    )
     p.add_argument("--batch-size", type=count(1), default=1, metavar="B", help="windows per forward pass (default 1)")
     add_calib_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -72,18 +102,32 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, args.dtype, args.device, tokenizer=tokenizer)
     check_positions(model, args.window_len, "--window-len")
     cb = get_codebooks(
-        model, tokenizer, method, bits, codebooks_path=args.codebooks,
+        model,
+        tokenizer,
+        method,
+        bits,
+        codebooks_path=args.codebooks,
         calib_text=None if args.calib_text is None else load_text(args.calib_text),
-        cache_dir=args.save_codebooks, max_tokens=args.max_tokens, seq_len=args.seq_len, iters=args.iters, seed=args.seed,
+        cache_dir=args.save_codebooks,
+        max_tokens=args.max_tokens,
+        seq_len=args.seq_len,
+        iters=args.iters,
+        seed=args.seed,
         progress=args.progress,
     )
     if cb is not None:
         cb.check_context(args.window_len)
-    acc = kv_bytes(method, None if method == "fp16" else bits, model.config, residual=args.residual,
-                   layer_bits=None if cb is None else cb.layer_bits)
+    acc = kv_bytes(
+        method,
+        None if method == "fp16" else bits,
+        model.config,
+        residual=args.residual,
+        layer_bits=None if cb is None else cb.layer_bits,
+    )
     with applied(model, method, bits, codebooks=cb, residual=args.residual, backend=args.backend) as m:
-        res = perplexity(m, ids, windows=args.windows, window_len=args.window_len,
-                         batch_size=args.batch_size, progress=args.progress)
+        res = perplexity(
+            m, ids, windows=args.windows, window_len=args.window_len, batch_size=args.batch_size, progress=args.progress
+        )
     out = {
         "method": method,
         "bits": bits,

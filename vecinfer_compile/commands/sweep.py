@@ -16,21 +16,34 @@ HELP = "tiny random model of every transformers causal-LM architecture through c
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "sweep", help=HELP,
+        "sweep",
+        help=HELP,
         description=HELP + ". Each architecture gets one row: works, refused (a clear error of this "
         "package, its reason in the note), crashed (any other exception or a failed check: type, "
         "message and where) or skipped (its tiny model cannot be built or run in transformers). "
         "CPU, float32; every architecture takes a few seconds (compiling dominates).",
     )
-    p.add_argument("--only", metavar="NAME,...", default=None,
-                   help="these architectures only (model types of transformers' causal-LM mapping, "
-                        "e.g. llama,qwen2,mistral); default: all of them")
-    p.add_argument("--timeout", type=real(0, above=True), default=None, metavar="S",
-                   help="seconds one path of one architecture may take before it counts as crashed "
-                        "(default 300)")
-    p.add_argument("--out", metavar="PATH.md", default=None, type=new_file,
-                   help="also write the markdown document (command, versions, date, counts, table) here "
-                        "(a new file)")
+    p.add_argument(
+        "--only",
+        metavar="NAME,...",
+        default=None,
+        help="these architectures only (model types of transformers' causal-LM mapping, "
+        "e.g. llama,qwen2,mistral); default: all of them",
+    )
+    p.add_argument(
+        "--timeout",
+        type=real(0, above=True),
+        default=None,
+        metavar="S",
+        help="seconds one path of one architecture may take before it counts as crashed (default 300)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="PATH.md",
+        default=None,
+        type=new_file,
+        help="also write the markdown document (command, versions, date, counts, table) here (a new file)",
+    )
     add_progress_arg(p)
     p.set_defaults(func=run)
 
@@ -73,10 +86,12 @@ def run(args) -> int:
     print(table(results))
     print(f"\n{counts_line(results)}; {versions()}; {seconds:.0f} s")
     if args.out:
-        command = "vecinfer sweep" + (f" --only {shlex.quote(args.only)}" if args.only else "") + \
-            f" --out {shlex.quote(args.out)}"
-        text = document(results, command=command, versions=versions(), date=date.today().isoformat(),
-                        seconds=seconds)
+        command = (
+            "vecinfer sweep"
+            + (f" --only {shlex.quote(args.only)}" if args.only else "")
+            + f" --out {shlex.quote(args.out)}"
+        )
+        text = document(results, command=command, versions=versions(), date=date.today().isoformat(), seconds=seconds)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")

@@ -111,8 +111,9 @@ def get_codebooks(
     path = Path(codebooks_path) if codebooks_path is not None else None
     if path is None:
         dirs = [Path(d) for d in (*search_dirs, cache_dir) if d is not None]
-        path = next((d / codebook_filename(method, bits) for d in dirs
-                     if (d / codebook_filename(method, bits)).is_file()), None)
+        path = next(
+            (d / codebook_filename(method, bits) for d in dirs if (d / codebook_filename(method, bits)).is_file()), None
+        )
     if path is not None:
         cb = load_codebooks(path)
         try:
@@ -124,8 +125,10 @@ def get_codebooks(
             cb.check_weights(model)  # calibrated on another model of this shape: a warning
             return cb
         if calib_text is None:
-            raise ValueError(f"{path} is a cached {method!r} file, but {stale}: delete it to recalibrate "
-                             f"(with calibration text), or pass it as --codebooks to use it as it is")
+            raise ValueError(
+                f"{path} is a cached {method!r} file, but {stale}: delete it to recalibrate "
+                f"(with calibration text), or pass it as --codebooks to use it as it is"
+            )
         log.warning("%s: %s; calibrating %s %g-bit again", path, stale, method, bits)
     if calib_text is None:
         raise ValueError(
@@ -134,8 +137,16 @@ def get_codebooks(
         )
     check_calibration_length(tokenizer, calib_text, seq_len, max_tokens)
     cb = calibrate(
-        model, tokenizer, calib_text, bits=bits, method=method, max_tokens=max_tokens,
-        seq_len=seq_len, iters=iters, seed=seed, progress=progress,
+        model,
+        tokenizer,
+        calib_text,
+        bits=bits,
+        method=method,
+        max_tokens=max_tokens,
+        seq_len=seq_len,
+        iters=iters,
+        seed=seed,
+        progress=progress,
     )
     if cache_dir is not None:  # a stale cached file (above) is replaced
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
@@ -152,8 +163,10 @@ def check_calibration_length(tokenizer, calib_text: str, seq_len: int, max_token
     needed = min(seq_len, max_tokens)
     tokens = tokenize(tokenizer, calib_text[: needed * 64]).numel()  # a token is far fewer than 64 characters
     if tokens < needed:
-        raise ValueError(f"the calibration text holds {tokens} tokens, fewer than one calibration sequence ({needed}: "
-                         "the smaller of --seq-len and --max-tokens): give a longer --calib-text, or lower --seq-len")
+        raise ValueError(
+            f"the calibration text holds {tokens} tokens, fewer than one calibration sequence ({needed}: "
+            "the smaller of --seq-len and --max-tokens): give a longer --calib-text, or lower --seq-len"
+        )
 
 
 @contextlib.contextmanager
@@ -173,9 +186,7 @@ def applied(model, method: str, bits: float, *, codebooks=None, residual: int = 
             raise ValueError(f"--backend compile runs fp16 and the VQ methods, not {method!r}: use --backend eager")
         from ..backend import vecinfer_backend
 
-        configured = vecinfer_backend.configure(
-            codebooks=codebooks, bits=bits, method=method, residual=residual
-        )
+        configured = vecinfer_backend.configure(codebooks=codebooks, bits=bits, method=method, residual=residual)
         yield torch.compile(model, backend=configured)
         return
     if method == "fp16":
@@ -212,12 +223,27 @@ class Row:
 
 
 def evaluate_row(
-    model, tokenizer, token_ids, method: str, bits: float, *, codebooks=None, windows: int,
-    window_len: int, residual: int = 0, backend: str = "eager", progress: bool = True,
+    model,
+    tokenizer,
+    token_ids,
+    method: str,
+    bits: float,
+    *,
+    codebooks=None,
+    windows: int,
+    window_len: int,
+    residual: int = 0,
+    backend: str = "eager",
+    progress: bool = True,
 ) -> Row:
-    acc = kv_bytes(method, None if method == "fp16" else bits, model.config, residual=residual,
-                   layer_bits=getattr(codebooks, "layer_bits", None),  # a per-layer allocation's own presets
-                   weighted_codes=getattr(codebooks, "weighted_codes", None))
+    acc = kv_bytes(
+        method,
+        None if method == "fp16" else bits,
+        model.config,
+        residual=residual,
+        layer_bits=getattr(codebooks, "layer_bits", None),  # a per-layer allocation's own presets
+        weighted_codes=getattr(codebooks, "weighted_codes", None),
+    )
     t0 = time.perf_counter()
     with applied(model, method, bits, codebooks=codebooks, residual=residual, backend=backend) as m:
         res = perplexity(m, token_ids, windows=windows, window_len=window_len, progress=progress)
@@ -237,9 +263,22 @@ def evaluate_row(
 
 
 def run_rows(
-    model, tokenizer, token_ids, rows, *, calib_text: str | None, windows: int, window_len: int,
-    cache_dir: str | Path | None = None, search_dirs: tuple = (), max_tokens: int = 32768,
-    seq_len: int = 1024, iters: int = 20, seed: int = 0, residual: int = 0, backend: str = "eager",
+    model,
+    tokenizer,
+    token_ids,
+    rows,
+    *,
+    calib_text: str | None,
+    windows: int,
+    window_len: int,
+    cache_dir: str | Path | None = None,
+    search_dirs: tuple = (),
+    max_tokens: int = 32768,
+    seq_len: int = 1024,
+    iters: int = 20,
+    seed: int = 0,
+    residual: int = 0,
+    backend: str = "eager",
     progress: bool = True,
 ) -> list[Row]:
     """Evaluate each ``(method, bits)`` of ``rows``; ``ppl_ratio`` is relative to the fp16 row
@@ -258,13 +297,32 @@ def run_rows(
             bar.set_postfix_str(f"{method} {bits:g}")
         t0 = time.perf_counter()
         cb = get_codebooks(
-            model, tokenizer, method, bits, calib_text=calib_text, cache_dir=cache_dir,
-            search_dirs=search_dirs, max_tokens=max_tokens, seq_len=seq_len, iters=iters, seed=seed, progress=progress,
+            model,
+            tokenizer,
+            method,
+            bits,
+            calib_text=calib_text,
+            cache_dir=cache_dir,
+            search_dirs=search_dirs,
+            max_tokens=max_tokens,
+            seq_len=seq_len,
+            iters=iters,
+            seed=seed,
+            progress=progress,
         )
         t_cal = time.perf_counter() - t0
         row = evaluate_row(
-            model, tokenizer, token_ids, method, bits, codebooks=cb, windows=windows,
-            window_len=window_len, residual=residual, backend=backend, progress=progress,
+            model,
+            tokenizer,
+            token_ids,
+            method,
+            bits,
+            codebooks=cb,
+            windows=windows,
+            window_len=window_len,
+            residual=residual,
+            backend=backend,
+            progress=progress,
         )
         if cb is not None:
             row.seconds["calibrate"] = round(t_cal, 3)

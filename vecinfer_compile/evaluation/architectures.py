@@ -39,9 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .outcomes import (CRASHED, REFUSED, SKIPPED, WORKS, CheckFailed, Outcome, one_line, outcome_of, run_step,
-                       time_limit)
-from .tiny_configs import ConfigUnavailable, VOCAB, attention_kinds, tiny_config
+from .outcomes import CRASHED, REFUSED, SKIPPED, WORKS, CheckFailed, Outcome, one_line, outcome_of, run_step, time_limit
+from .tiny_configs import VOCAB, ConfigUnavailable, attention_kinds, tiny_config
 
 PATHS = ("compiled", "simulate", "cache")
 PROMPT_LEN, NEW_TOKENS, RESIDUAL, BITS = 16, 4, 4, 2
@@ -179,8 +178,9 @@ class _BackendLog(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def check_compiled(model, ids: torch.Tensor, eager: torch.Tensor, result: ArchitectureResult,
-                   seconds: float | None = None) -> Outcome:
+def check_compiled(
+    model, ids: torch.Tensor, eager: torch.Tensor, result: ArchitectureResult, seconds: float | None = None
+) -> Outcome:
     """Zero-config backend, exact transform, no quantization: rewrites == SDPA calls, logits == eager."""
     from torch._dynamo.utils import counters
 
@@ -215,7 +215,9 @@ def check_compiled(model, ids: torch.Tensor, eager: torch.Tensor, result: Archit
     if outcome.status == WORKS and result.rewrites == 0 and no_sdpa:
         return Outcome(REFUSED, "backend warning: " + no_sdpa[0].split(". ")[0])  # its first sentence
     if outcome.status == WORKS and result.rewrites != result.sdpa_calls:
-        return Outcome(CRASHED, f"CheckFailed: {result.rewrites} SDPA rewrite(s) for {result.sdpa_calls} eager SDPA call(s)")
+        return Outcome(
+            CRASHED, f"CheckFailed: {result.rewrites} SDPA rewrite(s) for {result.sdpa_calls} eager SDPA call(s)"
+        )
     return outcome
 
 
@@ -239,6 +241,7 @@ class _QuantizeCounter:
         def wrapped(*args, **kwargs):
             self.calls += 1
             return fn(*args, **kwargs)
+
         return wrapped
 
     def __exit__(self, *exc):
@@ -246,8 +249,9 @@ class _QuantizeCounter:
             sim.__dict__.pop("quantize_kv", None)
 
 
-def check_simulate(model, ids: torch.Tensor, eager: torch.Tensor, result: ArchitectureResult, codebooks,
-                   seconds: float | None = None) -> Outcome:
+def check_simulate(
+    model, ids: torch.Tensor, eager: torch.Tensor, result: ArchitectureResult, codebooks, seconds: float | None = None
+) -> Outcome:
     """A window over the whole prompt gives eager; with none, attention is quantized (once per
     SDPA call when every layer is full attention; for other kinds at least one call, the rest
     noted) and the logits change."""
@@ -278,10 +282,21 @@ def _greedy(model, ids: torch.Tensor, **kwargs) -> tuple[list[int], list[torch.T
     """Greedy new tokens of ``ids [T]`` and each step's ``[V]`` logits."""
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, temperature=None, top_p=None, top_k=None,
-                             pad_token_id=0, return_dict_in_generate=True, output_logits=True, **kwargs)
-    return out.sequences[0, len(ids):].tolist(), [step[0].float() for step in out.logits]
+        out = model.generate(
+            ids[None],
+            attention_mask=torch.ones_like(ids)[None],
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
+    return out.sequences[0, len(ids) :].tolist(), [step[0].float() for step in out.logits]
 
 
 def _generate_fails(model, ids: torch.Tensor) -> Outcome | None:
@@ -301,8 +316,9 @@ def check_cache(model, ids: torch.Tensor, codebooks, notes: list[str], seconds: 
     from ..simulate import simulation
 
     def step():
-        with simulation(model, "vecinfer", bits=BITS, codebooks=codebooks, residual=RESIDUAL,
-                        full_precision_prefill=True):
+        with simulation(
+            model, "vecinfer", bits=BITS, codebooks=codebooks, residual=RESIDUAL, full_precision_prefill=True
+        ):
             want_tokens, want_logits = _greedy(model, ids)
         cache = VecInferCache(model, codebooks, max_cache_len=len(ids) + NEW_TOKENS, residual=RESIDUAL)
         tokens, logits = _greedy(model, ids, **cache_kwargs(cache), disable_compile=True)
@@ -327,8 +343,16 @@ def calibrate_tiny(model, seed: int = 0, seconds: float | None = None):
     ids = _token_ids(CALIBRATION_TOKENS, seed).tolist()
     try:
         with time_limit(seconds):
-            return calibrate(model, _FixedIds(ids), "random token ids", bits=BITS, max_tokens=CALIBRATION_TOKENS,
-                             seq_len=CALIBRATION_TOKENS // 2, iters=4, progress=False), None
+            return calibrate(
+                model,
+                _FixedIds(ids),
+                "random token ids",
+                bits=BITS,
+                max_tokens=CALIBRATION_TOKENS,
+                seq_len=CALIBRATION_TOKENS // 2,
+                iters=4,
+                progress=False,
+            ), None
     except Exception as exc:
         failed = outcome_of(exc)
         return None, Outcome(failed.status, "calibrate: " + failed.reason)
@@ -388,13 +412,13 @@ def check_architecture(name: str, *, seed: int = 0, timeout: float | None = TIME
             result.paths["simulate"] = result.paths["cache"] = failed
             return result
         result.paths["simulate"] = check_simulate(model, ids, eager, result, codebooks, timeout)
-        result.paths["cache"] = _generate_fails(model, ids) or check_cache(model, ids, codebooks, result.notes,
-                                                                           timeout)
+        result.paths["cache"] = _generate_fails(model, ids) or check_cache(model, ids, codebooks, result.notes, timeout)
     return result
 
 
-def sweep(names: list[str] | None = None, *, timeout: float | None = TIMEOUT,
-          progress: bool = True) -> list[ArchitectureResult]:
+def sweep(
+    names: list[str] | None = None, *, timeout: float | None = TIMEOUT, progress: bool = True
+) -> list[ArchitectureResult]:
     """:func:`check_architecture` for each of ``names`` (default: every causal LM), in order."""
     from tqdm.auto import tqdm
 

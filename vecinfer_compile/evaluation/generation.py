@@ -72,9 +72,9 @@ class GenerationMethod:
 
             from ..backend import vecinfer_backend
 
-            config = CompileConfig(backend=vecinfer_backend.configure(codebooks=self.codebooks,
-                                                                       residual=self.residual),
-                                   fullgraph=True)
+            config = CompileConfig(
+                backend=vecinfer_backend.configure(codebooks=self.codebooks, residual=self.residual), fullgraph=True
+            )
             config._compile_all_devices = device.type != "cuda"  # generate() compiles on CUDA only otherwise
             self._compile_config = config
         return {**cache_kwargs(cache), "compile_config": self._compile_config}
@@ -99,11 +99,15 @@ def method_note(method: str, bits: float | None, residual: int) -> str:
     if method == "fp16":
         return "fp16: full-precision DynamicCache (plain SDPA)"
     if method in SIMULATED:
-        return (f"{method} {bits:g}-bit: runs in SIMULATE mode (quantize->dequantize attention, "
-                f"full_precision_prefill=True) with the cache's window semantics: prefill in full "
-                f"precision, decode reads K/V outside the last {residual} tokens quantized")
-    return (f"{method} {bits:g}-bit: real VecInferCache (codes + full-precision window of the last "
-            f"{residual} tokens; prefill attends in full precision)")
+        return (
+            f"{method} {bits:g}-bit: runs in SIMULATE mode (quantize->dequantize attention, "
+            f"full_precision_prefill=True) with the cache's window semantics: prefill in full "
+            f"precision, decode reads K/V outside the last {residual} tokens quantized"
+        )
+    return (
+        f"{method} {bits:g}-bit: real VecInferCache (codes + full-precision window of the last "
+        f"{residual} tokens; prefill attends in full precision)"
+    )
 
 
 def prepare_method(
@@ -137,9 +141,17 @@ def prepare_method(
     cb = None
     if method in VQ_METHODS:
         cb = get_codebooks(
-            model, tokenizer, method, bits, codebooks_path=codebooks_path,
+            model,
+            tokenizer,
+            method,
+            bits,
+            codebooks_path=codebooks_path,
             calib_text=None if calib_text_path is None else load_text(calib_text_path),
-            cache_dir=cache_dir, max_tokens=max_tokens, seq_len=seq_len, iters=iters, seed=seed,
+            cache_dir=cache_dir,
+            max_tokens=max_tokens,
+            seq_len=seq_len,
+            iters=iters,
+            seed=seed,
             progress=progress,
         )
     elif codebooks_path is not None:
@@ -159,8 +171,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), t), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, t - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, t - len(p):] = 1
+        ids[i, t - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, t - len(p) :] = 1
     return ids, mask
 
 
@@ -171,8 +183,9 @@ def _attention_for(model, gm: GenerationMethod):
     from ..simulate import disable_simulation, enable_simulation, is_simulating
 
     if gm.method in SIMULATED:
-        enable_simulation(model, gm.method, bits=gm.bits, codebooks=gm.codebooks, residual=gm.residual,
-                          full_precision_prefill=True)
+        enable_simulation(
+            model, gm.method, bits=gm.bits, codebooks=gm.codebooks, residual=gm.residual, full_precision_prefill=True
+        )
         try:
             yield
         finally:
@@ -190,8 +203,14 @@ def make_cache(model, gm: GenerationMethod, batch_size: int, max_cache_len: int)
         return None
     from ..cache import VecInferCache
 
-    return VecInferCache(model, gm.codebooks, batch_size=batch_size, max_cache_len=max_cache_len,
-                         residual=gm.residual, device=_device_of(model))
+    return VecInferCache(
+        model,
+        gm.codebooks,
+        batch_size=batch_size,
+        max_cache_len=max_cache_len,
+        residual=gm.residual,
+        device=_device_of(model),
+    )
 
 
 @torch.no_grad()
@@ -221,11 +240,18 @@ def greedy_generate(
     with _attention_for(model, gm), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-            temperature=None, top_p=None, top_k=None, pad_token_id=pad_token_id,
-            eos_token_id=eos_token_id, **extra,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            **extra,
         )
-    new = out[:, ids.shape[1]:].tolist()
+    new = out[:, ids.shape[1] :].tolist()
     eos = set(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])
     result = []
     for row in new:

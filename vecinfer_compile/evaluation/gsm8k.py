@@ -90,7 +90,7 @@ def build_prompts(rows: list[dict], shots: int, limit: int | None) -> tuple[list
     if shots >= len(rows):
         raise ValueError(f"the file has {len(rows)} problems: --shots {shots} leaves none to score")
     prefix = "".join(format_example(r["question"], r["answer"]) for r in rows[:shots])
-    scored = rows[shots:] if limit is None else rows[shots:shots + limit]
+    scored = rows[shots:] if limit is None else rows[shots : shots + limit]
     prompts = [prefix + format_example(r["question"]) for r in scored]
     return prompts, [reference_answer(r["answer"]) for r in scored], scored
 
@@ -110,20 +110,36 @@ class Gsm8kResult:
         return self.correct / self.total if self.total else 0.0
 
     def as_dict(self) -> dict:
-        return {"method": self.method, "bits": self.bits, "accuracy": self.accuracy,
-                "correct": self.correct, "total": self.total, "note": self.note,
-                "samples": self.samples, "seconds": round(self.seconds, 2)}
+        return {
+            "method": self.method,
+            "bits": self.bits,
+            "accuracy": self.accuracy,
+            "correct": self.correct,
+            "total": self.total,
+            "note": self.note,
+            "samples": self.samples,
+            "seconds": round(self.seconds, 2),
+        }
 
 
-def run_gsm8k(model, tokenizer, prompts: list[str], refs: list[str], gm, *, max_new_tokens: int = 256,
-              batch_size: int = 1, progress: bool = True, max_samples: int = 20) -> Gsm8kResult:
+def run_gsm8k(
+    model,
+    tokenizer,
+    prompts: list[str],
+    refs: list[str],
+    gm,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 1,
+    progress: bool = True,
+    max_samples: int = 20,
+) -> Gsm8kResult:
     """Greedy few-shot GSM8K of method ``gm`` (:class:`~.generation.GenerationMethod`)."""
     from .generation import greedy_generate
 
     t0 = time.perf_counter()
     bos = getattr(tokenizer, "bos_token_id", None)
-    encoded = [([] if bos is None else [bos]) + tokenizer(p, add_special_tokens=False)["input_ids"]
-               for p in prompts]
+    encoded = [([] if bos is None else [bos]) + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     correct, samples = 0, []
     bar = None
     if progress:
@@ -132,19 +148,24 @@ def run_gsm8k(model, tokenizer, prompts: list[str], refs: list[str], gm, *, max_
         bar = tqdm(total=len(prompts), desc=f"gsm8k {gm.label}", unit="problem")
     try:
         for b in range(0, len(encoded), max(1, batch_size)):
-            outs = greedy_generate(model, encoded[b:b + batch_size], gm, max_new_tokens=max_new_tokens)
-            for ref, o in zip(refs[b:b + batch_size], outs):
+            outs = greedy_generate(model, encoded[b : b + batch_size], gm, max_new_tokens=max_new_tokens)
+            for ref, o in zip(refs[b : b + batch_size], outs):
                 text = tokenizer.decode(o, skip_special_tokens=True)
                 pred = extract_prediction(text)
                 ok = pred is not None and pred == ref
                 correct += ok
                 if len(samples) < max_samples:
-                    samples.append({"reference": ref, "prediction": pred, "correct": ok,
-                                    "output": text.split("Question:", 1)[0].strip()[:400]})
+                    samples.append(
+                        {
+                            "reference": ref,
+                            "prediction": pred,
+                            "correct": ok,
+                            "output": text.split("Question:", 1)[0].strip()[:400],
+                        }
+                    )
             if bar is not None:
                 bar.update(len(outs))
     finally:
         if bar is not None:
             bar.close()
-    return Gsm8kResult(gm.method, gm.bits, correct, len(prompts), gm.note(), samples,
-                       time.perf_counter() - t0)
+    return Gsm8kResult(gm.method, gm.bits, correct, len(prompts), gm.note(), samples, time.perf_counter() - t0)

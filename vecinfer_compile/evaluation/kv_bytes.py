@@ -47,7 +47,9 @@ class KVBytes:
     physical_bits_per_element: float  # as stored: codes (+ scales), K and V averaged
     bytes_per_token: float  # all layers, K and V, one quantized token
     fp16_bytes_per_token: int  # all layers, K and V, one full-precision token
-    fixed_bytes: int  # float32 codebooks, smoothing factors, matrices, key means, error metrics, rotation (0 for fp16 / kivi)
+    fixed_bytes: (
+        int  # float32 codebooks, smoothing factors, matrices, key means, error metrics, rotation (0 for fp16 / kivi)
+    )
     residual: int = 0  # most recent tokens kept in fp16
 
     def total(self, tokens: int) -> float:
@@ -80,8 +82,15 @@ def _geometry(geometry) -> dict:
     return model_geometry(geometry)
 
 
-def kv_bytes(method: str, bits: float | None, geometry, *, residual: int = 0,
-             layer_bits: list[float] | None = None, weighted_codes: bool | None = None) -> KVBytes:
+def kv_bytes(
+    method: str,
+    bits: float | None,
+    geometry,
+    *,
+    residual: int = 0,
+    layer_bits: list[float] | None = None,
+    weighted_codes: bool | None = None,
+) -> KVBytes:
     """The memory accounting of ``method`` at ``bits`` for a model ``geometry`` (a dict with
     ``num_layers``, ``num_kv_heads``, ``head_dim``, or a HF config). ``layer_bits``: one VQ
     preset per layer (a per-layer allocation; ``bits`` is then their average). ``weighted_codes``:

@@ -29,14 +29,78 @@ from pathlib import Path
 
 TEMPLATES = ("passkey", "magic", "word")
 
-_ADJECTIVES = ["quiet", "golden", "hidden", "ancient", "silver", "bright", "frozen", "gentle",
-               "crimson", "hollow", "distant", "restless", "wooden", "northern", "broken", "sleepy"]
-_NOUNS = ["garden", "river", "lantern", "mountain", "harbor", "forest", "castle", "meadow",
-          "bridge", "valley", "island", "window", "tower", "orchard", "village", "compass"]
-_NAMES = ["Alice", "Thomas", "Maria", "Henry", "Clara", "Samuel", "Emma", "George", "Lucy",
-          "Arthur", "Helen", "Walter", "Rose", "Edward", "Anna", "Daniel"]
-_WORDS = ["lantern", "meadow", "thunder", "violet", "harbor", "crystal", "falcon", "marble",
-          "cedar", "ember", "willow", "copper", "saffron", "glacier", "pepper", "canyon"]
+_ADJECTIVES = [
+    "quiet",
+    "golden",
+    "hidden",
+    "ancient",
+    "silver",
+    "bright",
+    "frozen",
+    "gentle",
+    "crimson",
+    "hollow",
+    "distant",
+    "restless",
+    "wooden",
+    "northern",
+    "broken",
+    "sleepy",
+]
+_NOUNS = [
+    "garden",
+    "river",
+    "lantern",
+    "mountain",
+    "harbor",
+    "forest",
+    "castle",
+    "meadow",
+    "bridge",
+    "valley",
+    "island",
+    "window",
+    "tower",
+    "orchard",
+    "village",
+    "compass",
+]
+_NAMES = [
+    "Alice",
+    "Thomas",
+    "Maria",
+    "Henry",
+    "Clara",
+    "Samuel",
+    "Emma",
+    "George",
+    "Lucy",
+    "Arthur",
+    "Helen",
+    "Walter",
+    "Rose",
+    "Edward",
+    "Anna",
+    "Daniel",
+]
+_WORDS = [
+    "lantern",
+    "meadow",
+    "thunder",
+    "violet",
+    "harbor",
+    "crystal",
+    "falcon",
+    "marble",
+    "cedar",
+    "ember",
+    "willow",
+    "copper",
+    "saffron",
+    "glacier",
+    "pepper",
+    "canyon",
+]
 
 
 @dataclass(frozen=True)
@@ -54,18 +118,29 @@ def make_needle(template: str, rng: random.Random) -> Needle:
     """A needle of ``template`` with a random key drawn from ``rng``."""
     if template == "passkey":
         key = str(rng.randint(1_000_000, 9_999_999))
-        return Needle(template, f" The pass key is {key}. Remember it. {key} is the pass key.",
-                      " What is the pass key? The pass key is", key)
+        return Needle(
+            template,
+            f" The pass key is {key}. Remember it. {key} is the pass key.",
+            " What is the pass key? The pass key is",
+            key,
+        )
     if template == "magic":
         thing = f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
         key = str(rng.randint(1_000_000, 9_999_999))
-        return Needle(template, f" The special magic number for {thing} is {key}.",
-                      f" What is the special magic number for {thing}? The special magic number "
-                      f"for {thing} is", key)
+        return Needle(
+            template,
+            f" The special magic number for {thing} is {key}.",
+            f" What is the special magic number for {thing}? The special magic number for {thing} is",
+            key,
+        )
     if template == "word":
         name, word = rng.choice(_NAMES), rng.choice(_WORDS)
-        return Needle(template, f" {name}'s secret word is {word}.",
-                      f" What is {name}'s secret word? {name}'s secret word is", word)
+        return Needle(
+            template,
+            f" {name}'s secret word is {word}.",
+            f" What is {name}'s secret word? {name}'s secret word is",
+            word,
+        )
     raise ValueError(f"unknown needle template {template!r}; choose one of: {', '.join(TEMPLATES)}")
 
 
@@ -141,7 +216,7 @@ def build_prompt(
     # start at a sentence boundary (or 0) that leaves n_fill tokens
     starts = [0] + [b for b in boundaries if b + n_fill <= len(filler_ids)]
     start = rng.choice(starts)
-    span = filler_ids[start:start + n_fill]
+    span = filler_ids[start : start + n_fill]
     # boundaries inside the span, relative to it; 0 and n_fill are always boundaries
     lo = bisect.bisect_right(boundaries, start)
     hi = bisect.bisect_left(boundaries, start + n_fill)
@@ -174,21 +249,39 @@ class NeedleResult:
 
     def as_dict(self) -> dict:
         return {
-            "method": self.method, "bits": self.bits, "template": self.template,
-            "accuracy": self.accuracy, "grid": self.grid, "lengths": self.lengths,
-            "depths": self.depths, "trials": self.trials, "residual": self.residual,
-            "note": self.note, "samples": self.samples, "seconds": round(self.seconds, 2),
+            "method": self.method,
+            "bits": self.bits,
+            "template": self.template,
+            "accuracy": self.accuracy,
+            "grid": self.grid,
+            "lengths": self.lengths,
+            "depths": self.depths,
+            "trials": self.trials,
+            "residual": self.residual,
+            "note": self.note,
+            "samples": self.samples,
+            "seconds": round(self.seconds, 2),
         }
 
 
-def cell_prompts(tokenizer, filler_ids: list[int], boundaries: list[int], length: int, depth: float, trials: int,
-                 seed: int, template: str) -> list[Prompt]:
+def cell_prompts(
+    tokenizer,
+    filler_ids: list[int],
+    boundaries: list[int],
+    length: int,
+    depth: float,
+    trials: int,
+    seed: int,
+    template: str,
+) -> list[Prompt]:
     """The ``trials`` prompts of one (length, depth) cell (``depth`` in percent), seeded by (seed, length,
     depth, template): the same prompts for every method and every script that asks for them."""
     rng = random.Random(f"{seed}-{length}-{depth:g}-{template}")
     bos = getattr(tokenizer, "bos_token_id", None)
-    return [build_prompt(tokenizer, filler_ids, boundaries, length, depth / 100.0, make_needle(template, rng), rng, bos)
-            for _ in range(trials)]
+    return [
+        build_prompt(tokenizer, filler_ids, boundaries, length, depth / 100.0, make_needle(template, rng), rng, bos)
+        for _ in range(trials)
+    ]
 
 
 def run_needle(
@@ -222,8 +315,11 @@ def run_needle(
         if n < 1:
             raise ValueError(f"lengths must be positive, got {n}")
         if limit is not None and n + max_new_tokens > limit:
-            warnings.warn(f"length {n} (+{max_new_tokens} new tokens) exceeds the model's "
-                          f"max_position_embeddings={limit}: results are out of range", stacklevel=2)
+            warnings.warn(
+                f"length {n} (+{max_new_tokens} new tokens) exceeds the model's "
+                f"max_position_embeddings={limit}: results are out of range",
+                stacklevel=2,
+            )
     t0 = time.perf_counter()
     filler_ids = tokenizer(haystack_text, add_special_tokens=False)["input_ids"]
     boundaries = sentence_boundaries(tokenizer, filler_ids)
@@ -240,23 +336,42 @@ def run_needle(
                 prompts = cell_prompts(tokenizer, filler_ids, boundaries, n, d, trials, seed, template)
                 correct = 0
                 for b in range(0, trials, max(1, batch_size)):
-                    chunk = prompts[b:b + batch_size]
+                    chunk = prompts[b : b + batch_size]
                     outs = greedy_generate(model, [p.ids for p in chunk], gm, max_new_tokens=max_new_tokens)
                     for p, o in zip(chunk, outs):
                         text = tokenizer.decode(o, skip_special_tokens=True)
                         ok = is_correct(text, p.needle.key)
                         correct += ok
                         if len(samples) < 50:
-                            samples.append({"length": n, "depth": d, "depth_actual": round(100 * p.depth_actual, 2),
-                                            "key": p.needle.key, "output": text, "correct": ok})
+                            samples.append(
+                                {
+                                    "length": n,
+                                    "depth": d,
+                                    "depth_actual": round(100 * p.depth_actual, 2),
+                                    "key": p.needle.key,
+                                    "output": text,
+                                    "correct": ok,
+                                }
+                            )
                     if bar is not None:
                         bar.update(len(chunk))
                 grid[li][di] = correct / trials
     finally:
         if bar is not None:
             bar.close()
-    return NeedleResult(gm.method, gm.bits, template, list(lengths), list(depths), trials, grid,
-                        gm.residual, gm.note(), samples, time.perf_counter() - t0)
+    return NeedleResult(
+        gm.method,
+        gm.bits,
+        template,
+        list(lengths),
+        list(depths),
+        trials,
+        grid,
+        gm.residual,
+        gm.note(),
+        samples,
+        time.perf_counter() - t0,
+    )
 
 
 def format_grid(result: NeedleResult) -> str:
@@ -292,8 +407,10 @@ def grid_figure(result: NeedleResult, title: str | None = None):
             ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"
             ax.text(j, i, f"{c:.2f}", ha="center", va="center", fontsize=9, color=ink)
     bits = "" if result.method == "fp16" else f" {result.bits:g}-bit"
-    title = title or (f"needle ({result.template}): {result.method}{bits}\n"
-                      f"mean accuracy {result.accuracy:.2f}, {result.trials} trials/cell")
+    title = title or (
+        f"needle ({result.template}): {result.method}{bits}\n"
+        f"mean accuracy {result.accuracy:.2f}, {result.trials} trials/cell"
+    )
     ax.set_title(wrap(title, width - 1.2, 10), fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03, label="share of trials with the key")
     return fig

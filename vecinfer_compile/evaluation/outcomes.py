@@ -59,7 +59,7 @@ def _short_path(filename: str) -> str:
     path = Path(filename)
     for anchor in ("site-packages", "dist-packages"):
         if anchor in path.parts:
-            return "/".join(path.parts[path.parts.index(anchor) + 1:])
+            return "/".join(path.parts[path.parts.index(anchor) + 1 :])
     with contextlib.suppress(ValueError):
         return str(path.resolve().relative_to(_PACKAGE.parent))
     return path.name
@@ -93,8 +93,10 @@ def raised_by_package(exc: BaseException) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     code = tb.tb_frame.f_code
-    return (Path(code.co_filename).resolve().is_relative_to(_PACKAGE)
-            and dis.opname[code.co_code[tb.tb_lasti]] == "RAISE_VARARGS")
+    return (
+        Path(code.co_filename).resolve().is_relative_to(_PACKAGE)
+        and dis.opname[code.co_code[tb.tb_lasti]] == "RAISE_VARARGS"
+    )
 
 
 def outcome_of(exc: BaseException) -> Outcome:

@@ -63,8 +63,13 @@ def warn_beyond_trained_length(model, window_len: int) -> None:
     config = getattr(getattr(model, "_orig_mod", model), "config", None)
     limit = getattr(config.get_text_config() if config is not None else None, "max_position_embeddings", None)
     if limit is not None and window_len > limit:
-        log.warning("vecinfer: windows of %d tokens exceed the model's max_position_embeddings (%d): "
-                    "positions beyond it are out of range; use --window-len %d or less", window_len, limit, limit)
+        log.warning(
+            "vecinfer: windows of %d tokens exceed the model's max_position_embeddings (%d): "
+            "positions beyond it are out of range; use --window-len %d or less",
+            window_len,
+            limit,
+            limit,
+        )
 
 
 @torch.no_grad()

@@ -76,10 +76,11 @@ def clipped_texts(fig, *, tol_px: float = 1.0) -> list[str]:
             continue
         if e.width == 0 and e.height == 0:
             continue
-        if (e.x0 < box.x0 - tol_px or e.y0 < box.y0 - tol_px or e.x1 > box.x1 + tol_px
-                or e.y1 > box.y1 + tol_px):
-            out.append(f"{t.get_text()!r} at {tuple(round(v) for v in e.extents)} "
-                       f"(canvas {tuple(round(v) for v in box.extents)})")
+        if e.x0 < box.x0 - tol_px or e.y0 < box.y0 - tol_px or e.x1 > box.x1 + tol_px or e.y1 > box.y1 + tol_px:
+            out.append(
+                f"{t.get_text()!r} at {tuple(round(v) for v in e.extents)} "
+                f"(canvas {tuple(round(v) for v in box.extents)})"
+            )
     return out
 
 
@@ -127,34 +128,55 @@ def ppl_vs_bits_figure(rows, *, title: str | None = None):
     fig, ax = plt.subplots(figsize=(10.0, 5.0), layout="constrained")
     ref = by_method["fp16"][0]["ppl"] if "fp16" in by_method else None
     if ref is not None:
-        ax.axhline(ref, color="black", linestyle="--", linewidth=1,
-                   label=f"{by_method['fp16'][0]['label']} ({ref:.4g})")
+        ax.axhline(
+            ref, color="black", linestyle="--", linewidth=1, label=f"{by_method['fp16'][0]['label']} ({ref:.4g})"
+        )
     offsets = _dodge(by_method, methods)
     for i, method in enumerate(methods):
         rs = sorted(by_method[method], key=lambda r: r["physical_bits_per_element"])
-        xs = [r["physical_bits_per_element"] + offsets[(method, float(r["physical_bits_per_element"]))]
-              for r in rs]
+        xs = [r["physical_bits_per_element"] + offsets[(method, float(r["physical_bits_per_element"]))] for r in rs]
         ys = [r["ppl"] for r in rs]
-        (line,) = ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markersize=6, linewidth=1.3,
-                          markeredgecolor="white", markeredgewidth=0.6, label=rs[0]["label"])
+        (line,) = ax.plot(
+            xs,
+            ys,
+            marker=MARKERS[i % len(MARKERS)],
+            markersize=6,
+            linewidth=1.3,
+            markeredgecolor="white",
+            markeredgewidth=0.6,
+            label=rs[0]["label"],
+        )
         line.set_gid(f"method:{method}")  # the tests find each method's points by this id
         for x, y, r in zip(xs, ys, rs):
             if r["nominal_bits"] != r["physical_bits_per_element"]:
-                ax.annotate(f"{r['nominal_bits']:g}-bit nominal", (x, y), textcoords="offset points",
-                            xytext=(0, 7), ha="center", va="bottom", fontsize=8, color=line.get_color())
+                ax.annotate(
+                    f"{r['nominal_bits']:g}-bit nominal",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(0, 7),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    color=line.get_color(),
+                )
     ax.set_yscale("log")
     _plain_log_labels(ax.yaxis)
     ax.margins(x=0.06, y=0.08)
-    ax.set_xlabel("physical bits per element, as stored (labels: nominal bits where they differ;\n"
-                  "points at the same bits are spread sideways to stay visible)")
+    ax.set_xlabel(
+        "physical bits per element, as stored (labels: nominal bits where they differ;\n"
+        "points at the same bits are spread sideways to stay visible)"
+    )
     ax.set_ylabel("perplexity (log scale, lower is better)")
     if ref is not None:
         from matplotlib.ticker import FixedLocator, NullLocator
 
         sec = ax.secondary_yaxis("right", functions=(lambda y: y / ref, lambda r: r * ref))
         top = max([ref] + [r["ppl"] for r in rows]) / ref
-        ratios = ((0.8, 0.9, 0.95, 0.98, 1, 1.02, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5) if top <= 1.5 else
-                  (0.5, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100, 1000))
+        ratios = (
+            (0.8, 0.9, 0.95, 0.98, 1, 1.02, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5)
+            if top <= 1.5
+            else (0.5, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100, 1000)
+        )
         sec.yaxis.set_major_locator(FixedLocator(ratios))
         sec.yaxis.set_minor_locator(NullLocator())
         _plain_log_labels(sec.yaxis)

@@ -31,43 +31,135 @@ MIN_LAYERS, MAX_PREFIX = 2, 8
 
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _SIZES = {
-    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "emb_dim", "embed_dim", "embedding_dim",
-                     "word_embed_proj_dim", "attention_hidden_size", "lru_width", "hidden_size_global",
-                     "adapter_in_dim", "adapter_input_size", "adapter_out_dim"), WIDTH),
-    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
-                     "decoder_attention_heads", "encoder_attention_heads", "num_decoder_attention_heads",
-                     "num_encoder_attention_heads", "swa_num_attention_heads"), HEADS),
-    **dict.fromkeys(("head_dim", "d_head", "dim_head", "attention_head_size", "attention_head_dim",
-                     "kv_channels", "swa_head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                     "index_head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim",
-                     "rotary_dim", "hidden_size_per_layer_input", "pronunciation_embed_dim",
-                     "shape_embed_dim"), HEAD_DIM),
-    **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim",
-                     "ffn_hidden_size", "dff", "dim_ff", "d_inner", "feed_forward_size", "intermediate_size_mlp",
-                     "dense_intermediate_size"), FFN),
-    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
-                     "moe_shared_expert_intermediate_size", "shared_experts_intermediate_size",
-                     "expert_ffn_hidden_size"), EXPERT_FFN),
+    **dict.fromkeys(
+        (
+            "hidden_size",
+            "n_embd",
+            "d_model",
+            "emb_dim",
+            "embed_dim",
+            "embedding_dim",
+            "word_embed_proj_dim",
+            "attention_hidden_size",
+            "lru_width",
+            "hidden_size_global",
+            "adapter_in_dim",
+            "adapter_input_size",
+            "adapter_out_dim",
+        ),
+        WIDTH,
+    ),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "num_heads",
+            "attention_heads",
+            "decoder_attention_heads",
+            "encoder_attention_heads",
+            "num_decoder_attention_heads",
+            "num_encoder_attention_heads",
+            "swa_num_attention_heads",
+        ),
+        HEADS,
+    ),
+    **dict.fromkeys(
+        (
+            "head_dim",
+            "d_head",
+            "dim_head",
+            "attention_head_size",
+            "attention_head_dim",
+            "kv_channels",
+            "swa_head_dim",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "index_head_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_head_dim",
+            "rotary_dim",
+            "hidden_size_per_layer_input",
+            "pronunciation_embed_dim",
+            "shape_embed_dim",
+        ),
+        HEAD_DIM,
+    ),
+    **dict.fromkeys(
+        (
+            "intermediate_size",
+            "n_inner",
+            "ffn_dim",
+            "decoder_ffn_dim",
+            "encoder_ffn_dim",
+            "ffn_hidden_size",
+            "dff",
+            "dim_ff",
+            "d_inner",
+            "feed_forward_size",
+            "intermediate_size_mlp",
+            "dense_intermediate_size",
+        ),
+        FFN,
+    ),
+    **dict.fromkeys(
+        (
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "shared_intermediate_size",
+            "moe_shared_expert_intermediate_size",
+            "shared_experts_intermediate_size",
+            "expert_ffn_hidden_size",
+        ),
+        EXPERT_FFN,
+    ),
     **dict.fromkeys(_EXPERT_COUNTS, EXPERTS),
     **dict.fromkeys(("n_group", "topk_group", "n_groups", "mamba_n_groups"), 1),
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "o_lora_rank"), 32),
-    **dict.fromkeys(("sliding_window", "attention_chunk_size", "sliding_window_size", "window_size",
-                     "local_attention", "attention_window_size"), WINDOW),
+    **dict.fromkeys(
+        (
+            "sliding_window",
+            "attention_chunk_size",
+            "sliding_window_size",
+            "window_size",
+            "local_attention",
+            "attention_window_size",
+        ),
+        WINDOW,
+    ),
     **dict.fromkeys(("index_n_heads", "linear_num_key_heads"), 2),
     **dict.fromkeys(("linear_num_value_heads", "linear_num_heads", "mamba_n_heads", "mamba_num_heads"), HEADS),
     **dict.fromkeys(("mamba_d_head", "mamba_head_dim"), 2 * WIDTH // HEADS),  # heads x head = expand (2) x width
     **dict.fromkeys(("mamba_d_state", "ssm_state_size", "state_size"), 16),
     **dict.fromkeys(("mamba_chunk_size", "chunk_size"), 16),
-    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input", "pronunciation_vocab_size",
-                     "shape_vocab_size", "encoder_hash_byte_group_vocab"), VOCAB),
+    **dict.fromkeys(
+        (
+            "vocab_size",
+            "vocab_size_per_layer_input",
+            "pronunciation_vocab_size",
+            "shape_vocab_size",
+            "encoder_hash_byte_group_vocab",
+        ),
+        VOCAB,
+    ),
     "mamba_d_ssm": 2 * WIDTH,
     "index_topk": WINDOW,
     "zero_expert_num": 2,
 }
 _ACTIVE = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts")
 _ALWAYS = ("head_dim",)  # set even where the default is None (some defaults leave it unset and do not build)
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-                 "num_decoder_layers", "num_encoder_layers")
+_LAYER_COUNTS = (
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "decoder_layers",
+    "encoder_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+)
 _LAYER_PATTERNS = ("layer_types", "layers_block_type", "block_types", "attention_layers", "attn_layers")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "swa_num_key_value_heads")
 _SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -93,17 +185,31 @@ OVERRIDES: dict[str, dict] = {
     # RoPE parameters per layer type (the default has none)
     "CohereCompassTextConfig": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # the default leaves the sparse indexer of its indexed-attention layers unset
-    "Qwen4ExpTextConfig": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
-                           "indexer_budget": WINDOW, "indexer_compress_ratio": 2},
+    "Qwen4ExpTextConfig": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": HEAD_DIM,
+        "indexer_budget": WINDOW,
+        "indexer_compress_ratio": 2,
+    },
     # one chunked (RoPE) and one full (NoPE) layer, MoE both, instead of the 4-layer prefix of
     # the 3:1 pattern (moe_layers lists layer indices)
-    "Llama4TextConfig": {"num_hidden_layers": 2, "layer_types": ["chunked_attention", "full_attention"],
-                         "no_rope_layers": [1, 0], "moe_layers": [0, 1]},
+    "Llama4TextConfig": {
+        "num_hidden_layers": 2,
+        "layer_types": ["chunked_attention", "full_attention"],
+        "no_rope_layers": [1, 0],
+        "moe_layers": [0, 1],
+    },
     # axial position embeddings: dims summing to the width, a shape multiplying to the positions;
     # chunks shorter than the prompt
-    "ReformerConfig": {"axial_pos_embds_dim": [WIDTH // 2, WIDTH // 2], "axial_pos_shape": [16, 16],
-                       "max_position_embeddings": 256, "local_attn_chunk_length": WINDOW,
-                       "lsh_attn_chunk_length": WINDOW, "num_buckets": 4},
+    "ReformerConfig": {
+        "axial_pos_embds_dim": [WIDTH // 2, WIDTH // 2],
+        "axial_pos_shape": [16, 16],
+        "max_position_embeddings": 256,
+        "local_attn_chunk_length": WINDOW,
+        "lsh_attn_chunk_length": WINDOW,
+        "num_buckets": 4,
+    },
     # its attention is twice as wide as the hidden size
     "ZambaConfig": {"attention_hidden_size": 2 * WIDTH, "attention_head_dim": 2 * WIDTH // HEADS},
     # hybrids whose defaults have no attention layer at all (the released models have some)
@@ -153,8 +259,11 @@ def _is_int(value) -> bool:
 def _kv_heads(values: dict, kv_names=_KV_HEADS) -> dict:
     """Tiny KV heads for ``values`` (name -> default): the default's flavour at 4 query heads."""
     heads = next((values[n] for n in ("num_attention_heads", "n_head", "num_heads") if _is_int(values.get(n))), None)
-    return {name: HEADS if values[name] == heads else 1 if values[name] == 1 else 2
-            for name in kv_names if _is_int(values.get(name))}
+    return {
+        name: HEADS if values[name] == heads else 1 if values[name] == 1 else 2
+        for name in kv_names
+        if _is_int(values.get(name))
+    }
 
 
 def _pattern(config) -> tuple[str, list] | None:
@@ -217,8 +326,9 @@ def _layers(cls, default) -> dict:
     per_layer = serialized.get("per_layer_config")
     if per_layer:
         by_index = {int(i): layer for i, layer in per_layer.items()}
-        out["per_layer_config"] = {new: _shrunk_override(by_index[old], serialized)
-                                   for new, old in enumerate(keep) if old in by_index}
+        out["per_layer_config"] = {
+            new: _shrunk_override(by_index[old], serialized) for new, old in enumerate(keep) if old in by_index
+        }
     return out
 
 
@@ -287,9 +397,17 @@ def tiny_config(model_type: str):
         raise ConfigUnavailable(f"no tiny config ({type(exc).__name__}: {one_line(exc)})") from exc
 
 
-_KIND_NAMES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
-               "linear_attention": "linear", "indexed_attention": "indexed", "attention": "full",
-               "global": "full", "local": "sliding", "lsh": "lsh (hashed buckets)"}
+_KIND_NAMES = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+    "linear_attention": "linear",
+    "indexed_attention": "indexed",
+    "attention": "full",
+    "global": "full",
+    "local": "sliding",
+    "lsh": "lsh (hashed buckets)",
+}
 
 
 def attention_kinds(config) -> list[str]:

@@ -82,44 +82,64 @@ def prompts_from_ids(ids: torch.Tensor, count: int, length: int) -> list[torch.T
     if count < 1 or length < 1:
         raise ValueError(f"need at least one prompt of at least one token, got {count} x {length}")
     if count * length > ids.numel():
-        raise ValueError(f"the text has {ids.numel()} tokens, fewer than {count} prompts x {length} tokens; "
-                         "pass a longer --text or fewer/shorter prompts")
+        raise ValueError(
+            f"the text has {ids.numel()} tokens, fewer than {count} prompts x {length} tokens; "
+            "pass a longer --text or fewer/shorter prompts"
+        )
     stride = ids.numel() // count
-    return [ids[i * stride: i * stride + length] for i in range(count)]
+    return [ids[i * stride : i * stride + length] for i in range(count)]
 
 
 def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> tuple[list[int], list[float], list[float]]:
     """Greedy new tokens of ``ids [1, T]`` and, per token, its top-1 minus top-2 logit and its top-1 logit."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None,
-                             top_k=None, pad_token_id=model.config.pad_token_id or 0,
-                             return_dict_in_generate=True, output_logits=True, **kwargs)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=model.config.pad_token_id or 0,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
     top2 = [logits[0].float().topk(2).values for logits in out.logits]
-    return (out.sequences[0, ids.shape[1]:].tolist(), [(v[0] - v[1]).item() for v in top2],
-            [v[0].item() for v in top2])
+    return (
+        out.sequences[0, ids.shape[1] :].tolist(),
+        [(v[0] - v[1]).item() for v in top2],
+        [v[0].item() for v in top2],
+    )
 
 
-def cache_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool,
-                 prefill_chunk: int = 0) -> list[int]:
+def cache_tokens(
+    model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool, prefill_chunk: int = 0
+) -> list[int]:
     """Greedy new tokens of ``ids [T]`` through a fresh VecInferCache (eager or compiled), the prompt
     prefilled at once or, with ``prefill_chunk``, in chunks of that many tokens."""
-    return _cache_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual, compiled=compiled,
-                      prefill_chunk=prefill_chunk)[0]
+    return _cache_run(
+        model, ids, codebooks, new_tokens=new_tokens, residual=residual, compiled=compiled, prefill_chunk=prefill_chunk
+    )[0]
 
 
-def simulate_tokens(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int,
-                    full_precision_prefill: bool = True) -> list[int]:
+def simulate_tokens(
+    model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, full_precision_prefill: bool = True
+) -> list[int]:
     """Greedy new tokens of ``ids [T]`` in eager simulate mode: the prompt in full precision (the
     cache's one-shot prefill) or, without ``full_precision_prefill``, with the per-query window."""
-    return _simulate_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
-                         full_precision_prefill=full_precision_prefill)[0]
+    return _simulate_run(
+        model, ids, codebooks, new_tokens=new_tokens, residual=residual, full_precision_prefill=full_precision_prefill
+    )[0]
 
 
 @torch.no_grad()
-def _cache_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool,
-               prefill_chunk: int) -> tuple[list[int], list[float], list[float]]:
+def _cache_run(
+    model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, compiled: bool, prefill_chunk: int
+) -> tuple[list[int], list[float], list[float]]:
     """:func:`cache_tokens` and each token's top-two logit gap and top-1 logit."""
     from transformers import CompileConfig
 
@@ -129,12 +149,14 @@ def _cache_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual
 
     dev = next(model.parameters()).device
     ids = ids[None].to(dev)
-    cache = VecInferCache(model, codebooks, batch_size=1, max_cache_len=ids.shape[1] + new_tokens,
-                          residual=residual, device=dev)
+    cache = VecInferCache(
+        model, codebooks, batch_size=1, max_cache_len=ids.shape[1] + new_tokens, residual=residual, device=dev
+    )
     kwargs = cache_kwargs(cache)
     if compiled:
-        config = CompileConfig(backend=vecinfer_backend.configure(codebooks=codebooks, residual=residual),
-                               fullgraph=True)
+        config = CompileConfig(
+            backend=vecinfer_backend.configure(codebooks=codebooks, residual=residual), fullgraph=True
+        )
         config._compile_all_devices = dev.type != "cuda"  # generate() compiles on CUDA only otherwise
         kwargs["compile_config"] = config
     if prefill_chunk:
@@ -143,32 +165,55 @@ def _cache_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual
 
 
 @torch.no_grad()
-def _simulate_run(model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int,
-                  full_precision_prefill: bool) -> tuple[list[int], list[float], list[float]]:
+def _simulate_run(
+    model, ids: torch.Tensor, codebooks, *, new_tokens: int, residual: int, full_precision_prefill: bool
+) -> tuple[list[int], list[float], list[float]]:
     """:func:`simulate_tokens` and each token's top-two logit gap and top-1 logit."""
     from ..simulate import disable_simulation, enable_simulation
 
     dev = next(model.parameters()).device
-    enable_simulation(model, codebooks.method, bits=codebooks.bits, codebooks=codebooks, residual=residual,
-                      full_precision_prefill=full_precision_prefill)
+    enable_simulation(
+        model,
+        codebooks.method,
+        bits=codebooks.bits,
+        codebooks=codebooks,
+        residual=residual,
+        full_precision_prefill=full_precision_prefill,
+    )
     try:
         return _generate(model, ids[None].to(dev), new_tokens)
     finally:
         disable_simulation(model)
 
 
-def token_match(model, prompts: list[torch.Tensor], codebooks, *, new_tokens: int = 64, residual: int = 128,
-                compiled: bool = False, prefill_chunk: int = 0, progress: bool = True) -> list[MatchResult]:
+def token_match(
+    model,
+    prompts: list[torch.Tensor],
+    codebooks,
+    *,
+    new_tokens: int = 64,
+    residual: int = 128,
+    compiled: bool = False,
+    prefill_chunk: int = 0,
+    progress: bool = True,
+) -> list[MatchResult]:
     """Run both paths on every prompt (``[T]`` int64 token ids); one :class:`MatchResult` each.
     ``prefill_chunk``: the cache prefills in chunks of that many tokens (see the module docstring)."""
     from tqdm.auto import tqdm
 
     results = []
     for ids in tqdm(prompts, desc="prompts", disable=not progress):
-        cached, cache_gaps, cache_tops = _cache_run(model, ids, codebooks, new_tokens=new_tokens, residual=residual,
-                                                    compiled=compiled, prefill_chunk=prefill_chunk)
-        simulated, simulate_gaps, simulate_tops = _simulate_run(model, ids, codebooks, new_tokens=new_tokens,
-                                                                residual=residual,
-                                                                full_precision_prefill=not prefill_chunk)
+        cached, cache_gaps, cache_tops = _cache_run(
+            model,
+            ids,
+            codebooks,
+            new_tokens=new_tokens,
+            residual=residual,
+            compiled=compiled,
+            prefill_chunk=prefill_chunk,
+        )
+        simulated, simulate_gaps, simulate_tops = _simulate_run(
+            model, ids, codebooks, new_tokens=new_tokens, residual=residual, full_precision_prefill=not prefill_chunk
+        )
         results.append(MatchResult(len(ids), cached, simulated, cache_gaps, simulate_gaps, cache_tops, simulate_tops))
     return results

@@ -80,10 +80,25 @@ class CodesRead(torch.Tensor):
 
 
 _METADATA = frozenset(
-    [getattr(torch.Tensor, name).__get__ for name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda",
-                                                       "requires_grad")]
-    + [getattr(torch.Tensor, name) for name in ("size", "dim", "numel", "nelement", "stride", "element_size",
-                                                "is_floating_point", "is_contiguous", "untyped_storage", "__len__")]
+    [
+        getattr(torch.Tensor, name).__get__
+        for name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda", "requires_grad")
+    ]
+    + [
+        getattr(torch.Tensor, name)
+        for name in (
+            "size",
+            "dim",
+            "numel",
+            "nelement",
+            "stride",
+            "element_size",
+            "is_floating_point",
+            "is_contiguous",
+            "untyped_storage",
+            "__len__",
+        )
+    ]
 )
 
 
@@ -106,8 +121,9 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     return t._vecinfer_pending.dense()[t._vecinfer_index]
 
 
-def codes_read(layer, shape: tuple[int, int, int, int], dtype: torch.dtype,
-               device: torch.device, chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
+def codes_read(
+    layer, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, chunk=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stand-ins for ``(K, V)`` of ``shape`` ``[B, H_kv, L, D]``: :class:`CodesRead` s naming
     ``layer`` for :func:`codes_attention_forward`; a chunk's also carry ``chunk`` (its
     :class:`~vecinfer_compile.ops.split_attention.chunk.ChunkKeys`)."""
@@ -124,18 +140,40 @@ def codes_read(layer, shape: tuple[int, int, int, int], dtype: torch.dtype,
 
 def _is_pair(key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether ``key`` and ``value`` are the K and V of one codes read, as the layer returned them."""
-    return (isinstance(key, CodesRead) and isinstance(value, CodesRead) and key._vecinfer_index == 0
-            and value._vecinfer_index == 1 and key._vecinfer_pending is value._vecinfer_pending)
+    return (
+        isinstance(key, CodesRead)
+        and isinstance(value, CodesRead)
+        and key._vecinfer_index == 0
+        and value._vecinfer_index == 1
+        and key._vecinfer_pending is value._vecinfer_pending
+    )
 
 
-def codes_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                            scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+def codes_attention_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """transformers' AttentionInterface signature. ``query: [B, Hq, Tq, D]``, ``key``/``value``:
     ``[B, H_kv, L, D]`` (or a codes read); returns ``([B, Tq, Hq, D], None)``."""
     if not _is_pair(key, value) or kwargs.get("position_bias") is not None:  # SDPA over what they hold
-        return sdpa_attention_forward(module, query, dense(key), dense(value), attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            dense(key),
+            dense(value),
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     layer = getattr(key, _LAYER)
     if dropout:
         raise ValueError("vecinfer: attention over a VecInferCache has dropout > 0: call model.eval()")
@@ -171,10 +209,21 @@ def use_codes_attention(model: torch.nn.Module) -> bool:
         return True
     if current == "sdpa":
         model.set_attn_implementation(ATTN_NAME)
-        log_once(log, logging.INFO, "switched", "vecinfer: attention 'sdpa' -> '%s' (SDPA, but eager steps over a "
-                 "VecInferCache read its codes instead of the whole batch dequantized)", ATTN_NAME)
+        log_once(
+            log,
+            logging.INFO,
+            "switched",
+            "vecinfer: attention 'sdpa' -> '%s' (SDPA, but eager steps over a "
+            "VecInferCache read its codes instead of the whole batch dequantized)",
+            ATTN_NAME,
+        )
         return True
-    log_once(log, logging.INFO, str(current), "vecinfer: the model attends with %r, so eager steps over a "
-             "VecInferCache get the whole batch dequantized (load it with attn_implementation='sdpa' to read codes)",
-             current)
+    log_once(
+        log,
+        logging.INFO,
+        str(current),
+        "vecinfer: the model attends with %r, so eager steps over a "
+        "VecInferCache get the whole batch dequantized (load it with attn_implementation='sdpa' to read codes)",
+        current,
+    )
     return False

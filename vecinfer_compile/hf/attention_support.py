@@ -28,8 +28,10 @@ UNSUPPORTED_KWARGS = {
     "sinks": ("attention sinks (sinks) are", "adds learned sink logits to the softmax"),
     "softcap": ("attention logit softcapping (softcap) is", "caps its attention scores with tanh"),
     "indices": ("sparse attention indices (indices) are", "attends only to the keys an indexer selects"),
-    "block_indices": ("block-sparse attention indices (block_indices) are",
-                      "attends only to the key blocks an indexer selects"),
+    "block_indices": (
+        "block-sparse attention indices (block_indices) are",
+        "attends only to the key blocks an indexer selects",
+    ),
 }
 
 
@@ -37,8 +39,7 @@ def _where(module) -> str:
     return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
 
 
-def check_attention_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         kwargs: dict) -> None:
+def check_attention_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict) -> None:
     """Raise a NotImplementedError naming the feature when an AttentionInterface call needs more than
     SDPA over one head_dim. query ``[B, Hq, Tq, Dq]``, key ``[B, Hkv, Tk, Dk]``, value
     ``[B, Hkv, Tk, Dv]``; ``kwargs``: the call's other keywords."""
@@ -80,11 +81,12 @@ def uniform_attribute(cfg, name: str, layers: list[bool] | None = None):
     per_layer = {i: getattr(cfg.per_layer_config[i], name, None) for i in picked}
     values = list(dict.fromkeys(per_layer.values()))
     if len(values) > 1:
-        groups = ", ".join(f"{v} in {_layer_ranges([i for i, x in per_layer.items() if x == v])}"
-                           for v in values)
+        groups = ", ".join(f"{v} in {_layer_ranges([i for i, x in per_layer.items() if x == v])}" for v in values)
         which = "layers" if layers is None else "the layers VecInfer codes"
-        raise ValueError(f"{which} have different {name} ({groups}): not supported, VecInfer's codebooks "
-                         f"and cache need one {name} for every coded layer")
+        raise ValueError(
+            f"{which} have different {name} ({groups}): not supported, VecInfer's codebooks "
+            f"and cache need one {name} for every coded layer"
+        )
     return values[0] if values else None
 
 
@@ -94,8 +96,11 @@ def attention_config(config):
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     if uniform_attribute(cfg, "num_attention_heads") is not None:
         return cfg
-    stacks = [name for name in getattr(type(cfg), "sub_configs", None) or {}
-              if getattr(getattr(cfg, name, None), "num_attention_heads", None) is not None]
+    stacks = [
+        name
+        for name in getattr(type(cfg), "sub_configs", None) or {}
+        if getattr(getattr(cfg, name, None), "num_attention_heads", None) is not None
+    ]
     if stacks:
         raise ValueError(
             f"{type(cfg).__name__} has its attention in sub-configs ({', '.join(stacks)}), not in one "

@@ -38,13 +38,28 @@ def decode_sdpa_mask(
     """``sdpa_mask``'s signature and result: ``[batch_size, 1, q_length, kv_length]`` bool (True =
     attend) or None. ``attention_mask``: the 2D padding mask ``[batch_size, seen + q_length]`` or
     None; ``q_offset``, ``kv_offset``: positions of the first query and the first slot."""
-    if (q_length != 1 or mask_function is not causal_mask_function or allow_is_causal_skip
-            or allow_is_bidirectional_skip or use_vmap):
-        return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
-                         mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
-                         allow_is_causal_skip=allow_is_causal_skip,
-                         allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap,
-                         device=device, **kwargs)
+    if (
+        q_length != 1
+        or mask_function is not causal_mask_function
+        or allow_is_causal_skip
+        or allow_is_bidirectional_skip
+        or use_vmap
+    ):
+        return sdpa_mask(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            allow_is_causal_skip=allow_is_causal_skip,
+            allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+            use_vmap=use_vmap,
+            device=device,
+            **kwargs,
+        )
     positions = torch.arange(kv_length, device=device) + kv_offset
     mask = positions <= q_offset  # causal_mask_function at the one query
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)

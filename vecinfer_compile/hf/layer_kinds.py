@@ -74,8 +74,10 @@ def kv_producers(config) -> list[int]:
     of its kind that stores its own, as transformers' models pick it."""
     kinds = layer_kinds(config)
     modes = getattr(_text_config(config), "kv_sharing_modes", None) or [None] * len(kinds)
-    return [i if mode != "reuse" else max(j for j in range(i) if kinds[j] == kind and modes[j] != "reuse")
-            for i, (kind, mode) in enumerate(zip(kinds, modes))]
+    return [
+        i if mode != "reuse" else max(j for j in range(i) if kinds[j] == kind and modes[j] != "reuse")
+        for i, (kind, mode) in enumerate(zip(kinds, modes))
+    ]
 
 
 def sliding_window(config) -> int | None:
@@ -102,8 +104,10 @@ def check_codable(config, residual: int) -> list[bool]:
     kinds = attention_kinds(config)
     window = sliding_window(config)
     if SLIDING in kinds and window is None:
-        raise ValueError("the config lists sliding_attention layers but sets no sliding_window: set "
-                         "config.sliding_window (or make those layers full_attention)")
+        raise ValueError(
+            "the config lists sliding_attention layers but sets no sliding_window: set "
+            "config.sliding_window (or make those layers full_attention)"
+        )
     if any(c and k == SLIDING for c, k in zip(coded, kinds)) and window is not None and residual > window:
         raise ValueError(
             f"residual={residual} is longer than the model's sliding window ({window}): a query reads only "

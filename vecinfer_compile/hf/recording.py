@@ -98,8 +98,7 @@ def recorded_positions(model, token_ids: torch.Tensor, seq_len: int) -> torch.Te
 
 
 @torch.no_grad()
-def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = True, *,
-               with_queries: bool = False):
+def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = True, *, with_queries: bool = False):
     """Run ``model`` over ``token_ids: [N]`` in windows of ``seq_len`` tokens (each starting
     with BOS when the tokenizer has one) and return per-layer ``(keys, values)``, each
     ``{layer: [H_kv, N_tokens, D]}`` float32 on the CPU; with ``with_queries`` also
@@ -107,8 +106,9 @@ def collect_kv(model, token_ids: torch.Tensor, seq_len: int, progress: bool = Tr
     device = next(model.parameters()).device
     windows = _windows(model, token_ids, seq_len)
     with recording(model, with_queries) as rec:
-        for ids in tqdm(windows, total=len(windows), desc="recording attention inputs", unit="window",
-                        disable=not progress):
+        for ids in tqdm(
+            windows, total=len(windows), desc="recording attention inputs", unit="window", disable=not progress
+        ):
             model(input_ids=ids[None].to(device), use_cache=False)
     if not rec.keys:
         raise ValueError(

@@ -25,8 +25,7 @@ import torch
 
 from ..codebooks import LayerCodebooks
 
-__all__ = ["TPShard", "graph_shard", "local_kv_heads", "local_layer", "model_shard", "total_kv_bytes",
-           "tp_load_kwargs"]
+__all__ = ["TPShard", "graph_shard", "local_kv_heads", "local_layer", "model_shard", "total_kv_bytes", "tp_load_kwargs"]
 
 _ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
@@ -83,11 +82,16 @@ def local_layer(layer: LayerCodebooks, heads: slice) -> LayerCodebooks:
     def cut(x):
         return None if x is None else x[heads].contiguous()
 
-    transform = replace(t, lam=cut(t.lam), key_matrix=cut(t.key_matrix), query_matrix=cut(t.query_matrix),
-                        mean=cut(t.mean))
-    return LayerCodebooks(transform, layer.key_codec.select_heads(layer.keys, heads),
-                          layer.value_codec.select_heads(layer.values, heads),
-                          key_metric=cut(layer.key_metric), value_metric=cut(layer.value_metric))
+    transform = replace(
+        t, lam=cut(t.lam), key_matrix=cut(t.key_matrix), query_matrix=cut(t.query_matrix), mean=cut(t.mean)
+    )
+    return LayerCodebooks(
+        transform,
+        layer.key_codec.select_heads(layer.keys, heads),
+        layer.value_codec.select_heads(layer.values, heads),
+        key_metric=cut(layer.key_metric),
+        value_metric=cut(layer.value_metric),
+    )
 
 
 def _mesh_shard(mesh) -> TPShard:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -46,8 +46,9 @@ VERSION = 1
 SKETCH = 16
 TOLERANCE = 0.02  # relative distance: dtype rounding is ~0.002, another model ~1
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
-_WEIGHT = re.compile(r"^(?P<stack>.*?)\.(?P<layer>\d+)\.(?:.+\.)?(?:" + "|".join(PROJECTIONS)
-                     + r")(?P<lora>\.base_layer)?\.weight$")
+_WEIGHT = re.compile(
+    r"^(?P<stack>.*?)\.(?P<layer>\d+)\.(?:.+\.)?(?:" + "|".join(PROJECTIONS) + r")(?P<lora>\.base_layer)?\.weight$"
+)
 _PRIME = 2_147_483_647  # 2^31 - 1: products of two residues fit in int64
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters)\['([^']+)'\]")
 
@@ -122,10 +123,12 @@ def check_fingerprint(fingerprint, where: str) -> None:
         sketches = fingerprint.get("sketches")
         ok = isinstance(sketches, dict) and all(
             isinstance(s, list) and len(s) == SKETCH and all(isinstance(v, (int, float)) for v in s)
-            for s in sketches.values())
+            for s in sketches.values()
+        )
     if not ok:
-        raise ValueError(f"{where}: its weight_fingerprint is malformed (corrupt file): recalibrate with "
-                         "`vecinfer calibrate`")
+        raise ValueError(
+            f"{where}: its weight_fingerprint is malformed (corrupt file): recalibrate with `vecinfer calibrate`"
+        )
 
 
 def _same_weight(a: str, b: str) -> bool:
@@ -145,8 +148,12 @@ def fingerprint_distance(stored: dict, current: dict) -> tuple[float, str] | Non
     ``stored`` is of another version."""
     if stored.get("version") != VERSION or current.get("version") != VERSION:
         return None
-    pairs = [(name, s, c) for name, s in stored["sketches"].items()
-             for other, c in current["sketches"].items() if _same_weight(name, other)]
+    pairs = [
+        (name, s, c)
+        for name, s in stored["sketches"].items()
+        for other, c in current["sketches"].items()
+        if _same_weight(name, other)
+    ]
     if not pairs:
         return None
     return max((_relative_distance(s, c), name) for name, s, c in pairs)

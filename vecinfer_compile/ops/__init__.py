@@ -19,11 +19,22 @@ Kernels: :mod:`.cuda` (NVRTC) and :mod:`.triton`; :mod:`.reference` holds every 
 """
 
 from . import append, attention, decode, dequantize, encode, reference
-from .split_attention import chunk
 from .cuda.decode import decode_attention_cuda
+from .split_attention import chunk
 from .triton.attention import attention_triton
 from .triton.decode import decode_attention_triton
 from .triton.encode import encode_triton
 
-__all__ = ["append", "attention", "attention_triton", "chunk", "decode", "decode_attention_cuda", "decode_attention_triton",
-           "dequantize", "encode", "encode_triton", "reference"]
+__all__ = [
+    "append",
+    "attention",
+    "attention_triton",
+    "chunk",
+    "decode",
+    "decode_attention_cuda",
+    "decode_attention_triton",
+    "dequantize",
+    "encode",
+    "encode_triton",
+    "reference",
+]

@@ -64,8 +64,9 @@ UNDO_MUTATES = ("undo_counts", "undo_kv")
 FLUSH_DIRECT_MAX = 16  # tokens per update encoded by the plain-torch form on CUDA (more: the Triton op)
 
 
-def transform_keys(k: torch.Tensor, key_mean: torch.Tensor | None, lam: torch.Tensor | None,
-                   key_matrix: torch.Tensor | None) -> torch.Tensor:
+def transform_keys(
+    k: torch.Tensor, key_mean: torch.Tensor | None, lam: torch.Tensor | None, key_matrix: torch.Tensor | None
+) -> torch.Tensor:
     """``K~ = ((k - key_mean) / lam) @ key_matrix`` for ``k: [B, Hkv, T, D]``, computed in float32
     and returned in ``k.dtype`` (``key_mean``/``lam`` ``[Hkv, D]``, ``key_matrix`` ``[D, D]`` or
     ``[Hkv, D, D]``; each may be None)."""
@@ -79,8 +80,9 @@ def transform_keys(k: torch.Tensor, key_mean: torch.Tensor | None, lam: torch.Te
     return work.to(k.dtype)
 
 
-def encode_flush(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0,
-                 metric: torch.Tensor | None = None) -> torch.Tensor:
+def encode_flush(
+    x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0, metric: torch.Tensor | None = None
+) -> torch.Tensor:
     """Stored codes (uint8, packed as :mod:`..quant.packing` says) of the tokens an update moves
     out of the window (``x`` already transformed).
 
@@ -109,8 +111,13 @@ def encode_flush(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: floa
     return weigh_codes(x, stored, centroids, metric, parallel_weight)
 
 
-def weigh_codes(x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor | None,
-                parallel_weight: float = 1.0) -> torch.Tensor:
+def weigh_codes(
+    x: torch.Tensor,
+    stored: torch.Tensor,
+    centroids: torch.Tensor,
+    metric: torch.Tensor | None,
+    parallel_weight: float = 1.0,
+) -> torch.Tensor:
     """The stored codes ``[B, Hkv, T, W]`` (uint8, packed) of ``x: [B, Hkv, T, D]`` lowered under the
     error ``metric: [Hkv, D, D]`` by the opaque op ``vecinfer::weigh_codes``
     (:func:`~vecinfer_compile.quant.weighted_codes.weigh_stored`); ``stored`` itself when
@@ -120,19 +127,44 @@ def weigh_codes(x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tensor, 
     return torch.ops.vecinfer.weigh_codes(x, stored, centroids, metric, parallel_weight)
 
 
-def append_reference(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-                     k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0,
-                     key_metric=None, value_metric=None) -> None:
+def append_reference(
+    key,
+    value,
+    k_codes,
+    v_codes,
+    k_window,
+    v_window,
+    n_coded,
+    n_window,
+    arrivals,
+    k_centroids,
+    v_centroids,
+    key_mean,
+    lam,
+    key_matrix,
+    key_parallel_weight=1.0,
+    key_metric=None,
+    value_metric=None,
+) -> None:
     """The op's semantics in torch, without data-dependent Python (compiles with fullgraph=True):
     :func:`append_through_window` with the codebooks' codes. ``arrivals`` is unused."""
     append_through_window(
-        transform_keys(key, key_mean, lam, key_matrix), value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
+        transform_keys(key, key_mean, lam, key_matrix),
+        value,
+        k_codes,
+        v_codes,
+        k_window,
+        v_window,
+        n_coded,
+        n_window,
         lambda x: encode_flush(x, k_centroids, key_parallel_weight, key_metric),
-        lambda x: encode_flush(x, v_centroids, metric=value_metric))
+        lambda x: encode_flush(x, v_centroids, metric=value_metric),
+    )
 
 
-def append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, encode_keys,
-                          encode_values) -> None:
+def append_through_window(
+    kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, encode_keys, encode_values
+) -> None:
     """Append ``T`` tokens (``kt``: keys transformed, ``value``: ``[B, H, T, D]``) to a layer's buffers
     in place, without host syncs: ``encode_keys`` / ``encode_values`` map ``[B, H, T, D]`` to stored
     codes ``[B, H, T, W]``.
@@ -168,9 +200,25 @@ def append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_cod
     n_window.copy_(w_new)
 
 
-def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-                  k_centroids, v_centroids, key_mean, lam, key_matrix, key_parallel_weight=1.0,
-                  key_metric=None, value_metric=None) -> str:
+def choose_append(
+    key,
+    value,
+    k_codes,
+    v_codes,
+    k_window,
+    v_window,
+    n_coded,
+    n_window,
+    arrivals,
+    k_centroids,
+    v_centroids,
+    key_mean,
+    lam,
+    key_matrix,
+    key_parallel_weight=1.0,
+    key_metric=None,
+    value_metric=None,
+) -> str:
     """``"cuda"`` or ``"torch"`` for a ``vecinfer::cache_append`` call on CUDA tensors (the op's
     arguments; shapes and dtypes only, so it works on fake tensors; may compile the kernel once).
     Several new tokens (a prefill chunk) always take the torch form, whose encode is the Triton
@@ -184,8 +232,10 @@ def choose_append(key, value, k_codes, v_codes, k_window, v_window, n_coded, n_w
     reason = cuda_append.unsupported_reason(key, k_window, k_centroids, v_centroids, searched)
     level = logging.WARNING if searched else logging.INFO  # the torch search makes a decode step ~20x slower
     if reason is None:
-        reason, level = cuda_append.build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix,
-                                                searched), logging.WARNING
+        reason, level = (
+            cuda_append.build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched),
+            logging.WARNING,
+        )
     if reason is None:
         return "cuda"
     fall_back(reason, level, "the cache append runs as torch ops", "the cache append cannot run on CUDA")
@@ -199,8 +249,14 @@ def _cache_append(*args) -> None:
         append_reference(*args)
 
 
-def record_undo(undo_counts: torch.Tensor, undo_kv: torch.Tensor, n_coded: torch.Tensor,
-                n_window: torch.Tensor, k_window: torch.Tensor, v_window: torch.Tensor) -> None:
+def record_undo(
+    undo_counts: torch.Tensor,
+    undo_kv: torch.Tensor,
+    n_coded: torch.Tensor,
+    n_window: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+) -> None:
     """``undo_counts`` (int64 ``[2]``) <- ``(n_coded, n_window)`` (0-d int64); ``undo_kv [2, B, H,
     D]`` <- slot 0 of ``k_window``/``v_window [B, H, R, D]`` (nothing when ``R == 0``). Two
     kernels (``stack`` into the buffers), not four copies: inside a decode step's CUDA graph every
@@ -211,8 +267,14 @@ def record_undo(undo_counts: torch.Tensor, undo_kv: torch.Tensor, n_coded: torch
 
 
 def register() -> None:
-    define("cache_append_cuda", cache_append_cuda, kind="opaque", schema="cache_append_cuda" + SCHEMA_ARGS,
-           mutates=MUTATES, fake=lambda *args: None)
+    define(
+        "cache_append_cuda",
+        cache_append_cuda,
+        kind="opaque",
+        schema="cache_append_cuda" + SCHEMA_ARGS,
+        mutates=MUTATES,
+        fake=lambda *args: None,
+    )
     define("cache_append", _cache_append, kind="composite", schema="cache_append" + SCHEMA_ARGS)
     define("record_undo", record_undo, kind="opaque", mutates=UNDO_MUTATES, fake=lambda *args: None)
 

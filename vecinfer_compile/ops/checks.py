@@ -58,8 +58,11 @@ def check_codes(codes: torch.Tensor, centroids: torch.Tensor, head_dim: int, nam
         raise ValueError(
             f"{name} have {codes.shape[-1]} bytes per head vector but {subvectors} {bits}-bit codes of a "
             f"{entries}x{dims} codebook (head_dim {head_dim}) are stored in {width}; "
-            + ("pack them with vecinfer_compile.quant.packing.pack_codes(codes, entries)"
-               if bits == 12 and codes.shape[-1] == subvectors else "encode with this codebook")
+            + (
+                "pack them with vecinfer_compile.quant.packing.pack_codes(codes, entries)"
+                if bits == 12 and codes.shape[-1] == subvectors
+                else "encode with this codebook"
+            )
         )
 
 
@@ -99,7 +102,9 @@ def check_attention_args(q, k_codes, v_codes, k_centroids, v_centroids, k_full, 
         raise ValueError(f"residual must be >= 0, got {residual}")
     if residual > 0:
         if k_full is None or v_full is None:
-            raise ValueError("residual > 0 needs k_full and v_full (the full-precision K~ and V); pass them or residual=0")
+            raise ValueError(
+                "residual > 0 needs k_full and v_full (the full-precision K~ and V); pass them or residual=0"
+            )
         want = (*k_codes.shape[:3], head_dim)
         for t, name in ((k_full, "k_full"), (v_full, "v_full")):
             if tuple(t.shape) != tuple(want):

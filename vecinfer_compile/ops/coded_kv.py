@@ -43,8 +43,10 @@ def bundle_coded_kv(args: tuple, first: int) -> tuple:
 
 
 def _parameters(annotated: dict[str, object]) -> list[inspect.Parameter]:
-    return [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
-            for name, annotation in annotated.items()]
+    return [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+        for name, annotation in annotated.items()
+    ]
 
 
 def flat_op(impl: Callable, before: dict[str, object], after: dict[str, object], returns: object) -> Callable:

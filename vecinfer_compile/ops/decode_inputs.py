@@ -13,8 +13,9 @@ import torch
 from ..quant.rows import rows_matmul
 
 
-def transform_queries(q: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None,
-                      key_read: torch.Tensor | None = None) -> torch.Tensor:
+def transform_queries(
+    q: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, key_read: torch.Tensor | None = None
+) -> torch.Tensor:
     """``q~ = ((q * lam_q) @ H)`` (or ``q @ key_read_q^T``) in float32, returned in q's dtype.
     ``q: [B, Hq, T, D]``, ``lam: [Hkv, D]`` (query head h uses KV head ``h // (Hq // Hkv)``),
     ``rotation: [D, D]``, ``key_read: [Hkv, D, D]``."""
@@ -68,7 +69,6 @@ def mask_is_a_range(mask: torch.Tensor, kv_start: torch.Tensor, valid: torch.Ten
     return plain & (attend == want).all()
 
 
-
 def chunk_mask_layout(mask: torch.Tensor, kv_start: torch.Tensor, length: int) -> tuple[bool, bool]:
     """``(standard, padded)`` for a chunk's mask ``[B|1, H|1, C, S]`` over ``S >= length`` slots
     of which the first ``length`` are valid, the chunk's ``C`` queries the last of them (bool True
@@ -96,8 +96,8 @@ def chunk_mask_layout(mask: torch.Tensor, kv_start: torch.Tensor, length: int) -
     rows = max(1, CHECK_ELEMENTS // max(attend[:1].numel(), 1))  # bounds the comparison's temporaries
     ok = plain
     for r in range(0, b, rows):
-        want = causal[None] & (j[None] >= start[r:r + rows, None, None])
-        ok = ok & (attend[r:r + rows] == want[:, None]).all()
+        want = causal[None] & (j[None] >= start[r : r + rows, None, None])
+        ok = ok & (attend[r : r + rows] == want[:, None]).all()
     standard, padded = (bool(x) for x in torch.stack([ok, (start > 0).any()]).tolist())
     _last_chunk_mask = (weakref.ref(mask), mask._version, (standard, padded))
     return standard, padded

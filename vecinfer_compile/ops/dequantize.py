@@ -81,8 +81,9 @@ def _assemble(codes, centroids, n_coded, window, n_window) -> torch.Tensor:
     return torch.where((t < n_coded)[:, None], dec, out)
 
 
-def _empty_outputs(kv: CodedKV, lam: torch.Tensor | None,
-                   rotation: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_outputs(
+    kv: CodedKV, lam: torch.Tensor | None, rotation: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Checks the arguments; uninitialised outputs ``[B, Hkv, Tmax, D]`` in the window's dtype (the
     op's fake, and what :func:`cache_kv` fills)."""
     _check(kv, lam, rotation)
@@ -138,6 +139,15 @@ def dequantize_into(codes: torch.Tensor, centroids: torch.Tensor, length: int, o
 
 _OPTIONAL_TRANSFORMS = {"lam": torch.Tensor | None, "rotation": torch.Tensor | None}
 _KV_PAIR = tuple[torch.Tensor, torch.Tensor]
-define("cache_kv", flat_op(cache_kv, {}, _OPTIONAL_TRANSFORMS, _KV_PAIR), kind="opaque",
-       fake=flat_op(_empty_outputs, {}, _OPTIONAL_TRANSFORMS, _KV_PAIR))
-define("prefill_read", prefill_read, kind="opaque", fake=lambda key, value: (torch.empty_like(key), torch.empty_like(value)))
+define(
+    "cache_kv",
+    flat_op(cache_kv, {}, _OPTIONAL_TRANSFORMS, _KV_PAIR),
+    kind="opaque",
+    fake=flat_op(_empty_outputs, {}, _OPTIONAL_TRANSFORMS, _KV_PAIR),
+)
+define(
+    "prefill_read",
+    prefill_read,
+    kind="opaque",
+    fake=lambda key, value: (torch.empty_like(key), torch.empty_like(value)),
+)

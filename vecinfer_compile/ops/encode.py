@@ -35,7 +35,10 @@ from .triton.encode import encode_triton
 
 
 def _encode(
-    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor,
+    x: torch.Tensor,
+    lam: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    centroids: torch.Tensor,
     parallel_weight: float = 1.0,
 ) -> torch.Tensor:
     if x.device.type == "cuda":
@@ -44,7 +47,10 @@ def _encode(
 
 
 def _quantize(
-    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor,
+    x: torch.Tensor,
+    lam: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    centroids: torch.Tensor,
     parallel_weight: float = 1.0,
 ) -> torch.Tensor:
     if x.device.type == "cuda":
@@ -58,12 +64,17 @@ def choose_weigh(x: torch.Tensor, centroids: torch.Tensor) -> str:
     per reason, as a warning: it is many times slower)."""
     if requested() == "triton":
         return "torch"
-    reason = cuda_weigh.unsupported_reason(x, centroids) or cuda_weigh.build_error(x, centroids, centroids,
-                                                                                   "vq_weigh_rows")
+    reason = cuda_weigh.unsupported_reason(x, centroids) or cuda_weigh.build_error(
+        x, centroids, centroids, "vq_weigh_rows"
+    )
     if reason is None:
         return "cuda"
-    fall_back(reason, logging.WARNING, "error-weighted codes run the torch descent",
-              "error-weighted codes cannot be encoded on CUDA")
+    fall_back(
+        reason,
+        logging.WARNING,
+        "error-weighted codes run the torch descent",
+        "error-weighted codes cannot be encoded on CUDA",
+    )
     return "torch"
 
 
@@ -73,8 +84,9 @@ def _weigh_codes_cuda(x, stored, centroids, metric, parallel_weight=1.0):
     return weigh_stored(x, stored, centroids, metric, parallel_weight)
 
 
-def quantize_weighted(x: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor,
-                      parallel_weight: float = 1.0) -> torch.Tensor:
+def quantize_weighted(
+    x: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor, parallel_weight: float = 1.0
+) -> torch.Tensor:
     """Error-weighted ``X^`` of ``x: [B, H, T, D]``: ``vecinfer::encode`` (score-aware for
     ``parallel_weight > 1``), ``vecinfer::weigh_codes`` under ``metric: [H, D, D]``, then the
     centroids' values (``centroids: [E, d]`` float32); returned in ``x.dtype``, as
@@ -88,9 +100,13 @@ def quantize_weighted(x: torch.Tensor, centroids: torch.Tensor, metric: torch.Te
 def register() -> None:
     define("encode", _encode, kind="triton")
     define("quantize", _quantize, kind="triton")
-    define("weigh_codes", weigh_stored, kind="opaque",
-           fake=lambda x, stored, centroids, metric, parallel_weight=1.0: torch.empty_like(stored),
-           device_kernels={"cuda": _weigh_codes_cuda})
+    define(
+        "weigh_codes",
+        weigh_stored,
+        kind="opaque",
+        fake=lambda x, stored, centroids, metric, parallel_weight=1.0: torch.empty_like(stored),
+        device_kernels={"cuda": _weigh_codes_cuda},
+    )
 
 
 register()

@@ -33,7 +33,10 @@ def dequantize(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 
 
 def encode(
-    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor,
+    x: torch.Tensor,
+    lam: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    centroids: torch.Tensor,
     parallel_weight: float = 1.0,
 ) -> torch.Tensor:
     """Codes of ``((x / lam) @ rotation)``.
@@ -63,7 +66,10 @@ def encode(
 
 
 def quantize(
-    x: torch.Tensor, lam: torch.Tensor | None, rotation: torch.Tensor | None, centroids: torch.Tensor,
+    x: torch.Tensor,
+    lam: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    centroids: torch.Tensor,
     parallel_weight: float = 1.0,
 ) -> torch.Tensor:
     """Quantize-dequantize: the centroid values of :func:`encode`'s codes, ``[B, H, T, D]`` in
@@ -201,8 +207,9 @@ def chunk_kv_dense(keys: ChunkKeys, rows: slice, dtype: torch.dtype) -> tuple[to
     return k, v
 
 
-def chunk_attention(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
-              attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_attention(
+    q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """The chunk attention's oracle (:mod:`.split_attention.chunk`): float32 attention of ``q: [B, Hq, C, D]`` (``q~``) over all ``L`` slots of
     ``keys`` with :func:`chunk_mask` (or ``attn_mask``, bool True = attend or additive float,
     broadcastable to ``[B, Hq, C, L]``). Rows with no visible key are zeros. Returns

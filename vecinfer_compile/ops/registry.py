@@ -27,9 +27,17 @@ def is_registered(name: str) -> bool:
     return hasattr(getattr(torch.ops, NAMESPACE), name)
 
 
-def define(name: str, fn: Callable, *, kind: str, schema: str | None = None, mutates: tuple[str, ...] = (),
-           fake: Callable | None = None, device_kernels: dict[str, Callable] | None = None,
-           tags: tuple[torch.Tag, ...] = ()) -> None:
+def define(
+    name: str,
+    fn: Callable,
+    *,
+    kind: str,
+    schema: str | None = None,
+    mutates: tuple[str, ...] = (),
+    fake: Callable | None = None,
+    device_kernels: dict[str, Callable] | None = None,
+    tags: tuple[torch.Tag, ...] = (),
+) -> None:
     """Register ``vecinfer::<name>`` running ``fn`` (a no-op when this process has it already).
 
     ``schema``: the full schema (``"name(...) -> ..."``), needed for ``"composite"`` and for an

@@ -65,15 +65,14 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from ..codecs import registry
-from ..ops.registry import is_op
 from ..ops.decode_inputs import kv_start_from_mask, transform_queries
+from ..ops.registry import is_op
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
 
 log = logging.getLogger(__name__)
 
 SDPA = F.scaled_dot_product_attention
 CACHE_READ_META = "vecinfer_cache_read"
-
 
 
 def rewrites() -> dict[str, tuple[str, object]]:
@@ -165,8 +164,12 @@ def keep_prefill_in_full_precision(gm: fx.GraphModule) -> int:
         if node.op != "call_function" or node.target is not SDPA:
             continue
         key = unwrap_repeat_kv(node.kwargs.get("key", node.args[1] if len(node.args) > 1 else None))
-        if (isinstance(key, fx.Node) and key.target is operator.getitem and isinstance(key.args[0], fx.Node)
-                and key.args[0] in markers):
+        if (
+            isinstance(key, fx.Node)
+            and key.target is operator.getitem
+            and isinstance(key.args[0], fx.Node)
+            and key.args[0] in markers
+        ):
             node.meta[CACHE_READ_META] = True
             tagged += 1
     for marker in markers:
@@ -289,7 +292,9 @@ def emit(gm: fx.GraphModule, site: Site, decode_kernel: str | None, starts: dict
             counters["vecinfer"]["cache_chunk_rewrites"] += 1
             counters["vecinfer"][f"cache_chunk_{codec_name}"] += 1
         out = graph.call_function(op, (q_t, *args))
-    out.meta.update({k: v for k, v in site.node.meta.items() if k in ("nn_module_stack", "stack_trace", "example_value")})
+    out.meta.update(
+        {k: v for k, v in site.node.meta.items() if k in ("nn_module_stack", "stack_trace", "example_value")}
+    )
     return out
 
 

@@ -6,7 +6,7 @@ that the first compiled call really produces.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -34,14 +34,10 @@ class _Recorder(fx.Interpreter):
 
 
 def _is_fake(x) -> bool:
-    return isinstance(x, torch.Tensor) and (
-        isinstance(x, torch._subclasses.FakeTensor) or x.device.type == "meta"
-    )
+    return isinstance(x, torch.Tensor) and (isinstance(x, torch._subclasses.FakeTensor) or x.device.type == "meta")
 
 
-def record_nodes(
-    gm: fx.GraphModule, example_inputs: Sequence, nodes: Iterable[fx.Node]
-) -> dict[fx.Node, torch.Tensor]:
+def record_nodes(gm: fx.GraphModule, example_inputs: Sequence, nodes: Iterable[fx.Node]) -> dict[fx.Node, torch.Tensor]:
     """Interpret ``gm`` on ``example_inputs`` (SymInts replaced by their concrete sizes) under
     ``no_grad`` up to the last of ``nodes`` and return ``{node: value}`` for them. In-place ops
     before that point run too (a KV-cache write is repeated by the real call; it is idempotent).

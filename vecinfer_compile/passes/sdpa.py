@@ -47,8 +47,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.fx as fx
@@ -58,9 +58,9 @@ from torch._dynamo.utils import counters
 
 from ..codebooks import LayerCodebooks
 from ..ops.encode import quantize_weighted
+from ..ops.split_attention.windowed import window_plan, windowed_attention
 from .cache_attention import CACHE_READ_META
 from .repeat_kv import erase_dead_repetition, unwrap_repeat_kv
-from ..ops.split_attention.windowed import window_plan, windowed_attention
 
 log = logging.getLogger(__name__)
 
@@ -258,9 +258,16 @@ class _Emitter:
     def call(self, target, *args, **kwargs) -> fx.Node:
         return self.graph.call_function(target, args, kwargs)
 
-    def transform(self, x: fx.Node, lam: torch.Tensor | None, rotation: torch.Tensor | None,
-                  op, name: str, matrix: tuple[str, torch.Tensor] | None = None,
-                  mean: torch.Tensor | None = None) -> fx.Node:
+    def transform(
+        self,
+        x: fx.Node,
+        lam: torch.Tensor | None,
+        rotation: torch.Tensor | None,
+        op,
+        name: str,
+        matrix: tuple[str, torch.Tensor] | None = None,
+        mean: torch.Tensor | None = None,
+    ) -> fx.Node:
         """``(((x.float() - mean) op lam) @ M @ H).to(x.dtype)``, ``matrix = (name, M)`` with
         ``M: [H, D, D]`` per head, ``mean: [H, D]``; x itself when there is no transform."""
         if lam is None and rotation is None and matrix is None and mean is None:
@@ -280,8 +287,17 @@ class _Emitter:
 def _window_key(site: SdpaSite) -> tuple:
     """Sites with equal keys share one window plan: same mask node, causality, sizes, dtype."""
     q, k = _example(site.query), _example(site.key)
-    return (site.attn_mask, site.is_causal, str(q.shape[0]), site.q_heads, site.kv_heads, str(q.shape[2]),
-            str(k.shape[2]), str(q.device), q.dtype)
+    return (
+        site.attn_mask,
+        site.is_causal,
+        str(q.shape[0]),
+        site.q_heads,
+        site.kv_heads,
+        str(q.shape[2]),
+        str(k.shape[2]),
+        str(q.device),
+        q.dtype,
+    )
 
 
 def _shared_window_plan(emit: _Emitter, site: SdpaSite, residual: int, plans: dict) -> fx.Node:
@@ -293,15 +309,26 @@ def _shared_window_plan(emit: _Emitter, site: SdpaSite, residual: int, plans: di
     return plans[key]
 
 
-def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, quantize: bool,
-                  residual: int, plans: dict, key_parallel_weight: float) -> None:
+def _rewrite_site(
+    gm: fx.GraphModule,
+    site: SdpaSite,
+    layer: LayerCodebooks,
+    *,
+    quantize: bool,
+    residual: int,
+    plans: dict,
+    key_parallel_weight: float,
+) -> None:
     transform = layer.transform
     lam, key_m = transform.lam, transform.key_matrix
     heads, dim = site.kv_heads, site.head_dim
-    for what, state, shape in (("smoothing factors", lam, (heads, dim)), ("a key mean", transform.mean, (heads, dim)),
-                               ("query-aware matrices", key_m, (heads, dim, dim)),
-                               ("key error metrics", layer.key_metric, (heads, dim, dim)),
-                               ("value error metrics", layer.value_metric, (heads, dim, dim))):
+    for what, state, shape in (
+        ("smoothing factors", lam, (heads, dim)),
+        ("a key mean", transform.mean, (heads, dim)),
+        ("query-aware matrices", key_m, (heads, dim, dim)),
+        ("key error metrics", layer.key_metric, (heads, dim, dim)),
+        ("value error metrics", layer.value_metric, (heads, dim, dim)),
+    ):
         if state is not None and tuple(state.shape) != shape:
             raise ValueError(
                 f"vecinfer: layer {site.layer} has {what} of shape {tuple(state.shape)} but its "
@@ -339,9 +366,15 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, layer: LayerCodebooks, *, 
             out = emit.call(windowed_attention, q_t, k_in, k_t, v_in, site.value, plan, site.scale)
         else:
             out = emit.call(
-                SDPA, q_t, k_in, v_in,
-                attn_mask=site.attn_mask, dropout_p=0.0, is_causal=site.is_causal,
-                scale=site.scale, enable_gqa=site.q_heads != site.kv_heads,
+                SDPA,
+                q_t,
+                k_in,
+                v_in,
+                attn_mask=site.attn_mask,
+                dropout_p=0.0,
+                is_causal=site.is_causal,
+                scale=site.scale,
+                enable_gqa=site.q_heads != site.kv_heads,
             )
     out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
     node.replace_all_uses_with(out)
@@ -367,8 +400,15 @@ def rewrite_sdpa(
         raise ValueError(f"residual must be >= 0, got {residual}")
     plans: dict = {}
     for site in sites:
-        _rewrite_site(gm, site, layers[site.layer], quantize=quantize, residual=residual, plans=plans,
-                      key_parallel_weight=key_parallel_weight)
+        _rewrite_site(
+            gm,
+            site,
+            layers[site.layer],
+            quantize=quantize,
+            residual=residual,
+            plans=plans,
+            key_parallel_weight=key_parallel_weight,
+        )
     gm.graph.lint()
     gm.recompile()
     return len(sites)

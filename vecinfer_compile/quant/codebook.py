@@ -31,8 +31,9 @@ def subvectors(x: torch.Tensor, dims: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // dims, dims)
 
 
-def encode(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0,
-           metric: torch.Tensor | None = None) -> torch.Tensor:
+def encode(
+    x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0, metric: torch.Tensor | None = None
+) -> torch.Tensor:
     """Codes of ``x: [..., D]`` (any float dtype) with ``centroids: [E, d]`` -> ``[..., D // d]``
     (uint8 if E <= 256 else int16): the nearest centroid of each sub-vector, or with
     ``parallel_weight > 1`` the score-aware codes of :mod:`.score_aware` (keys); with ``metric:
@@ -60,7 +61,8 @@ def decode(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return out.reshape(*codes.shape[:-1], codes.shape[-1] * dims)
 
 
-def quantize_dequantize(x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0,
-                        metric: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_dequantize(
+    x: torch.Tensor, centroids: torch.Tensor, parallel_weight: float = 1.0, metric: torch.Tensor | None = None
+) -> torch.Tensor:
     """``decode(encode(x, centroids, parallel_weight, metric))`` in x's dtype."""
     return decode(encode(x, centroids, parallel_weight, metric), centroids.to(torch.float32)).to(x.dtype)

@@ -31,7 +31,7 @@ def hadamard_block_size(head_dim: int) -> int:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_f64(head_dim: int) -> torch.Tensor:
     block = hadamard_block_size(head_dim)
     return torch.block_diag(*[_sylvester(block)] * (head_dim // block))

@@ -137,10 +137,10 @@ def gaussian_lloyd_max_distortion(max_bits: int, points: int = 1 << 18) -> torch
     ``PANTER_DITE * 4^-b``, within 6% above 4 bits), from ``points`` equal-mass quantiles."""
     u = (torch.arange(points, dtype=torch.float64) + 0.5) / points
     x = math.sqrt(2) * torch.erfinv(2 * u - 1)
-    out = [float((x ** 2).mean())]
+    out = [float((x**2).mean())]
     for b in range(1, max_bits + 1):
         if b <= 4:
-            out.append(float(((scalar_quantize(x, lloyd_max(x, 2 ** b, iters=500)) - x) ** 2).mean()))
+            out.append(float(((scalar_quantize(x, lloyd_max(x, 2**b, iters=500)) - x) ** 2).mean()))
         else:
-            out.append(PANTER_DITE * 4.0 ** -b)
+            out.append(PANTER_DITE * 4.0**-b)
     return torch.tensor(out, dtype=torch.float64)

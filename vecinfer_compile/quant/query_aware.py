@@ -85,8 +85,9 @@ def _power(m: torch.Tensor, p: float) -> torch.Tensor:
     return (vec * eig.clamp_min(torch.finfo(m.dtype).tiny)[..., None, :] ** p) @ vec.transpose(1, 2)
 
 
-def query_aware_matrices(query_moment: torch.Tensor, key_moment: torch.Tensor | None = None,
-                         ridge: float = DEFAULT_RIDGE) -> tuple[torch.Tensor, torch.Tensor]:
+def query_aware_matrices(
+    query_moment: torch.Tensor, key_moment: torch.Tensor | None = None, ridge: float = DEFAULT_RIDGE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(key_matrix A, query_matrix A^(-T))``, both ``[H_kv, D, D]`` float32 and symmetric, from
     the queries' ``S`` and (for ``geomean``) the keys' ``C`` second moments ``[H_kv, D, D]``
     (:func:`second_moment`): ``A = S_r^(1/2)`` without ``key_moment`` (``sqrt``), else

@@ -76,6 +76,8 @@ class IdealChannel:
         ``noise: [T, H, D]`` (standard normal; one draw per token, shared across the batch)."""
         mean, basis = self.mean.to(x.device), self.basis.to(x.device)
         y = torch.einsum("bhtd,hde->bhte", x.float() - mean[None, :, None], basis)
-        y_hat = self.gain.to(x.device)[None, :, None] * y + \
-            self.noise_scale.to(x.device)[None, :, None] * noise.to(x.device).transpose(0, 1)[None]
+        y_hat = (
+            self.gain.to(x.device)[None, :, None] * y
+            + self.noise_scale.to(x.device)[None, :, None] * noise.to(x.device).transpose(0, 1)[None]
+        )
         return torch.einsum("bhte,hde->bhtd", y_hat, basis) + mean[None, :, None]

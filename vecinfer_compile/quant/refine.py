@@ -53,15 +53,17 @@ class LayerAttention:
     sliding_window: int | None = None
 
     @classmethod
-    def of(cls, module, out_weight: torch.Tensor | None, head_dim: int) -> "LayerAttention":
+    def of(cls, module, out_weight: torch.Tensor | None, head_dim: int) -> LayerAttention:
         """From a transformers attention module: ``out_weight`` (its output projection, found by
         :func:`~vecinfer_compile.hf.output_projection.output_projection_weight`; None for the
         identity), its ``scaling`` (default ``D ** -0.5``) and ``sliding_window``."""
         scaling = getattr(module, "scaling", None)
         window = getattr(module, "sliding_window", None)
-        return cls(None if out_weight is None else out_weight.detach().float(),
-                   float(scaling) if scaling is not None else head_dim ** -0.5,
-                   int(window) if isinstance(window, int) and window > 0 else None)
+        return cls(
+            None if out_weight is None else out_weight.detach().float(),
+            float(scaling) if scaling is not None else head_dim**-0.5,
+            int(window) if isinstance(window, int) and window > 0 else None,
+        )
 
 
 def _mask(length: int, window: int | None, device) -> torch.Tensor | None:
@@ -76,8 +78,14 @@ def _attend(q, k, v, attn: LayerAttention) -> torch.Tensor:
     """``q: [Hq, L, D]``, ``k, v: [Hkv, L, D]`` -> ``[L, Hq * D]``."""
     rep = q.shape[0] // k.shape[0]
     mask = _mask(q.shape[1], attn.sliding_window, q.device)
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0),
-                                         attn_mask=mask, is_causal=mask is None, scale=attn.scaling)
+    out = F.scaled_dot_product_attention(
+        q,
+        k.repeat_interleave(rep, 0),
+        v.repeat_interleave(rep, 0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=attn.scaling,
+    )
     return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
@@ -148,7 +156,7 @@ def refine_codebooks(
             codes_k, codes_v = codes()
         for step in range(config.steps):
             beat(f"refining centroids, round {r + 1}/{config.rounds}, step {step + 1}/{config.steps}")
-            batch = torch.randperm(len(spans), generator=gen)[:config.windows].tolist()
+            batch = torch.randperm(len(spans), generator=gen)[: config.windows].tolist()
             opt.zero_grad(set_to_none=True)
             loss(batch, codes_k, codes_v).backward()
             opt.step()

@@ -42,7 +42,7 @@ def rotate(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, *, 
     cos, sin = angles.cos(), angles.sin()
     if inverse:
         sin = -sin
-    x1, x2, rest = work[..., :half], work[..., half:2 * half], work[..., 2 * half:]
+    x1, x2, rest = work[..., :half], work[..., half : 2 * half], work[..., 2 * half :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
@@ -59,12 +59,18 @@ def model_rope_frequencies(model: torch.nn.Module, head_dim: int) -> torch.Tenso
                 found.append(freq.detach().float().cpu())
     name = type(model).__name__
     if not found:
-        raise ValueError(f"{name} has no rotary embedding (no module with an inv_freq buffer): keys quantized "
-                         "before RoPE need a RoPE model; use --method qaware")
+        raise ValueError(
+            f"{name} has no rotary embedding (no module with an inv_freq buffer): keys quantized "
+            "before RoPE need a RoPE model; use --method qaware"
+        )
     if len(found) > 1:
-        raise ValueError(f"{name} has {len(found)} different rotary embeddings ({[f.shape[0] for f in found]} "
-                         "frequencies): the pre-RoPE methods undo one; use --method qaware")
+        raise ValueError(
+            f"{name} has {len(found)} different rotary embeddings ({[f.shape[0] for f in found]} "
+            "frequencies): the pre-RoPE methods undo one; use --method qaware"
+        )
     if 2 * found[0].shape[0] > head_dim:
-        raise ValueError(f"{name}'s rotary embedding has {found[0].shape[0]} frequencies, more than its head_dim "
-                         f"{head_dim} has pairs: use --method qaware")
+        raise ValueError(
+            f"{name}'s rotary embedding has {found[0].shape[0]} frequencies, more than its head_dim "
+            f"{head_dim} has pairs: use --method qaware"
+        )
     return found[0]

@@ -36,7 +36,9 @@ def check_parallel_weight(weight: float) -> float:
     """``weight`` as a float, or a ValueError naming the valid range."""
     w = float(weight)
     if not (w >= 1.0 and w < float("inf")):
-        raise ValueError(f"the key parallel weight must be a finite number >= 1 (1: nearest-centroid codes), got {weight}")
+        raise ValueError(
+            f"the key parallel weight must be a finite number >= 1 (1: nearest-centroid codes), got {weight}"
+        )
     return w
 
 

@@ -69,9 +69,7 @@ def expand_to_query_heads(per_kv_head: torch.Tensor, num_query_heads: int) -> to
     """``[H_kv, ...] -> [H_q, ...]`` with the GQA mapping of ``repeat_kv``."""
     num_kv_heads = per_kv_head.shape[0]
     if num_query_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"{num_query_heads} query heads are not a multiple of {num_kv_heads} KV heads"
-        )
+        raise ValueError(f"{num_query_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     return per_kv_head.repeat_interleave(num_query_heads // num_kv_heads, dim=0)
 
 
@@ -145,8 +143,10 @@ class KeyTransform:
         key mean plays no part: it shifts each query's scores by one constant). Pre-RoPE keys have
         no such query transform (a ValueError)."""
         if self.rope_inv_freq is not None:
-            raise ValueError("keys quantized before RoPE have no query-side transform (their rotation differs "
-                             "per position): attend over keys_inverse(...) instead")
+            raise ValueError(
+                "keys quantized before RoPE have no query-side transform (their rotation differs "
+                "per position): attend over keys_inverse(...) instead"
+            )
         out = q
         if self.lam is not None:
             lam_q = expand_to_query_heads(self.lam, q.shape[1]).to(q)

@@ -38,15 +38,17 @@ class ValuePredictor:
         return work @ self.matrix.to(work)[None] + self.bias.to(work)[None, :, None, :]
 
 
-def fit_value_predictor(kt_hat: torch.Tensor, values: torch.Tensor,
-                        ridge: float = DEFAULT_VALUE_RIDGE) -> ValuePredictor:
+def fit_value_predictor(
+    kt_hat: torch.Tensor, values: torch.Tensor, ridge: float = DEFAULT_VALUE_RIDGE
+) -> ValuePredictor:
     """Least squares ``values ~ kt_hat @ W + c`` per KV head from calibration tokens
     (``kt_hat, values: [H_kv, N, D]``), in float64, with a ridge of ``ridge`` times the mean
     eigenvalue of each head's key covariance (keeps ``W`` bounded where the dequantized keys
     leave directions empty)."""
     if kt_hat.shape != values.shape or kt_hat.dim() != 3 or kt_hat.shape[1] < 2:
-        raise ValueError(f"need keys and values [H_kv, N >= 2, D] of one shape, got {tuple(kt_hat.shape)} "
-                         f"and {tuple(values.shape)}")
+        raise ValueError(
+            f"need keys and values [H_kv, N >= 2, D] of one shape, got {tuple(kt_hat.shape)} and {tuple(values.shape)}"
+        )
     if not ridge >= 0:
         raise ValueError(f"ridge must be >= 0, got {ridge}")
     x, y = kt_hat.double(), values.double()

@@ -42,8 +42,10 @@ def value_metric(o_proj_weight: torch.Tensor, num_kv_heads: int, head_dim: int) 
     w = o_proj_weight.detach().float()
     heads = w.shape[1] // head_dim
     if heads * head_dim != w.shape[1] or heads % num_kv_heads:
-        raise ValueError(f"o_proj's input width {w.shape[1]} is not H_q * head_dim with H_q a multiple of "
-                         f"{num_kv_heads} KV heads (head_dim {head_dim})")
+        raise ValueError(
+            f"o_proj's input width {w.shape[1]} is not H_q * head_dim with H_q a multiple of "
+            f"{num_kv_heads} KV heads (head_dim {head_dim})"
+        )
     per_head = w.reshape(w.shape[0], heads, head_dim).transpose(0, 1)  # [H_q, hidden, D]
     gram = per_head.transpose(1, 2) @ per_head  # [H_q, D, D]
     return normalized(gram.reshape(num_kv_heads, heads // num_kv_heads, head_dim, head_dim).sum(1))
@@ -63,19 +65,25 @@ def normalized(m: torch.Tensor) -> torch.Tensor:
     m = (m + m.transpose(-1, -2)) / 2
     scale = m.diagonal(dim1=-2, dim2=-1).mean(-1)
     if not torch.isfinite(m).all() or not (scale > 0).all():
-        raise ValueError("an error metric must be finite with a positive diagonal (check the model's weights "
-                         "and the calibration queries)")
+        raise ValueError(
+            "an error metric must be finite with a positive diagonal (check the model's weights "
+            "and the calibration queries)"
+        )
     return m / scale[:, None, None]
 
 
 def check_metric(metric: torch.Tensor, num_heads: int, head_dim: int) -> None:
     """A ValueError unless ``metric`` is ``[num_heads, head_dim, head_dim]`` floating point."""
     if metric.dim() != 3 or tuple(metric.shape) != (num_heads, head_dim, head_dim) or not metric.is_floating_point():
-        raise ValueError(f"an error metric must be a float [H={num_heads}, D={head_dim}, D] tensor, got "
-                         f"{metric.dtype} {tuple(metric.shape)}")
+        raise ValueError(
+            f"an error metric must be a float [H={num_heads}, D={head_dim}, D] tensor, got "
+            f"{metric.dtype} {tuple(metric.shape)}"
+        )
 
 
-def weighted_loss(x: torch.Tensor, x_hat: torch.Tensor, metric: torch.Tensor, parallel_weight: float = 1.0) -> torch.Tensor:
+def weighted_loss(
+    x: torch.Tensor, x_hat: torch.Tensor, metric: torch.Tensor, parallel_weight: float = 1.0
+) -> torch.Tensor:
     """``r^T M r + (w - 1) (r . u)^2`` float32: ``x, x_hat: [B, H, T, D]``, ``metric: [H, D, D]``
     -> ``[B, H, T]``."""
     xf, r = x.float(), (x.float() - x_hat.float())
@@ -108,8 +116,13 @@ def weighted_indices(
     blocks = m.unflatten(1, (dim // d, d)).unflatten(-1, (dim // d, d)).diagonal(dim1=1, dim2=3)  # [H, d, d, S]
     cmc = torch.einsum("ed,hdfs,ef->she", c, blocks, c)  # [S, H, E]: c^T M_ss c of every entry
     step = max(1, CHUNK_ELEMENTS // max(1, b_ * h_ * entries))
-    return torch.cat([_descend(x[:, :, i:i + step], start[:, :, i:i + step], c, m, cmc, parallel_weight, sweeps)
-                      for i in range(0, t_, step)], dim=2)
+    return torch.cat(
+        [
+            _descend(x[:, :, i : i + step], start[:, :, i : i + step], c, m, cmc, parallel_weight, sweeps)
+            for i in range(0, t_, step)
+        ],
+        dim=2,
+    )
 
 
 def _descend(x, start, c, m, cmc, parallel_weight, sweeps):
@@ -131,8 +144,11 @@ def _descend(x, start, c, m, cmc, parallel_weight, sweeps):
             cmc_s = cmc[s][None, :, None, :]
             # loss: [B, H, T, E], up to a per-row constant
             if parallel:
-                alpha = (r * u).sum(-1, keepdim=True) - (r[..., sl] * u[..., sl]).sum(-1, keepdim=True) \
+                alpha = (
+                    (r * u).sum(-1, keepdim=True)
+                    - (r[..., sl] * u[..., sl]).sum(-1, keepdim=True)
                     + (xf[..., sl] * u[..., sl]).sum(-1, keepdim=True)
+                )
                 # parallel * (alpha - u_s . c)^2 expanded, its parallel * alpha^2 (a per-row constant)
                 # left out: two products and two passes over the losses
                 uc = u[..., sl] @ c_t
@@ -140,17 +156,18 @@ def _descend(x, start, c, m, cmc, parallel_weight, sweeps):
                 loss = torch.addcmul(cmc_s, uc, uc, value=parallel).sub_(y, alpha=2)
             else:
                 loss = torch.add(cmc_s, z @ c_t, alpha=-2)
-            current = loss.gather(-1, idx[..., s:s + 1])
+            current = loss.gather(-1, idx[..., s : s + 1])
             best_loss, best = loss.min(-1, keepdim=True)
-            best = torch.where(best_loss < current, best, idx[..., s:s + 1])
+            best = torch.where(best_loss < current, best, idx[..., s : s + 1])
             idx[..., s] = best[..., 0]
             x_hat[..., sl] = c[best[..., 0]]
             r[..., sl] = xf[..., sl] - x_hat[..., sl]
     return idx
 
 
-def weigh_stored(x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor,
-                 parallel_weight: float = 1.0) -> torch.Tensor:
+def weigh_stored(
+    x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor, parallel_weight: float = 1.0
+) -> torch.Tensor:
     """Stored codes ``[B, H, T, W]`` (uint8, packed as :mod:`.packing` writes) of ``x: [B, H, T, D]``
     lowered by :func:`weighted_indices` from the codes in ``stored`` (a new tensor; the body of
     the opaque op ``vecinfer::weigh_codes``, so compiled graphs do not unroll the descent)."""

@@ -52,14 +52,16 @@ class CodebooksCodec(Codec):
         byte books, :mod:`vecinfer_compile.quant.byte_centroids`), so that every path reads the same."""
         return snap_centroids(code)
 
-    def refine(self, queries, keys, values, lengths, transform, key_code, value_code, attention, config, *,
-               seed: int, device):
+    def refine(
+        self, queries, keys, values, lengths, transform, key_code, value_code, attention, config, *, seed: int, device
+    ):
         """Both books moved to lower the layer's attention-output error
         (:func:`~vecinfer_compile.quant.refine.refine_codebooks`): ``(key, value, loss before, after)``."""
         from ...quant.refine import refine_codebooks
 
-        return refine_codebooks(queries, keys, values, lengths, transform, key_code, value_code, attention, config,
-                                seed=seed, device=device)
+        return refine_codebooks(
+            queries, keys, values, lengths, transform, key_code, value_code, attention, config, seed=seed, device=device
+        )
 
     # -- the file ---------------------------------------------------------------------------------
     def write(self, side: str, codes: list, present: list[int]) -> dict[str, torch.Tensor]:
@@ -74,11 +76,14 @@ class CodebooksCodec(Codec):
             books = tensors[name]
             spec = getattr(get_preset(layer_bits[i]), side)
             if tuple(books.shape) != (spec.entries, spec.dims):
-                raise ValueError(f"{path}: layer {i} codebook shapes ({side} {tuple(books.shape)}) do not match its "
-                                 f"{layer_bits[i]:g}-bit preset {(spec.entries, spec.dims)} (corrupt file)")
+                raise ValueError(
+                    f"{path}: layer {i} codebook shapes ({side} {tuple(books.shape)}) do not match its "
+                    f"{layer_bits[i]:g}-bit preset {(spec.entries, spec.dims)} (corrupt file)"
+                )
             if not torch.isfinite(books).all():
-                raise ValueError(f"{path}: {name} holds NaN or inf (corrupt file): recalibrate with "
-                                 "`vecinfer calibrate`")
+                raise ValueError(
+                    f"{path}: {name} holds NaN or inf (corrupt file): recalibrate with `vecinfer calibrate`"
+                )
             out.append(books.float())
         return out
 
@@ -92,8 +97,10 @@ class CodebooksCodec(Codec):
 
     def code_bytes(self, code, head_dim: int) -> int:
         if head_dim % code.shape[1]:
-            raise ValueError(f"head_dim {head_dim} is not divisible by the codebook's sub-vector size "
-                             f"{code.shape[1]}: these codebooks do not fit this model")
+            raise ValueError(
+                f"head_dim {head_dim} is not divisible by the codebook's sub-vector size "
+                f"{code.shape[1]}: these codebooks do not fit this model"
+            )
         return packed_width(head_dim // code.shape[1], code.shape[0])
 
     def state_tensors(self, code) -> list[torch.Tensor]:
@@ -117,21 +124,49 @@ class CodebooksCodec(Codec):
             stored = ops.encode(x, None, None, centroids, weight)
             return weigh_codes(x, stored, centroids, metric, weight)
 
-        storage.fill_by_window(kt, v, lambda x: code(x, books.key_centroids, q.key_metric, q.key_parallel_weight),
-                               lambda x: code(x, books.value_centroids, q.value_metric))
+        storage.fill_by_window(
+            kt,
+            v,
+            lambda x: code(x, books.key_centroids, q.key_metric, q.key_parallel_weight),
+            lambda x: code(x, books.value_centroids, q.value_metric),
+        )
 
     def append(self, storage, k, v, quantizer) -> None:
         s, q = storage, quantizer
         torch.ops.vecinfer.cache_append(
-            k, v, s.k_codes, s.v_codes, s.k_window, s.v_window, s.n_coded, s.n_window, s.append_arrivals,
-            q.operands.key_centroids, q.operands.value_centroids, q.key_mean, q.lam, q.key_transform_matrix,
-            q.key_parallel_weight, q.key_metric, q.value_metric,
+            k,
+            v,
+            s.k_codes,
+            s.v_codes,
+            s.k_window,
+            s.v_window,
+            s.n_coded,
+            s.n_window,
+            s.append_arrivals,
+            q.operands.key_centroids,
+            q.operands.value_centroids,
+            q.key_mean,
+            q.lam,
+            q.key_transform_matrix,
+            q.key_parallel_weight,
+            q.key_metric,
+            q.value_metric,
         )
 
     def read_kv(self, k_codes, v_codes, n_coded, k_window, v_window, n_window, quantizer):
         books = quantizer.operands
-        return torch.ops.vecinfer.cache_kv(k_codes, v_codes, books.key_centroids, books.value_centroids, n_coded,
-                                           k_window, v_window, n_window, quantizer.lam, quantizer.rotation)
+        return torch.ops.vecinfer.cache_kv(
+            k_codes,
+            v_codes,
+            books.key_centroids,
+            books.value_centroids,
+            n_coded,
+            k_window,
+            v_window,
+            n_window,
+            quantizer.lam,
+            quantizer.rotation,
+        )
 
     def decode(self, storage, quantizer, q_t, kv_start, scale) -> torch.Tensor:
         return decode_attention(q_t, coded_kv(storage, quantizer), kv_start, scale)
@@ -143,8 +178,9 @@ class CodebooksCodec(Codec):
 def coded_kv(storage, quantizer) -> CodedKV:
     """A layer's codes, window and counters with its books: what the decode kernels read."""
     s, books = storage, quantizer.operands
-    return CodedKV(s.k_codes, s.v_codes, books.key_centroids, books.value_centroids, s.n_coded, s.k_window,
-                   s.v_window, s.n_window)
+    return CodedKV(
+        s.k_codes, s.v_codes, books.key_centroids, books.value_centroids, s.n_coded, s.k_window, s.v_window, s.n_window
+    )
 
 
 CODEC = CodebooksCodec()

@@ -17,6 +17,6 @@ def fit_codebook(vectors: torch.Tensor, entries: int, dims: int, ctx: FitContext
     sub = subvectors(vectors, dims).reshape(-1, dims)
     if ctx.max_vectors is not None and sub.shape[0] > ctx.max_vectors:
         gen = torch.Generator().manual_seed(ctx.seed)
-        sub = sub[torch.randperm(sub.shape[0], generator=gen)[:ctx.max_vectors]]
+        sub = sub[torch.randperm(sub.shape[0], generator=gen)[: ctx.max_vectors]]
     device = ctx.device or sub.device
     return kmeans(sub.to(device), entries, iters=ctx.iters, seed=ctx.seed).centroids.to(vectors.device)

@@ -42,5 +42,6 @@ def _chunk(args: tuple, mask, scale):
     return torch.ops.vecinfer.chunk_attention.default, (*args[CODED], mask, scale)
 
 
-REWRITE = CacheRewrite(read_op="cache_kv", transform=lambda a: (a[LAM], a[ROT]), decode=_decode, chunk=_chunk,
-                       write_ops=("cache_append",))
+REWRITE = CacheRewrite(
+    read_op="cache_kv", transform=lambda a: (a[LAM], a[ROT]), decode=_decode, chunk=_chunk, write_ops=("cache_append",)
+)

@@ -53,17 +53,20 @@ class TrellisCodecPlugin(Codec):
             raise ValueError(f"trellis states must be a power of two in 2..65536, got {states}")
         for b in bits:
             if b > states.bit_length() - 1:
-                raise ValueError(f"the trellis codec takes at most log2(states) bits a component: {b:g} bits need "
-                                 f"more than {states} trellis states: raise --trellis-states")
+                raise ValueError(
+                    f"the trellis codec takes at most log2(states) bits a component: {b:g} bits need "
+                    f"more than {states} trellis states: raise --trellis-states"
+                )
             if head_dim is not None and abs(b * head_dim - round(b * head_dim)) > 1e-9:
-                raise ValueError(f"the trellis codec spends a whole number of bits a vector: {b:g} bits x head_dim "
-                                 f"{head_dim} is not one; choose other bits")
+                raise ValueError(
+                    f"the trellis codec spends a whole number of bits a vector: {b:g} bits x head_dim "
+                    f"{head_dim} is not one; choose other bits"
+                )
 
     def fit(self, vectors: torch.Tensor, side: str, ctx: FitContext) -> TrellisCodec:
         states = (ctx.options or {}).get("states", DEFAULT_STATES)
         device = ctx.device or vectors.device
-        return TrellisCodec.fit(vectors.to(device), ctx.bits, states.bit_length() - 1, metric=ctx.metric,
-                                seed=ctx.seed)
+        return TrellisCodec.fit(vectors.to(device), ctx.bits, states.bit_length() - 1, metric=ctx.metric, seed=ctx.seed)
 
     # -- the file ---------------------------------------------------------------------------------
     def write(self, side: str, codes: list, present: list[int]) -> dict[str, torch.Tensor]:
@@ -104,26 +107,56 @@ class TrellisCodecPlugin(Codec):
         def encoder(operands, width):
             return lambda x: torch.ops.vecinfer.trellis_encode(x, list(operands), width)
 
-        storage.fill_by_window(kt, v, encoder(ops.keys, storage.k_codes.shape[-1]),
-                               encoder(ops.values, storage.v_codes.shape[-1]))
+        storage.fill_by_window(
+            kt, v, encoder(ops.keys, storage.k_codes.shape[-1]), encoder(ops.values, storage.v_codes.shape[-1])
+        )
 
     def append(self, storage, k, v, quantizer) -> None:
         s, ops = storage, quantizer.operands
-        torch.ops.vecinfer.trellis_append(quantizer.transform_keys(k, s.dtype), v, s.k_codes, s.v_codes, s.k_window,
-                                          s.v_window, s.n_coded, s.n_window, s.append_arrivals, list(ops.keys),
-                                          list(ops.values))
+        torch.ops.vecinfer.trellis_append(
+            quantizer.transform_keys(k, s.dtype),
+            v,
+            s.k_codes,
+            s.v_codes,
+            s.k_window,
+            s.v_window,
+            s.n_coded,
+            s.n_window,
+            s.append_arrivals,
+            list(ops.keys),
+            list(ops.values),
+        )
 
     def read_kv(self, k_codes, v_codes, n_coded, k_window, v_window, n_window, quantizer):
         ops = quantizer.operands
-        return torch.ops.vecinfer.trellis_cache_kv(k_codes, v_codes, n_coded, k_window, v_window, n_window,
-                                                   quantizer.lam, quantizer.rotation, list(ops.keys),
-                                                   list(ops.values))
+        return torch.ops.vecinfer.trellis_cache_kv(
+            k_codes,
+            v_codes,
+            n_coded,
+            k_window,
+            v_window,
+            n_window,
+            quantizer.lam,
+            quantizer.rotation,
+            list(ops.keys),
+            list(ops.values),
+        )
 
     def decode(self, storage, quantizer, q_t, kv_start, scale) -> torch.Tensor:
         s, ops = storage, quantizer.operands
-        return torch.ops.vecinfer.trellis_decode_attention(q_t, s.k_codes, s.v_codes, s.n_coded, s.k_window,
-                                                           s.v_window, s.n_window, kv_start, scale, list(ops.keys),
-                                                           list(ops.values))
+        return torch.ops.vecinfer.trellis_decode_attention(
+            q_t,
+            s.k_codes,
+            s.v_codes,
+            s.n_coded,
+            s.k_window,
+            s.v_window,
+            s.n_window,
+            kv_start,
+            scale,
+            list(ops.keys),
+            list(ops.values),
+        )
 
     def prefix(self, quantizer) -> TrellisPrefix:
         return TrellisPrefix(*quantizer.operands)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ...quant.klt import KLT, gaussian_lloyd_max_distortion, greedy_allocation
-from .walk import train_luts, viterbi
 from .packing import pack_walks
+from .walk import train_luts, viterbi
 
 MAX_COMPONENT_BITS = 12  # the allocation's curve reaches this far; it never gives a component more than L
 PARTS = ("mean", "analysis", "synthesis", "variance", "scale", "bits", "tables")  # to_tensors' names
@@ -69,9 +69,17 @@ class TrellisCodec:
     tables: torch.Tensor
 
     @classmethod
-    def fit(cls, vectors: torch.Tensor, bits_per_element: float, state_bits: int, *,
-            metric: torch.Tensor | None = None, train_vectors: int = 4096, rounds: int = 3,
-            seed: int = 0) -> TrellisCodec:
+    def fit(
+        cls,
+        vectors: torch.Tensor,
+        bits_per_element: float,
+        state_bits: int,
+        *,
+        metric: torch.Tensor | None = None,
+        train_vectors: int = 4096,
+        rounds: int = 3,
+        seed: int = 0,
+    ) -> TrellisCodec:
         """From calibration vectors (keys in the coded domain, or values) ``vectors: [H, N, D]`` (any
         float dtype and device; the tables are trained there) and the error ``metric: [H, D, D]`` to
         lower (None: squared error): the KLT on all ``N``, the allocation of ``round(bits_per_element * D)``
@@ -79,13 +87,16 @@ class TrellisCodec:
         h, n, d = vectors.shape
         budget = round(bits_per_element * d)
         if budget <= 0 or abs(budget - bits_per_element * d) > 1e-9:
-            raise ValueError(f"bits_per_element * head_dim must be a positive whole number of bits, "
-                             f"got {bits_per_element:g} * {d}")
+            raise ValueError(
+                f"bits_per_element * head_dim must be a positive whole number of bits, got {bits_per_element:g} * {d}"
+            )
         if not 1 <= state_bits <= 24:
             raise ValueError(f"state_bits (L: 2^L trellis states) must be in 1..24, got {state_bits}")
         if budget > d * min(MAX_COMPONENT_BITS, state_bits):
-            raise ValueError(f"{bits_per_element:g} bits an element need more than {state_bits}-bit trellis steps "
-                             f"(a component takes at most min(L, {MAX_COMPONENT_BITS}) bits): use more states")
+            raise ValueError(
+                f"{bits_per_element:g} bits an element need more than {state_bits}-bit trellis steps "
+                f"(a component takes at most min(L, {MAX_COMPONENT_BITS}) bits): use more states"
+            )
         x = vectors.detach().double().cpu()
         if metric is None:
             root = inverse_root = torch.eye(d, dtype=torch.float64).expand(h, d, d)
@@ -104,8 +115,9 @@ class TrellisCodec:
             gen = torch.Generator().manual_seed(seed + i)
             pick = torch.randperm(n, generator=gen)[:train_vectors]
             sample = (y[i][pick][:, cols] / klt.variance[i, cols].sqrt().clamp_min(1e-30)).float()
-            luts = train_luts(sample.to(vectors.device), bits[i, cols].tolist(), state_bits, rounds=rounds,
-                              seed=seed + i)
+            luts = train_luts(
+                sample.to(vectors.device), bits[i, cols].tolist(), state_bits, rounds=rounds, seed=seed + i
+            )
             for k, table in luts.items():
                 tables[i, k - 1] = table.cpu()
         codec = cls(mean[:, 0], analysis, synthesis, klt.variance, torch.ones(h, dtype=torch.float64), bits, tables)
@@ -113,22 +125,35 @@ class TrellisCodec:
         sample = vectors.detach()[:, torch.randperm(n, generator=gen)[:SCALE_SAMPLE]].double()
         deviation = sample - codec.mean.to(sample.device)[:, None]
         decoded = codec.quantize_dequantize(sample) - codec.mean.to(sample.device)[:, None]
-        codec.scale = ((deviation ** 2).sum((1, 2)) / (decoded ** 2).sum((1, 2)).clamp_min(1e-30)).sqrt().cpu()
+        codec.scale = ((deviation**2).sum((1, 2)) / (decoded**2).sum((1, 2)).clamp_min(1e-30)).sqrt().cpu()
         return codec
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The codec as float32 tensors (the codebook file's, named :data:`PARTS`): ``mean [H, D]``,
         ``analysis``, ``synthesis [H, D, D]``, ``variance [H, D]``, ``scale [H]``, ``bits [H, D]``
         (whole numbers) and ``tables [H, W, 2^L]``."""
-        return {"mean": self.mean.float(), "analysis": self.analysis.float(), "synthesis": self.synthesis.float(),
-                "variance": self.variance.float(), "scale": self.scale.float(), "bits": self.bits.float(),
-                "tables": self.tables.float()}
+        return {
+            "mean": self.mean.float(),
+            "analysis": self.analysis.float(),
+            "synthesis": self.synthesis.float(),
+            "variance": self.variance.float(),
+            "scale": self.scale.float(),
+            "bits": self.bits.float(),
+            "tables": self.tables.float(),
+        }
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> TrellisCodec:
         """:meth:`to_tensors`' inverse (shapes checked by the file's reader)."""
-        return cls(t["mean"].double(), t["analysis"].double(), t["synthesis"].double(), t["variance"].double(),
-                   t["scale"].double(), t["bits"].round().long(), t["tables"].float())
+        return cls(
+            t["mean"].double(),
+            t["analysis"].double(),
+            t["synthesis"].double(),
+            t["variance"].double(),
+            t["scale"].double(),
+            t["bits"].round().long(),
+            t["tables"].float(),
+        )
 
     @property
     def num_heads(self) -> int:
@@ -158,10 +183,16 @@ class TrellisCodec:
             sd = torch.where(coded, self.variance.sqrt(), 0.0)
             width, states = self.tables.shape[1:]
             rows = (torch.arange(self.num_heads)[:, None] * width + (self.bits - 1).clamp_min(0)) * states
-            parts = {"mean": self.mean, "analysis": self.analysis, "sd": sd,
-                     "synthesis": self.synthesis * self.scale[:, None, None],
-                     "inverse_sd": torch.where(coded, 1 / sd.clamp_min(1e-30), 1.0), "bits": self.bits.int(),
-                     "rows": rows, "tables": self.tables.float().contiguous()}
+            parts = {
+                "mean": self.mean,
+                "analysis": self.analysis,
+                "sd": sd,
+                "synthesis": self.synthesis * self.scale[:, None, None],
+                "inverse_sd": torch.where(coded, 1 / sd.clamp_min(1e-30), 1.0),
+                "bits": self.bits.int(),
+                "rows": rows,
+                "tables": self.tables.float().contiguous(),
+            }
             cache[device] = {name: t.to(device) for name, t in parts.items()}
         return cache[device]
 
@@ -181,8 +212,10 @@ class TrellisCodec:
     def _unit(self, vectors: torch.Tensor) -> torch.Tensor:
         """``[..., H, T, D]`` -> the components at unit scale ``[N, H, D]`` float32 (:func:`components`)."""
         if vectors.shape[-3] != self.num_heads or vectors.shape[-1] != self.bits.shape[1]:
-            raise ValueError(f"vectors of shape {tuple(vectors.shape)}: this codec codes [..., {self.num_heads}, T, "
-                             f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)")
+            raise ValueError(
+                f"vectors of shape {tuple(vectors.shape)}: this codec codes [..., {self.num_heads}, T, "
+                f"{self.bits.shape[1]}] (KV heads, tokens, head_dim)"
+            )
         on = self.on_device(vectors.device)
         return components(vectors, on["mean"], on["analysis"], on["inverse_sd"])
 
@@ -216,16 +249,23 @@ def random_code(gen: torch.Generator, kv_heads: int, head_dim: int, bits: float,
             room = (alloc[i] < widest).nonzero()[:, 0]
             alloc[i, room[int(torch.randint(len(room), (1,), generator=gen))]] += 1
     alloc = alloc.sort(1, descending=True).values
-    analysis = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0] * \
-        (0.5 + torch.rand(h, 1, d, generator=gen, dtype=torch.float64))
-    return TrellisCodec(torch.randn(h, d, generator=gen, dtype=torch.float64), analysis, torch.linalg.inv(analysis),
-                        torch.logspace(0, -1, d, dtype=torch.float64).expand(h, d).clone(),
-                        1 + 0.05 * torch.rand(h, generator=gen, dtype=torch.float64), alloc,
-                        torch.randn(h, int(alloc.max()), 1 << state_bits, generator=gen))
+    analysis = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0] * (
+        0.5 + torch.rand(h, 1, d, generator=gen, dtype=torch.float64)
+    )
+    return TrellisCodec(
+        torch.randn(h, d, generator=gen, dtype=torch.float64),
+        analysis,
+        torch.linalg.inv(analysis),
+        torch.logspace(0, -1, d, dtype=torch.float64).expand(h, d).clone(),
+        1 + 0.05 * torch.rand(h, generator=gen, dtype=torch.float64),
+        alloc,
+        torch.randn(h, int(alloc.max()), 1 << state_bits, generator=gen),
+    )
 
 
-def components(vectors: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor,
-               inverse_sd: torch.Tensor) -> torch.Tensor:
+def components(
+    vectors: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor, inverse_sd: torch.Tensor
+) -> torch.Tensor:
     """What the trellis codes: ``vectors [..., H, T, D]`` -> ``((x - mean) @ analysis) * inverse_sd``
     as ``[N, H, D]`` float32 (``N``: the leading dims and ``T``, token-major), computed in float64
     (``mean, inverse_sd [H, D]``, ``analysis [H, D, D]``: :meth:`TrellisCodec.on_device`'s)."""
@@ -241,6 +281,7 @@ def walks(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> torch
     (:mod:`vecinfer_compile.codecs.trellis.triton_kernels`), elsewhere the torch reference per head."""
     if unit.is_cuda:
         from .triton_kernels import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
+
         if tables.shape[-1].bit_length() - 1 <= MAX_STATE_BITS:
             return viterbi_walks(unit, bits, tables)
     out = torch.zeros(unit.shape, dtype=torch.int32, device=unit.device)
@@ -253,14 +294,16 @@ def walks(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor) -> torch
     return out
 
 
-def packed_codes(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
-                 nbytes: int | None = None) -> torch.Tensor:
+def packed_codes(
+    unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, nbytes: int | None = None
+) -> torch.Tensor:
     """:func:`walks` in the stored layout, ``[N, H, nbytes]`` uint8 (:mod:`.trellis_packing`); on
     CUDA the Viterbi launch writes them (:mod:`vecinfer_compile.codecs.trellis.viterbi`: the CUDA kernel, else
     Triton's; ``nbytes`` given: no host sync there)."""
     if unit.is_cuda:
         from .triton_kernels import MAX_STATE_BITS  # imports triton: only where it runs
         from .viterbi import viterbi_codes_gpu
+
         if tables.shape[-1].bit_length() - 1 <= MAX_STATE_BITS:
             return viterbi_codes_gpu(unit, bits, tables, nbytes)
     return pack_walks(walks(unit, bits, tables), bits)

@@ -19,7 +19,8 @@ def write(side: str, codecs: list[TrellisCodec]) -> dict[str, torch.Tensor]:
     width = max(p["tables"].shape[1] for p in parts)
     out = {f"{side}_codec.{name}": torch.stack([p[name] for p in parts]) for name in PARTS if name != "tables"}
     out[f"{side}_codec.tables"] = torch.stack(
-        [torch.nn.functional.pad(p["tables"], (0, 0, 0, width - p["tables"].shape[1])) for p in parts])
+        [torch.nn.functional.pad(p["tables"], (0, 0, 0, width - p["tables"].shape[1])) for p in parts]
+    )
     return out
 
 
@@ -37,8 +38,14 @@ def read(side: str, tensors: dict, path: str | Path, geometry: dict, layer_bits:
     a, h, d = len(layer_bits), geometry["num_kv_heads"], geometry["head_dim"]
     t = {p: tensors[f"{side}_codec.{p}"].float() for p in PARTS}
     tables = t["tables"]
-    expect = {"analysis": (a, h, d, d), "synthesis": (a, h, d, d), "mean": (a, h, d), "variance": (a, h, d),
-              "scale": (a, h), "bits": (a, h, d)}
+    expect = {
+        "analysis": (a, h, d, d),
+        "synthesis": (a, h, d, d),
+        "mean": (a, h, d),
+        "variance": (a, h, d),
+        "scale": (a, h),
+        "bits": (a, h, d),
+    }
     bad = [f"{p} {tuple(t[p].shape)} (needs {e})" for p, e in expect.items() if tuple(t[p].shape) != e]
     states = tables.shape[-1] if tables.dim() == 4 else 0
     if tables.dim() != 4 or tables.shape[:2] != (a, h) or states < 2 or states & (states - 1):
@@ -49,14 +56,21 @@ def read(side: str, tensors: dict, path: str | Path, geometry: dict, layer_bits:
         raise ValueError(f"{path}: {label} holds NaN or inf (corrupt file): recalibrate with {fix}")
     bits = t["bits"]
     budgets = [round(b * d) for b in layer_bits]
-    ok = (bits == bits.round()).all() and bits.min() >= 0 and bits.max() <= tables.shape[2] \
+    ok = (
+        (bits == bits.round()).all()
+        and bits.min() >= 0
+        and bits.max() <= tables.shape[2]
         and all((bits[n].sum(-1) == budgets[n]).all() for n in range(a))
+    )
     if not ok:
-        raise ValueError(f"{path}: {label}'s bits are not whole numbers in [0, {tables.shape[2]}] that sum to "
-                         f"each layer's bits times {d} (corrupt file)")
+        raise ValueError(
+            f"{path}: {label}'s bits are not whole numbers in [0, {tables.shape[2]}] that sum to "
+            f"each layer's bits times {d} (corrupt file)"
+        )
     eye = torch.eye(d, dtype=torch.float64)
     err = (t["analysis"].double() @ t["synthesis"].double() - eye).abs().amax().item()
     if not err <= MATRIX_TOLERANCE:
-        raise ValueError(f"{path}: {label}'s synthesis is not the inverse of its analysis (max error "
-                         f"{err:.3g}; corrupt file)")
+        raise ValueError(
+            f"{path}: {label}'s synthesis is not the inverse of its analysis (max error {err:.3g}; corrupt file)"
+        )
     return [TrellisCodec.from_tensors({p: x[n] for p, x in t.items()}) for n in range(a)]

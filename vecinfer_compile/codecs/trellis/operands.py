@@ -19,14 +19,14 @@ from typing import NamedTuple
 
 import torch
 
-from .code import TrellisCodec, components, packed_codes
-from .packing import read_states, state_windows
-from .reference import decode_reference
 from ...ops.append import append_through_window
-from .cuda import append as cuda_trellis_append
-from .cuda import decode as cuda_trellis_decode
 from ...ops.kernel_request import fall_back, requested
 from ...ops.split_attention.lse_merge import merge_by_lse
+from .code import TrellisCodec, components, packed_codes
+from .cuda import append as cuda_trellis_append
+from .cuda import decode as cuda_trellis_decode
+from .packing import read_states, state_windows
+from .reference import decode_reference
 
 
 class TrellisOperands(NamedTuple):
@@ -58,8 +58,18 @@ class TrellisOperands(NamedTuple):
         (:meth:`~vecinfer_compile.codecs.trellis.code.TrellisCodec.on_device`)."""
         on = codec.on_device(device)
         windows = (t.to(on["rows"].device) for t in state_windows(codec.bits, codec.state_bits))
-        parts = (*windows, on["rows"].int(), on["tables"], on["sd"].float(), on["synthesis"].float(),
-                 on["mean"].float(), on["mean"], on["analysis"], on["inverse_sd"], on["bits"])
+        parts = (
+            *windows,
+            on["rows"].int(),
+            on["tables"],
+            on["sd"].float(),
+            on["synthesis"].float(),
+            on["mean"].float(),
+            on["mean"],
+            on["analysis"],
+            on["inverse_sd"],
+            on["bits"],
+        )
         return cls(*(t.contiguous() for t in parts))
 
     def entries(self, codes: torch.Tensor) -> torch.Tensor:
@@ -83,20 +93,41 @@ def encode(x: torch.Tensor, operands: TrellisOperands, nbytes: int) -> torch.Ten
     return packed_codes(unit, operands.bits, operands.tables, nbytes).view(b, t, h, nbytes).transpose(1, 2)
 
 
-def append(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-           k_window: torch.Tensor, v_window: torch.Tensor, n_coded: torch.Tensor, n_window: torch.Tensor,
-           arrivals: torch.Tensor, keys: TrellisOperands, values: TrellisOperands) -> None:
+def append(
+    kt: torch.Tensor,
+    value: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_coded: torch.Tensor,
+    n_window: torch.Tensor,
+    arrivals: torch.Tensor,
+    keys: TrellisOperands,
+    values: TrellisOperands,
+) -> None:
     """Append ``T`` tokens (``kt``: keys as ``K~``, ``value``: ``[B, H, T, D]`` in the windows'
     dtype) to a layer's buffers in place, without host syncs: the window rule of
     :func:`~.append.append_through_window` with this codec's codes. One token on CUDA: one launch
     (:mod:`.cuda.trellis_append`) where :func:`choose_append` picks it; else torch ops and an
     :func:`encode` a side. ``arrivals``: the kernel's int32 ``[1]`` scratch, zero."""
     if kt.is_cuda and choose_append(kt, k_window, keys, values) == "cuda":
-        cuda_trellis_append.trellis_append_cuda(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
-                                                arrivals, keys, values)
+        cuda_trellis_append.trellis_append_cuda(
+            kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals, keys, values
+        )
         return
-    append_through_window(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window,
-                          lambda x: encode(x, keys, k_codes.shape[-1]), lambda x: encode(x, values, v_codes.shape[-1]))
+    append_through_window(
+        kt,
+        value,
+        k_codes,
+        v_codes,
+        k_window,
+        v_window,
+        n_coded,
+        n_window,
+        lambda x: encode(x, keys, k_codes.shape[-1]),
+        lambda x: encode(x, values, v_codes.shape[-1]),
+    )
 
 
 def choose_append(kt: torch.Tensor, k_window: torch.Tensor, keys: TrellisOperands, values: TrellisOperands) -> str:
@@ -135,9 +166,16 @@ def values_out(o: torch.Tensor, lse: torch.Tensor, values: TrellisOperands) -> t
     return torch.where(torch.isfinite(lse)[..., None], out.reshape(b, hq, d), 0.0)
 
 
-def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys: TrellisOperands,
-                     values: TrellisOperands, n_coded, kv_start: torch.Tensor | None,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    keys: TrellisOperands,
+    values: TrellisOperands,
+    n_coded,
+    kv_start: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_reference`'s result, in the components on CUDA (reading a tensor ``n_coded``
     on the device): the CUDA kernel (:mod:`.cuda.trellis_decode`) where :func:`choose_decode` picks
     it, else the Triton kernel (:mod:`.triton.trellis`); by the reference elsewhere."""
@@ -152,8 +190,9 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     return values_out(o, lse, values), lse
 
 
-def choose_decode(qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys: TrellisOperands,
-                  values: TrellisOperands) -> str:
+def choose_decode(
+    qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys: TrellisOperands, values: TrellisOperands
+) -> str:
     """``"cuda"`` or ``"triton"`` for a trellis decode on CUDA tensors (shapes only; may compile the
     CUDA kernel once), under :mod:`.kernel_request`'s request."""
     if requested() == "triton":
@@ -163,15 +202,25 @@ def choose_decode(qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor
         reason, level = cuda_trellis_decode.build_error(qc, k_codes, v_codes, keys, values), logging.WARNING
     if reason is None:
         return "cuda"
-    fall_back(reason, level, "trellis decode attention runs the Triton kernel",
-              "the CUDA trellis decode kernel cannot run")
+    fall_back(
+        reason, level, "trellis decode attention runs the Triton kernel", "the CUDA trellis decode kernel cannot run"
+    )
     return "triton"
 
 
-def decode_step(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,
-                k_window: torch.Tensor, v_window: torch.Tensor, n_window: torch.Tensor,
-                kv_start: torch.Tensor | None, scale: float, keys: TrellisOperands,
-                values: TrellisOperands) -> torch.Tensor:
+def decode_step(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    scale: float,
+    keys: TrellisOperands,
+    values: TrellisOperands,
+) -> torch.Tensor:
     """One query token ``q: [B, Hq, 1, D]`` (in ``K~``'s domain) over a layer: the ``n_coded`` coded
     slots by :func:`decode_attention`, the window's ``n_window`` slots (``k_window, v_window [B, Hkv,
     R, D]``) exactly, merged by log-sum-exp; slots before ``kv_start [B]`` (left padding) hidden.

@@ -46,8 +46,8 @@ import torch
 from ...ops.dequantize import ROW_CHUNK_ELEMENTS
 from ...ops.registry import define
 from ...ops.split_attention.chunk import attend_over_buffers
-from .prefix import TrellisPrefix
 from .operands import TrellisOperands, append, decode_step, encode
+from .prefix import TrellisPrefix
 from .reference import read
 
 
@@ -60,17 +60,46 @@ def _encode_fake(x: torch.Tensor, codec: list[torch.Tensor], nbytes: int) -> tor
     return x.new_empty((b, h, t, nbytes), dtype=torch.uint8)
 
 
-def trellis_append(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                   k_window: torch.Tensor, v_window: torch.Tensor, n_coded: torch.Tensor, n_window: torch.Tensor,
-                   arrivals: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    append(kt, value, k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals, TrellisOperands(*keys),
-           TrellisOperands(*values))
+def trellis_append(
+    kt: torch.Tensor,
+    value: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_coded: torch.Tensor,
+    n_window: torch.Tensor,
+    arrivals: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> None:
+    append(
+        kt,
+        value,
+        k_codes,
+        v_codes,
+        k_window,
+        v_window,
+        n_coded,
+        n_window,
+        arrivals,
+        TrellisOperands(*keys),
+        TrellisOperands(*values),
+    )
 
 
-def trellis_cache_kv(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor, k_window: torch.Tensor,
-                     v_window: torch.Tensor, n_window: torch.Tensor, lam: torch.Tensor | None,
-                     rotation: torch.Tensor | None, keys: list[torch.Tensor],
-                     values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def trellis_cache_kv(
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    lam: torch.Tensor | None,
+    rotation: torch.Tensor | None,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     k_out, v_out = _cache_kv_fake(k_codes, v_codes, n_coded, k_window, v_window, n_window, lam, rotation, keys, values)
     kops, vops = TrellisOperands(*keys), TrellisOperands(*values)
     b, h, s, d = k_out.shape
@@ -87,29 +116,59 @@ def trellis_cache_kv(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torc
     return k_out, v_out
 
 
-def _cache_kv_fake(k_codes, v_codes, n_coded, k_window, v_window, n_window, lam, rotation, keys,
-                   values) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache_kv_fake(
+    k_codes, v_codes, n_coded, k_window, v_window, n_window, lam, rotation, keys, values
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, s, _ = k_codes.shape
     d = k_window.shape[-1]
     return k_window.new_empty((b, h, s, d)), v_window.new_empty((b, h, s, d))
 
 
-def trellis_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,
-                             k_window: torch.Tensor, v_window: torch.Tensor, n_window: torch.Tensor,
-                             kv_start: torch.Tensor | None, scale: float, keys: list[torch.Tensor],
-                             values: list[torch.Tensor]) -> torch.Tensor:
-    return decode_step(q, k_codes, v_codes, n_coded, k_window, v_window, n_window, kv_start, scale,
-                       TrellisOperands(*keys), TrellisOperands(*values))
+def trellis_decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    scale: float,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
+    return decode_step(
+        q,
+        k_codes,
+        v_codes,
+        n_coded,
+        k_window,
+        v_window,
+        n_window,
+        kv_start,
+        scale,
+        TrellisOperands(*keys),
+        TrellisOperands(*values),
+    )
 
 
 def _decode_fake(q, *args) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-def trellis_chunk_attention(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded: torch.Tensor,
-                            k_window: torch.Tensor, v_window: torch.Tensor, n_window: torch.Tensor,
-                            attn_mask: torch.Tensor | None, scale: float, keys: list[torch.Tensor],
-                            values: list[torch.Tensor]) -> torch.Tensor:
+def trellis_chunk_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
     prefix = TrellisPrefix(TrellisOperands(*keys), TrellisOperands(*values))
     return attend_over_buffers(q, k_codes, v_codes, prefix, n_coded, k_window, v_window, n_window, attn_mask, scale)
 
@@ -120,9 +179,19 @@ def _chunk_fake(q, *args) -> torch.Tensor:
 
 
 define("trellis_encode", trellis_encode, kind="opaque", fake=_encode_fake)
-define("trellis_append", trellis_append, kind="opaque", fake=lambda *args: None,
-       mutates=("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", "arrivals"))
+define(
+    "trellis_append",
+    trellis_append,
+    kind="opaque",
+    fake=lambda *args: None,
+    mutates=("k_codes", "v_codes", "k_window", "v_window", "n_coded", "n_window", "arrivals"),
+)
 define("trellis_cache_kv", trellis_cache_kv, kind="opaque", fake=_cache_kv_fake)
 define("trellis_decode_attention", trellis_decode_attention, kind="opaque", fake=_decode_fake)
-define("trellis_chunk_attention", trellis_chunk_attention, kind="opaque", fake=_chunk_fake,
-       tags=(torch.Tag.cudagraph_unsafe,))
+define(
+    "trellis_chunk_attention",
+    trellis_chunk_attention,
+    kind="opaque",
+    fake=_chunk_fake,
+    tags=(torch.Tag.cudagraph_unsafe,),
+)

@@ -47,8 +47,9 @@ def pack_walks(walks: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     string = torch.zeros(*walks.shape[:-1], nbytes * 8, dtype=torch.long, device=walks.device)
     index = torch.where(valid, position, nbytes * 8).flatten(-2)  # invalid bits to a spill slot
     spill = torch.zeros(*walks.shape[:-1], 1, dtype=torch.long, device=walks.device)
-    string = torch.cat([string, spill], -1).scatter_add(-1, index.expand(*walks.shape[:-1], -1),
-                                                        value.flatten(-2))[..., :-1]
+    string = torch.cat([string, spill], -1).scatter_add(-1, index.expand(*walks.shape[:-1], -1), value.flatten(-2))[
+        ..., :-1
+    ]
     weights = 1 << torch.arange(7, -1, -1, device=walks.device)
     return (string.view(*string.shape[:-1], nbytes, 8) * weights).sum(-1).to(torch.uint8)
 

@@ -31,8 +31,9 @@ class TrellisPrefix(NamedTuple):
         qc, bias = query_components(q, self.keys)
         return qc.to(q.dtype), bias * scale
 
-    def fill(self, k_codes: torch.Tensor, v_codes: torch.Tensor, length: int, k_out: torch.Tensor,
-             v_out: torch.Tensor) -> None:
+    def fill(
+        self, k_codes: torch.Tensor, v_codes: torch.Tensor, length: int, k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> None:
         from .triton_kernels import entries_into  # imports triton: only where it runs
 
         entries_into(k_codes, self.keys, length, k_out)
@@ -44,4 +45,3 @@ class TrellisPrefix(NamedTuple):
         og = o.float().view(n, hkv, hq // hkv, d) * self.values.sd[:, None]
         out = torch.einsum("nhgc,hcd->nhgd", og, self.values.synthesis) + self.values.mean[:, None]
         return out.reshape(n, hq, d)
-

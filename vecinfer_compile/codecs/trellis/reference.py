@@ -12,8 +12,16 @@ if TYPE_CHECKING:
     from .operands import TrellisOperands
 
 
-def read(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded, k_window: torch.Tensor, v_window: torch.Tensor,
-         n_window, keys: TrellisOperands, values: TrellisOperands) -> tuple[torch.Tensor, torch.Tensor]:
+def read(
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window,
+    keys: TrellisOperands,
+    values: TrellisOperands,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every slot of a layer: ``(K~, V)`` ``[B, H, S, D]`` float32 (``S = k_codes.shape[2]``), slots
     ``< n_coded`` decoded from ``k_codes, v_codes [B, H, S, nbytes]``, the next ``n_window`` from
     the windows ``[B, H, R, D]``, zeros after. ``n_coded``, ``n_window``: ints or 0-d tensors (no
@@ -31,10 +39,16 @@ def read(k_codes: torch.Tensor, v_codes: torch.Tensor, n_coded, k_window: torch.
     return torch.where(valid, kt, 0.0), torch.where(valid, v, 0.0)
 
 
-
-def decode_reference(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys: TrellisOperands,
-                     values: TrellisOperands, n_coded, kv_start: torch.Tensor | None,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_reference(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    keys: TrellisOperands,
+    values: TrellisOperands,
+    n_coded,
+    kv_start: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: decode every key and value, then softmax attention in float32.
 
     q ``[B, Hq, D]`` in the key codec's domain; k_codes / v_codes ``[B, Hkv, Tmax, nbytes]`` uint8;

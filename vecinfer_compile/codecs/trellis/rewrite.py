@@ -17,13 +17,23 @@ BUFFERS, LAM, ROT, KEYS, VALUES = slice(0, 6), 6, 7, 8, 9
 
 
 def _decode(q, args: tuple, kv_start, scale, kernel):
-    return torch.ops.vecinfer.trellis_decode_attention.default, (*args[BUFFERS], kv_start, scale, args[KEYS],
-                                                                 args[VALUES])
+    return torch.ops.vecinfer.trellis_decode_attention.default, (
+        *args[BUFFERS],
+        kv_start,
+        scale,
+        args[KEYS],
+        args[VALUES],
+    )
 
 
 def _chunk(args: tuple, mask, scale):
     return torch.ops.vecinfer.trellis_chunk_attention.default, (*args[BUFFERS], mask, scale, args[KEYS], args[VALUES])
 
 
-REWRITE = CacheRewrite(read_op="trellis_cache_kv", transform=lambda a: (a[LAM], a[ROT]), decode=_decode, chunk=_chunk,
-                         write_ops=("trellis_encode", "trellis_append"))
+REWRITE = CacheRewrite(
+    read_op="trellis_cache_kv",
+    transform=lambda a: (a[LAM], a[ROT]),
+    decode=_decode,
+    chunk=_chunk,
+    write_ops=("trellis_encode", "trellis_append"),
+)

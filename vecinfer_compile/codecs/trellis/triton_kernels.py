@@ -30,18 +30,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .packing import bit_ends, packed_bytes
 from ...ops.split_attention.lse_merge import LOG2E, merge_splits
 from ...ops.triton.common import launch, unit_last_stride
+from .packing import bit_ends, packed_bytes
 
 SCRATCH_BYTES = 1 << 30  # trace-back bytes one launch may use; larger calls go in row chunks
 MAX_STATE_BITS = 13  # 2^13 path costs a program: 64 float32 registers a thread at 4 warps
 
 
 @triton.jit
-def _viterbi_kernel(x_ptr, bits_ptr, tables_ptr, trace_ptr, walk_ptr, ends_ptr, codes_ptr, H, D, nbytes,
-                    stride_xn, stride_xh, stride_bh, stride_th, stride_tw, stride_wn, stride_wh, stride_cn, stride_ch,
-                    L: tl.constexpr, MAX_K: tl.constexpr, WALKS: tl.constexpr, CODES: tl.constexpr, NB: tl.constexpr):
+def _viterbi_kernel(
+    x_ptr,
+    bits_ptr,
+    tables_ptr,
+    trace_ptr,
+    walk_ptr,
+    ends_ptr,
+    codes_ptr,
+    H,
+    D,
+    nbytes,
+    stride_xn,
+    stride_xh,
+    stride_bh,
+    stride_th,
+    stride_tw,
+    stride_wn,
+    stride_wh,
+    stride_cn,
+    stride_ch,
+    L: tl.constexpr,
+    MAX_K: tl.constexpr,
+    WALKS: tl.constexpr,
+    CODES: tl.constexpr,
+    NB: tl.constexpr,
+):
     row = tl.program_id(0)
     h = tl.program_id(1)
     S: tl.constexpr = 1 << L
@@ -91,8 +114,9 @@ def viterbi_walks(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wra
     return _viterbi(x, bits, tables, walks=True, codes=False, wrap=wrap)[0]
 
 
-def viterbi_codes(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wrap: bool = False,
-                  nbytes: int | None = None) -> torch.Tensor:
+def viterbi_codes(
+    x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wrap: bool = False, nbytes: int | None = None
+) -> torch.Tensor:
     """:func:`viterbi_walks`' walks in the stored layout, written by the same launch:
     ``[N, H, nbytes]`` uint8 (:func:`vecinfer_compile.codecs.trellis.packing.pack_walks`). ``nbytes``:
     the string's bytes when the caller knows them (reading them off ``bits`` on the GPU is a host
@@ -100,17 +124,29 @@ def viterbi_codes(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, wra
     return _viterbi(x, bits, tables, walks=False, codes=True, wrap=wrap, nbytes=nbytes)[1]
 
 
-def _viterbi(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, *, walks: bool, codes: bool,
-             wrap: bool, nbytes: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _viterbi(
+    x: torch.Tensor,
+    bits: torch.Tensor,
+    tables: torch.Tensor,
+    *,
+    walks: bool,
+    codes: bool,
+    wrap: bool,
+    nbytes: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     n, h, d = x.shape
     if bits.shape != (h, d) or tables.dim() != 3 or tables.shape[0] != h:
-        raise ValueError(f"x [N, H, D], bits [H, D], tables [H, W, 2^L]: got {tuple(x.shape)}, {tuple(bits.shape)}, "
-                         f"{tuple(tables.shape)}")
+        raise ValueError(
+            f"x [N, H, D], bits [H, D], tables [H, W, 2^L]: got {tuple(x.shape)}, {tuple(bits.shape)}, "
+            f"{tuple(tables.shape)}"
+        )
     width, states = tables.shape[1:]
     lbits = states.bit_length() - 1
     if states != 1 << lbits or not 1 <= lbits <= MAX_STATE_BITS or width > lbits:
-        raise ValueError(f"tables of 2^L entries (1 <= L <= {MAX_STATE_BITS}) and at most L widths, got "
-                         f"{tuple(tables.shape)}; larger trellises run the torch reference")
+        raise ValueError(
+            f"tables of 2^L entries (1 <= L <= {MAX_STATE_BITS}) and at most L widths, got "
+            f"{tuple(tables.shape)}; larger trellises run the torch reference"
+        )
     x = x.float().contiguous()
     bits = bits.to(device=x.device, dtype=torch.int32).contiguous()
     tables = tables.to(device=x.device, dtype=torch.float32).contiguous()
@@ -121,14 +157,40 @@ def _viterbi(x: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, *, walks
     trace_dtype = torch.uint8 if width <= 8 else torch.int16  # a step's high bits: < 2^k
     rows = max(1, SCRATCH_BYTES // (h * d * (states // 2) * trace_dtype.itemsize))
     for start in range(0, n, rows):
-        part = x[start:start + rows]
-        w = walk_out[start:start + rows] if walks else walk_out
-        c = code_out[start:start + rows] if codes else code_out
+        part = x[start : start + rows]
+        w = walk_out[start : start + rows] if walks else walk_out
+        c = code_out[start : start + rows] if codes else code_out
         trace = torch.empty(part.shape[0] * h * d * (states // 2), dtype=trace_dtype, device=x.device)
-        launch(_viterbi_kernel, (part.shape[0], h), wrap, part, bits, tables, trace, w, ends, c, h, d, nbytes,
-               part.stride(0), part.stride(1), bits.stride(0), tables.stride(0), tables.stride(1),
-               w.stride(0), w.stride(1), c.stride(0), c.stride(1), L=lbits, MAX_K=width, WALKS=walks,
-               CODES=codes, NB=triton.next_power_of_2(nbytes), num_warps=4 if lbits <= 10 else 8)
+        launch(
+            _viterbi_kernel,
+            (part.shape[0], h),
+            wrap,
+            part,
+            bits,
+            tables,
+            trace,
+            w,
+            ends,
+            c,
+            h,
+            d,
+            nbytes,
+            part.stride(0),
+            part.stride(1),
+            bits.stride(0),
+            tables.stride(0),
+            tables.stride(1),
+            w.stride(0),
+            w.stride(1),
+            c.stride(0),
+            c.stride(1),
+            L=lbits,
+            MAX_K=width,
+            WALKS=walks,
+            CODES=codes,
+            NB=triton.next_power_of_2(nbytes),
+            num_warps=4 if lbits <= 10 else 8,
+        )
     return (walk_out if walks else None), (code_out if codes else None)
 
 
@@ -146,9 +208,26 @@ def _entries(codes_row, t_mask, first, shift, mask, rows, tables_ptr, NBYTES):
 
 
 @triton.jit
-def _entries_kernel(codes_ptr, first_ptr, shift_ptr, mask_ptr, rows_ptr, tables_ptr, out_ptr,
-                    s_cb, s_ch, s_ct, s_ob, s_ot, s_oh, H, T, nbytes,
-                    D: tl.constexpr, BLOCK_T: tl.constexpr):
+def _entries_kernel(
+    codes_ptr,
+    first_ptr,
+    shift_ptr,
+    mask_ptr,
+    rows_ptr,
+    tables_ptr,
+    out_ptr,
+    s_cb,
+    s_ch,
+    s_ct,
+    s_ob,
+    s_ot,
+    s_oh,
+    H,
+    T,
+    nbytes,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -156,9 +235,16 @@ def _entries_kernel(codes_ptr, first_ptr, shift_ptr, mask_ptr, rows_ptr, tables_
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = (t < T)[:, None]
     c = tl.arange(0, D)
-    e = _entries(codes_ptr + b * s_cb + h * s_ch + t[:, None] * s_ct, t_mask, tl.load(first_ptr + h * D + c),
-                 tl.load(shift_ptr + h * D + c), tl.load(mask_ptr + h * D + c), tl.load(rows_ptr + h * D + c),
-                 tables_ptr, nbytes)
+    e = _entries(
+        codes_ptr + b * s_cb + h * s_ch + t[:, None] * s_ct,
+        t_mask,
+        tl.load(first_ptr + h * D + c),
+        tl.load(shift_ptr + h * D + c),
+        tl.load(mask_ptr + h * D + c),
+        tl.load(rows_ptr + h * D + c),
+        tables_ptr,
+        nbytes,
+    )
     dst = out_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + c[None, :]
     tl.store(dst, e.to(out_ptr.dtype.element_ty), mask=t_mask)
 
@@ -176,31 +262,87 @@ def entries_into(codes: torch.Tensor, operands, length: int, out: torch.Tensor) 
     b, h, tmax, nbytes = codes.shape
     d = out.shape[-1]
     if tuple(out.shape) != (b, length, h, d) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [B, length, H, D] = {(b, length, h, d)} with a unit last stride, "
-                         f"got {tuple(out.shape)} strides {out.stride()}")
+        raise ValueError(
+            f"out must be [B, length, H, D] = {(b, length, h, d)} with a unit last stride, "
+            f"got {tuple(out.shape)} strides {out.stride()}"
+        )
     if not 0 <= length <= tmax:
         raise ValueError(f"length {length} is outside the {tmax} code slots")
     if d & (d - 1) or tuple(operands.first.shape) != (h, d):
-        raise ValueError(f"a power-of-two head_dim and operands of {h} heads are needed, got head_dim {d} and "
-                         f"operands for {tuple(operands.first.shape)}")
+        raise ValueError(
+            f"a power-of-two head_dim and operands of {h} heads are needed, got head_dim {d} and "
+            f"operands for {tuple(operands.first.shape)}"
+        )
     if length == 0 or b == 0:
         return out
     codes = unit_last_stride(codes)
-    launch(_entries_kernel, (triton.cdiv(length, ENTRIES_BLOCK_T), b * h), False, codes, operands.first,
-           operands.shift, operands.mask, operands.rows, operands.tables, out, codes.stride(0), codes.stride(1),
-           codes.stride(2), out.stride(0), out.stride(1), out.stride(2), h, length, nbytes, D=d,
-           BLOCK_T=ENTRIES_BLOCK_T, num_warps=4)
+    launch(
+        _entries_kernel,
+        (triton.cdiv(length, ENTRIES_BLOCK_T), b * h),
+        False,
+        codes,
+        operands.first,
+        operands.shift,
+        operands.mask,
+        operands.rows,
+        operands.tables,
+        out,
+        codes.stride(0),
+        codes.stride(1),
+        codes.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        h,
+        length,
+        nbytes,
+        D=d,
+        BLOCK_T=ENTRIES_BLOCK_T,
+        num_warps=4,
+    )
     return out
 
 
 @triton.jit
-def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
-                   kf_ptr, ks_ptr, km_ptr, kr_ptr, kt_ptr, vf_ptr, vs_ptr, vm_ptr, vr_ptr, vt_ptr,
-                   start_ptr, n_ptr, acc_ptr, m_ptr, l_ptr,
-                   n_coded, hkv, k_nbytes, v_nbytes, split_len, scale2,
-                   stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                   HAS_START: tl.constexpr, N_ON_DEVICE: tl.constexpr):
+def _decode_kernel(
+    qc_ptr,
+    bias_ptr,
+    k_ptr,
+    v_ptr,
+    kf_ptr,
+    ks_ptr,
+    km_ptr,
+    kr_ptr,
+    kt_ptr,
+    vf_ptr,
+    vs_ptr,
+    vm_ptr,
+    vr_ptr,
+    vt_ptr,
+    start_ptr,
+    n_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    n_coded,
+    hkv,
+    k_nbytes,
+    v_nbytes,
+    split_len,
+    scale2,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_START: tl.constexpr,
+    N_ON_DEVICE: tl.constexpr,
+):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -232,8 +374,9 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
     for t0 in range(lo, hi, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_mask = (t < hi)[:, None]
-        ek = _entries(k_ptr + b * stride_kb + h * stride_kh + t[:, None] * stride_kt, t_mask, kf, ks, km, kr, kt_ptr,
-                      k_nbytes)
+        ek = _entries(
+            k_ptr + b * stride_kb + h * stride_kh + t[:, None] * stride_kt, t_mask, kf, ks, km, kr, kt_ptr, k_nbytes
+        )
         s = (tl.dot(q, tl.trans(ek), input_precision="ieee") + bias[:, None]) * scale2
         s = tl.where(tl.trans(t_mask), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -241,8 +384,9 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        ev = _entries(v_ptr + b * stride_vb + h * stride_vh + t[:, None] * stride_vt, t_mask, vf, vs, vm, vr, vt_ptr,
-                      v_nbytes)
+        ev = _entries(
+            v_ptr + b * stride_vb + h * stride_vh + t[:, None] * stride_vt, t_mask, vf, vs, vm, vr, vt_ptr, v_nbytes
+        )
         acc = acc * alpha[:, None] + tl.dot(p, ev, input_precision="ieee")
         m_i = m_new
     out = (bh * splits + split) * BLOCK_G + g
@@ -251,10 +395,22 @@ def _decode_kernel(qc_ptr, bias_ptr, k_ptr, v_ptr,
     tl.store(l_ptr + out, l_i)
 
 
-def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys,
-                      values, n_coded, kv_start: torch.Tensor | None, scale: float, *, block_t: int = 32,
-                      splits: int | None = None, num_warps: int = 4,
-                      wrap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_components(
+    qc: torch.Tensor,
+    bias: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    keys,
+    values,
+    n_coded,
+    kv_start: torch.Tensor | None,
+    scale: float,
+    *,
+    block_t: int = 32,
+    splits: int | None = None,
+    num_warps: int = 4,
+    wrap: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over trellis codes in the components (:mod:`vecinfer_compile.codecs.trellis.operands`):
     ``qc [B, Hq, D]`` and ``bias [B, Hq]`` float32 (:func:`~vecinfer_compile.codecs.trellis.operands.query_components`),
     ``k_codes, v_codes [B, Hkv, Tmax, nbytes]`` uint8, ``keys, values``:
@@ -279,12 +435,48 @@ def decode_components(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tenso
     m = torch.empty(b * hkv, splits, block_g, dtype=torch.float32, device=qc.device)
     l_sum = torch.empty_like(m)
     start = kv_start.to(torch.int32).contiguous() if kv_start is not None else m  # unread without HAS_START
-    launch(_decode_kernel, (b * hkv, splits), wrap, qc.float().contiguous(), bias.float().contiguous(), k_codes,
-           v_codes, keys.first, keys.shift, keys.mask, keys.rows, keys.tables, values.first, values.shift,
-           values.mask, values.rows, values.tables, start, n_coded if on_device else m, acc, m, l_sum,
-           0 if on_device else n_coded, hkv, k_codes.shape[-1],
-           v_codes.shape[-1], split_len, scale * LOG2E, k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
-           v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), GROUP=group, BLOCK_G=block_g, D=d,
-           BLOCK_T=block_t, HAS_START=kv_start is not None, N_ON_DEVICE=on_device, num_warps=num_warps)
+    launch(
+        _decode_kernel,
+        (b * hkv, splits),
+        wrap,
+        qc.float().contiguous(),
+        bias.float().contiguous(),
+        k_codes,
+        v_codes,
+        keys.first,
+        keys.shift,
+        keys.mask,
+        keys.rows,
+        keys.tables,
+        values.first,
+        values.shift,
+        values.mask,
+        values.rows,
+        values.tables,
+        start,
+        n_coded if on_device else m,
+        acc,
+        m,
+        l_sum,
+        0 if on_device else n_coded,
+        hkv,
+        k_codes.shape[-1],
+        v_codes.shape[-1],
+        split_len,
+        scale * LOG2E,
+        k_codes.stride(0),
+        k_codes.stride(1),
+        k_codes.stride(2),
+        v_codes.stride(0),
+        v_codes.stride(1),
+        v_codes.stride(2),
+        GROUP=group,
+        BLOCK_G=block_g,
+        D=d,
+        BLOCK_T=block_t,
+        HAS_START=kv_start is not None,
+        N_ON_DEVICE=on_device,
+        num_warps=num_warps,
+    )
     o, lse = merge_splits(acc, m, l_sum, group)
     return o.reshape(b, hq, d), lse.reshape(b, hq)

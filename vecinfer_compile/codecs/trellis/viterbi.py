@@ -10,8 +10,8 @@ import logging
 
 import torch
 
-from .cuda import viterbi as cuda_viterbi
 from ...ops.kernel_request import fall_back, requested
+from .cuda import viterbi as cuda_viterbi
 from .triton_kernels import viterbi_codes
 
 
@@ -24,12 +24,15 @@ def choose_viterbi(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor)
     reason = cuda_viterbi.unsupported_reason(unit, bits, tables) or cuda_viterbi.build_error(unit, tables)
     if reason is None:
         return "cuda"
-    fall_back(reason, logging.INFO, "the trellis encoder runs the Triton kernel", "the trellis encoder cannot run on CUDA")
+    fall_back(
+        reason, logging.INFO, "the trellis encoder runs the Triton kernel", "the trellis encoder cannot run on CUDA"
+    )
     return "triton"
 
 
-def viterbi_codes_gpu(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
-                      nbytes: int | None = None) -> torch.Tensor:
+def viterbi_codes_gpu(
+    unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, nbytes: int | None = None
+) -> torch.Tensor:
     """Stored codes ``[N, H, nbytes]`` uint8 of the least-squared-error walks of ``unit [N, H, D]``
     on CUDA (:func:`.triton.trellis.viterbi_codes`' contract), by the kernel :func:`choose_viterbi` picks."""
     if choose_viterbi(unit, bits, tables) == "cuda":

@@ -65,6 +65,7 @@ def best_walks(x: torch.Tensor, bits: list[int], luts: dict[int, torch.Tensor]) 
     states = next(iter(luts.values())).numel()
     if x.is_cuda:
         from .triton_kernels import MAX_STATE_BITS, viterbi_walks  # imports triton: only where it runs
+
         if states <= 1 << MAX_STATE_BITS:
             tables = torch.zeros(1, max(bits), states, device=x.device)
             for k in set(bits):
@@ -85,7 +86,7 @@ def initial_luts(lbits: int, ks, seed: int = 0) -> dict[int, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     u = (torch.arange(states, dtype=torch.float64) + 0.5) / states
     q = (math.sqrt(2) * torch.erfinv(2 * u - 1)).float()
-    return {k: q[torch.randperm(states, generator=gen)] * math.sqrt(1 - 4.0 ** -k) for k in sorted(set(ks))}
+    return {k: q[torch.randperm(states, generator=gen)] * math.sqrt(1 - 4.0**-k) for k in sorted(set(ks))}
 
 
 def train_luts(x: torch.Tensor, bits: list[int], lbits: int, rounds: int = 4, seed: int = 0) -> dict[int, torch.Tensor]:

@@ -61,9 +61,19 @@ class AppendVariant:
 
     def defines(self) -> list[str]:
         values = dict(
-            D=self.head_dim, COLS=COLS, DK=self.k_dims, DV=self.v_dims, EK=self.k_entries, EV=self.v_entries,
-            KFMT=2 if is_packed(self.k_entries) else 0, VFMT=2 if is_packed(self.v_entries) else 0,
-            FP16=int(self.fp16), MATRIX=self.matrix, MEAN=int(self.mean), LAM=int(self.lam), NTHREADS=THREADS,
+            D=self.head_dim,
+            COLS=COLS,
+            DK=self.k_dims,
+            DV=self.v_dims,
+            EK=self.k_entries,
+            EV=self.v_entries,
+            KFMT=2 if is_packed(self.k_entries) else 0,
+            VFMT=2 if is_packed(self.v_entries) else 0,
+            FP16=int(self.fp16),
+            MATRIX=self.matrix,
+            MEAN=int(self.mean),
+            LAM=int(self.lam),
+            NTHREADS=THREADS,
             ENCODE=int(self.encode),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
@@ -72,8 +82,18 @@ class AppendVariant:
 def variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched: bool = False) -> AppendVariant:
     (ek, dk), (ev, dv) = (int(x) for x in k_centroids.shape), (int(x) for x in v_centroids.shape)
     matrix = 0 if key_matrix is None else (1 if key_matrix.dim() == 2 else 2)
-    return AppendVariant(int(key.shape[-1]), ek, dk, ev, dv, key.dtype == torch.float16, matrix,
-                         key_mean is not None, lam is not None, not searched)
+    return AppendVariant(
+        int(key.shape[-1]),
+        ek,
+        dk,
+        ev,
+        dv,
+        key.dtype == torch.float16,
+        matrix,
+        key_mean is not None,
+        lam is not None,
+        not searched,
+    )
 
 
 def is_searched(key_parallel_weight: float, key_metric, value_metric) -> bool:
@@ -82,8 +102,13 @@ def is_searched(key_parallel_weight: float, key_metric, value_metric) -> bool:
     return key_parallel_weight != 1.0 or key_metric is not None or value_metric is not None
 
 
-def unsupported_reason(key: torch.Tensor, k_window: torch.Tensor, k_centroids: torch.Tensor,
-                       v_centroids: torch.Tensor, searched: bool = False) -> str | None:
+def unsupported_reason(
+    key: torch.Tensor,
+    k_window: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    searched: bool = False,
+) -> str | None:
     """Why the CUDA append cannot run these inputs (None if it can); ``searched``: score-aware or
     error-weighted codes (:func:`is_searched`). Shapes and dtypes only, so it works on fake
     tensors; building is checked by :func:`build_error`."""
@@ -105,16 +130,17 @@ def unsupported_reason(key: torch.Tensor, k_window: torch.Tensor, k_centroids: t
             return f"a {entries}x{dims} {name} codebook (the CUDA append takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
     if searched:
         if int(k_window.shape[2]) == 0:
-            return ("score-aware or error-weighted codes without a window (residual 0): the CUDA encoder reads the "
-                    "leaving token from the window")
+            return (
+                "score-aware or error-weighted codes without a window (residual 0): the CUDA encoder reads the "
+                "leaving token from the window"
+            )
         return cuda_weigh.unsupported_reason(k_window, k_centroids, v_centroids)
     return None
 
 
 @functools.cache
 def _build(variant: AppendVariant, device_index: int):
-    return build_kernel(source(), "vq_append", torch.device("cuda", device_index),
-                        ["--std=c++17", *variant.defines()])
+    return build_kernel(source(), "vq_append", torch.device("cuda", device_index), ["--std=c++17", *variant.defines()])
 
 
 def build_error(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched: bool = False) -> str | None:
@@ -138,15 +164,19 @@ def require_counters(n_coded: torch.Tensor, n_window: torch.Tensor, arrivals: to
         if t.dim() != 0 or t.dtype != torch.int64:
             raise TypeError(f"{name} must be a 0-d int64 tensor, got {t.dtype} {tuple(t.shape)}")
     if arrivals.dtype != torch.int32 or arrivals.numel() < 1:
-        raise TypeError(f"arrivals must be an int32 tensor of one element, got {arrivals.dtype} {tuple(arrivals.shape)}")
+        raise TypeError(
+            f"arrivals must be an int32 tensor of one element, got {arrivals.dtype} {tuple(arrivals.shape)}"
+        )
 
 
 def require_buffer(t: torch.Tensor, name: str) -> None:
     """A buffer the kernel writes in place: it must be contiguous and 16-byte aligned (a copy
     would lose the write)."""
     if not t.is_contiguous() or t.data_ptr() % 16:
-        raise ValueError(f"{name} must be a contiguous, 16-byte aligned buffer for the CUDA append "
-                         f"(got strides {t.stride()}); VecInferCache allocates it so")
+        raise ValueError(
+            f"{name} must be a contiguous, 16-byte aligned buffer for the CUDA append "
+            f"(got strides {t.stride()}); VecInferCache allocates it so"
+        )
 
 
 def cache_append_cuda(
@@ -191,17 +221,46 @@ def cache_append_cuda(
     for codes, cent, name in ((k_codes, k_centroids, "k_codes"), (v_codes, v_centroids, "v_codes")):
         width = packed_width(d // int(cent.shape[1]), int(cent.shape[0]))
         if codes.dtype != torch.uint8 or tuple(codes.shape[:2]) != (b, h) or codes.shape[-1] != width:
-            raise ValueError(f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not [{b}, {h}, Tmax, {width}] uint8 codes")
+            raise ValueError(
+                f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not [{b}, {h}, Tmax, {width}] uint8 codes"
+            )
     for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes"), (k_window, "k_window"), (v_window, "v_window")):
         require_buffer(t, name)
     if searched:
-        cuda_weigh.weigh_flush_cuda(k_window, v_window, k_codes, v_codes, n_coded, n_window, k_centroids, v_centroids,
-                                    key_metric, value_metric, key_parallel_weight)
+        cuda_weigh.weigh_flush_cuda(
+            k_window,
+            v_window,
+            k_codes,
+            v_codes,
+            n_coded,
+            n_window,
+            k_centroids,
+            v_centroids,
+            key_metric,
+            value_metric,
+            key_parallel_weight,
+        )
     variant = variant_for(key, k_centroids, v_centroids, key_mean, lam, key_matrix, searched)
     kernel = _build(variant, device_index(key.device))
-    contiguous = [None if t is None else t.float().contiguous() for t in (k_centroids, v_centroids, key_mean, lam, key_matrix)]
+    contiguous = [
+        None if t is None else t.float().contiguous() for t in (k_centroids, v_centroids, key_mean, lam, key_matrix)
+    ]
     kernel.launch(
-        (b * h, d // COLS, 1), (THREADS, 1, 1),
-        [key.contiguous(), value.contiguous(), k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-         *contiguous, h, k_codes.shape[2], k_window.shape[2]],
+        (b * h, d // COLS, 1),
+        (THREADS, 1, 1),
+        [
+            key.contiguous(),
+            value.contiguous(),
+            k_codes,
+            v_codes,
+            k_window,
+            v_window,
+            n_coded,
+            n_window,
+            arrivals,
+            *contiguous,
+            h,
+            k_codes.shape[2],
+            k_window.shape[2],
+        ],
     )

@@ -66,8 +66,17 @@ from ...quant.packing import is_packed
 from ..checks import check_decode_args
 from ..coded_kv import CodedKV
 from ..split_attention.lse_merge import LOG2E
-from .nvrtc import (CudaBuildError, Kernel, compile_source, device_copy, device_index, device_zeros_int32, load_kernels,
-                    sm_count, unfit_device_reason)
+from .nvrtc import (
+    CudaBuildError,
+    Kernel,
+    compile_source,
+    device_copy,
+    device_index,
+    device_zeros_int32,
+    load_kernels,
+    sm_count,
+    unfit_device_reason,
+)
 
 SOURCE = Path(__file__).with_name("decode.cu")
 
@@ -156,8 +165,10 @@ class Variant:
         if self.interleaved:
             return INTERLEAVED_BOOK_BYTES
         query = (self.group + 7) // 8 * (self.head_dim // 16) * 32 * 8 if self.lean else 0
-        return query + sum(e * self.copies(e, d) * d * (1 if self.byte_book(e, d) else 2)
-                           for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims)))
+        return query + sum(
+            e * self.copies(e, d) * d * (1 if self.byte_book(e, d) else 2)
+            for e, d in ((self.k_entries, self.k_dims), (self.v_entries, self.v_dims))
+        )
 
     def smem_bytes(self, nwarps: int) -> int:
         """The kernel's dynamic shared memory with ``nwarps`` warps per CTA: the codebooks, reused
@@ -174,14 +185,26 @@ class Variant:
 
     def defines(self, nwarps: int) -> list[str]:
         values = dict(
-            D=self.head_dim, G=self.group, DK=self.k_dims, DV=self.v_dims, EK=self.k_entries,
-            EV=self.v_entries, KFMT=self.code_format(self.k_entries),
+            D=self.head_dim,
+            G=self.group,
+            DK=self.k_dims,
+            DV=self.v_dims,
+            EK=self.k_entries,
+            EV=self.v_entries,
+            KFMT=self.code_format(self.k_entries),
             VFMT=self.code_format(self.v_entries),
-            KCOPIES=self.copies(self.k_entries, self.k_dims), VCOPIES=self.copies(self.v_entries, self.v_dims),
-            FP16=int(self.fp16), NWARPS=nwarps, CLUSTER=int(self.cluster), MAX_CLUSTER=MAX_CLUSTER,
-            INTERLEAVE=int(self.interleaved), VPAIR=int(self.paired_values),
-            KBYTE=int(self.byte_book(self.k_entries, self.k_dims)), VBYTE=int(self.byte_book(self.v_entries, self.v_dims)),
-            QSMEM=int(self.lean), STAGGER=int(self.lean),
+            KCOPIES=self.copies(self.k_entries, self.k_dims),
+            VCOPIES=self.copies(self.v_entries, self.v_dims),
+            FP16=int(self.fp16),
+            NWARPS=nwarps,
+            CLUSTER=int(self.cluster),
+            MAX_CLUSTER=MAX_CLUSTER,
+            INTERLEAVE=int(self.interleaved),
+            VPAIR=int(self.paired_values),
+            KBYTE=int(self.byte_book(self.k_entries, self.k_dims)),
+            VBYTE=int(self.byte_book(self.v_entries, self.v_dims)),
+            QSMEM=int(self.lean),
+            STAGGER=int(self.lean),
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -197,13 +220,18 @@ def variant_for(q: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.T
     return Variant(int(q.shape[-1]), int(group), ek, dk, ev, dv, q.dtype == torch.float16, smem_per_sm=smem)
 
 
-def unsupported_reason(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
-                       v_centroids: torch.Tensor) -> str | None:
+def unsupported_reason(
+    q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor
+) -> str | None:
     """Why the CUDA kernel cannot run these inputs (None if it can). Shapes and dtypes only;
     building (NVRTC, the driver) is checked by :func:`build_error`."""
     reason = unfit_device_reason(
-        q, DTYPES, "queries are {dtype}; the CUDA kernel multiplies bfloat16/float16 on tensor cores",
-        "the CUDA kernel", MIN_ARCH)
+        q,
+        DTYPES,
+        "queries are {dtype}; the CUDA kernel multiplies bfloat16/float16 on tensor cores",
+        "the CUDA kernel",
+        MIN_ARCH,
+    )
     if reason is not None:
         return reason
     d = int(q.shape[-1])  # int(): a symbolic size (dynamic=True) is specialised here
@@ -243,15 +271,22 @@ class Built:
 def launches_for(variant: Variant) -> list[tuple[int, int]]:
     """The (CTAs per SM, warps per CTA) of :data:`LAUNCHES` whose shared memory fits the SM, in
     order of preference; empty when none does (:func:`unsupported_reason` then names the need)."""
-    return [(c, w) for c, w in LAUNCHES
-            if variant.smem_bytes(w) <= variant.smem_limit
-            and c * (variant.smem_bytes(w) + RESERVED_SMEM) <= variant.smem_per_sm]
+    return [
+        (c, w)
+        for c, w in LAUNCHES
+        if variant.smem_bytes(w) <= variant.smem_limit
+        and c * (variant.smem_bytes(w) + RESERVED_SMEM) <= variant.smem_per_sm
+    ]
 
 
 def _compile(variant: Variant, device: torch.device, ctas: int, nwarps: int) -> Kernel:
     major, minor = torch.cuda.get_device_capability(device)
-    image, _ = compile_source(source(), "vq_decode", major * 10 + minor,
-                              ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), f"-DMINB={ctas}"])
+    image, _ = compile_source(
+        source(),
+        "vq_decode",
+        major * 10 + minor,
+        ["--use_fast_math", "--std=c++17", *variant.defines(nwarps), f"-DMINB={ctas}"],
+    )
     return load_kernels(image, ["vq_decode"], device)["vq_decode"]
 
 
@@ -369,11 +404,18 @@ def prepared_book(centroids: torch.Tensor, dtype: torch.dtype | None) -> torch.T
     if hit is not None and hit[0]() is centroids and hit[1] == version and hit[2] == centroids.data_ptr():
         return hit[3]
     counters["vecinfer"]["decode_book_conversions"] += 1
-    source, kind = (centroids, dtype) if dtype is not None else (packed_byte_book(centroids).view(torch.int16), torch.int16)
+    source, kind = (
+        (centroids, dtype) if dtype is not None else (packed_byte_book(centroids).view(torch.int16), torch.int16)
+    )
     if centroids.is_cuda and torch.cuda.is_current_stream_capturing():
         return _aligned(source.to(kind))
     book = device_copy(source, kind) if centroids.is_cuda else _aligned(source.to(kind))
-    _BOOKS[key] = (weakref.ref(centroids, lambda _, key=key: _BOOKS.pop(key, None)), version, centroids.data_ptr(), book)
+    _BOOKS[key] = (
+        weakref.ref(centroids, lambda _, key=key: _BOOKS.pop(key, None)),
+        version,
+        centroids.data_ptr(),
+        book,
+    )
     return book
 
 
@@ -391,8 +433,7 @@ def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     graph. (A graph replayed while eager calls run on its capture
     stream at the same time would share counters; torch's CUDA-graph trees warm up and capture on
     a stream of their own and synchronize the device before each warm-up.)"""
-    key = (device_index(device),
-           torch.cuda.current_stream(device).cuda_stream)
+    key = (device_index(device), torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
     if buf is not None and buf.numel() >= n:
         return buf
@@ -426,8 +467,9 @@ def decode_attention_cuda(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor |
     q = q.contiguous()
     k_codes, v_codes = _aligned(k_codes), _aligned(v_codes)
     k_window, v_window = _aligned(k_window.to(q.dtype)), _aligned(v_window.to(q.dtype))
-    k_centroids, v_centroids = (prepared_book(c, None if variant.byte_book(*c.shape) else q.dtype)
-                                for c in (k_centroids, v_centroids))
+    k_centroids, v_centroids = (
+        prepared_book(c, None if variant.byte_book(*c.shape) else q.dtype) for c in (k_centroids, v_centroids)
+    )
     splits = num_splits(b * hkv, tmax, built.ctas_per_sm, sm_count(device_index(q.device)), built.nwarps)
     cluster = cluster_size(built, b * hkv, splits)
     if cluster is not None:  # partials stay in shared memory: none in global memory, no counters
@@ -440,10 +482,29 @@ def decode_attention_cuda(q: torch.Tensor, kv: CodedKV, kv_start: torch.Tensor |
     out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
     start_kind = 0 if kv_start is None else 1 + _index_is64(kv_start)
     kernel.launch(
-        (b * hkv, units, 1), (built.nwarps * 32, 1, 1),
-        [q, k_codes, v_codes, k_centroids, v_centroids, k_window, v_window, n_coded, n_window, kv_start,
-         *partials, out, hkv, tmax, k_window.shape[2], _index_is64(n_coded), _index_is64(n_window), start_kind,
-         float(scale) * LOG2E],
+        (b * hkv, units, 1),
+        (built.nwarps * 32, 1, 1),
+        [
+            q,
+            k_codes,
+            v_codes,
+            k_centroids,
+            v_centroids,
+            k_window,
+            v_window,
+            n_coded,
+            n_window,
+            kv_start,
+            *partials,
+            out,
+            hkv,
+            tmax,
+            k_window.shape[2],
+            _index_is64(n_coded),
+            _index_is64(n_window),
+            start_kind,
+            float(scale) * LOG2E,
+        ],
         cluster=None if cluster is None else (1, cluster, 1),
     )
     return out
@@ -455,8 +516,9 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def build_error(q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor,
-                v_centroids: torch.Tensor) -> str | None:
+def build_error(
+    q: torch.Tensor, k_codes: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor
+) -> str | None:
     """None if the variant for these inputs, and its lean build where that may gain warps
     (:func:`lean_may_gain`; :func:`lean_build` picks between them at the call), compile and load on
     their device, else why not (compiles them as a side effect: call it before tracing, never inside

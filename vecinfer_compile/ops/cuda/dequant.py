@@ -37,8 +37,13 @@ class DequantVariant:
     dims: int
 
     def defines(self) -> list[str]:
-        return [f"-DD={self.head_dim}", f"-DDIM={self.dims}", f"-DE={self.entries}",
-                f"-DFMT={2 if is_packed(self.entries) else 0}", f"-DNTHREADS={THREADS}"]
+        return [
+            f"-DD={self.head_dim}",
+            f"-DDIM={self.dims}",
+            f"-DE={self.entries}",
+            f"-DFMT={2 if is_packed(self.entries) else 0}",
+            f"-DNTHREADS={THREADS}",
+        ]
 
     @property
     def smem_bytes(self) -> int:
@@ -48,14 +53,21 @@ class DequantVariant:
 def unsupported_reason(codes: torch.Tensor, centroids: torch.Tensor, out: torch.Tensor) -> str | None:
     """Why the CUDA kernel cannot run this call (None if it can); building is :func:`build_error`'s."""
     reason = unfit_device_reason(
-        out, DTYPES, "the workspace is {dtype}; the CUDA dequantization writes bfloat16/float16",
-        "the CUDA dequantization", MIN_ARCH, subject="the workspace is")
+        out,
+        DTYPES,
+        "the workspace is {dtype}; the CUDA dequantization writes bfloat16/float16",
+        "the CUDA dequantization",
+        MIN_ARCH,
+        subject="the workspace is",
+    )
     if reason is not None:
         return reason
     entries, dims = (int(x) for x in centroids.shape)
     d = int(out.shape[-1])
     if dims not in CENTROID_DIMS or entries > MAX_ENTRIES or (entries * dims) % 8:
-        return f"a {entries}x{dims} codebook (the CUDA dequantization takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
+        return (
+            f"a {entries}x{dims} codebook (the CUDA dequantization takes up to {MAX_ENTRIES} entries of 2, 4 or 8 dims)"
+        )
     if d < 16 or d % dims or THREADS % ((d // dims) // (16 // dims)):
         return f"head_dim {d}"
     if out.data_ptr() % 16 or any(s % 8 for s in out.stride()[:-1]):
@@ -65,8 +77,9 @@ def unsupported_reason(codes: torch.Tensor, centroids: torch.Tensor, out: torch.
 
 @functools.cache
 def _build(variant: DequantVariant, device_index: int):
-    kernel = build_kernel(SOURCE.read_text(), "vq_dequant", torch.device("cuda", device_index),
-                          ["--std=c++17", *variant.defines()])
+    kernel = build_kernel(
+        SOURCE.read_text(), "vq_dequant", torch.device("cuda", device_index), ["--std=c++17", *variant.defines()]
+    )
     kernel.set_dynamic_smem(variant.smem_bytes)
     return kernel
 
@@ -96,6 +109,7 @@ def dequantize_cuda(codes: torch.Tensor, centroids: torch.Tensor, length: int, o
     book = centroids.to(out.dtype).contiguous()
     per_pass = THREADS // ((variant.head_dim // variant.dims) // (16 // variant.dims))
     ctas = max(1, min(-(-length // per_pass), -(-CTAS_PER_SM * sm_count(device_index(out.device)) // (b * h))))
-    kernel.launch((ctas, b * h, 1), (THREADS, 1, 1),
-                  [codes, book, out, *codes.stride()[:3], *out.stride()[:3], h, length])
+    kernel.launch(
+        (ctas, b * h, 1), (THREADS, 1, 1), [codes, book, out, *codes.stride()[:3], *out.stride()[:3], h, length]
+    )
     return out

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-
 HALF_BITS = Path(__file__).with_name("half_bits.cuh")
 
 
@@ -45,8 +44,9 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def unfit_device_reason(t: torch.Tensor, dtypes, dtype_reason: str, kernel: str, min_arch: int,
-                        subject: str = "the inputs are") -> str | None:
+def unfit_device_reason(
+    t: torch.Tensor, dtypes, dtype_reason: str, kernel: str, min_arch: int, subject: str = "the inputs are"
+) -> str | None:
     """Why ``kernel`` (its name in the message, e.g. ``"the CUDA kernel"``) cannot run on ``t``
     (None if it can), checked in this order: ``t`` (``subject`` in the message) is not on a CUDA
     device; its dtype is not in ``dtypes`` (``dtype_reason``, formatted with ``dtype``); the GPU is
@@ -78,8 +78,11 @@ def _nvrtc_candidates() -> list[str]:
             names.append(f"libnvrtc.so.{m}")
     for root in sys.path:
         for pattern in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*"):
-            names.extend(p for p in sorted(glob.glob(os.path.join(root, pattern)), reverse=True)
-                         if "builtins" not in p and "alt" not in os.path.basename(p))
+            names.extend(
+                p
+                for p in sorted(glob.glob(os.path.join(root, pattern)), reverse=True)
+                if "builtins" not in p and "alt" not in os.path.basename(p)
+            )
     return names
 
 
@@ -150,8 +153,10 @@ def compile_source(source: str, name: str, arch: int, options: list[str]) -> tup
     if target is None:
         raise CudaBuildError(f"this NVRTC targets compute capabilities {known}, none at or below sm_{arch}")
     prog = ctypes.c_void_p()
-    _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None),
-                 "nvrtcCreateProgram")
+    _check_nvrtc(
+        lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None),
+        "nvrtcCreateProgram",
+    )
     try:
         opts = [f"--gpu-architecture={'sm' if cubin else 'compute'}_{target}", *options]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
@@ -193,17 +198,25 @@ class _LaunchAttribute(ctypes.Structure):
 class _LaunchConfig(ctypes.Structure):
     """``CUlaunchConfig`` of ``cuLaunchKernelEx`` (CUDA 12+)."""
 
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
-def _cluster_config(grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int,
-                    cluster: tuple[int, int, int]) -> tuple[_LaunchConfig, _LaunchAttribute]:
+def _cluster_config(
+    grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, cluster: tuple[int, int, int]
+) -> tuple[_LaunchConfig, _LaunchAttribute]:
     """A launch configuration with a cluster-dimension attribute (returned too: it must outlive the call)."""
     attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
     attr.value.cluster_dim[:] = list(cluster)
-    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream,
-                           ctypes.pointer(attr), 1)
+    config = _LaunchConfig(
+        (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream, ctypes.pointer(attr), 1
+    )
     return config, attr
 
 
@@ -234,8 +247,10 @@ class Kernel:
         """Launch with ``nbytes`` of dynamic shared memory, opting in above the default 48 KiB a CTA
         (static and dynamic together)."""
         if nbytes + self.attribute(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) > 48 * 1024:
-            _check_cu(driver().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
-                      f"raising {self.name}'s dynamic shared memory to {nbytes} bytes")
+            _check_cu(
+                driver().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+                f"raising {self.name}'s dynamic shared memory to {nbytes} bytes",
+            )
         self.dynamic_smem = nbytes
 
     def max_active_clusters(self, cluster: tuple[int, int, int], block: tuple[int, int, int]) -> int:
@@ -243,12 +258,19 @@ class Kernel:
         device holds at once (``cuOccupancyMaxActiveClusters``; 0 if it cannot place one)."""
         config, _attr = _cluster_config(cluster, block, self.dynamic_smem, 0, cluster)
         n = ctypes.c_int()
-        _check_cu(driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), self.handle, ctypes.byref(config)),
-                  f"cuOccupancyMaxActiveClusters({self.name}, cluster {cluster})")
+        _check_cu(
+            driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), self.handle, ctypes.byref(config)),
+            f"cuOccupancyMaxActiveClusters({self.name}, cluster {cluster})",
+        )
         return n.value
 
-    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
-               cluster: tuple[int, int, int] | None = None) -> None:
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: list,
+        cluster: tuple[int, int, int] | None = None,
+    ) -> None:
         """Launch on torch's current stream; with ``cluster``, as thread-block clusters of that shape
         (``cuLaunchKernelEx``; sm_90, each grid dimension a multiple of the cluster's)."""
         values = []
@@ -266,12 +288,18 @@ class Kernel:
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
         stream = torch.cuda.current_stream().cuda_stream
         if cluster is None:
-            _check_cu(driver().cuLaunchKernel(self.handle, *grid, *block, self.dynamic_smem, ctypes.c_void_p(stream),
-                                              params, None), f"launching {self.name}")
+            _check_cu(
+                driver().cuLaunchKernel(
+                    self.handle, *grid, *block, self.dynamic_smem, ctypes.c_void_p(stream), params, None
+                ),
+                f"launching {self.name}",
+            )
             return
         config, _attr = _cluster_config(grid, block, self.dynamic_smem, stream, cluster)
-        _check_cu(driver().cuLaunchKernelEx(ctypes.byref(config), self.handle, params, None),
-                  f"launching {self.name} in clusters of {cluster}")
+        _check_cu(
+            driver().cuLaunchKernelEx(ctypes.byref(config), self.handle, params, None),
+            f"launching {self.name} in clusters of {cluster}",
+        )
 
 
 def _ensure_context(device: torch.device) -> None:
@@ -297,7 +325,9 @@ def load_kernels(image: bytes, names: list[str], device: torch.device) -> dict[s
         kernels = {}
         for name in names:
             fn = ctypes.c_void_p()
-            _check_cu(driver().cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), f"cuModuleGetFunction({name})")
+            _check_cu(
+                driver().cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), f"cuModuleGetFunction({name})"
+            )
             kernels[name] = Kernel(name, fn, module)
     return kernels
 
@@ -323,7 +353,9 @@ def _driver_alloc(nbytes: int, device: torch.device) -> int:
     _ensure_context(device)
     ptr = ctypes.c_uint64()
     with torch.cuda.device(device):
-        _check_cu(driver().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1))), f"allocating {nbytes} bytes")
+        _check_cu(
+            driver().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1))), f"allocating {nbytes} bytes"
+        )
     return ptr.value
 
 
@@ -334,8 +366,10 @@ def device_zeros_int32(n: int, device: torch.device) -> torch.Tensor:
     ptr = _driver_alloc(4 * n, device)
     with torch.cuda.device(device):
         stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-        _check_cu(driver().cuMemsetD32Async(ctypes.c_uint64(ptr), ctypes.c_uint(0), ctypes.c_size_t(n), stream),
-                  "zeroing the allocation")
+        _check_cu(
+            driver().cuMemsetD32Async(ctypes.c_uint64(ptr), ctypes.c_uint(0), ctypes.c_size_t(n), stream),
+            "zeroing the allocation",
+        )
     return torch.as_tensor(_DeviceArray(ptr, n, "<i4", owned=False), device=device)
 
 

@@ -61,9 +61,16 @@ class WeighVariant:
 
     def defines(self) -> list[str]:
         values = dict(
-            D=self.head_dim, DK=self.k_dims, EK=self.k_entries, KFMT=2 if is_packed(self.k_entries) else 0,
-            DV=self.v_dims, EV=self.v_entries, VFMT=2 if is_packed(self.v_entries) else 0,
-            XFMT=self.input_format, NTHREADS=self.threads, SWEEPS=SWEEPS,
+            D=self.head_dim,
+            DK=self.k_dims,
+            EK=self.k_entries,
+            KFMT=2 if is_packed(self.k_entries) else 0,
+            DV=self.v_dims,
+            EV=self.v_entries,
+            VFMT=2 if is_packed(self.v_entries) else 0,
+            XFMT=self.input_format,
+            NTHREADS=self.threads,
+            SWEEPS=SWEEPS,
         )
         return [f"-D{k}={v}" for k, v in values.items()]
 
@@ -72,23 +79,28 @@ def unsupported_reason(x: torch.Tensor, *books: torch.Tensor) -> str | None:
     """Why the kernels cannot encode ``x: [..., D]`` with these ``[E, d]`` books (None if they can).
     Shapes and dtypes only, so it works on fake tensors."""
     reason = unfit_device_reason(
-        x, INPUT_FORMATS, "the vectors are {dtype}; the CUDA encoder reads float32, float16 or bfloat16",
-        "the CUDA encoder", MIN_ARCH)
+        x,
+        INPUT_FORMATS,
+        "the vectors are {dtype}; the CUDA encoder reads float32, float16 or bfloat16",
+        "the CUDA encoder",
+        MIN_ARCH,
+    )
     if reason is not None:
         return reason
     d = int(x.shape[-1])
     for book in books:
         entries, dims = (int(v) for v in book.shape)
         if dims not in CENTROID_DIMS or entries > MAX_ENTRIES or d % dims or d // dims > threads_for(entries):
-            return (f"a {entries}x{dims} codebook over head_dim {d} (the CUDA encoder takes up to {MAX_ENTRIES} entries "
-                    f"of 2, 4 or 8 dims, at most {threads_for(entries)} sub-vectors)")
+            return (
+                f"a {entries}x{dims} codebook over head_dim {d} (the CUDA encoder takes up to {MAX_ENTRIES} entries "
+                f"of 2, 4 or 8 dims, at most {threads_for(entries)} sub-vectors)"
+            )
     return None
 
 
 @functools.cache
 def _build(variant: WeighVariant, name: str, device_index: int):
-    return build_kernel(source(), name, torch.device("cuda", device_index),
-                        ["--std=c++17", *variant.defines()])
+    return build_kernel(source(), name, torch.device("cuda", device_index), ["--std=c++17", *variant.defines()])
 
 
 def build_error(x: torch.Tensor, k_centroids: torch.Tensor, v_centroids: torch.Tensor, name: str) -> str | None:
@@ -111,8 +123,9 @@ def _require(reason: str | None) -> None:
         raise CudaBuildError(f"the CUDA encoder cannot run this call: {reason}")
 
 
-def weigh_rows_cuda(x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor,
-                    parallel_weight: float = 1.0) -> torch.Tensor:
+def weigh_rows_cuda(
+    x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tensor, metric: torch.Tensor, parallel_weight: float = 1.0
+) -> torch.Tensor:
     """:func:`~vecinfer_compile.quant.weighted_codes.weigh_stored` on CUDA: ``x: [B, H, T, D]``
     (float32/float16/bfloat16), ``stored [B, H, T, W]`` uint8 start codes, ``centroids [E, d]``,
     ``metric [H, D, D]`` symmetric -> new stored codes ``[B, H, T, W]``."""
@@ -129,16 +142,36 @@ def weigh_rows_cuda(x: torch.Tensor, stored: torch.Tensor, centroids: torch.Tens
         return out
     variant = _variant(x, centroids, centroids)
     kernel = _build(variant, "vq_weigh_rows", device_index(x.device))
-    kernel.launch((b * h * t, 1, 1), (variant.threads, 1, 1),
-                  [x.contiguous(), stored.contiguous(), out, centroids.float().contiguous(),
-                   metric.float().contiguous(), float(parallel_weight), h, t])
+    kernel.launch(
+        (b * h * t, 1, 1),
+        (variant.threads, 1, 1),
+        [
+            x.contiguous(),
+            stored.contiguous(),
+            out,
+            centroids.float().contiguous(),
+            metric.float().contiguous(),
+            float(parallel_weight),
+            h,
+            t,
+        ],
+    )
     return out
 
 
-def weigh_flush_cuda(k_window: torch.Tensor, v_window: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                     n_coded: torch.Tensor, n_window: torch.Tensor, k_centroids: torch.Tensor,
-                     v_centroids: torch.Tensor, key_metric: torch.Tensor | None, value_metric: torch.Tensor | None,
-                     key_parallel_weight: float) -> None:
+def weigh_flush_cuda(
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    n_coded: torch.Tensor,
+    n_window: torch.Tensor,
+    k_centroids: torch.Tensor,
+    v_centroids: torch.Tensor,
+    key_metric: torch.Tensor | None,
+    value_metric: torch.Tensor | None,
+    key_parallel_weight: float,
+) -> None:
     """Encode the token the next append moves out of the window (slot 0, when ``n_window`` is the
     window's ``R > 0`` slots): score-aware key codes for ``key_parallel_weight`` (1: nearest),
     nearest value codes, each lowered under its metric when given, written at code slot
@@ -147,14 +180,32 @@ def weigh_flush_cuda(k_window: torch.Tensor, v_window: torch.Tensor, k_codes: to
     _require(unsupported_reason(k_window, k_centroids, v_centroids))
     b, h, r, d = k_window.shape
     if r == 0:
-        raise CudaBuildError("the CUDA encoder reads the leaving token from the window; a cache without one "
-                             "(residual 0) runs score-aware and error-weighted appends as torch ops")
+        raise CudaBuildError(
+            "the CUDA encoder reads the leaving token from the window; a cache without one "
+            "(residual 0) runs score-aware and error-weighted appends as torch ops"
+        )
     for metric, name in ((key_metric, "key_metric"), (value_metric, "value_metric")):
         if metric is not None and tuple(metric.shape) != (h, d, d):
             raise ValueError(f"{name} is {tuple(metric.shape)}, not [{h}, {d}, {d}]")
     variant = _variant(k_window, k_centroids, v_centroids)
     kernel = _build(variant, "vq_weigh_flush", device_index(k_window.device))
     metrics = [None if m is None else m.float().contiguous() for m in (key_metric, value_metric)]
-    kernel.launch((b * h, 2, 1), (variant.threads, 1, 1),
-                  [k_window, v_window, k_codes, v_codes, n_coded, n_window, k_centroids.float().contiguous(),
-                   v_centroids.float().contiguous(), *metrics, float(key_parallel_weight), h, k_codes.shape[2], r])
+    kernel.launch(
+        (b * h, 2, 1),
+        (variant.threads, 1, 1),
+        [
+            k_window,
+            v_window,
+            k_codes,
+            v_codes,
+            n_coded,
+            n_window,
+            k_centroids.float().contiguous(),
+            v_centroids.float().contiguous(),
+            *metrics,
+            float(key_parallel_weight),
+            h,
+            k_codes.shape[2],
+            r,
+        ],
+    )

@@ -106,8 +106,9 @@ class ChunkKeys:
         return self.n_coded + self.k_full.shape[1]
 
 
-def reference_by_rows(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
-                      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def reference_by_rows(
+    q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """The rule by torch SDPA over the ``L`` slots, a few batch rows at a time (K/V of a row group
     near :data:`WORKSPACE_BYTES`, whatever the batch): the path off the fast kernels, and the one
     for a mask that is more than causal + left padding (``attn_mask`` then replaces
@@ -132,23 +133,35 @@ def reference_by_rows(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor |
     return out
 
 
-def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                 used_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float):
+def flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    used_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+):
     """torch's FlashAttention-2 in varlen mode: sequence ``s`` has queries ``q[cu_q[s]:cu_q[s + 1]]``
     and keys ``k[cu_k[s]:cu_k[s] + used_k[s]]``; with ``causal`` its query ``i`` of ``n_q`` sees its
     keys ``<= used_k[s] - n_q + i`` (bottom-right). ``q: [Nq, Hq, D]``, ``k``, ``v``: ``[Nk, H, D]``
     (GQA in the kernel), ``cu_q``/``cu_k``: int32 ``[S + 1]``, ``used_k``: int32 ``[S]``. Returns
     (out ``[Nq, Hq, D]`` q.dtype, lse ``[Hq, Nq]`` float32, ``+inf`` for a query that saw no key)."""
-    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-                                                       scale=scale, seqused_k=used_k)[:2]
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used_k
+    )[:2]
     return out, lse
 
 
 def cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Non-causal cuDNN attention of ``q: [R, Hq, C, D]`` over ``k``, ``v``: ``[R, H, T, D]`` (views;
     GQA in the kernel). Returns (out ``[R, Hq, C, D]`` q.dtype, lse ``[R, Hq, C]`` float32)."""
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False,
-                                                                  scale=scale)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)[
+        :2
+    ]
     return out, lse.reshape(q.shape[:3])
 
 
@@ -166,8 +179,13 @@ def fast_path_serves(q: torch.Tensor) -> bool:
     FlashAttention-2 available and switched on (it runs the window + chunk, and the prefix of
     padded rows)."""
     d = q.shape[-1]
-    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and 16 <= d <= 256
-            and d & (d - 1) == 0 and flash_serves(q.device))
+    return (
+        q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and 16 <= d <= 256
+        and d & (d - 1) == 0
+        and flash_serves(q.device)
+    )
 
 
 def _offsets(count: int, stride: int, start: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,8 +197,9 @@ def _offsets(count: int, stride: int, start: torch.Tensor, length: int) -> tuple
     return cu, (length - start).to(torch.int32)
 
 
-def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
-                prefix_kernel: str | None = None) -> torch.Tensor:
+def split_flash(
+    q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float, prefix_kernel: str | None = None
+) -> torch.Tensor:
     """The fast path (see the module docstring). ``q: [B, Hq, C, D]`` (``q~``), ``kv_start``
     ``[B]`` int or None (no padding). Returns ``[B, Hq, C, D]`` in q.dtype (a transposed view of
     a ``[B, C, Hq, D]`` tensor, the layout attention functions return). ``prefix_kernel``:
@@ -197,8 +216,9 @@ def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None,
     cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32) * c
     # the window and the chunk: row b's keys start where its padding ends (relative to the prefix)
     cu_k, used = _offsets(b, wc, start - n, wc)
-    o2, l2 = flash_varlen(qv, keys.k_full.reshape(b * wc, h, d), keys.v_full.reshape(b * wc, h, d),
-                          cu_q, cu_k, used, c, wc, True, scale)
+    o2, l2 = flash_varlen(
+        qv, keys.k_full.reshape(b * wc, h, d), keys.v_full.reshape(b * wc, h, d), cu_q, cu_k, used, c, wc, True, scale
+    )
     l2 = flash_lse(l2)
     if n == 0:  # nothing coded yet: the full-precision part is all (a query with no key is zeros)
         return o2.view(b, c, hq, d).transpose(1, 2)
@@ -214,15 +234,28 @@ def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None,
         r = j - i
         keys.prefix.fill(keys.k_codes[i:j], keys.v_codes[i:j], n, k_work[:r], v_work[:r])
         if prefix_kernel == "cudnn":
-            o, lse = cudnn_prefix(qp[i * c:j * c].view(r, c, hq, d).transpose(1, 2), k_work[:r].transpose(1, 2),
-                                  v_work[:r].transpose(1, 2), scale)
-            o1[i * c:j * c] = o.transpose(1, 2).reshape(r * c, hq, d)
-            l1[:, i * c:j * c] = lse.permute(1, 0, 2).reshape(hq, r * c)
+            o, lse = cudnn_prefix(
+                qp[i * c : j * c].view(r, c, hq, d).transpose(1, 2),
+                k_work[:r].transpose(1, 2),
+                v_work[:r].transpose(1, 2),
+                scale,
+            )
+            o1[i * c : j * c] = o.transpose(1, 2).reshape(r * c, hq, d)
+            l1[:, i * c : j * c] = lse.permute(1, 0, 2).reshape(hq, r * c)
         else:
             cu_k, used = _offsets(r, n, start[i:j], n)
-            o1[i * c:j * c], l1[:, i * c:j * c] = flash_varlen(
-                qp[i * c:j * c], k_work[:r].view(r * n, h, d), v_work[:r].view(r * n, h, d), cu_q[:r + 1], cu_k,
-                used, c, n, False, scale)
+            o1[i * c : j * c], l1[:, i * c : j * c] = flash_varlen(
+                qp[i * c : j * c],
+                k_work[:r].view(r * n, h, d),
+                v_work[:r].view(r * n, h, d),
+                cu_q[: r + 1],
+                cu_k,
+                used,
+                c,
+                n,
+                False,
+                scale,
+            )
     del k_work, v_work
     l1 = flash_lse(l1).t()
     if lse_offset is not None:
@@ -231,8 +264,9 @@ def split_flash(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None,
     return out.view(b, c, hq, d).transpose(1, 2)
 
 
-def attend(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float,
-           attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scale: float, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """The chunk's attention: :func:`split_flash` where :func:`fast_path_serves` and there is no
     ``attn_mask`` (the caller passes one only when it is more than causal + left padding), else
     :func:`reference_by_rows`. ``q: [B, Hq, C, D]`` (``q~``), ``kv_start: [B]`` int or None;
@@ -242,8 +276,9 @@ def attend(q: torch.Tensor, keys: ChunkKeys, kv_start: torch.Tensor | None, scal
     return reference_by_rows(q, keys, kv_start, scale, attn_mask)
 
 
-def attend_masked(q: torch.Tensor, keys: ChunkKeys, attn_mask: torch.Tensor | None, scale: float,
-                  slots: int) -> torch.Tensor:
+def attend_masked(
+    q: torch.Tensor, keys: ChunkKeys, attn_mask: torch.Tensor | None, scale: float, slots: int
+) -> torch.Tensor:
     """:func:`attend` with HF's mask: ``attn_mask`` ``[B|1, 1|Hq, C, S]`` over the layer's ``S =
     slots`` (or the ``L = keys.length`` valid ones; bool True = attend, or additive float), or
     None for bottom-right causal over the ``L`` valid slots. Left padding is read from the mask;
@@ -253,8 +288,10 @@ def attend_masked(q: torch.Tensor, keys: ChunkKeys, attn_mask: torch.Tensor | No
     kv_start = explicit = None
     if attn_mask is not None:
         if attn_mask.dim() != 4 or attn_mask.shape[-1] not in (length, slots) or attn_mask.shape[-2] != c:
-            raise ValueError(f"attn_mask must be [B, H, {c}, {slots}] (the chunk over the cache's "
-                             f"slots), got {tuple(attn_mask.shape)}")
+            raise ValueError(
+                f"attn_mask must be [B, H, {c}, {slots}] (the chunk over the cache's "
+                f"slots), got {tuple(attn_mask.shape)}"
+            )
         kv_start = kv_start_from_mask(attn_mask, q)
         standard, padded = chunk_mask_layout(attn_mask, kv_start, length)
         attn_mask = attn_mask[..., :length]
@@ -262,8 +299,13 @@ def attend_masked(q: torch.Tensor, keys: ChunkKeys, attn_mask: torch.Tensor | No
             kv_start = None  # the fast path's prefix then runs cuDNN (no per-row key start)
         if not standard:
             explicit = attn_mask
-            log_once(log, logging.INFO, "mask", "vecinfer: a chunk's mask is more than causal + left padding: that chunk attends by the "
-                      "dense path (SDPA over its slots dequantized, a few rows at a time)")
+            log_once(
+                log,
+                logging.INFO,
+                "mask",
+                "vecinfer: a chunk's mask is more than causal + left padding: that chunk attends by the "
+                "dense path (SDPA over its slots dequantized, a few rows at a time)",
+            )
     return attend(q, keys, kv_start, scale, explicit)
 
 
@@ -272,21 +314,40 @@ def chunk_attention(q: torch.Tensor, kv: CodedKV, attn_mask: torch.Tensor | None
     ``n_coded`` coded slots and the ``n_window`` filled window slots ``[B, H, W, D]`` of ``kv``,
     the chunk's own keys last. Returns ``[B, Hq, C, D]`` in q.dtype, laid out as a
     ``[B, C, Hq, D]`` tensor."""
-    return attend_over_buffers(q, kv.k_codes, kv.v_codes, CodebookPrefix(kv.k_centroids, kv.v_centroids),
-                               kv.n_coded, kv.k_window, kv.v_window, kv.n_window, attn_mask, scale)
+    return attend_over_buffers(
+        q,
+        kv.k_codes,
+        kv.v_codes,
+        CodebookPrefix(kv.k_centroids, kv.v_centroids),
+        kv.n_coded,
+        kv.k_window,
+        kv.v_window,
+        kv.n_window,
+        attn_mask,
+        scale,
+    )
 
 
-def attend_over_buffers(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                        prefix, n_coded: torch.Tensor, k_window: torch.Tensor,
-                        v_window: torch.Tensor, n_window: torch.Tensor, attn_mask: torch.Tensor | None,
-                        scale: float) -> torch.Tensor:
+def attend_over_buffers(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    prefix,
+    n_coded: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_window: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
     """The chunk ops' body for either codec: ``q: [B, Hq, C, D]`` (``q~``) over a layer's buffers
     (codes ``[B, H, Tmax, W]``, windows ``[B, H, R, D]`` whose ``n_window`` filled slots end with
     the chunk's keys, 0-d counters read on the host). Returns ``[B, Hq, C, D]`` in q.dtype, laid
     out as a ``[B, C, Hq, D]`` tensor."""
     n, w = torch.stack([n_coded.long(), n_window.long()]).tolist()  # the one host sync
-    keys = ChunkKeys(k_codes, v_codes, prefix, n, k_window[:, :, :w].transpose(1, 2),
-                     v_window[:, :, :w].transpose(1, 2))
+    keys = ChunkKeys(
+        k_codes, v_codes, prefix, n, k_window[:, :, :w].transpose(1, 2), v_window[:, :, :w].transpose(1, 2)
+    )
     out = attend_masked(q, keys, attn_mask, scale, k_codes.shape[2])
     b, hq, c, d = q.shape
     if out.stride() == (c * hq * d, d, hq * d, 1):  # the fast path's layout
@@ -302,5 +363,10 @@ def _output_like(q: torch.Tensor, *unused) -> torch.Tensor:
 
 
 _ARGS = ({"q": torch.Tensor}, {"attn_mask": torch.Tensor | None, "scale": float}, torch.Tensor)
-define("chunk_attention", flat_op(chunk_attention, *_ARGS), kind="opaque", fake=flat_op(_output_like, *_ARGS),
-       tags=(torch.Tag.cudagraph_unsafe,))
+define(
+    "chunk_attention",
+    flat_op(chunk_attention, *_ARGS),
+    kind="opaque",
+    fake=flat_op(_output_like, *_ARGS),
+    tags=(torch.Tag.cudagraph_unsafe,),
+)

@@ -19,8 +19,9 @@ import torch
 LOG2E = 1.4426950408889634  # log2(e): the decode kernels take their scores in log2 units
 
 
-def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
+def merge_by_lse(
+    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """``o1``, ``o2``: ``[..., D]`` (any float dtypes); ``l1``, ``l2``: ``[...]`` float, ``-inf``
     where the row has no key in that set. Returns ``[..., D]`` in ``dtype``, computed in float32
     (float64 for float64 inputs)."""
@@ -30,13 +31,15 @@ def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=m.device))
     w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
     total = w1 + w2
-    out = (w1 * o1.to(acc) + w2 * o2.to(acc)) / torch.where(total > 0, total, torch.ones((), dtype=acc,
-                                                                                         device=total.device))
+    out = (w1 * o1.to(acc) + w2 * o2.to(acc)) / torch.where(
+        total > 0, total, torch.ones((), dtype=acc, device=total.device)
+    )
     return out.to(dtype)
 
 
-def merge_splits(acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor,
-                 group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_splits(
+    acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A split decode kernel's partials, ``acc [N, splits, BG, D]`` (the unnormalised sums of its
     split), ``m, l_sum [N, splits, BG]`` (the split's running max and sum of ``exp2``: scores in log2
     units), float32, ``BG >= group`` rows padded -> ``(o [N, group, D], lse [N, group])`` float32:

@@ -40,8 +40,9 @@ class CodebookPrefix(NamedTuple):
         in q.dtype, the offset its log-sum-exp needs ``[N, Hq]`` float32, or None)."""
         return q, None
 
-    def fill(self, k_codes: torch.Tensor, v_codes: torch.Tensor, length: int, k_out: torch.Tensor,
-             v_out: torch.Tensor) -> None:
+    def fill(
+        self, k_codes: torch.Tensor, v_codes: torch.Tensor, length: int, k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> None:
         """The workspace of the first ``length`` positions of ``k_codes, v_codes [R, H, Tmax, W]``:
         ``k_out, v_out [R, length, H, D]`` (position-major)."""
         dtype = k_out.dtype

@@ -208,8 +208,9 @@ def _band_bias(q, hkv, tq, tk, residual, block, is_causal, allowed, bias):
     return key_index.reshape(-1), out
 
 
-def window_plan(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-                residual: int) -> WindowPlan:
+def window_plan(
+    q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool, residual: int
+) -> WindowPlan:
     """The :class:`WindowPlan` for queries ``q: [B, Hq, Tq, D]`` over keys ``k: [B, Hkv, Tk, D]``
     (only their sizes, dtype and device are read) with SDPA's ``attn_mask`` (None, bool or additive
     float, broadcastable to ``[B, Hq, Tq, Tk]``) and ``is_causal`` (top-left, as SDPA), and a window
@@ -251,9 +252,21 @@ def _flash(q, k, v, scale, window: int | None = None):
     D]``, ``k``, ``v``: ``[B, Hkv, Tk, D]`` (GQA read in the kernel, no copies). Returns (out
     ``[B, Hq, Tq, D]`` q.dtype, lse ``[B, Hq, Tq]`` float32)."""
     left = -1 if window is None else window - 1
-    out, lse = aten._flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None,
-                                             q.shape[2], k.shape[2], 0.0, True, False, scale=scale,
-                                             window_size_left=left, window_size_right=0)[:2]
+    out, lse = aten._flash_attention_forward(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        True,
+        False,
+        scale=scale,
+        window_size_left=left,
+        window_size_right=0,
+    )[:2]
     return out.transpose(1, 2), lse
 
 
@@ -276,8 +289,9 @@ def _fused(q, k, v, bias, is_causal: bool, scale):
     padding) gets q as it is; its lse is not padded."""
     tq, d = q.shape[2], q.shape[3]
     if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(F.pad(q, (0, 0, 0, 1)), k, v, 0.0, is_causal,
-                                                                    attn_mask=bias, scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            F.pad(q, (0, 0, 0, 1)), k, v, 0.0, is_causal, attn_mask=bias, scale=scale
+        )
         return out[:, :, :tq], lse[:, :, :tq]
     pad = -d % 8  # the CUDA kernels take head dims in multiples of 8: zeros change no score
     if pad:
@@ -301,8 +315,10 @@ def _quantized_part(q, k_hat, v_hat, plan: WindowPlan, scale):
     if plan.shift is None:
         out, lse = _fused(q, _repeat_heads(k_hat, group), _repeat_heads(v_hat, group), plan.quant_bias, False, scale)
         rows = plan.quant_rows
-        return (torch.where(rows[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device)),
-                torch.where(rows, lse, float("-inf")))
+        return (
+            torch.where(rows[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device)),
+            torch.where(rows, lse, float("-inf")),
+        )
     shift = plan.shift
     n = tq - shift
     if n <= 0:
@@ -351,8 +367,9 @@ def _band_part(q, k, v, plan: WindowPlan, scale):
     return out, lse
 
 
-def windowed_attention(q: torch.Tensor, k_hat: torch.Tensor, k: torch.Tensor, v_hat: torch.Tensor,
-                       v: torch.Tensor, plan: WindowPlan, scale) -> torch.Tensor:
+def windowed_attention(
+    q: torch.Tensor, k_hat: torch.Tensor, k: torch.Tensor, v_hat: torch.Tensor, v: torch.Tensor, plan: WindowPlan, scale
+) -> torch.Tensor:
     """Attention of ``q: [B, Hq, Tq, D]`` over dequantized ``k_hat``/``v_hat`` outside the window
     and full-precision ``k``/``v`` inside it (all ``[B, Hkv, Tk, D]``, q's dtype), ``plan`` from
     :func:`window_plan` for these sizes. Returns ``[B, Hq, Tq, D]`` in q.dtype; rows with no

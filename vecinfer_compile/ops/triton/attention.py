@@ -45,19 +45,54 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, kcent_ptr, vcent_ptr, kf_ptr, vf_ptr, mask_ptr, out_ptr,
-    sq_b, sq_h, sq_t,
-    skc_b, skc_h, skc_t,
-    svc_b, svc_h, svc_t,
-    skf_b, skf_h, skf_t,
-    svf_b, svf_h, svf_t,
-    sm_b, sm_h, sm_i, sm_j,
-    so_b, so_h, so_t,
-    H_KV, TQ, TK, residual, qk_scale,
-    G: tl.constexpr, D: tl.constexpr, DSUB_K: tl.constexpr, DSUB_V: tl.constexpr,
-    PACKED_K: tl.constexpr, PACKED_V: tl.constexpr,
-    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    kcent_ptr,
+    vcent_ptr,
+    kf_ptr,
+    vf_ptr,
+    mask_ptr,
+    out_ptr,
+    sq_b,
+    sq_h,
+    sq_t,
+    skc_b,
+    skc_h,
+    skc_t,
+    svc_b,
+    svc_h,
+    svc_t,
+    skf_b,
+    skf_h,
+    skf_t,
+    svf_b,
+    svf_h,
+    svf_t,
+    sm_b,
+    sm_h,
+    sm_i,
+    sm_j,
+    so_b,
+    so_h,
+    so_t,
+    H_KV,
+    TQ,
+    TK,
+    residual,
+    qk_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DSUB_K: tl.constexpr,
+    DSUB_V: tl.constexpr,
+    PACKED_K: tl.constexpr,
+    PACKED_V: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     qk_scale = tl.full([], qk_scale, tl.float32)  # Inductor passes Python floats as fp64
     pid_m = tl.program_id(0)
@@ -69,7 +104,9 @@ def _attention_kernel(
     head = kvh * G + rows % G
     row_ok = qi < TQ
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + qi[:, None] * sq_t + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b * sq_b + head[:, None] * sq_h + qi[:, None] * sq_t + d[None, :], mask=row_ok[:, None], other=0.0
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -95,8 +132,11 @@ def _attention_kernel(
             back = qi[:, None] + (TK - TQ) - offs_j[None, :]  # the simulate rule of vecinfer_compile.window
             full = (back >= 0) & (back < residual)
             if near:
-                kf = tl.load(kf_ptr + b * skf_b + kvh * skf_h + offs_j[:, None] * skf_t + d[None, :],
-                             mask=j_ok[:, None], other=0.0).to(q.dtype)
+                kf = tl.load(
+                    kf_ptr + b * skf_b + kvh * skf_h + offs_j[:, None] * skf_t + d[None, :],
+                    mask=j_ok[:, None],
+                    other=0.0,
+                ).to(q.dtype)
                 if IEEE:
                     s_full = tl.dot(q, tl.trans(kf), input_precision="ieee")
                 else:
@@ -104,12 +144,18 @@ def _attention_kernel(
                 s = tl.where(full, s_full, s)
         s = s * qk_scale
         if MASK_KIND == 1:
-            mv = tl.load(mask_ptr + b * sm_b + head[:, None] * sm_h + qi[:, None] * sm_i + offs_j[None, :] * sm_j,
-                         mask=row_ok[:, None] & j_ok[None, :], other=1)
+            mv = tl.load(
+                mask_ptr + b * sm_b + head[:, None] * sm_h + qi[:, None] * sm_i + offs_j[None, :] * sm_j,
+                mask=row_ok[:, None] & j_ok[None, :],
+                other=1,
+            )
             s = tl.where(mv != 0, s, float("-inf"))
         if MASK_KIND == 2:
-            mv = tl.load(mask_ptr + b * sm_b + head[:, None] * sm_h + qi[:, None] * sm_i + offs_j[None, :] * sm_j,
-                         mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+            mv = tl.load(
+                mask_ptr + b * sm_b + head[:, None] * sm_h + qi[:, None] * sm_i + offs_j[None, :] * sm_j,
+                mask=row_ok[:, None] & j_ok[None, :],
+                other=0.0,
+            )
             s = s + mv.to(tl.float32) * 1.4426950408889634
         keep = j_ok[None, :]
         if IS_CAUSAL:
@@ -120,8 +166,11 @@ def _attention_kernel(
         v = dequant_tile_2d(vc_base, svc_t, offs_j, j_ok, vcent_ptr, BLOCK_N, D, DSUB_V, PACKED_V)
         if HAS_RESIDUAL:
             if near:
-                vf = tl.load(vf_ptr + b * svf_b + kvh * svf_h + offs_j[:, None] * svf_t + d[None, :],
-                             mask=j_ok[:, None], other=0.0).to(q.dtype)
+                vf = tl.load(
+                    vf_ptr + b * svf_b + kvh * svf_h + offs_j[:, None] * svf_t + d[None, :],
+                    mask=j_ok[:, None],
+                    other=0.0,
+                ).to(q.dtype)
                 p_full = tl.where(full, p, 0.0)
                 p = p - p_full
                 if IEEE:
@@ -134,8 +183,11 @@ def _attention_kernel(
             acc += tl.dot(p.to(q.dtype), v)
 
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-    tl.store(out_ptr + b * so_b + head[:, None] * so_h + qi[:, None] * so_t + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        out_ptr + b * so_b + head[:, None] * so_h + qi[:, None] * so_t + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 def _mask_view(attn_mask: torch.Tensor | None, b: int, hq: int, tq: int, tk: int):
@@ -186,21 +238,56 @@ def attention_triton(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     grid = (triton.cdiv(tq * group, config.block_m), b * hkv)
     launch(
-        _attention_kernel, grid, wrap,
+        _attention_kernel,
+        grid,
+        wrap,
         # Centroids in q's dtype: the tiles are cast to it anyway, and half the bytes to gather.
-        q, k_codes, v_codes, k_centroids.to(q.dtype).contiguous(), v_centroids.to(q.dtype).contiguous(), kf, vf,
-        mask if mask is not None else q, out,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
-        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
-        kf.stride(0), kf.stride(1), kf.stride(2),
-        vf.stride(0), vf.stride(1), vf.stride(2),
+        q,
+        k_codes,
+        v_codes,
+        k_centroids.to(q.dtype).contiguous(),
+        v_centroids.to(q.dtype).contiguous(),
+        kf,
+        vf,
+        mask if mask is not None else q,
+        out,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_codes.stride(0),
+        k_codes.stride(1),
+        k_codes.stride(2),
+        v_codes.stride(0),
+        v_codes.stride(1),
+        v_codes.stride(2),
+        kf.stride(0),
+        kf.stride(1),
+        kf.stride(2),
+        vf.stride(0),
+        vf.stride(1),
+        vf.stride(2),
         *mask_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        hkv, tq, tk, residual, scale * LOG2E,
-        G=group, D=d, DSUB_K=k_centroids.shape[1], DSUB_V=v_centroids.shape[1],
-        PACKED_K=is_packed(k_centroids.shape[0]), PACKED_V=is_packed(v_centroids.shape[0]),
-        MASK_KIND=kind, IS_CAUSAL=is_causal, HAS_RESIDUAL=has_residual, IEEE=q.dtype == torch.float32,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        hkv,
+        tq,
+        tk,
+        residual,
+        scale * LOG2E,
+        G=group,
+        D=d,
+        DSUB_K=k_centroids.shape[1],
+        DSUB_V=v_centroids.shape[1],
+        PACKED_K=is_packed(k_centroids.shape[0]),
+        PACKED_V=is_packed(v_centroids.shape[0]),
+        MASK_KIND=kind,
+        IS_CAUSAL=is_causal,
+        HAS_RESIDUAL=has_residual,
+        IEEE=q.dtype == torch.float32,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

@@ -63,8 +63,17 @@ def load_codes(codes_ptr, stride_t, offs_t, t_mask, NSUB: tl.constexpr, PACKED: 
 
 
 @triton.jit
-def dequant_tile(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
-                 N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr, PACKED: tl.constexpr):
+def dequant_tile(
+    codes_ptr,
+    stride_t,
+    offs_t,
+    t_mask,
+    cent_ptr,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    DSUB: tl.constexpr,
+    PACKED: tl.constexpr,
+):
     """Rows ``offs_t`` (``N`` of them) of a stored code matrix (``stride_t`` bytes between rows,
     each row as :func:`load_codes` reads it) -> ``[N, D]`` centroid values in the dtype of
     ``cent_ptr``. Rows outside ``t_mask`` hold centroid 0.
@@ -77,8 +86,17 @@ def dequant_tile(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
 
 
 @triton.jit
-def dequant_tile_2d(codes_ptr, stride_t, offs_t, t_mask, cent_ptr,
-                    N: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr, PACKED: tl.constexpr):
+def dequant_tile_2d(
+    codes_ptr,
+    stride_t,
+    offs_t,
+    t_mask,
+    cent_ptr,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    DSUB: tl.constexpr,
+    PACKED: tl.constexpr,
+):
     """:func:`dequant_tile` through a 2-D ``[N, D]`` gather: each code is loaded once and
     broadcast to its ``DSUB`` channels before the gather, so no 3-D tile is reshaped into a
     ``tl.dot`` operand (Triton 3.6 rejects that shared layout for 16-bit wgmma operands on

@@ -39,7 +39,13 @@ from ..checks import check_decode_args
 from ..coded_kv import CodedKV
 from ..split_attention.lse_merge import LOG2E
 from .common import (
-    block_rows, check_head_dim_pow2, dequant_tile, launch, load_codes, rows_for_head_dim, softmax_step,
+    block_rows,
+    check_head_dim_pow2,
+    dequant_tile,
+    launch,
+    load_codes,
+    rows_for_head_dim,
+    softmax_step,
     unit_last_stride,
 )
 
@@ -66,8 +72,20 @@ SCORES = ("dequant", "lut")
 
 
 @triton.jit
-def _lut_kernel(q_ptr, cent_ptr, lut_ptr, sq_b, sq_h, H_KV, E, qk_scale,
-                G: tl.constexpr, DSUB: tl.constexpr, NSUB: tl.constexpr, BLOCK_E: tl.constexpr):
+def _lut_kernel(
+    q_ptr,
+    cent_ptr,
+    lut_ptr,
+    sq_b,
+    sq_h,
+    H_KV,
+    E,
+    qk_scale,
+    G: tl.constexpr,
+    DSUB: tl.constexpr,
+    NSUB: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """LUT ``[B * Hkv, G, NSUB, E]`` float32 for q ``[B, Hq, 1, D]`` and centroids ``[E, DSUB]``."""
     qk_scale = tl.full([], qk_scale, tl.float32)  # Inductor passes Python floats as fp64
     row = tl.program_id(0)  # (b * H_KV + kvh) * G + g
@@ -85,13 +103,41 @@ def _lut_kernel(q_ptr, cent_ptr, lut_ptr, sq_b, sq_h, H_KV, E, qk_scale,
 
 @triton.jit
 def _split_kernel(
-    q_ptr, kc_ptr, vc_ptr, kcent_ptr, vcent_ptr, lut_ptr, n_coded_ptr, start_ptr,
-    pm_ptr, pl_ptr, pacc_ptr,
-    sq_b, sq_h, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
-    H_KV, NUM_SPLITS, CHUNK, qk_scale,
-    E_K: tl.constexpr, PACKED_K: tl.constexpr, PACKED_V: tl.constexpr,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DSUB_K: tl.constexpr, DSUB_V: tl.constexpr,
-    SCORE_LUT: tl.constexpr, HAS_START: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    kcent_ptr,
+    vcent_ptr,
+    lut_ptr,
+    n_coded_ptr,
+    start_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    sq_b,
+    sq_h,
+    skc_b,
+    skc_h,
+    skc_t,
+    svc_b,
+    svc_h,
+    svc_t,
+    H_KV,
+    NUM_SPLITS,
+    CHUNK,
+    qk_scale,
+    E_K: tl.constexpr,
+    PACKED_K: tl.constexpr,
+    PACKED_V: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    DSUB_K: tl.constexpr,
+    DSUB_V: tl.constexpr,
+    SCORE_LUT: tl.constexpr,
+    HAS_START: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     qk_scale = tl.full([], qk_scale, tl.float32)  # Inductor passes Python floats as fp64
     pid_s = tl.program_id(0)
@@ -147,11 +193,36 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    q_ptr, kw_ptr, vw_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, n_coded_ptr, n_window_ptr, start_ptr,
-    sq_b, sq_h, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, so_b, so_h,
-    H_KV, NUM_SPLITS, R, qk_scale,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-    HAS_START: tl.constexpr, IEEE: tl.constexpr, BLOCK_R: tl.constexpr,
+    q_ptr,
+    kw_ptr,
+    vw_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    out_ptr,
+    n_coded_ptr,
+    n_window_ptr,
+    start_ptr,
+    sq_b,
+    sq_h,
+    skw_b,
+    skw_h,
+    skw_t,
+    svw_b,
+    svw_h,
+    svw_t,
+    so_b,
+    so_h,
+    H_KV,
+    NUM_SPLITS,
+    R,
+    qk_scale,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    HAS_START: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     qk_scale = tl.full([], qk_scale, tl.float32)  # Inductor passes Python floats as fp64
     bh = tl.program_id(0)
@@ -198,11 +269,16 @@ def _merge_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vw)
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-    tl.store(out_ptr + b * so_b + (kvh * G + g)[:, None] * so_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(
+        out_ptr + b * so_b + (kvh * G + g)[:, None] * so_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_ok[:, None],
+    )
 
 
-def num_splits(batch_heads: int, tmax: int, device: torch.device, config: SplitConfig = DEFAULT_SPLIT) -> tuple[int, int]:
+def num_splits(
+    batch_heads: int, tmax: int, device: torch.device, config: SplitConfig = DEFAULT_SPLIT
+) -> tuple[int, int]:
     """``(splits, chunk)`` for ``batch_heads = B * Hkv`` programs over ``tmax`` coded positions:
     enough splits for ~``config.waves`` waves of the device's SMs, chunks of at least
     ``MIN_CHUNK`` positions, a multiple of ``config.block_n``."""
@@ -253,30 +329,102 @@ def decode_attention_triton(
     use_lut = score == "lut"
     if use_lut:
         lut = torch.empty((b * hkv, group, d // dsub_k, e_k), dtype=torch.float32, device=q.device)
-        launch(_lut_kernel, (b * hq, d // dsub_k, triton.cdiv(e_k, BLOCK_E)), wrap,
-               q, k_centroids, lut, q.stride(0), q.stride(1), hkv, e_k, qk_scale,
-               G=group, DSUB=dsub_k, NSUB=d // dsub_k, BLOCK_E=BLOCK_E)
+        launch(
+            _lut_kernel,
+            (b * hq, d // dsub_k, triton.cdiv(e_k, BLOCK_E)),
+            wrap,
+            q,
+            k_centroids,
+            lut,
+            q.stride(0),
+            q.stride(1),
+            hkv,
+            e_k,
+            qk_scale,
+            G=group,
+            DSUB=dsub_k,
+            NSUB=d // dsub_k,
+            BLOCK_E=BLOCK_E,
+        )
     else:
         lut = part_m  # unused by the dequant variant
     launch(
-        _split_kernel, (splits, b * hkv), wrap,
-        q, k_codes, v_codes, k_cent_q, v_cent_q, lut, n_coded, start, part_m, part_l, part_acc,
-        q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
-        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
-        hkv, splits, chunk, qk_scale,
-        E_K=e_k, PACKED_K=is_packed(e_k), PACKED_V=is_packed(v_centroids.shape[0]),
-        G=group, BLOCK_G=block_g, D=d, DSUB_K=dsub_k, DSUB_V=dsub_v,
-        SCORE_LUT=use_lut, HAS_START=kv_start is not None, IEEE=ieee, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        _split_kernel,
+        (splits, b * hkv),
+        wrap,
+        q,
+        k_codes,
+        v_codes,
+        k_cent_q,
+        v_cent_q,
+        lut,
+        n_coded,
+        start,
+        part_m,
+        part_l,
+        part_acc,
+        q.stride(0),
+        q.stride(1),
+        k_codes.stride(0),
+        k_codes.stride(1),
+        k_codes.stride(2),
+        v_codes.stride(0),
+        v_codes.stride(1),
+        v_codes.stride(2),
+        hkv,
+        splits,
+        chunk,
+        qk_scale,
+        E_K=e_k,
+        PACKED_K=is_packed(e_k),
+        PACKED_V=is_packed(v_centroids.shape[0]),
+        G=group,
+        BLOCK_G=block_g,
+        D=d,
+        DSUB_K=dsub_k,
+        DSUB_V=dsub_v,
+        SCORE_LUT=use_lut,
+        HAS_START=kv_start is not None,
+        IEEE=ieee,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     out = torch.empty((b, hq, 1, d), dtype=q.dtype, device=q.device)
     launch(
-        _merge_kernel, (b * hkv,), wrap,
-        q, k_window, v_window, part_m, part_l, part_acc, out, n_coded, n_window, start,
-        q.stride(0), q.stride(1), k_window.stride(0), k_window.stride(1), k_window.stride(2),
-        v_window.stride(0), v_window.stride(1), v_window.stride(2), out.stride(0), out.stride(1),
-        hkv, splits, k_window.shape[2], qk_scale,
-        G=group, BLOCK_G=block_g, D=d, HAS_START=kv_start is not None, IEEE=ieee, BLOCK_R=rows_for_head_dim(BLOCK_R, d),
+        _merge_kernel,
+        (b * hkv,),
+        wrap,
+        q,
+        k_window,
+        v_window,
+        part_m,
+        part_l,
+        part_acc,
+        out,
+        n_coded,
+        n_window,
+        start,
+        q.stride(0),
+        q.stride(1),
+        k_window.stride(0),
+        k_window.stride(1),
+        k_window.stride(2),
+        v_window.stride(0),
+        v_window.stride(1),
+        v_window.stride(2),
+        out.stride(0),
+        out.stride(1),
+        hkv,
+        splits,
+        k_window.shape[2],
+        qk_scale,
+        G=group,
+        BLOCK_G=block_g,
+        D=d,
+        HAS_START=kv_start is not None,
+        IEEE=ieee,
+        BLOCK_R=rows_for_head_dim(BLOCK_R, d),
         num_warps=NUM_WARPS,
     )
     return out

@@ -24,11 +24,23 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _dequant_kernel(codes_ptr, cent_ptr, out_ptr,
-                    s_cb, s_ch, s_ct,
-                    s_ob, s_ot, s_oh,
-                    H, T,
-                    D: tl.constexpr, DSUB: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+def _dequant_kernel(
+    codes_ptr,
+    cent_ptr,
+    out_ptr,
+    s_cb,
+    s_ch,
+    s_ct,
+    s_ob,
+    s_ot,
+    s_oh,
+    H,
+    T,
+    D: tl.constexpr,
+    DSUB: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -40,8 +52,7 @@ def _dequant_kernel(codes_ptr, cent_ptr, out_ptr,
     c = tl.arange(0, DSUB)
     vals = tl.load(cent_ptr + code[:, :, None] * DSUB + c[None, None, :])
     sub = tl.arange(0, NSUB)
-    dst = (out_ptr + b * s_ob + offs_t[:, None, None] * s_ot + h * s_oh
-           + sub[None, :, None] * DSUB + c[None, None, :])
+    dst = out_ptr + b * s_ob + offs_t[:, None, None] * s_ot + h * s_oh + sub[None, :, None] * DSUB + c[None, None, :]
     tl.store(dst, vals, mask=t_ok[:, None, None])
 
 
@@ -56,8 +67,10 @@ def dequantize_triton(codes: torch.Tensor, centroids: torch.Tensor, length: int,
     d = out.shape[-1]
     check_head_dim_pow2(d)
     if tuple(out.shape) != (b, length, h, d) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [B, length, H, D] = {(b, length, h, d)} with a unit last stride, "
-                         f"got {tuple(out.shape)} strides {out.stride()}")
+        raise ValueError(
+            f"out must be [B, length, H, D] = {(b, length, h, d)} with a unit last stride, "
+            f"got {tuple(out.shape)} strides {out.stride()}"
+        )
     if not 0 <= length <= tmax:
         raise ValueError(f"length {length} is outside the {tmax} code slots")
     if centroids.dtype != out.dtype or not centroids.is_contiguous():
@@ -67,10 +80,25 @@ def dequantize_triton(codes: torch.Tensor, centroids: torch.Tensor, length: int,
     if length == 0 or b == 0:
         return out
     grid = (triton.cdiv(length, BLOCK_T), b * h)
-    launch(_dequant_kernel, grid, False, codes, centroids, out,
-           codes.stride(0), codes.stride(1), codes.stride(2),
-           out.stride(0), out.stride(1), out.stride(2),
-           h, length,
-           D=d, DSUB=centroids.shape[1], PACKED=is_packed(centroids.shape[0]), BLOCK=BLOCK_T,
-           num_warps=NUM_WARPS)
+    launch(
+        _dequant_kernel,
+        grid,
+        False,
+        codes,
+        centroids,
+        out,
+        codes.stride(0),
+        codes.stride(1),
+        codes.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        h,
+        length,
+        D=d,
+        DSUB=centroids.shape[1],
+        PACKED=is_packed(centroids.shape[0]),
+        BLOCK=BLOCK_T,
+        num_warps=NUM_WARPS,
+    )
     return out

@@ -73,9 +73,21 @@ def _lanes(ROWS, NSUB: tl.constexpr, SPAD: tl.constexpr, LANES: tl.constexpr):
 
 
 @triton.jit
-def _store(out_ptr, val_ptr, cent_ptr, ROWS, best_i, dd, NSUB: tl.constexpr, SPAD: tl.constexpr,
-           WIDTH: tl.constexpr, DSUB: tl.constexpr, LANES: tl.constexpr, PACKED: tl.constexpr,
-           VALUES: tl.constexpr):
+def _store(
+    out_ptr,
+    val_ptr,
+    cent_ptr,
+    ROWS,
+    best_i,
+    dd,
+    NSUB: tl.constexpr,
+    SPAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    DSUB: tl.constexpr,
+    LANES: tl.constexpr,
+    PACKED: tl.constexpr,
+    VALUES: tl.constexpr,
+):
     """Codes ``best_i`` (one per lane of :func:`_lanes`) -> out rows of ``WIDTH`` bytes in the
     stored layout of :mod:`vecinfer_compile.quant.packing`; with VALUES their centroids -> val
     ``[ROWS * NSUB, DSUB]`` (``dd``: channel offsets, possibly padded past DSUB).
@@ -91,20 +103,37 @@ def _store(out_ptr, val_ptr, cent_ptr, ROWS, best_i, dd, NSUB: tl.constexpr, SPA
         pair_lane = 2 * tl.arange(0, LANES // 2)
         p_row = tl.program_id(0) * (LANES // SPAD) + pair_lane // SPAD
         p_s = pair_lane % SPAD
-        tl.store(out_ptr + p_row * WIDTH + NSUB + p_s // 2, (lo | (hi << 4)).to(tl.uint8),
-                 mask=(p_row < ROWS) & (p_s < NSUB))
+        tl.store(
+            out_ptr + p_row * WIDTH + NSUB + p_s // 2, (lo | (hi << 4)).to(tl.uint8), mask=(p_row < ROWS) & (p_s < NSUB)
+        )
     else:
         tl.store(out_ptr + row * WIDTH + s, best_i.to(tl.uint8), mask=ok)
     if VALUES:
         c = tl.load(cent_ptr + best_i[:, None] * DSUB + dd[None, :], mask=(dd < DSUB)[None, :], other=0.0)
-        tl.store(val_ptr + n[:, None] * DSUB + dd[None, :], c.to(val_ptr.dtype.element_ty),
-                 mask=ok[:, None] & (dd < DSUB)[None, :])
+        tl.store(
+            val_ptr + n[:, None] * DSUB + dd[None, :],
+            c.to(val_ptr.dtype.element_ty),
+            mask=ok[:, None] & (dd < DSUB)[None, :],
+        )
 
 
 @triton.jit
-def _encode_scan_kernel(x_ptr, cent_ptr, out_ptr, val_ptr, ROWS, E, NSUB: tl.constexpr, SPAD: tl.constexpr,
-                        WIDTH: tl.constexpr, DSUB: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr,
-                        PACKED: tl.constexpr, VALUES: tl.constexpr):
+def _encode_scan_kernel(
+    x_ptr,
+    cent_ptr,
+    out_ptr,
+    val_ptr,
+    ROWS,
+    E,
+    NSUB: tl.constexpr,
+    SPAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    DSUB: tl.constexpr,
+    LANES: tl.constexpr,
+    UNROLL: tl.constexpr,
+    PACKED: tl.constexpr,
+    VALUES: tl.constexpr,
+):
     """x ``[ROWS * NSUB, DSUB]`` (any float dtype), centroids ``[E, DSUB]`` float32 (E a multiple of
     UNROLL) -> out ``[ROWS, WIDTH]`` stored codes (and val ``[ROWS * NSUB, DSUB]`` centroid values
     when VALUES)."""
@@ -124,15 +153,28 @@ def _encode_scan_kernel(x_ptr, cent_ptr, out_ptr, val_ptr, ROWS, E, NSUB: tl.con
 
 
 @triton.jit
-def _encode_dot_kernel(x_ptr, cent_ptr, out_ptr, val_ptr, ROWS, E, NSUB: tl.constexpr, SPAD: tl.constexpr,
-                       WIDTH: tl.constexpr, DSUB: tl.constexpr, DPAD: tl.constexpr, LANES: tl.constexpr,
-                       BLOCK_E: tl.constexpr, PACKED: tl.constexpr, VALUES: tl.constexpr):
+def _encode_dot_kernel(
+    x_ptr,
+    cent_ptr,
+    out_ptr,
+    val_ptr,
+    ROWS,
+    E,
+    NSUB: tl.constexpr,
+    SPAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    DSUB: tl.constexpr,
+    DPAD: tl.constexpr,
+    LANES: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PACKED: tl.constexpr,
+    VALUES: tl.constexpr,
+):
     """As :func:`_encode_scan_kernel`; sub-vectors zero-padded to ``DPAD`` channels for tl.dot."""
     row, s, ok, n = _lanes(ROWS, NSUB, SPAD, LANES)
     dd = tl.arange(0, DPAD)
     d_ok = dd < DSUB
-    x = tl.load(x_ptr + n[:, None] * DSUB + dd[None, :], mask=ok[:, None] & d_ok[None, :],
-                other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + n[:, None] * DSUB + dd[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     best_d = tl.full([LANES], float("inf"), tl.float32)
     best_i = tl.zeros([LANES], tl.int32)
     for e0 in range(0, E, BLOCK_E):
@@ -192,13 +234,39 @@ def encode_triton(
     c = config
     if entries <= SCAN_MAX_ENTRIES and entries % c.scan_unroll == 0:
         lanes = max(c.scan_block_n, spad)
-        launch(_encode_scan_kernel, (triton.cdiv(rows, lanes // spad),), wrap, work, centroids, out, val, rows,
-               entries, LANES=lanes, UNROLL=c.scan_unroll, num_warps=c.scan_warps, **shape)
+        launch(
+            _encode_scan_kernel,
+            (triton.cdiv(rows, lanes // spad),),
+            wrap,
+            work,
+            centroids,
+            out,
+            val,
+            rows,
+            entries,
+            LANES=lanes,
+            UNROLL=c.scan_unroll,
+            num_warps=c.scan_warps,
+            **shape,
+        )
     else:
         lanes = max(c.dot_block_n, spad)
-        launch(_encode_dot_kernel, (triton.cdiv(rows, lanes // spad),), wrap, work, centroids, out, val, rows,
-               entries, DPAD=max(16, triton.next_power_of_2(dims)), LANES=lanes, BLOCK_E=c.dot_block_e,
-               num_warps=c.dot_warps, **shape)
+        launch(
+            _encode_dot_kernel,
+            (triton.cdiv(rows, lanes // spad),),
+            wrap,
+            work,
+            centroids,
+            out,
+            val,
+            rows,
+            entries,
+            DPAD=max(16, triton.next_power_of_2(dims)),
+            LANES=lanes,
+            BLOCK_E=c.dot_block_e,
+            num_warps=c.dot_warps,
+            **shape,
+        )
     return (out, val) if values else out
 
 

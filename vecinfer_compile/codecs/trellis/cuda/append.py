@@ -54,8 +54,14 @@ def variant_for(kt: torch.Tensor, keys, values) -> TrellisAppendVariant:
 def unsupported_reason(kt: torch.Tensor, k_window: torch.Tensor, keys, values) -> str | None:
     """Why the kernel cannot run this append (None if it can); building is :func:`build_error`'s.
     Reads shapes only (no host sync), so it works on fake tensors."""
-    reason = unfit_device_reason(kt, WINDOW_DTYPES, "the window holds {dtype}, not bfloat16 or float16",
-                                 "the CUDA trellis append", MIN_ARCH, subject="the new tokens are")
+    reason = unfit_device_reason(
+        kt,
+        WINDOW_DTYPES,
+        "the window holds {dtype}, not bfloat16 or float16",
+        "the CUDA trellis append",
+        MIN_ARCH,
+        subject="the new tokens are",
+    )
     if reason is not None:
         return reason
     if int(kt.shape[2]) != 1:
@@ -72,8 +78,9 @@ def unsupported_reason(kt: torch.Tensor, k_window: torch.Tensor, keys, values) -
 
 @functools.cache
 def _build(variant: TrellisAppendVariant, device_index: int):
-    kernel = build_kernel(source(), "trellis_append", torch.device("cuda", device_index),
-                          ["--std=c++17", *variant.defines()])
+    kernel = build_kernel(
+        source(), "trellis_append", torch.device("cuda", device_index), ["--std=c++17", *variant.defines()]
+    )
     kernel.set_dynamic_smem(variant.walk.smem_bytes)
     return kernel
 
@@ -88,9 +95,19 @@ def build_error(kt: torch.Tensor, keys, values) -> str | None:
     return None
 
 
-def trellis_append_cuda(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                        k_window: torch.Tensor, v_window: torch.Tensor, n_coded: torch.Tensor,
-                        n_window: torch.Tensor, arrivals: torch.Tensor, keys, values) -> None:
+def trellis_append_cuda(
+    kt: torch.Tensor,
+    value: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    n_coded: torch.Tensor,
+    n_window: torch.Tensor,
+    arrivals: torch.Tensor,
+    keys,
+    values,
+) -> None:
     """Append one token: ``kt`` (its key as ``K~``) and ``value`` ``[B, H, 1, D]`` in the windows'
     dtype (bf16/fp16); ``k_codes [B, H, Tmax, Wk]``, ``v_codes [B, H, Tmax, Wv]`` uint8 (each
     codec's string bytes); windows ``[B, H, R, D]``; ``n_coded``/``n_window`` 0-d int64;
@@ -103,21 +120,50 @@ def trellis_append_cuda(kt: torch.Tensor, value: torch.Tensor, k_codes: torch.Te
     b, h, _, d = kt.shape
     for t, name in ((value, "value"), (v_window, "v_window")):
         if t.dtype != kt.dtype or t.shape[-1] != d:
-            raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; the CUDA trellis append needs {kt.dtype} [..., {d}]")
+            raise ValueError(
+                f"{name} is {t.dtype} {tuple(t.shape)}; the CUDA trellis append needs {kt.dtype} [..., {d}]"
+            )
     require_counters(n_coded, n_window, arrivals)
     for codes, name in ((k_codes, "k_codes"), (v_codes, "v_codes")):
         if codes.dtype != torch.uint8 or tuple(codes.shape[:2]) != (b, h) or codes.shape[2] != k_codes.shape[2]:
-            raise ValueError(f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not [{b}, {h}, Tmax, bytes] uint8 codes")
+            raise ValueError(
+                f"{name} ({codes.dtype}, {tuple(codes.shape)}) are not [{b}, {h}, Tmax, bytes] uint8 codes"
+            )
     for t, name in ((k_codes, "k_codes"), (v_codes, "v_codes"), (k_window, "k_window"), (v_window, "v_window")):
         require_buffer(t, name)
     variant = variant_for(kt, keys, values)
     kernel = _build(variant, device_index(kt.device))
-    sides = [[ops.center.double().contiguous(), ops.analysis.double().contiguous(),
-              ops.inverse_sd.double().contiguous(), ops.bits.int().contiguous(), ops.tables.float().contiguous()]
-             for ops in (keys, values)]
+    sides = [
+        [
+            ops.center.double().contiguous(),
+            ops.analysis.double().contiguous(),
+            ops.inverse_sd.double().contiguous(),
+            ops.bits.int().contiguous(),
+            ops.tables.float().contiguous(),
+        ]
+        for ops in (keys, values)
+    ]
     kernel.launch(
-        (b * h, 2, 1), (variant.walk.threads, 1, 1),
-        [kt.contiguous(), value.contiguous(), k_codes, v_codes, k_window, v_window, n_coded, n_window, arrivals,
-         *sides[0], *sides[1], h, k_codes.shape[2], k_window.shape[2], k_codes.shape[-1], v_codes.shape[-1],
-         int(keys.tables.shape[1]), int(values.tables.shape[1])],
+        (b * h, 2, 1),
+        (variant.walk.threads, 1, 1),
+        [
+            kt.contiguous(),
+            value.contiguous(),
+            k_codes,
+            v_codes,
+            k_window,
+            v_window,
+            n_coded,
+            n_window,
+            arrivals,
+            *sides[0],
+            *sides[1],
+            h,
+            k_codes.shape[2],
+            k_window.shape[2],
+            k_codes.shape[-1],
+            v_codes.shape[-1],
+            int(keys.tables.shape[1]),
+            int(values.tables.shape[1]),
+        ],
     )

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ....ops.split_attention.lse_merge import LOG2E, merge_splits
 from ....ops.cuda.nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
+from ....ops.split_attention.lse_merge import LOG2E, merge_splits
 
 SOURCE = Path(__file__).with_name("decode.cu")
 MIN_ARCH = 80
@@ -55,26 +55,52 @@ class TrellisDecodeVariant:
     def smem_bytes(self) -> int:
         rows = ((self.key_bytes // 4 + 1) | 1) + ((self.value_bytes // 4 + 1) | 1)
         g, d = self.group, self.head_dim
-        return 4 * ((self.key_widths + self.value_widths) * (1 << self.state_bits) + g * d + g * THREADS
-                    + 2 * g * (THREADS // 32) + d + THREADS * rows)
+        return 4 * (
+            (self.key_widths + self.value_widths) * (1 << self.state_bits)
+            + g * d
+            + g * THREADS
+            + 2 * g * (THREADS // 32)
+            + d
+            + THREADS * rows
+        )
 
     def defines(self) -> list[str]:
-        return [f"-DD={self.head_dim}", f"-DG={self.group}", f"-DBG={self.padded_group}", f"-DL={self.state_bits}",
-                f"-DWK={self.key_widths}", f"-DWV={self.value_widths}", f"-DNBK={self.key_bytes}",
-                f"-DNBV={self.value_bytes}", f"-DNTHREADS={THREADS}"]
+        return [
+            f"-DD={self.head_dim}",
+            f"-DG={self.group}",
+            f"-DBG={self.padded_group}",
+            f"-DL={self.state_bits}",
+            f"-DWK={self.key_widths}",
+            f"-DWV={self.value_widths}",
+            f"-DNBK={self.key_bytes}",
+            f"-DNBV={self.value_bytes}",
+            f"-DNTHREADS={THREADS}",
+        ]
 
 
 def variant_for(qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys, values) -> TrellisDecodeVariant:
-    return TrellisDecodeVariant(int(qc.shape[-1]), int(qc.shape[1]) // int(k_codes.shape[1]),
-                                int(keys.tables.shape[-1]).bit_length() - 1, int(keys.tables.shape[1]),
-                                int(values.tables.shape[1]), int(k_codes.shape[-1]), int(v_codes.shape[-1]))
+    return TrellisDecodeVariant(
+        int(qc.shape[-1]),
+        int(qc.shape[1]) // int(k_codes.shape[1]),
+        int(keys.tables.shape[-1]).bit_length() - 1,
+        int(keys.tables.shape[1]),
+        int(values.tables.shape[1]),
+        int(k_codes.shape[-1]),
+        int(v_codes.shape[-1]),
+    )
 
 
 def unsupported_reason(qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, keys, values) -> str | None:
     """Why the CUDA kernel cannot run this call (None if it can); building is :func:`build_error`'s.
     Reads shapes, strides and pointers only (no host sync)."""
-    reason = unfit_device_reason(qc, (torch.float32,), "the query components are {dtype}, not float32",
-                                 "the CUDA trellis decode kernel", MIN_ARCH, subject="the queries are")
+    reason = unfit_device_reason(
+        qc,
+        (torch.float32,),
+        "the query components are {dtype}, not float32",
+        "the CUDA trellis decode kernel",
+        MIN_ARCH,
+        subject="the queries are",
+    )
     if reason is not None:
         return reason
     if keys.tables.shape[-1] != values.tables.shape[-1]:
@@ -86,7 +112,9 @@ def unsupported_reason(qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.T
         return f"head_dim {v.head_dim} is not a multiple of 4"
     for codes, what in ((k_codes, "key"), (v_codes, "value")):
         if codes.stride(-1) != 1 or any(s % 4 for s in codes.stride()[:3]) or codes.data_ptr() % 4:
-            return f"the {what} code rows are not 4-byte aligned ({codes.shape[-1]} bytes a row, strides {codes.stride()})"
+            return (
+                f"the {what} code rows are not 4-byte aligned ({codes.shape[-1]} bytes a row, strides {codes.stride()})"
+            )
     if v.smem_bytes > SMEM_LIMIT:
         return f"the tables need {v.smem_bytes} bytes of shared memory (at most {SMEM_LIMIT})"
     return None
@@ -94,8 +122,9 @@ def unsupported_reason(qc: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.T
 
 @functools.cache
 def _build(variant: TrellisDecodeVariant, device_index: int):
-    kernel = build_kernel(SOURCE.read_text(), "trellis_decode", torch.device("cuda", device_index),
-                          ["--std=c++17", *variant.defines()])
+    kernel = build_kernel(
+        SOURCE.read_text(), "trellis_decode", torch.device("cuda", device_index), ["--std=c++17", *variant.defines()]
+    )
     kernel.set_dynamic_smem(variant.smem_bytes)
     return kernel
 
@@ -109,9 +138,17 @@ def build_error(qc, k_codes, v_codes, keys, values) -> str | None:
     return None
 
 
-def decode_components_cuda(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
-                           keys, values, n_coded, kv_start: torch.Tensor | None,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_components_cuda(
+    qc: torch.Tensor,
+    bias: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    keys,
+    values,
+    n_coded,
+    kv_start: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`..triton.trellis.decode_components`' contract (``qc [B, Hq, D]``, ``bias [B, Hq]``
     float32; codes ``[B, Hkv, Tmax, nbytes]`` uint8; ``n_coded`` an int or a 0-d tensor) ->
     ``(o [B, Hq, D], lse [B, Hq])`` float32. Raises :class:`CudaBuildError` when it cannot run."""
@@ -133,10 +170,36 @@ def decode_components_cuda(qc: torch.Tensor, bias: torch.Tensor, k_codes: torch.
     l_sum = torch.empty_like(m)
     start = kv_start.to(device=qc.device, dtype=torch.int32).contiguous() if kv_start is not None else None
     n_arg = n_coded.to(device=qc.device, dtype=torch.int64) if on_device else None
-    kernel.launch((b * hkv, splits, 1), (THREADS, 1, 1), [
-        qc.contiguous(), bias.float().contiguous(), k_codes, v_codes,
-        keys.first, keys.shift, keys.mask, keys.rows, keys.tables, values.first, values.shift, values.mask,
-        values.rows, values.tables, start, n_arg, acc, m, l_sum,
-        0 if on_device else int(n_coded), hkv, split_len, scale * LOG2E, *k_codes.stride()[:3], *v_codes.stride()[:3]])
+    kernel.launch(
+        (b * hkv, splits, 1),
+        (THREADS, 1, 1),
+        [
+            qc.contiguous(),
+            bias.float().contiguous(),
+            k_codes,
+            v_codes,
+            keys.first,
+            keys.shift,
+            keys.mask,
+            keys.rows,
+            keys.tables,
+            values.first,
+            values.shift,
+            values.mask,
+            values.rows,
+            values.tables,
+            start,
+            n_arg,
+            acc,
+            m,
+            l_sum,
+            0 if on_device else int(n_coded),
+            hkv,
+            split_len,
+            scale * LOG2E,
+            *k_codes.stride()[:3],
+            *v_codes.stride()[:3],
+        ],
+    )
     o, lse = merge_splits(acc, m, l_sum, variant.group)
     return o.reshape(b, hq, d), lse.reshape(b, hq)

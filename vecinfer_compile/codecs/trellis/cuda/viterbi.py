@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..packing import packed_bytes
 from ....ops.cuda.nvrtc import CudaBuildError, build_kernel, device_index, sm_count, unfit_device_reason
+from ..packing import packed_bytes
 
 SOURCE = Path(__file__).with_name("viterbi.cu")
 STRING_BITS = Path(__file__).with_name("string_bits.cuh")
@@ -77,8 +77,14 @@ class ViterbiVariant:
         return max(1, min(MAX_WARPS, SMEM_LIMIT // self.warp_smem))
 
     def defines(self) -> list[str]:
-        return [f"-DL={self.state_bits}", f"-DD={self.head_dim}", f"-DMAXK={self.widest}",
-                f"-DMAXB={self.max_bytes}", f"-DWPB={self.warps}", f"-DTW={self.trace_words}"]
+        return [
+            f"-DL={self.state_bits}",
+            f"-DD={self.head_dim}",
+            f"-DMAXK={self.widest}",
+            f"-DMAXB={self.max_bytes}",
+            f"-DWPB={self.warps}",
+            f"-DTW={self.trace_words}",
+        ]
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,13 @@ class BlockViterbiVariant:
         return 4 * words + self.head_dim * states // 2
 
     def defines(self) -> list[str]:
-        return [f"-DL={self.state_bits}", f"-DD={self.head_dim}", f"-DMAXK={self.widest}",
-                f"-DMAXB={self.max_bytes}", f"-DBT={self.threads}"]
+        return [
+            f"-DL={self.state_bits}",
+            f"-DD={self.head_dim}",
+            f"-DMAXK={self.widest}",
+            f"-DMAXB={self.max_bytes}",
+            f"-DBT={self.threads}",
+        ]
 
 
 def warp_source() -> str:
@@ -144,13 +155,20 @@ def kernel_for(unit: torch.Tensor, tables: torch.Tensor) -> str:
     return "warp" if warp_fits and unit.shape[0] >= warp_from(unit.shape[1], sms) else "block"
 
 
-def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
-                       kernel: str | None = None) -> str | None:
+def unsupported_reason(
+    unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, kernel: str | None = None
+) -> str | None:
     """Why the CUDA encoder (``kernel``: ``"block"``, ``"warp"``, None for :func:`kernel_for`'s)
     cannot run this call (None if it can); building is :func:`build_error`'s. Reads shapes only (no
     host sync)."""
-    reason = unfit_device_reason(unit, (torch.float32,), "the components are {dtype}, not float32",
-                                 "the CUDA trellis encoder", MIN_ARCH, subject="the components are")
+    reason = unfit_device_reason(
+        unit,
+        (torch.float32,),
+        "the components are {dtype}, not float32",
+        "the CUDA trellis encoder",
+        MIN_ARCH,
+        subject="the components are",
+    )
     if reason is not None:
         return reason
     if (kernel or kernel_for(unit, tables)) == "warp":
@@ -158,8 +176,10 @@ def unsupported_reason(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
         if not MIN_STATE_BITS <= variant.state_bits <= MAX_STATE_BITS:
             return f"2^{variant.state_bits} states (the warp kernel takes 2^{MIN_STATE_BITS} to 2^{MAX_STATE_BITS})"
         if variant.warp_smem > SMEM_LIMIT:
-            return (f"2^{variant.state_bits} states at head_dim {variant.head_dim}: a vector's trace needs "
-                    f"{variant.warp_smem} bytes of shared memory (at most {SMEM_LIMIT})")
+            return (
+                f"2^{variant.state_bits} states at head_dim {variant.head_dim}: a vector's trace needs "
+                f"{variant.warp_smem} bytes of shared memory (at most {SMEM_LIMIT})"
+            )
         return None
     return block_walk_unfit_reason(block_variant_for(unit, tables))
 
@@ -170,23 +190,30 @@ def block_walk_unfit_reason(block: BlockViterbiVariant) -> str | None:
     if not MIN_STATE_BITS <= block.state_bits <= MAX_BLOCK_STATE_BITS:
         return f"2^{block.state_bits} states (the CUDA encoder takes 2^{MIN_STATE_BITS} to 2^{MAX_BLOCK_STATE_BITS})"
     if block.smem_bytes > BLOCK_SMEM_LIMIT:
-        return (f"2^{block.state_bits} states at head_dim {block.head_dim}: a vector's trace needs "
-                f"{block.smem_bytes} bytes of shared memory (at most {BLOCK_SMEM_LIMIT})")
+        return (
+            f"2^{block.state_bits} states at head_dim {block.head_dim}: a vector's trace needs "
+            f"{block.smem_bytes} bytes of shared memory (at most {BLOCK_SMEM_LIMIT})"
+        )
     return None
 
 
 @functools.cache
 def _build(variant: ViterbiVariant | BlockViterbiVariant, device_index: int):
     block = isinstance(variant, BlockViterbiVariant)
-    kernel = build_kernel(with_block_walk(BLOCK_SOURCE) if block else warp_source(),
-                          "trellis_viterbi_block" if block else "trellis_viterbi_warp",
-                          torch.device("cuda", device_index), ["--std=c++17", *variant.defines()])
+    kernel = build_kernel(
+        with_block_walk(BLOCK_SOURCE) if block else warp_source(),
+        "trellis_viterbi_block" if block else "trellis_viterbi_warp",
+        torch.device("cuda", device_index),
+        ["--std=c++17", *variant.defines()],
+    )
     if block:
         kernel.set_dynamic_smem(variant.smem_bytes)
     return kernel
 
 
-def _variant(unit: torch.Tensor, tables: torch.Tensor, kernel: str | None = None) -> ViterbiVariant | BlockViterbiVariant:
+def _variant(
+    unit: torch.Tensor, tables: torch.Tensor, kernel: str | None = None
+) -> ViterbiVariant | BlockViterbiVariant:
     return (variant_for if (kernel or kernel_for(unit, tables)) == "warp" else block_variant_for)(unit, tables)
 
 
@@ -199,8 +226,9 @@ def build_error(unit: torch.Tensor, tables: torch.Tensor) -> str | None:
     return None
 
 
-def viterbi_codes_cuda(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor,
-                       nbytes: int | None = None, kernel: str | None = None) -> torch.Tensor:
+def viterbi_codes_cuda(
+    unit: torch.Tensor, bits: torch.Tensor, tables: torch.Tensor, nbytes: int | None = None, kernel: str | None = None
+) -> torch.Tensor:
     """Stored codes ``[N, H, nbytes]`` uint8 of the least-squared-error walks of ``unit [N, H, D]``
     float32 (unit-scale components; ``bits [H, D]`` integer bits a component, 0: not coded;
     ``tables [H, W, 2^L]`` float32, row ``k - 1`` the ``k``-bit table), as
@@ -215,19 +243,26 @@ def viterbi_codes_cuda(unit: torch.Tensor, bits: torch.Tensor, tables: torch.Ten
     n, h, d = unit.shape
     lbits = int(tables.shape[-1]).bit_length() - 1 if tables.dim() == 3 else 0
     if bits.shape != (h, d) or tables.dim() != 3 or tables.shape[0] != h or tables.shape[1] > lbits:
-        raise ValueError(f"unit [N, H, D], bits [H, D], tables [H, W, 2^L] with W <= L: got {tuple(unit.shape)}, "
-                         f"{tuple(bits.shape)}, {tuple(tables.shape)}")
+        raise ValueError(
+            f"unit [N, H, D], bits [H, D], tables [H, W, 2^L] with W <= L: got {tuple(unit.shape)}, "
+            f"{tuple(bits.shape)}, {tuple(tables.shape)}"
+        )
     nbytes = packed_bytes(bits) if nbytes is None else nbytes
     out = torch.empty(n, h, nbytes, dtype=torch.uint8, device=unit.device)
     if n == 0:
         return out
     variant = _variant(unit, tables, kernel)
     launcher = _build(variant, device_index(unit.device))
-    operands = [unit.contiguous(), bits.to(device=unit.device, dtype=torch.int32).contiguous(),
-                tables.to(device=unit.device, dtype=torch.float32).contiguous(), out]
+    operands = [
+        unit.contiguous(),
+        bits.to(device=unit.device, dtype=torch.int32).contiguous(),
+        tables.to(device=unit.device, dtype=torch.float32).contiguous(),
+        out,
+    ]
     if isinstance(variant, BlockViterbiVariant):
         launcher.launch((n, h, 1), (variant.threads, 1, 1), [*operands, h, int(tables.shape[1]), nbytes])
     else:
-        launcher.launch((-(-n // variant.warps), h, 1), (32 * variant.warps, 1, 1),
-                      [*operands, n, h, int(tables.shape[1]), nbytes])
+        launcher.launch(
+            (-(-n // variant.warps), h, 1), (32 * variant.warps, 1, 1), [*operands, n, h, int(tables.shape[1]), nbytes]
+        )
     return out
