@@ -1,10 +1,8 @@
 """The README's quickstart ("Use it on your own model"), as a script; a test keeps the two identical."""
 
-from importlib.resources import files
-
 import torch
+from importlib.resources import files
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
 import vecinfer_compile as vc
 
 path = str(files("vecinfer_compile") / "data" / "tiny")  # any local HF model directory

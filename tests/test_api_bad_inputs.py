@@ -211,7 +211,7 @@ def test_heartbeats_leave_the_count_to_the_bar():
 
 
 def test_the_calibration_bar_counts_layers(tiny_model, text, monkeypatch):
-    from vecinfer_compile.calibrate import pipeline
+    from vecinfer_compile.calibration import pipeline
 
     bars = []
 

@@ -185,9 +185,10 @@ def test_sweep_command_names_a_close_architecture(capsys):
     )
 
 
-def test_readme_quotes_the_sweep_it_was_generated_from():
-    """README's support paragraph is docs/architectures.md's summary, pasted (not written by hand):
-    after a new sweep, paste its "Of the ..." paragraph into README's "Supported models"."""
+def test_readme_states_the_sweep_it_was_generated_from():
+    """README's support paragraph gives docs/architectures.md's counts (working, refused, not built,
+    of how many) and the transformers version swept, and links the page."""
+    import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -195,4 +196,10 @@ def test_readme_quotes_the_sweep_it_was_generated_from():
         line for line in (root / "docs" / "architectures.md").read_text().splitlines() if line.startswith("Of the ")
     )
     readme = " ".join((root / "README.md").read_text().split())
-    assert " ".join(summary.split()) in readme
+    total, version, working = re.match(
+        r"Of the (\d+) causal-LM architectures of transformers ([\d.]+),.* of (\d+) work", summary
+    ).groups()
+    refused, unbuilt = re.search(r"(\d+) are refused.*?(\d+) could not be built", summary).groups()
+    assert f"transformers {version}" in readme and f"{working} of {total}" in readme
+    assert f"{refused} are refused" in readme and f"{unbuilt} could not be built" in readme
+    assert "(docs/architectures.md)" in readme

@@ -385,7 +385,7 @@ def test_chunked_prefill_is_never_less_accurate_than_simulate(evalmodel_dir, cal
 
     model, tok = load_model(evalmodel_dir, "float32", "cpu")
     text = load_text(calibration_text_path)
-    trellis = {"key_codec": "trellis", "value_codec": "trellis", "trellis_states": 64} if codec else {}
+    trellis = {"key_codec": "trellis", "value_codec": "trellis", "codec_options": {"states": 64}} if codec else {}
     cb = calibrate(
         model,
         tok,

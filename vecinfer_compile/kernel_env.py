@@ -1,6 +1,6 @@
 """The environment variable ``VECINFER_KERNEL`` (``auto``, ``cuda`` or ``triton``): which kernels
-the ``vecinfer`` ops may run on CUDA (append, encode, decode, chunk attention and the trellis
-codec's Viterbi alike; :mod:`vecinfer_compile.ops.kernel_request` applies it). Read without torch,
+the ``vecinfer`` ops may run on CUDA (append, encode, decode, chunk attention and each codec's
+own kernels alike; :mod:`vecinfer_compile.ops.kernel_request` applies it). Read without torch,
 so that the command line refuses a bad value before anything loads.
 
 Its old name ``VECINFER_DECODE_KERNEL`` still works, with a FutureWarning (once) naming the new

@@ -226,18 +226,23 @@ class VecInferCodebooks:
         counts: dict[str, int] = {}
         for layer in filter(None, self.layers):
             t = layer.transform
+            books, codecs = (), ()  # the default codec's books lead, as the method's formula lists them
+            for side, code in (("key", layer.keys), ("value", layer.values)):
+                codec = codec_of(code)
+                if codec.name == DEFAULT_CODEC:
+                    books += tuple(("codebooks", x) for x in codec.state_tensors(code))
+                else:
+                    codecs += tuple((f"{side} codec", x) for x in codec.state_tensors(code))
             parts = (
+                *books,
                 ("smoothing factors", t.lam),
                 ("query-aware matrices", t.key_matrix),
                 ("query-aware matrices", t.query_matrix),
                 ("key means", t.mean),
                 ("error metrics", layer.key_metric),
                 ("error metrics", layer.value_metric),
+                *codecs,
             )
-            for side, code in (("key", layer.keys), ("value", layer.values)):
-                codec = codec_of(code)
-                kind = "codebooks" if codec.name == DEFAULT_CODEC else f"{side} codec"
-                parts += tuple((kind, t) for t in codec.state_tensors(code))
             if layer.value_predictor is not None:
                 parts += (
                     ("value predictors", layer.value_predictor.matrix),
