@@ -446,7 +446,7 @@ def test_a_codebook_file_written_meanwhile_is_kept(capsys, workspace, monkeypatc
 
     from vecinfer_compile.codebooks import load_codebooks
 
-    pipeline = importlib.import_module("vecinfer_compile.calibrate")
+    pipeline = importlib.import_module("vecinfer_compile.calibration")
     out = workspace / "race.safetensors"
 
     def the_other_run_ends_first(*args, **kwargs):

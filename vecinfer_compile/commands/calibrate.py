@@ -239,8 +239,14 @@ def check_args(args) -> float | None:
         raise ValueError(
             "--trellis-states is for --key-codec / --value-codec trellis: add one, or drop --trellis-states"
         )
-    for name in {args.key_codec, args.value_codec} - {None}:
-        registry.get(name).check_plan(list(args.layer_bits or [bits]), None, codec_options(args))
+    if "trellis" in (args.key_codec, args.value_codec):  # the codec's own check_plan loads torch: this one does not
+        states = args.trellis_states or TRELLIS_STATES
+        for b in args.layer_bits or [bits]:
+            if b > states.bit_length() - 1:
+                raise ValueError(
+                    f"the trellis codec takes at most log2(states) bits a component: {b:g} bits need more than "
+                    f"{states} trellis states: raise --trellis-states"
+                )
     if args.ridge is not None and not VQ_METHODS[args.method].query_aware:
         raise ValueError(
             f"--ridge is for the query-aware methods "
